@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs megapipe and its test tools into the current Python environment.
+# torch: keeps an installed build (CUDA or CPU) as it is; otherwise installs torch==2.13.0.
+# Every later install is pinned to the torch in place, so pip can never swap it for another
+# build (an unpinned torch would pull gigabytes of CUDA wheels).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0
+fi
+TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)")
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
+"$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+echo "megapipe installed (torch ${TORCH_VERSION})"

@@ -1,0 +1,129 @@
+"""Configuration dataclasses: one source of truth, validated once, before any process group.
+
+``arguments.py`` turns Megatron-style flags into these; library code takes the dataclass.
+Every validation error is one sentence that names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megapipe.errors import ConfigError
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by * t`` (Megatron's rule).
+
+    Each tensor rank then holds an equal, well-aligned slice of the embedding.
+    """
+    if vocab_size < 1:
+        raise ConfigError(f"vocabulary size {vocab_size} must be positive; check the tokenizer or --vocab-size.")
+    if divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by {divisible_by} must be at least 1.")
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a GPT or BERT transformer."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    vocab_size: int = 256
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None  # defaults to seq_length
+    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    activation: str = "gelu_tanh"  # GPT-2's gelu_new; BERT uses exact "gelu"
+    post_layernorm: bool = False  # True: original BERT (LayerNorm after each residual add)
+    untie_embeddings_and_output_weights: bool = False
+    num_tokentypes: int = 0  # BERT: 2
+    bert_binary_head: bool = True
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    # kernels and memory (megapipe.fusions, recomputation)
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    recompute_method: Optional[str] = None  # "uniform" or "block" (with "full")
+    recompute_num_layers: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
+
+    def validate(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
+        t = tensor_parallel
+        for flag, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be at least 1.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                              f"{self.num_attention_heads}; pick a hidden size that is a multiple of the head count.")
+        if self.num_attention_heads % t:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--tensor-model-parallel-size {t}; each tensor rank must hold whole heads.")
+        if self.hidden_size % t:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --tensor-model-parallel-size {t}.")
+        if self.ffn_hidden_size % t:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                              f"--tensor-model-parallel-size {t}.")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                              f"{self.max_position_embeddings}; raise the latter or shorten the sequence.")
+        if self.num_layers % (pipeline_parallel * virtual_pipeline):
+            what = (f"--pipeline-model-parallel-size {pipeline_parallel}" if virtual_pipeline == 1 else
+                    f"--pipeline-model-parallel-size {pipeline_parallel} x {virtual_pipeline} virtual stages")
+            raise ConfigError(f"--num-layers {self.num_layers} is not divisible by {what}; "
+                              "every stage must hold the same number of layers.")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization {self.normalization} is unknown; use LayerNorm or RMSNorm.")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
+        self.padded_vocab_size(t)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and how the pipeline runs."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: Optional[int] = None  # defaults to world_size / (tensor * pipeline)
+    virtual_pipeline: int = 1
+    sequence_parallel: bool = False
+    scatter_gather_tensors_in_pipeline: bool = True
+    pipeline_schedule: str = "1f1b"
+
+    def validate(self) -> None:
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
+
+
+@dataclass
+class Config:
+    """Everything a run needs; grows with the training loop."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,70 @@
+"""Starting torch.distributed and choosing the device, the only place that knows about CUDA."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MEGAPIPE_TIMEOUT", "300")))
+
+
+def default_device() -> torch.device:
+    """The local accelerator when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torch.device | None = None) -> torch.device:
+    """Join the process group described by torchrun's environment (or a world of one).
+
+    Returns the device this process computes on. Every collective inherits ``timeout``, so a
+    peer that dies makes the others fail with an error instead of hanging.
+    """
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(default_backend(device), timeout=timeout)
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator state of ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int, device: torch.device) -> None:
+    """Seed the generator that dropout on ``device`` draws from."""
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)

@@ -1,0 +1,220 @@
+"""Process groups for tensor (t), pipeline (p) and data (d) parallelism, built once.
+
+Ranks are laid out tensor-innermost: ``rank = t_idx + t * (d_idx + d * p_idx)``, so the
+t ranks of a tensor group are neighbours (one node) and pipeline stages span nodes.
+``RankLayout`` is the pure arithmetic (testable without processes); ``ParallelState``
+holds the groups built from it and answers every rank/stage query the rest of the code
+needs. Library code receives a ``ParallelState``; there are no module globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from megapipe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which global ranks form each group for given parallel degrees."""
+
+    tensor: int
+    pipeline: int
+    data: int
+
+    @staticmethod
+    def for_world(world_size: int, tensor: int = 1, pipeline: int = 1, data: Optional[int] = None) -> "RankLayout":
+        """Validate degrees against the world size; ``data`` defaults to what is left."""
+        for name, flag, value in (("tensor", "--tensor-model-parallel-size", tensor),
+                                  ("pipeline", "--pipeline-model-parallel-size", pipeline)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be at least 1.")
+        if data is None:
+            if world_size % (tensor * pipeline):
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by --tensor-model-parallel-size {tensor} "
+                    f"x --pipeline-model-parallel-size {pipeline}; launch a multiple of {tensor * pipeline} processes.")
+            data = world_size // (tensor * pipeline)
+        if tensor * pipeline * data != world_size:
+            raise ConfigError(
+                f"world size {world_size} does not equal tensor {tensor} x pipeline {pipeline} x data {data} "
+                f"(= {tensor * pipeline * data}); change the parallel sizes or the number of processes.")
+        return RankLayout(tensor, pipeline, data)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def rank(self, t: int, d: int, p: int) -> int:
+        return t + self.tensor * (d + self.data * p)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tensor index, data index, pipeline index) of a global rank."""
+        t = rank % self.tensor
+        d = (rank // self.tensor) % self.data
+        p = rank // (self.tensor * self.data)
+        return t, d, p
+
+    def tensor_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for t in range(self.tensor)]
+                for p in range(self.pipeline) for d in range(self.data)]
+
+    def data_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for d in range(self.data)]
+                for p in range(self.pipeline) for t in range(self.tensor)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for p in range(self.pipeline)]
+                for d in range(self.data) for t in range(self.tensor)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """All t x p ranks that together hold one model replica."""
+        return [[self.rank(t, d, p) for p in range(self.pipeline) for t in range(self.tensor)]
+                for d in range(self.data)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last stage of each pipeline: they share the tied word embedding."""
+        return [sorted({g[0], g[-1]}) for g in self.pipeline_groups()]
+
+
+def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
+    return next(g for g in groups if rank in g)
+
+
+@dataclass
+class ParallelState:
+    """The process groups and rank queries of one process.
+
+    Build with :meth:`initialize` after ``torch.distributed`` is up, or :meth:`single` for a
+    plain one-process run (all groups ``None``, every size 1), which needs no process group.
+    """
+
+    layout: RankLayout
+    rank: int
+    virtual_pipeline: int = 1
+    groups: dict = field(default_factory=dict)
+    members: dict = field(default_factory=dict)
+
+    # ---- construction -------------------------------------------------------------------
+    @staticmethod
+    def single(virtual_pipeline: int = 1) -> "ParallelState":
+        layout = RankLayout(1, 1, 1)
+        members = {name: [0] for name in ("tensor", "pipeline", "data", "model_parallel", "embedding")}
+        return ParallelState(layout, 0, virtual_pipeline, {name: None for name in members}, members)
+
+    @staticmethod
+    def initialize(tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
+                   virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None) -> "ParallelState":
+        """Create every group; all ranks must call this in the same order (collective)."""
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialized; call megapipe.distributed.init_distributed() "
+                              "first or launch with torchrun.")
+        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data)
+        if virtual_pipeline < 1:
+            raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
+        if virtual_pipeline > 1 and pipeline == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
+        rank = dist.get_rank()
+        state = ParallelState(layout, rank, virtual_pipeline)
+        all_groups = {
+            "tensor": layout.tensor_groups(),
+            "data": layout.data_groups(),
+            "pipeline": layout.pipeline_groups(),
+            "model_parallel": layout.model_parallel_groups(),
+            "embedding": layout.embedding_groups(),
+        }
+        for name, groups in all_groups.items():
+            seen = set()
+            for ranks in groups:
+                key = tuple(ranks)
+                if key in seen:  # embedding groups repeat when p == 1 and t, d > 1 never; guard anyway
+                    continue
+                seen.add(key)
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    state.groups[name] = group
+                    state.members[name] = list(ranks)
+        return state
+
+    # ---- sizes and indices -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    @property
+    def tp_group(self):
+        return self.groups["tensor"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pipeline"]
+
+    @property
+    def dp_group(self):
+        return self.groups["data"]
+
+    @property
+    def mp_group(self):
+        return self.groups["model_parallel"]
+
+    @property
+    def embedding_group(self):
+        return self.groups["embedding"]
+
+    # ---- pipeline queries -------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the process at pipeline index ``pp_rank`` in this process's pipeline."""
+        return self.members["pipeline"][pp_rank]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage (wraps around, as interleaved schedules need)."""
+        return self.stage_rank((self.pp_rank + 1) % self.pp_size)
+
+    @property
+    def prev_rank(self) -> int:
+        return self.stage_rank((self.pp_rank - 1) % self.pp_size)
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.members["embedding"]
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, pipeline {self.pp_rank}/{self.pp_size}, "
+                f"data {self.dp_rank}/{self.dp_size}")
