@@ -15,3 +15,7 @@ class CheckpointError(RuntimeError):
 
 class DataError(ValueError):
     """A data file is missing, corrupt or inconsistent with the tokenizer."""
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule is malformed; the message names the first bad action and shows the grid."""

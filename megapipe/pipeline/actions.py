@@ -1,0 +1,185 @@
+"""The schedule IR: a pipeline schedule is, per pipeline rank, an ordered list of ``Action``\\ s.
+
+Stages. ``stage`` is always a *virtual* stage index ``0 .. p*v-1``. With v chunks per rank
+(interleaving), virtual stage ``s`` lives on pipeline rank ``s % p`` as its chunk ``s // p``
+(Megatron's layout: 16 layers, p=4, v=2 puts layers 1,2,9,10 on rank 0). Without
+interleaving v = 1 and stage = rank. An action always names a stage held by the rank whose
+list it is in.
+
+Kinds and what an executor does for each, in list order:
+
+* ``F s.i`` -- forward of microbatch i through stage s. Its input is the data (s = 0), the
+  output of F s-1.i on this rank (same rank, p = 1), or the tensor of the ``RECV_F s.i``
+  posted earlier in this list.
+* ``B s.i`` -- backward of microbatch i through stage s, using what F s.i saved. Its output
+  gradient comes from the loss (last stage), from B s+1.i on this rank, or from the
+  ``RECV_B s.i`` posted earlier in this list.
+* ``SEND_F s.i>r`` -- send the output of F s.i to pipeline rank r (which holds stage s+1).
+* ``RECV_F s.i<r`` -- receive the input of stage s, microbatch i, from pipeline rank r.
+* ``SEND_B s.i>r`` -- send the input gradient of B s.i to rank r (which holds stage s-1).
+* ``RECV_B s.i<r`` -- receive the output gradient of stage s, microbatch i, from rank r.
+* ``STEP`` -- optimizer step of all this rank's chunks after the flush: all-reduce the
+  gradients over the data-parallel group, then update.
+
+Executor contract (what makes the lists deadlock-free, see ``communication.py``): sends and
+receives are *posted* without blocking at their place in the list; a compute action waits
+only for the receive it consumes; a rank waits for its own sends to complete no later than
+the end of its list. Between one ordered pair of ranks the k-th send matches the k-th
+receive, so no tags are needed.
+
+Weight versions. ``version`` is ``None`` for the flush schedules (one weight version).
+PipeDream (weight stashing) and 2BW will set it on F and B to name the weight version the
+pass must use; its text form is a ``v`` suffix, e.g. ``F3.1v2``.
+
+Text form, used in grids and schedule files: ``F3.1`` (forward, stage 3, microbatch 1),
+``B0.7``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``. ``parse_action`` reads it back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from megapipe.errors import ScheduleError
+
+
+class ActionKind(str, Enum):
+    """What an action does; the value is its text form."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    STEP = "STEP"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+    @property
+    def is_communication(self) -> bool:
+        return self.is_send or self.is_recv
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one pipeline rank; see the module docstring for each kind's meaning.
+
+    ``stage`` and ``microbatch`` are ``None`` only for ``STEP``; ``peer`` is the pipeline rank
+    at the other end and is set exactly for communication kinds.
+    """
+
+    kind: ActionKind
+    stage: Optional[int] = None
+    microbatch: Optional[int] = None
+    peer: Optional[int] = None
+    version: Optional[int] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.kind is ActionKind.STEP:
+            if self.stage is not None or self.microbatch is not None or self.peer is not None:
+                raise ScheduleError("a STEP action takes no stage, microbatch or peer; write it as plain STEP.")
+            return
+        if self.stage is None or self.microbatch is None or self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(f"{self.kind.value} needs a stage and a microbatch that are non-negative integers, "
+                                f"got stage {self.stage} and microbatch {self.microbatch}.")
+        if self.kind.is_communication != (self.peer is not None):
+            raise ScheduleError(f"{self.kind.value} {self.stage}.{self.microbatch}: communication actions need a peer "
+                                "rank and compute actions must not have one.")
+
+    def __str__(self) -> str:
+        if self.kind is ActionKind.STEP:
+            return "STEP"
+        text = f"{self.kind.value}{self.stage}.{self.microbatch}"
+        if self.version is not None:
+            text += f"v{self.version}"
+        if self.peer is not None:
+            text += (">" if self.kind.is_send else "<") + str(self.peer)
+        return text
+
+
+_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
+
+
+def parse_action(text: str) -> Action:
+    """Read one action from its text form (the inverse of ``str(action)``)."""
+    token = text.strip()
+    if token == "STEP":
+        return Action(ActionKind.STEP)
+    match = _ACTION_PATTERN.fullmatch(token)
+    if match is None:
+        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, SEND_F3.1>0, RECV_B2.5<3 or STEP.")
+    kind, stage, microbatch, version, arrow, peer = match.groups()
+    kind = ActionKind(kind)
+    if kind.is_communication and arrow != (">" if kind.is_send else "<"):
+        expected = ">peer" if kind.is_send else "<peer"
+        raise ScheduleError(f"action {token!r} needs its peer rank written as {expected}.")
+    return Action(kind, int(stage), int(microbatch),
+                  peer=None if peer is None else int(peer),
+                  version=None if version is None else int(version))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A whole pipeline schedule: per pipeline rank, the ordered actions it runs for one batch.
+
+    ``p`` pipeline ranks, ``m`` microbatches per batch, ``v`` model chunks per rank.
+    ``actions[r]`` is rank r's list. Build one with ``build_schedule`` or ``load_schedule``
+    (both validate); the constructor only checks the shape.
+    """
+
+    name: str
+    p: int
+    m: int
+    v: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
+        if self.p < 1 or self.m < 1 or self.v < 1:
+            raise ScheduleError(f"schedule {self.name!r} needs p, m and v of at least 1, got p={self.p}, "
+                                f"m={self.m}, v={self.v}.")
+        if len(self.actions) != self.p:
+            raise ScheduleError(f"schedule {self.name!r} has {len(self.actions)} action lists for p={self.p} "
+                                "pipeline ranks; give exactly one list per rank.")
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of_stage(self, stage: int) -> int:
+        return stage % self.p
+
+    def chunk_of_stage(self, stage: int) -> int:
+        return stage // self.p
+
+    def stages_on_rank(self, rank: int) -> list[int]:
+        """The virtual stages rank ``rank`` holds, in chunk order."""
+        return [rank + chunk * self.p for chunk in range(self.v)]
+
+    @property
+    def has_communication(self) -> bool:
+        return any(action.kind.is_communication for rank_actions in self.actions for action in rank_actions)
+
+    def compute_only(self) -> "Schedule":
+        """The same schedule without SEND/RECV actions (what generators and files hold)."""
+        return Schedule(self.name, self.p, self.m, self.v,
+                        [[a for a in rank_actions if not a.kind.is_communication] for rank_actions in self.actions])
+
+    def to_text(self) -> str:
+        """One line per rank, actions separated by spaces (the schedule file format)."""
+        return "\n".join(" ".join(str(a) for a in rank_actions) for rank_actions in self.actions) + "\n"
+
