@@ -13,9 +13,13 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
+import contextlib
+
+import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.tensor_parallel.random import RNGTracker, seed_parallel_rng
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class ParallelState:
     virtual_pipeline: int = 1
     groups: dict = field(default_factory=dict)
     members: dict = field(default_factory=dict)
+    rng_tracker: Optional["RNGTracker"] = None  # set by seed(); per-tensor-rank dropout stream
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -214,6 +219,15 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.rank in self.members["embedding"]
+
+    # ---- randomness ------------------------------------------------------------------------
+    def seed(self, seed: int, device: torch.device) -> None:
+        """Seed dropout streams: shared across tensor ranks by default, per tensor rank in forks."""
+        self.rng_tracker = seed_parallel_rng(seed, self.tp_rank, self.pp_rank, device)
+
+    def tensor_parallel_rng(self):
+        """Context for dropout whose mask must differ across tensor ranks."""
+        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
 
     def describe(self) -> str:
         return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, pipeline {self.pp_rank}/{self.pp_size}, "

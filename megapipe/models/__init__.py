@@ -1,0 +1,36 @@
+"""GPT and BERT built per pipeline stage, tensor-parallel inside each stage."""
+
+from __future__ import annotations
+
+from megapipe.config import ModelConfig
+from megapipe.models.bert import BERTStage
+from megapipe.models.gpt import GPTStage
+from megapipe.models.stage import LanguageModelStage
+from megapipe.parallel_state import ParallelState
+
+MODEL_KINDS = {"gpt": GPTStage, "bert": BERTStage}
+
+
+def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of virtual stage ``stage`` when ``num_layers`` are split evenly."""
+    per_stage = num_layers // num_stages
+    return stage * per_stage, (stage + 1) * per_stage
+
+
+def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: int = 1234,
+                       sequence_parallel: bool = False, device=None) -> list[LanguageModelStage]:
+    """The model chunks this rank holds: one per virtual stage, virtual stage ``c * p + pp_rank``.
+
+    With v chunks per rank (interleaving) rank r holds virtual stages r, r + p, r + 2p, ...
+    (Megatron's layout), so the first stage has the embedding and the last has the head.
+    """
+    config.validate(ps.tp_size, ps.pp_size, ps.virtual_pipeline)
+    stage_cls = MODEL_KINDS[kind]
+    num_stages = ps.pp_size * ps.virtual_pipeline
+    chunks = []
+    for chunk in range(ps.virtual_pipeline):
+        stage = chunk * ps.pp_size + ps.pp_rank
+        start, end = stage_layer_range(config.num_layers, num_stages, stage)
+        chunks.append(stage_cls(config, ps, start, end, pre_process=stage == 0, post_process=stage == num_stages - 1,
+                                seed=seed, sequence_parallel=sequence_parallel, device=device))
+    return chunks

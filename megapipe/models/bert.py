@@ -1,0 +1,72 @@
+"""BERT: bidirectional encoder with a padding mask, a masked-LM head and a binary
+(sentence-order or next-sentence) head, laid out as the original BERT (post-LayerNorm)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.common import build_norm, replicated_linear
+from megapipe.models.gpt import masked_mean
+from megapipe.models.stage import LanguageModelStage
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel import mappings
+from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megapipe.tensor_parallel.layers import parallel_lm_logits
+from megapipe.tensor_parallel.utils import mark_tensor_parallel
+
+
+class BERTStage(LanguageModelStage):
+    """Batch keys: ``tokens``, ``types``, ``padding_mask`` (1 = real token) [b, s]; on the last
+    stage ``labels`` (-1 where not predicted), ``loss_mask`` [b, s] and ``is_random`` [b].
+
+    The last stage returns LM loss + binary loss, or without labels the pair
+    (LM logits ``[b, s, V/t]``, binary logits ``[b, 2]``).
+    """
+
+    causal = False
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer_start: int, layer_end: int,
+                 pre_process: bool, post_process: bool, seed: int = 1234, sequence_parallel: bool = False,
+                 device=None):
+        super().__init__(config, ps, layer_start, layer_end, pre_process, post_process, seed, sequence_parallel,
+                         device)
+        if not post_process:
+            return
+        h = config.hidden_size
+        self.final_norm = None if config.post_layernorm else build_norm(config, device)
+        self.pooler = replicated_linear(h, h, config, "pooler", seed, device)
+        self.lm_transform = replicated_linear(h, h, config, "lm_head.dense", seed, device)
+        self.lm_norm = build_norm(config, device)
+        self.lm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size(ps.tp_size) // ps.tp_size,
+                                                dtype=config.params_dtype, device=device))
+        mark_tensor_parallel(self.lm_bias, 0)
+        self.binary_head = replicated_linear(h, 2, config, "binary_head", seed, device) \
+            if config.bert_binary_head else None
+
+    def attention_mask(self, batch: dict) -> torch.Tensor:
+        return (batch["padding_mask"] == 0)[:, None, None, :]
+
+    def head(self, hidden: torch.Tensor, batch: dict):
+        if self.sequence_parallel:  # the heads need the first token and every position
+            hidden = mappings.gather_from_sequence_parallel_region(hidden, self.ps.tp_group, grad_is_partial=False)
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        approximate = "tanh" if self.config.activation == "gelu_tanh" else "none"
+        x = self.lm_norm(F.gelu(self.lm_transform(hidden), approximate=approximate))
+        lm_logits = parallel_lm_logits(x, self.output_weight(), self.ps,
+                                       self.config.vocab_size, bias=self.lm_bias)  # [s, b, V/t]
+        binary_logits = None
+        if self.binary_head is not None:
+            binary_logits = self.binary_head(torch.tanh(self.pooler(hidden[0])))
+        if "labels" not in batch:
+            return lm_logits.transpose(0, 1), binary_logits
+        labels = batch["labels"].clamp(min=0).transpose(0, 1)
+        vocab_start = self.ps.tp_rank * lm_logits.shape[-1]
+        losses = vocab_parallel_cross_entropy(lm_logits, labels, self.ps.tp_group, vocab_start).transpose(0, 1)
+        loss = masked_mean(losses, batch["loss_mask"])
+        if binary_logits is not None:
+            loss = loss + F.cross_entropy(binary_logits.float(), batch["is_random"])
+        return loss

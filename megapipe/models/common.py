@@ -1,0 +1,53 @@
+"""Small pieces the model files share: norms, dropout + residual add, replicated linears."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.utils import deterministic_normal
+
+
+def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False) -> nn.Module:
+    """LayerNorm or RMSNorm over the hidden size; marked when it sees only a sequence slice."""
+    if config.normalization == "RMSNorm":
+        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device,
+                            dtype=config.params_dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = sequence_parallel
+    return norm
+
+
+def dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool,
+                ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
+    """residual + dropout(x + bias).
+
+    The residual stream is replicated across tensor ranks, so its dropout mask must be the
+    same on each (default generator); under sequence parallelism each rank holds a different
+    slice, so the mask comes from the per-rank stream.
+    """
+    if bias is not None:
+        x = x + bias
+    if training and p > 0:
+        if sequence_parallel:
+            with ps.tensor_parallel_rng():
+                x = F.dropout(x, p)
+        else:
+            x = F.dropout(x, p)
+    return residual + x
+
+
+def replicated_linear(in_features: int, out_features: int, config: ModelConfig, name: str, seed: int,
+                      device=None) -> nn.Linear:
+    """An ``nn.Linear`` held whole by every tensor rank, initialised from its own stream."""
+    layer = nn.Linear(in_features, out_features, device=device, dtype=config.params_dtype)
+    with torch.no_grad():
+        layer.weight.copy_(deterministic_normal((out_features, in_features), config.init_method_std, seed,
+                                                f"{name}.weight"))
+        layer.bias.zero_()
+    return layer

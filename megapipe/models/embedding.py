@@ -1,0 +1,64 @@
+"""Input embedding of the first pipeline stage: words (vocab-parallel), positions, token types."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.common import build_norm
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel import mappings
+from megapipe.tensor_parallel.layers import VocabParallelEmbedding
+from megapipe.tensor_parallel.utils import deterministic_normal
+
+
+def _replicated_embedding(num: int, dim: int, config: ModelConfig, name: str, seed: int, device) -> nn.Embedding:
+    emb = nn.Embedding(num, dim, device=device, dtype=config.params_dtype)
+    with torch.no_grad():
+        emb.weight.copy_(deterministic_normal((num, dim), config.init_method_std, seed, f"{name}.weight"))
+    return emb
+
+
+class Embedding(nn.Module):
+    """Token ids ``[b, s]`` -> hidden states ``[s, b, h]`` (a sequence slice under sequence parallelism).
+
+    With ``post_layernorm`` (original BERT) a LayerNorm follows the sum, as in BERT.
+    """
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, seed: int, sequence_parallel: bool, device=None):
+        super().__init__()
+        self.config, self.ps, self.sequence_parallel = config, ps, sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(ps.tp_size), config.hidden_size, ps,
+                                                      name="embedding.word_embeddings", seed=seed,
+                                                      init_std=config.init_method_std, dtype=config.params_dtype,
+                                                      device=device)
+        self.position_embeddings = _replicated_embedding(config.max_position_embeddings, config.hidden_size, config,
+                                                         "embedding.position_embeddings", seed, device)
+        self.tokentype_embeddings = (_replicated_embedding(config.num_tokentypes, config.hidden_size, config,
+                                                           "embedding.tokentype_embeddings", seed, device)
+                                     if config.num_tokentypes else None)
+        self.norm = build_norm(config, device, sequence_parallel) if config.post_layernorm else None
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                tokentype_ids = torch.zeros_like(tokens)
+            x = x + self.tokentype_embeddings(tokentype_ids)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.training and self.config.hidden_dropout > 0:
+            if self.sequence_parallel:
+                with self.ps.tensor_parallel_rng():
+                    x = F.dropout(x, self.config.hidden_dropout)
+            else:
+                x = F.dropout(x, self.config.hidden_dropout)
+        return x

@@ -1,0 +1,44 @@
+"""GPT: causal language model with learned absolute positions and (by default) tied embeddings."""
+
+from __future__ import annotations
+
+import torch
+
+from megapipe.config import ModelConfig
+from megapipe.models.common import build_norm
+from megapipe.models.stage import LanguageModelStage
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megapipe.tensor_parallel.layers import parallel_lm_logits
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.float()
+    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class GPTStage(LanguageModelStage):
+    """Batch keys: ``tokens`` [b, s]; on the last stage ``labels`` and ``loss_mask`` [b, s].
+
+    The last stage returns the mean loss over ``loss_mask`` or, without labels, the logits
+    ``[b, s, V/t]`` of this rank's vocabulary slice.
+    """
+
+    causal = True
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer_start: int, layer_end: int,
+                 pre_process: bool, post_process: bool, seed: int = 1234, sequence_parallel: bool = False,
+                 device=None):
+        super().__init__(config, ps, layer_start, layer_end, pre_process, post_process, seed, sequence_parallel,
+                         device)
+        self.final_norm = build_norm(config, device, sequence_parallel) if post_process else None
+
+    def head(self, hidden: torch.Tensor, batch: dict):
+        hidden = self.final_norm(hidden)
+        logits = parallel_lm_logits(hidden, self.output_weight(), self.ps, self.config.vocab_size,
+                                    sequence_parallel=self.sequence_parallel)  # [s, b, V/t]
+        if "labels" not in batch:
+            return logits.transpose(0, 1)
+        vocab_start = self.ps.tp_rank * logits.shape[-1]
+        losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), self.ps.tp_group, vocab_start)
+        return masked_mean(losses.transpose(0, 1), batch["loss_mask"])

@@ -1,0 +1,87 @@
+"""A pipeline stage of a language model: a contiguous range of transformer layers, the
+embedding when it is the first stage and the task head when it is the last.
+
+Layers are registered under their global index (``layers.5``), so the state dicts of all
+stages of all ranks merge into the state dict of the whole model, whatever the split.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.embedding import Embedding
+from megapipe.models.transformer import TransformerLayer
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.layers import _init_weight
+from megapipe.tensor_parallel.utils import mark_tensor_parallel
+
+
+class OutputEmbedding(nn.Module):
+    """The output projection of a last stage that does not hold the input embedding.
+
+    Tied: a copy of the word embedding (same initial values) whose gradient is summed with
+    the first stage's over the embedding group. Untied: an independent weight.
+    """
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, seed: int, tied: bool, device=None):
+        super().__init__()
+        name = "embedding.word_embeddings" if tied else "output_layer"
+        self.weight = _init_weight((config.padded_vocab_size(ps.tp_size), config.hidden_size),
+                                   config.init_method_std, seed, f"{name}.weight", ps, 0, config.params_dtype, device)
+        mark_tensor_parallel(self.weight, 0)
+        self.weight.shared_embedding = tied
+
+
+class LanguageModelStage(nn.Module):
+    """Runs ``hidden -> hidden`` for its layers; the first stage starts from token ids.
+
+    ``forward(hidden, batch)`` takes the previous stage's output (ignored on the first
+    stage) and the microbatch dict; the last stage returns what its head returns.
+    """
+
+    causal = True
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer_start: int, layer_end: int,
+                 pre_process: bool, post_process: bool, seed: int = 1234, sequence_parallel: bool = False,
+                 device=None):
+        super().__init__()
+        self.config, self.ps = config, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel
+        self.layer_range = (layer_start, layer_end)
+        self.embedding = Embedding(config, ps, seed, sequence_parallel, device) if pre_process else None
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, ps, i, seed, sequence_parallel, device)
+            for i in range(layer_start, layer_end)})
+        self.output_embedding = None
+        if post_process and (not pre_process or config.untie_embeddings_and_output_weights):
+            self.output_embedding = OutputEmbedding(config, ps, seed,
+                                                    tied=not config.untie_embeddings_and_output_weights,
+                                                    device=device)
+        if pre_process and not post_process and not config.untie_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.tied_embedding = True  # its twin lives on the last stage
+
+    def output_weight(self) -> torch.Tensor:
+        """The vocab-parallel weight that turns hidden states into logits."""
+        if self.output_embedding is not None:
+            return self.output_embedding.weight
+        return self.embedding.word_embeddings.weight
+
+    def attention_mask(self, batch: dict) -> torch.Tensor | None:
+        """Boolean mask broadcastable to ``[b, heads, s, s]``, True where attention is not allowed."""
+        return None
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict):
+        if self.pre_process:
+            hidden = self.embedding(batch["tokens"], batch.get("position_ids"), batch.get("types"))
+        mask = self.attention_mask(batch)
+        for layer in self.layers.values():
+            hidden = layer(hidden, mask, self.causal)
+        if self.post_process:
+            return self.head(hidden, batch)
+        return hidden
+
+    def head(self, hidden: torch.Tensor, batch: dict):
+        raise NotImplementedError

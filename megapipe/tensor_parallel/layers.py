@@ -1,0 +1,146 @@
+"""Linear layers and the embedding split across the tensor-parallel group (seed 002 4.2.3).
+
+``ColumnParallelLinear`` splits the output features (weight rows), ``RowParallelLinear`` the
+input features (weight columns), ``VocabParallelEmbedding`` the vocabulary. Weights are
+initialised in full from a per-parameter stream and then sliced (see
+``utils.deterministic_normal``), so the model is the same function for every tensor size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel import mappings
+from megapipe.tensor_parallel.utils import deterministic_normal, divide, mark_tensor_parallel, shard
+
+
+def _init_weight(shape, std, seed, name, ps, partition_dim, dtype, device) -> nn.Parameter:
+    full = deterministic_normal(shape, std, seed, name, dtype)
+    local = shard(full, partition_dim, ps.tp_rank, ps.tp_size) if partition_dim is not None else full
+    return nn.Parameter(local.to(device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: each rank computes its slice of the outputs.
+
+    The input enters through f (or, with sequence parallelism, an all-gather along the
+    sequence). ``gather_output`` all-gathers the result; ``skip_bias_add`` returns the bias
+    separately so the caller can fuse it into the next element-wise op.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, name: str, seed: int,
+                 init_std: float, bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.ps, self.gather_output, self.skip_bias_add = ps, gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        local_out = divide(out_features, ps.tp_size)
+        self.weight = _init_weight((out_features, in_features), init_std, seed, f"{name}.weight", ps, 0, dtype, device)
+        mark_tensor_parallel(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
+            mark_tensor_parallel(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.ps.tp_group)
+        else:
+            x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = mappings.gather_from_tensor_parallel_region(y, self.ps.tp_group)
+        return (y, self.bias) if self.skip_bias_add else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: partial products are summed by g (or reduce-scattered).
+
+    The input is expected already split along its last dimension (``input_is_parallel``),
+    as it comes out of a column-parallel layer. The bias is a replica, added after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, name: str, seed: int,
+                 init_std: float, bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.ps, self.input_is_parallel, self.skip_bias_add = ps, input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        divide(in_features, ps.tp_size)
+        self.weight = _init_weight((out_features, in_features), init_std, seed, f"{name}.weight", ps, 1, dtype, device)
+        mark_tensor_parallel(self.weight, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel_region(x, self.ps.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
+        else:
+            y = mappings.reduce_from_tensor_parallel_region(partial, self.ps.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the padded vocabulary) are split across the tensor group.
+
+    Each rank looks up the ids in its range, zeroes the others, and g sums the partial
+    embeddings. With ``reduce_scatter`` (sequence parallelism) the sum is reduce-scattered
+    along the sequence of a ``[s, b, h]`` input instead.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, *, name: str, seed: int,
+                 init_std: float, dtype=torch.float32, device=None):
+        super().__init__()
+        self.ps = ps
+        self.num_embeddings = num_embeddings
+        per_rank = divide(num_embeddings, ps.tp_size)
+        self.vocab_start = ps.tp_rank * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = _init_weight((num_embeddings, embedding_dim), init_std, seed, f"{name}.weight", ps, 0,
+                                   dtype, device)
+        mark_tensor_parallel(self.weight, 0)
+
+    def forward(self, ids: torch.Tensor, reduce_scatter: bool = False) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if reduce_scatter:
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
+        return mappings.reduce_from_tensor_parallel_region(partial, self.ps.tp_group)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, ps: ParallelState, vocab_size: int,
+                       bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """Logits over this rank's vocabulary slice; never materialises the full vocabulary.
+
+    Rows past the real ``vocab_size`` (padding for divisibility) get -inf, so the padding
+    never takes probability mass and the model computes the same function for every t.
+    """
+    if sequence_parallel:
+        hidden = mappings.gather_from_sequence_parallel_region(hidden, ps.tp_group)
+    else:
+        hidden = mappings.copy_to_tensor_parallel_region(hidden, ps.tp_group)
+    logits = F.linear(hidden, word_embeddings, bias)
+    per_rank = word_embeddings.shape[0]
+    first_padded = vocab_size - ps.tp_rank * per_rank
+    if first_padded < per_rank:
+        logits = logits.clone()
+        logits[..., max(first_padded, 0):] = float("-inf")
+    return logits
