@@ -1,0 +1,46 @@
+"""Optimizers, learning-rate schedules, gradient finalisation, clipping and mixed precision.
+
+One training iteration on one rank::
+
+    grads = GradBuffers(model_chunks, ps)                  # fp32 param.main_grad for every param
+    opt = build_optimizer(model_chunks, opt_config, ps, grads)
+    sched = LRScheduler(opt, opt_config, train_iters)
+    for microbatch in ...:                                  # loss already divided by the microbatch count
+        opt.scale_loss(loss).backward()                     # hooks add each param.grad into main_grad
+    grads.start_data_parallel_reduce()                      # optional: overlap the DP all-reduce
+    finalize_model_grads(model_chunks, ps, grads)           # DP average, tied embedding, sequence parallel
+    ok, grad_norm, num_zeros = opt.step()                   # unscale, overflow check, clip, update, copy back
+    if not ok and opt.loss_scale is not None:
+        log(f"skipped iteration: loss scale reduced to {opt.loss_scale}")
+    sched.step()
+    opt.zero_grad()
+
+``opt.step()`` returns ``StepResult(ok, grad_norm, num_zeros)``: ``ok`` is False when the
+update was skipped (fp16 overflow on any model-parallel rank, then ``grad_norm`` is None; or a
+non-finite gradient norm without loss scaling, then ``grad_norm`` is that inf/NaN).
+Checkpoints: ``opt.state_dict()`` / ``load_state_dict()`` (inner optimizer state, fp32 masters,
+loss scaler) and ``sched.state_dict()`` / ``load_state_dict()`` (iteration, schedule).
+
+Parameter attributes read here (set by the model code): ``tensor_model_parallel`` (a shard:
+counted in the norm on every tensor rank), ``shared_embedding`` / ``tied_embedding`` (the last /
+first stage's copy of the tied word embedding: gradients summed over the embedding group, the
+shared copy left out of the norm), ``sequence_parallel`` (gradient summed over the tensor group).
+"""
+
+from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, counts_in_norm, global_grad_norm
+from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
+from megapipe.optim.finalize import finalize_model_grads
+from megapipe.optim.grad_buffer import GradBuffers, trainable_params
+from megapipe.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
+from megapipe.optim.lr_schedule import LRSchedule, LRScheduler
+from megapipe.optim.optimizer import build_optimizer, weight_decay_groups
+from megapipe.optim.precision import PrecisionOptimizer, StepResult
+
+__all__ = [
+    "OptimizerConfig", "OPTIMIZERS", "LR_DECAY_STYLES",
+    "GradBuffers", "trainable_params", "finalize_model_grads",
+    "global_grad_norm", "clip_grads_by_total_norm", "count_zero_grads", "counts_in_norm",
+    "ConstantLossScaler", "DynamicLossScaler", "build_loss_scaler",
+    "build_optimizer", "weight_decay_groups", "PrecisionOptimizer", "StepResult",
+    "LRSchedule", "LRScheduler",
+]

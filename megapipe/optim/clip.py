@@ -1,0 +1,60 @@
+"""Global gradient norm over a model split across tensor and pipeline ranks, and clipping by it.
+
+Every element of the full model's gradient must be counted exactly once. A rank therefore
+counts its tensor-parallel shards, its replicated parameters only on tensor rank 0 (the other
+tensor ranks hold identical copies), and never the last stage's copy of the tied embedding
+(``shared_embedding``: the first stage already counts that gradient). The squared partial norms
+are then summed over the model-parallel group (all t x p ranks of one replica); data-parallel
+replicas hold identical gradients after the all-reduce and need no reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megapipe.optim.collectives import all_reduce
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.utils import is_tensor_parallel_duplicate
+
+CLIP_EPSILON = 1e-6  # added to the norm before dividing, as Megatron does
+
+
+def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` contributes to the global gradient norm."""
+    return not getattr(param, "shared_embedding", False) and not is_tensor_parallel_duplicate(param, tp_rank)
+
+
+def _counted_grads(params: list[torch.Tensor], ps: ParallelState) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None and counts_in_norm(p, ps.tp_rank)]
+
+
+def global_grad_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
+
+    Inf or NaN in any gradient on any model-parallel rank makes the result inf or NaN everywhere.
+    """
+    grads = _counted_grads(params, ps)
+    device = grads[0].device if grads else (params[0].device if params else None)
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm([g.float() for g in grads])
+        squared += torch.stack(norms).square().sum()
+    all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
+    return squared.sqrt()
+
+
+def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (Megatron's rule)."""
+    coefficient = max_norm / (total_norm + CLIP_EPSILON)
+    if coefficient < 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
+
+
+def count_zero_grads(params: list[torch.Tensor], ps: ParallelState) -> int:
+    """Number of exactly-zero gradient elements in the whole model, counted like the norm."""
+    zeros = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
+    for grad in _counted_grads(params, ps):
+        zeros += grad.numel() - torch.count_nonzero(grad)
+    all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
+    return int(zeros.item())
+

@@ -1,0 +1,106 @@
+"""OptimizerConfig: the optimizer, learning-rate and loss-scaling flags, validated once.
+
+Field names and defaults follow Megatron-LM's flags (``--lr``, ``--min-lr``, ``--clip-grad``,
+``--loss-scale-window`` ...), so ``arguments.py`` maps each flag to the field of the same name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megapipe.errors import ConfigError
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass
+class OptimizerConfig:
+    """How parameters are updated: algorithm, precision, clipping and learning-rate schedule.
+
+    ``optimizer="adam"`` is Megatron's adam, which has always been AdamW (weight decay
+    decoupled from the gradient: apex FusedAdam's default ``adam_w_mode`` or
+    ``torch.optim.AdamW``); ``"adamw"`` is accepted as the same thing under its usual name.
+    """
+
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and returned)
+    log_num_zeros_in_grad: bool = False
+    # precision and loss scaling (fp16 only; bf16 and fp32 never scale the loss)
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: Optional[float] = None  # a constant scale; None means dynamic scaling
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # learning-rate schedule, counted in iterations
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None  # of the decay iterations
+    lr_decay_iters: Optional[int] = None  # defaults to the number of training iterations
+
+    def validate(self) -> None:
+        """Raise ConfigError (one sentence naming the flag and the fix) for a bad combination."""
+        self._validate_optimizer()
+        self._validate_precision()
+        self._validate_schedule()
+
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer} is unknown; use one of {', '.join(OPTIMIZERS)}.")
+        if self.lr is None:
+            raise ConfigError("--lr is not set; pass the peak learning rate, e.g. --lr 1e-4.")
+        if self.lr < 0 or self.min_lr < 0:
+            raise ConfigError(f"--lr {self.lr} and --min-lr {self.min_lr} must not be negative.")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}; lower --min-lr.")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay {self.weight_decay} must not be negative.")
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"{flag} {beta} must be in [0, 1).")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"--adam-eps {self.adam_eps} must be positive.")
+        if self.sgd_momentum < 0:
+            raise ConfigError(f"--sgd-momentum {self.sgd_momentum} must not be negative.")
+        if self.clip_grad < 0:
+            raise ConfigError(f"--clip-grad {self.clip_grad} must not be negative; use 0 to disable clipping.")
+
+    def _validate_precision(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 were both given; choose one.")
+        if self.loss_scale is not None and not self.fp16:
+            raise ConfigError(f"--loss-scale {self.loss_scale} only applies with --fp16; drop it or add --fp16.")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"--loss-scale {self.loss_scale} must be positive.")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ConfigError(f"--initial-loss-scale {self.initial_loss_scale} and --min-loss-scale "
+                              f"{self.min_loss_scale} must be positive.")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale {self.min_loss_scale} exceeds --initial-loss-scale "
+                              f"{self.initial_loss_scale}; lower the minimum.")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window {self.loss_scale_window} and --hysteresis {self.hysteresis} "
+                              "must be at least 1.")
+
+    def _validate_schedule(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(f"--lr-decay-style {self.lr_decay_style} is unknown; use one of "
+                              f"{', '.join(LR_DECAY_STYLES)}.")
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction were both given; use only one.")
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1).")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must not be negative.")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ConfigError(f"--lr-decay-iters {self.lr_decay_iters} must be at least 1.")
