@@ -1,0 +1,94 @@
+"""Learning-rate schedule with Megatron's meaning of the flags, counted in iterations.
+
+The rate rises linearly from 0 to ``--lr`` over the warm-up (``--lr-warmup-iters``, or
+``--lr-warmup-fraction`` of the decay iterations), then follows ``--lr-decay-style`` down to
+``--min-lr`` at ``--lr-decay-iters`` (default: the training iterations) and stays there.
+Iteration 0 of a warm-up uses rate 0, as in Megatron. ``inverse-square-root`` is
+``lr * sqrt(warmup) / sqrt(iteration)``, floored at ``--min-lr``. Weight decay stays constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megapipe.errors import CheckpointError, ConfigError
+from megapipe.optim.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate as a pure function of the iteration."""
+
+    max_lr: float
+    min_lr: float
+    style: str
+    warmup_iters: float  # fractional when given by --lr-warmup-fraction, as in Megatron
+    decay_iters: int
+
+    @staticmethod
+    def from_config(config: OptimizerConfig, train_iters: int) -> "LRSchedule":
+        decay_iters = config.lr_decay_iters if config.lr_decay_iters is not None else train_iters
+        if decay_iters < 1:
+            raise ConfigError(f"--lr-decay-iters (or --train-iters) {decay_iters} must be at least 1.")
+        warmup = (config.lr_warmup_fraction * decay_iters if config.lr_warmup_fraction is not None
+                  else config.lr_warmup_iters)
+        if warmup >= decay_iters:
+            raise ConfigError(f"the warm-up of {warmup:g} iterations must be shorter than --lr-decay-iters "
+                              f"{decay_iters}; shorten the warm-up or decay for longer.")
+        return LRSchedule(config.lr, config.min_lr, config.lr_decay_style, warmup, decay_iters)
+
+    def lr_at(self, iteration: int) -> float:
+        if self.warmup_iters > 0 and iteration <= self.warmup_iters:
+            return self.max_lr * iteration / self.warmup_iters
+        if self.style == "constant":
+            return self.max_lr
+        if iteration > self.decay_iters:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_iters, 1)) / math.sqrt(max(iteration, 1)))
+        progress = (iteration - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
+        if self.style == "linear":
+            coefficient = 1.0 - progress
+        else:  # cosine
+            coefficient = 0.5 * (math.cos(math.pi * progress) + 1.0)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+
+class LRScheduler:
+    """Sets the learning rate of every param group of ``optimizer`` for the current iteration.
+
+    Call :meth:`step` once after each optimizer step (skipped steps included, as Megatron does).
+    """
+
+    def __init__(self, optimizer, config: OptimizerConfig, train_iters: int):
+        self.optimizer = optimizer
+        self.schedule = LRSchedule.from_config(config, train_iters)
+        self.iteration = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr_at(self.iteration)
+
+    def step(self, increment: int = 1) -> None:
+        self.iteration += increment
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "schedule": vars(self.schedule).copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved iteration; the schedule flags must match the checkpoint's."""
+        saved = LRSchedule(**state["schedule"])
+        if saved != self.schedule:
+            changed = [f"{name} {getattr(saved, name)} -> {getattr(self.schedule, name)}"
+                       for name in vars(saved) if getattr(saved, name) != getattr(self.schedule, name)]
+            raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}); "
+                                  "resume with the checkpoint's --lr/--min-lr/--lr-decay-style/warm-up/decay flags.")
+        self.iteration = state["iteration"]
+        self._apply()

@@ -1,0 +1,78 @@
+"""Build the optimizer of one rank: weight-decay groups, the fastest available kernel, the wrapper.
+
+Biases and normalization weights (every parameter with fewer than two dimensions) get no
+weight decay, as in Megatron. Adam is always AdamW (decoupled decay), which is what Megatron's
+``--optimizer adam`` runs. The kernel is NVIDIA apex ``FusedAdam`` when it is installed and the
+parameters live on CUDA, else torch's fused implementation where torch has one for the device
+(CPU and CUDA in torch 2.13), else torch's foreach implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from megapipe.optim.config import OptimizerConfig
+from megapipe.optim.grad_buffer import GradBuffers, trainable_params
+from megapipe.optim.loss_scaler import build_loss_scaler
+from megapipe.optim.precision import PrecisionOptimizer, make_main_param
+from megapipe.parallel_state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+def takes_weight_decay(param: torch.Tensor) -> bool:
+    """Matrices decay; biases and norm weights (vectors, scalars) do not."""
+    return param.ndim >= 2
+
+
+def weight_decay_groups(model_params: list[torch.nn.Parameter], main_params: list[torch.nn.Parameter],
+                        weight_decay: float) -> list[dict]:
+    """Param groups over the main params, split by whether the matching model param decays."""
+    decay = [main for model, main in zip(model_params, main_params) if takes_weight_decay(model)]
+    no_decay = [main for model, main in zip(model_params, main_params) if not takes_weight_decay(model)]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def _apex_fused_adam():
+    try:
+        from apex.optimizers import FusedAdam  # optional, CUDA only
+    except ImportError:
+        return None
+    return FusedAdam
+
+
+def build_inner_optimizer(groups: list[dict], config: OptimizerConfig,
+                          device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    """The torch (or apex) optimizer over ``groups`` and a short name of the kernel chosen."""
+    kernel = {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {"foreach": True}
+    kernel_name = next(iter(kernel))
+    if config.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, **kernel)
+        return optimizer, f"torch SGD ({kernel_name})"
+    betas = (config.adam_beta1, config.adam_beta2)
+    apex_adam = _apex_fused_adam() if device.type == "cuda" else None
+    if apex_adam is not None:
+        return apex_adam(groups, lr=config.lr, betas=betas, eps=config.adam_eps, adam_w_mode=True), "apex FusedAdam"
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, **kernel)
+    return optimizer, f"torch AdamW ({kernel_name})"
+
+
+def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerConfig, ps: ParallelState,
+                    grads: GradBuffers) -> PrecisionOptimizer:
+    """The optimizer for this rank's chunks, reading gradients from ``grads`` (built on the same chunks)."""
+    model_params = trainable_params(model_chunks)
+    main_params = [make_main_param(p) for p in model_params]
+    groups = weight_decay_groups(model_params, main_params, config.weight_decay)
+    inner, kernel = build_inner_optimizer(groups, config, grads.buffer.device)
+    scaler = build_loss_scaler(config)
+    precisions = sorted({str(p.dtype).removeprefix("torch.") for p in model_params})
+    logger.info("optimizer: %s on %s params%s, %s", kernel, "/".join(precisions),
+                " with fp32 masters" if any(p is not m for p, m in zip(model_params, main_params)) else "",
+                f"loss scale {scaler.scale:g} ({type(scaler).__name__})" if scaler else "no loss scaling")
+    return PrecisionOptimizer(inner, model_params, main_params, grads, ps, config.clip_grad, scaler,
+                              config.log_num_zeros_in_grad)

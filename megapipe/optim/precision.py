@@ -1,0 +1,153 @@
+"""The optimizer wrapper that owns numerics: fp32 main params, loss scaling, overflow skips, clipping.
+
+Every model parameter has a *main* parameter that the inner torch optimizer updates. For an
+fp32 parameter the main parameter is the parameter itself (the wrapper is then a thin layer
+over the inner optimizer); for a bf16/fp16 parameter it is an fp32 master copy, stepped in
+fp32 from ``main_grad`` and rounded back into the model parameter after each update. One
+class serves both, so every precision has the same interface and the same step logic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from megapipe.errors import CheckpointError
+from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, global_grad_norm
+from megapipe.optim.collectives import all_reduce
+from megapipe.optim.grad_buffer import GradBuffers
+from megapipe.optim.loss_scaler import LossScaler
+from megapipe.parallel_state import ParallelState
+
+# Attributes the gradient norm reads; master copies carry them so the norm can run on main params.
+NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+
+
+def make_main_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``param`` itself when it is fp32, else a detached fp32 master copy with its parallel attributes."""
+    if param.dtype == torch.float32:
+        return param
+    master = torch.nn.Parameter(param.detach().float())
+    for name in NORM_ATTRIBUTES:
+        if hasattr(param, name):
+            setattr(master, name, getattr(param, name))
+    return master
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step did: ``ok`` is False when the update was skipped."""
+
+    ok: bool
+    grad_norm: Optional[float]  # None when an fp16 overflow skipped the step before the norm
+    num_zeros: Optional[int]  # only with OptimizerConfig.log_num_zeros_in_grad
+
+
+class PrecisionOptimizer:
+    """Steps an inner torch optimizer over main params fed from ``GradBuffers``.
+
+    ``step()`` unscales the gradients and checks them for inf/NaN (fp16), computes the global
+    norm, skips the update if anything overflowed on any model-parallel rank, clips, updates,
+    and copies masters into low-precision model params. Without a loss scaler (fp32, bf16) a
+    non-finite gradient norm also skips the update instead of writing NaN into the weights.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, model_params: list[torch.nn.Parameter],
+                 main_params: list[torch.nn.Parameter], grads: GradBuffers, ps: ParallelState,
+                 clip_grad: float, loss_scaler: Optional[LossScaler], log_num_zeros_in_grad: bool = False):
+        self.inner = inner
+        self.model_params = model_params
+        self.main_params = main_params
+        self.grads = grads
+        self.ps = ps
+        self.clip_grad = clip_grad
+        self.loss_scaler = loss_scaler
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self._master_pairs = [(model, main) for model, main in zip(model_params, main_params) if model is not main]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current fp16 loss scale, or None when the loss is not scaled."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call ``backward()`` on: the loss times the loss scale (fp16 only)."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def zero_grad(self) -> None:
+        """Clear the main gradients before the next batch."""
+        self.grads.zero()
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Update the parameters from the finalized main gradients, or skip on overflow."""
+        self._attach_main_grads()
+        try:
+            if self.loss_scaler is not None:
+                overflow = self._unscale_and_find_overflow()
+                self.loss_scaler.update(overflow)
+                if overflow:
+                    return StepResult(False, None, None)
+            grad_norm = global_grad_norm(self.main_params, self.ps)
+            if not torch.isfinite(grad_norm):
+                return StepResult(False, grad_norm.item(), None)
+            if self.clip_grad > 0:
+                clip_grads_by_total_norm(self.main_params, self.clip_grad, grad_norm)
+            num_zeros = count_zero_grads(self.main_params, self.ps) if self.log_num_zeros_in_grad else None
+            self.inner.step()
+            self._copy_masters_to_model()
+            return StepResult(True, grad_norm.item(), num_zeros)
+        finally:
+            # main.grad aliases the buffer for fp32 params; never let autograd accumulate into it.
+            for main in self.main_params:
+                main.grad = None
+
+    def _attach_main_grads(self) -> None:
+        for model, main in zip(self.model_params, self.main_params):
+            main.grad = model.main_grad if model.main_grad.dtype == main.dtype else model.main_grad.to(main.dtype)
+
+    def _unscale_and_find_overflow(self) -> bool:
+        """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN."""
+        grads = [main.grad for main in self.main_params]
+        device = self.grads.buffer.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inverse_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
+        all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def _copy_masters_to_model(self) -> None:
+        if self._master_pairs:
+            models, mains = zip(*self._master_pairs)
+            torch._foreach_copy_(list(models), list(mains))
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Inner optimizer state, fp32 masters and loss scaler: everything an exact resume needs."""
+        return {
+            "optimizer": self.inner.state_dict(),
+            "masters": [main for _, main in self._master_pairs],
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; the model params are set from the restored masters."""
+        masters = state["masters"]
+        if len(masters) != len(self._master_pairs):
+            raise CheckpointError(f"the checkpoint holds {len(masters)} fp32 master params but this model has "
+                                  f"{len(self._master_pairs)}; load it with the same --fp16/--bf16 setting.")
+        if (state["loss_scaler"] is None) != (self.loss_scaler is None):
+            raise CheckpointError("the checkpoint's loss scaling does not match this run; "
+                                  "resume with the same --fp16/--bf16 setting.")
+        self.inner.load_state_dict(state["optimizer"])
+        for (_, main), saved in zip(self._master_pairs, masters):
+            main.copy_(saved)
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self._copy_masters_to_model()
