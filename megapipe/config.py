@@ -81,11 +81,11 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                               f"{self.num_attention_heads}; pick a hidden size that is a multiple of the head count.")
+        if self.hidden_size % t:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --tensor-model-parallel-size {t}.")
         if self.num_attention_heads % t:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                               f"--tensor-model-parallel-size {t}; each tensor rank must hold whole heads.")
-        if self.hidden_size % t:
-            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --tensor-model-parallel-size {t}.")
         if self.ffn_hidden_size % t:
             raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                               f"--tensor-model-parallel-size {t}.")

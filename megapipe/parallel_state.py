@@ -125,6 +125,7 @@ class ParallelState:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
         rank = dist.get_rank()
         state = ParallelState(layout, rank, virtual_pipeline)
+        state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
         all_groups = {
             "tensor": layout.tensor_groups(),
             "data": layout.data_groups(),
@@ -133,12 +134,7 @@ class ParallelState:
             "embedding": layout.embedding_groups(),
         }
         for name, groups in all_groups.items():
-            seen = set()
             for ranks in groups:
-                key = tuple(ranks)
-                if key in seen:  # embedding groups repeat when p == 1 and t, d > 1 never; guard anyway
-                    continue
-                seen.add(key)
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     state.groups[name] = group
