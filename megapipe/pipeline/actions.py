@@ -58,19 +58,19 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self is ActionKind.F or self is ActionKind.B
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self is ActionKind.SEND_F or self is ActionKind.SEND_B
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self is ActionKind.RECV_F or self is ActionKind.RECV_B
 
     @property
     def is_communication(self) -> bool:
-        return self.is_send or self.is_recv
+        return not (self.is_compute or self is ActionKind.STEP)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class Action:
     version: Optional[int] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if not isinstance(self.kind, ActionKind):
+            object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.kind is ActionKind.STEP:
             if self.stage is not None or self.microbatch is not None or self.peer is not None:
                 raise ScheduleError("a STEP action takes no stage, microbatch or peer; write it as plain STEP.")
