@@ -1,0 +1,93 @@
+"""The interface every tokenizer offers, whatever library is behind it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+from megapipe.errors import ConfigError
+
+# Roles a special token can play, with the advice given when a tokenizer lacks one.
+SPECIAL_ROLES = {
+    "eod": "an end-of-document token; train the tokenizer with one (e.g. <|endoftext|> or </s>) "
+           "or preprocess without --append-eod",
+    "cls": "a [CLS] token, which BERT needs; use --tokenizer-type BertWordPieceLowerCase, "
+           "BertWordPieceCase or ByteLevelTokenizer",
+    "sep": "a [SEP] token, which BERT needs; use --tokenizer-type BertWordPieceLowerCase, "
+           "BertWordPieceCase or ByteLevelTokenizer",
+    "mask": "a [MASK] token, which BERT needs; use --tokenizer-type BertWordPieceLowerCase, "
+            "BertWordPieceCase or ByteLevelTokenizer",
+    "pad": "a [PAD] token, which BERT needs; use --tokenizer-type BertWordPieceLowerCase, "
+           "BertWordPieceCase or ByteLevelTokenizer",
+}
+
+
+def _rebuild(build_args: dict) -> "Tokenizer":
+    from megapipe.data.tokenizer.build import build_tokenizer
+    return build_tokenizer(**build_args)
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids, plus the ids of the special tokens GPT and BERT need.
+
+    ``lossless`` says whether ``detokenize(tokenize(text)) == text`` holds for every string.
+    A tokenizer pickles as the arguments that built it, so worker processes rebuild it from
+    its files instead of receiving a copy of its tables.
+    """
+
+    lossless: bool = False
+
+    def __init__(self, name: str, build_args: dict, special_ids: dict[str, Optional[int]]):
+        self.name = name
+        self._build_args = build_args
+        self._special_ids = {role: special_ids.get(role) for role in SPECIAL_ROLES}
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included (ids run from 0 to vocab_size - 1)."""
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``; never adds special tokens."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of the token ids ``ids``."""
+
+    def _special(self, role: str) -> int:
+        token_id = self._special_ids[role]
+        if token_id is None:
+            raise ConfigError(f"{self.name} has no {SPECIAL_ROLES[role]}.")
+        return token_id
+
+    @property
+    def eod(self) -> int:
+        return self._special("eod")
+
+    @property
+    def cls(self) -> int:
+        return self._special("cls")
+
+    @property
+    def sep(self) -> int:
+        return self._special("sep")
+
+    @property
+    def mask(self) -> int:
+        return self._special("mask")
+
+    @property
+    def pad(self) -> int:
+        return self._special("pad")
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of every special token this tokenizer has (BERT never masks or samples these)."""
+        return frozenset(i for i in self._special_ids.values() if i is not None)
+
+    def __reduce__(self):
+        return _rebuild, (self._build_args,)
+
+    def __repr__(self) -> str:
+        return f"{self.name}(vocab_size={self.vocab_size})"

@@ -1,0 +1,58 @@
+"""``build_tokenizer``: Megatron's --tokenizer-type names mapped to tokenizer classes, with flag checks."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megapipe.data.tokenizer.base import Tokenizer
+from megapipe.errors import ConfigError
+
+# tokenizer type -> the flags it needs, each with a description of the file it names.
+REQUIRED_FLAGS = {
+    "GPT2BPETokenizer": {"vocab_file": "the GPT-2 vocab.json / encoder.json",
+                         "merge_file": "the GPT-2 merges.txt / vocab.bpe"},
+    "SentencePieceTokenizer": {"tokenizer_model": "the SentencePiece .model file"},
+    "HuggingFaceTokenizer": {"tokenizer_model": "a tokenizer.json or a folder holding one"},
+    "BertWordPieceLowerCase": {"vocab_file": "the BERT vocab.txt"},
+    "BertWordPieceCase": {"vocab_file": "the BERT vocab.txt"},
+    "ByteLevelTokenizer": {},
+}
+TOKENIZER_TYPES = tuple(REQUIRED_FLAGS)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_files(tokenizer_type: str, paths: dict[str, Optional[str]]) -> None:
+    for name, what in REQUIRED_FLAGS[tokenizer_type].items():
+        path = paths[name]
+        if path is None:
+            raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {_flag(name)} ({what}); pass its path.")
+        if not os.path.exists(path):
+            raise ConfigError(f"{_flag(name)} {path} does not exist; pass the path of {what}.")
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    tokenizer_model: Optional[str] = None) -> Tokenizer:
+    """Build the tokenizer Megatron's ``--tokenizer-type`` names from the files the other flags give.
+
+    Raises ConfigError naming the flag when a needed file is missing or the type is unknown.
+    """
+    if tokenizer_type not in REQUIRED_FLAGS:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}.")
+    _check_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
+                                  "tokenizer_model": tokenizer_model})
+    if tokenizer_type == "ByteLevelTokenizer":
+        from megapipe.data.tokenizer.byte_level import ByteLevelTokenizer
+        return ByteLevelTokenizer()
+    if tokenizer_type == "SentencePieceTokenizer":
+        from megapipe.data.tokenizer.sentencepiece_model import SentencePieceTokenizer
+        return SentencePieceTokenizer(tokenizer_model)
+    from megapipe.data.tokenizer import hf_backed
+    if tokenizer_type == "GPT2BPETokenizer":
+        return hf_backed.gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return hf_backed.huggingface(tokenizer_model)
+    return hf_backed.bert_wordpiece(vocab_file, lowercase=tokenizer_type == "BertWordPieceLowerCase")

@@ -1,0 +1,53 @@
+"""SentencePiece models (.model files), as used by Llama, Mistral and T5."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import sentencepiece
+
+from megapipe.data.tokenizer.base import Tokenizer
+from megapipe.errors import ConfigError
+
+# Piece spellings looked up for the BERT roles; eod and pad come from the model's own ids.
+BERT_PIECES = {"cls": ("[CLS]", "<cls>"), "sep": ("[SEP]", "<sep>"), "mask": ("[MASK]", "<mask>")}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Wraps ``sentencepiece.SentencePieceProcessor``; eod is the model's eos id (``</s>``)."""
+
+    def __init__(self, tokenizer_model: str):
+        processor = sentencepiece.SentencePieceProcessor()
+        try:
+            processor.Load(tokenizer_model)
+        except (OSError, RuntimeError) as error:
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model ({error}); "
+                              "pass a .model file written by sentencepiece or tools/train_tokenizer.py.") from None
+        self._processor = processor
+        special_ids = {"eod": self._own_id(processor.eos_id()), "pad": self._own_id(processor.pad_id())}
+        for role, pieces in BERT_PIECES.items():
+            special_ids[role] = self._find_piece(pieces)
+        super().__init__("SentencePieceTokenizer",
+                         {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": tokenizer_model},
+                         special_ids)
+
+    @staticmethod
+    def _own_id(token_id: int) -> Optional[int]:
+        return token_id if token_id >= 0 else None
+
+    def _find_piece(self, pieces: Sequence[str]) -> Optional[int]:
+        for piece in pieces:
+            token_id = self._processor.piece_to_id(piece)
+            if self._processor.id_to_piece(token_id) == piece:
+                return token_id
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.get_piece_size()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])
