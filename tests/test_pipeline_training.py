@@ -1,0 +1,130 @@
+"""Pipelined training equals single-process training with gradient accumulation.
+
+For every flush schedule (GPipe, 1F1B, interleaved 1F1B with v=2), pipeline sizes 2 and 4,
+tensor sizes 1 and 2 and data sizes 1 and 2 (worlds of 4 and 8 processes), GPT and BERT:
+the per-microbatch losses and every parameter after 3 optimizer steps equal those of one
+process that accumulates gradients over the same m x d microbatches from the same initial
+weights. SGD with momentum: its update is linear in the gradient, so fp32 rounding
+differences (summation order of split matmuls and all-reduces, ~1e-7 relative) stay of that
+size; 1e-5 relative leaves room for 3 steps of accumulation.
+"""
+
+import datetime
+
+import pytest
+import torch
+
+from megapipe.config import ModelConfig
+from megapipe.models import build_model_chunks
+from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.engine import PipelineEngine
+from megapipe.testing import run_distributed
+
+import torch.distributed as dist
+
+RTOL = 1e-5
+SEQ, MICRO, M, STEPS = 8, 2, 4, 3
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def model_config(kind: str) -> ModelConfig:
+    common = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+    if kind == "bert":
+        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
+    return ModelConfig(**common)
+
+
+def optimizer_config() -> OptimizerConfig:
+    return OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.9, weight_decay=0.0, clip_grad=0.0)
+
+
+def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + index)
+    tokens = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g)
+    batch = {"tokens": tokens, "labels": torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g),
+             "loss_mask": (torch.rand(MICRO, SEQ, generator=g) > 0.1).float()}
+    if kind == "bert":
+        padding = torch.ones(MICRO, SEQ, dtype=torch.long)
+        padding[0, SEQ - 2:] = 0
+        batch.update(types=torch.randint(0, 2, (MICRO, SEQ), generator=g), padding_mask=padding,
+                     is_random=torch.randint(0, 2, (MICRO,), generator=g))
+        batch["loss_mask"] = batch["loss_mask"] * padding
+    return batch
+
+
+def reference_run(kind: str, d: int):
+    """One process, gradient accumulation over the m x d microbatches of each step."""
+    config = model_config(kind)
+    ps = ParallelState.single()
+    model = build_model_chunks(kind, config, ps)[0]
+    initial = canonical_state_dict([model], ps, config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        step_losses = []
+        for index in range(M * d):
+            loss = model(None, microbatch(kind, config, step, index))
+            (loss / (M * d)).backward()
+            step_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+    return initial, losses, canonical_state_dict([model], ps, config)
+
+
+def pipelined_run(kind, t, p, d, schedule, v, initial):
+    config = model_config(kind)
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
+    chunks = build_model_chunks(kind, config, ps)
+    for chunk in chunks:
+        chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
+    engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, M, (SEQ, MICRO, config.hidden_size),
+                            timeout=datetime.timedelta(seconds=60))
+    losses = []
+    for step in range(STEPS):
+        batches = [microbatch(kind, config, step, ps.dp_rank * M + i) for i in range(M)]
+        losses.append(engine.train_batch(batches).losses)
+    final = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for name, tensor in chunk.state_dict().items():
+            key, full = canonical_tensor(name, tensor, params[name], ps, config)
+            final[key] = full
+    return ps, losses, final
+
+
+def assert_close(actual, expected, what):
+    expected = torch.as_tensor(expected)
+    actual = torch.as_tensor(actual)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def check_layouts(rank, world_size, layouts):
+    checked = []
+    for kind in ("gpt", "bert"):
+        references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
+        for t, p, d in layouts:
+            initial, ref_losses, ref_final = references[d]
+            for schedule, v in SCHEDULES:
+                what = f"{kind} {schedule} v={v} t={t} p={p} d={d}"
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, initial)
+                if ps.is_last_stage:
+                    for step in range(STEPS):
+                        expected = ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M]
+                        assert_close(losses[step], expected, f"{what} losses of step {step}")
+                for name, value in final.items():
+                    assert_close(value, ref_final[name], f"{what} parameter {name}")
+                checked.append(what)
+    return checked
+
+
+@pytest.mark.parametrize("world,layouts", [
+    (4, [(1, 2, 2), (2, 2, 1), (1, 4, 1)]),
+])
+def test_flush_schedules_match_gradient_accumulation(world, layouts):
+    results = run_distributed(world, check_layouts, layouts, timeout=600)
+    assert len(results[0]) == 2 * len(layouts) * len(SCHEDULES)
