@@ -178,10 +178,9 @@ def test_forward_that_cannot_have_arrived_is_a_deadlock():
 
 
 def test_receives_posted_out_of_send_order_are_rejected():
-    full = build_schedule("gpipe", 2, 2)
-    lists = [list(actions) for actions in full.actions]
-    first, second = (lists[1].index(Action(ActionKind.RECV_F, 1, i, peer=0)) for i in (0, 1))
-    lists[1][first], lists[1][second] = lists[1][second], lists[1][first]
+    lists = lists_from_text("""
+        F0.0 SEND_F0.0>1 F0.1 SEND_F0.1>1 RECV_B0.0<1 B0.0 RECV_B0.1<1 B0.1 STEP
+        RECV_F1.1<0 RECV_F1.0<0 F1.0 F1.1 B1.0 SEND_B1.0>0 B1.1 SEND_B1.1>0 STEP""")
     with pytest.raises(ScheduleError, match="receive number 0 from rank 0 is RECV_F1.1<0, but rank 0's send number "
                                             "0 to it is SEND_F0.0>1"):
         validate_schedule(Schedule("broken", 2, 2, 1, lists))

@@ -1,44 +1,103 @@
 """The one pass that turns compute-only lists into lists with SEND_* and RECV_* actions.
 
-Rule: replay the compute-only lists in lock-step rounds (``replay.replay``). When a compute
-action whose output another rank consumes is replayed, append it and then its ``SEND`` to
-its own rank's list, and at the same moment append the matching ``RECV`` to the consumer's
-rank list. A rank never places its own receives: the sender decides where they go.
+Rule. Replay the compute-only lists with compute times (``replay.replay``; by default F = 1
+and B = 2 per stage, messages free). A compute action whose output another rank consumes is
+followed, on its own rank, by its ``SEND``. The sender also decides where the matching
+``RECV`` goes: on the consumer's rank, right before the compute that is running (or next to
+start) when the send is posted, and never after the consumer. Receives from one sender are
+then moved earlier where needed so that they keep the sender's order. A rank never places
+its own receives.
 
-Why this cannot deadlock (under the executor contract in ``actions.py``: sends and
-receives are posted without blocking, a compute waits only for the receive it consumes):
+Why this cannot deadlock, under the executor contract of ``actions.py`` (sends and receives
+are posted without blocking; a compute waits only for the receive it consumes): posting
+never blocks, so the only waits are those of computes for their inputs, which are exactly
+the waits of the compute-only lists; every receive sits before its consumer, and between
+two ranks the k-th receive expects the k-th send (no tags, no crossed messages). A replay of
+the compute-only lists that finishes is therefore a proof that the new lists finish too;
+``replay`` raises if it does not.
 
-* Every receive lands before the compute that consumes it, because the consumer could not
-  be replayed before its producer, and the receive was appended when the producer was.
-* Between any ordered pair of ranks, sends and receives are appended in the same global
-  order, so the k-th send matches the k-th receive: no tags, no crossed messages.
-* The replay itself is an execution of the new lists in which every wait is met by an
-  action replayed earlier, so the earliest blocked action of any real run would be waiting
-  for something that already happened, which is impossible.
+Why the timing. Transfers start once both ends are posted (NCCL and gloo behave so for
+tensors), so a receive posted late delays its message, and one posted too early holds a
+buffer for long. Posting it when the sender sends is neither.
 
-With p = 1 every neighbour is on the same rank and no message is added. With
-interleaving the edge from stage p-1 (last rank) to stage p (rank 0) becomes a message from
-the last rank to rank 0, and the gradient goes back the same way.
+With p = 1 every neighbour is on the same rank and no message is added. With interleaving
+the edge from stage p-1 (last rank) to stage p (rank 0) becomes a message from the last rank
+to rank 0, and the gradient goes back the same way.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from numbers import Real
+
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, Schedule
-from megapipe.pipeline.replay import outgoing_messages, replay
+from megapipe.pipeline.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.replay import Duration, Message, Transfer, outgoing_messages, replay
 
 
-def add_communication(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` (compute-only) with its sends and receives inserted by the rule above."""
+def unit_duration(rank: int, action: Action) -> Real:
+    """Placement costs: F = 1 and B = 2 per stage (the ratio of the papers' figures), STEP = 0."""
+    return {ActionKind.F: 1, ActionKind.B: 2}.get(action.kind, 0)
+
+
+def _free(message: Message) -> Real:
+    return 0
+
+
+def add_communication(schedule: Schedule, duration: Duration = unit_duration, transfer: Transfer = _free) -> Schedule:
+    """Return compute-only ``schedule`` with its sends and receives inserted by the rule above.
+
+    ``duration`` and ``transfer`` are the costs the placement of receives is tuned for (see
+    ``simulate.CostModel``); any costs give a correct, deadlock-free schedule.
+    """
     if schedule.has_communication:
         raise ScheduleError(f"schedule {schedule.name!r} already has SEND/RECV actions; pass its compute_only() "
                             "form to add_communication.")
-    lists: list[list[Action]] = [[] for _ in range(schedule.p)]
-    for step in replay(schedule):
-        lists[step.rank].append(step.action)
+    steps = replay(schedule, duration, transfer)
+    compute_ends = [[step.end for step in sorted((s for s in steps if s.rank == rank), key=lambda s: s.index)]
+                    for rank in range(schedule.p)]
+    position = {(rank, _identity(action)): index for rank, actions in enumerate(schedule.actions)
+                for index, action in enumerate(actions)}
+    sends: dict[tuple[int, int], Action] = {}
+    receives: defaultdict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)  # by (sender, receiver)
+    for step in sorted(steps, key=lambda s: (s.rank, s.index)):
         messages = outgoing_messages(schedule, step.action)
-        if messages is not None:
-            send, recv = messages
-            lists[step.rank].append(send)
-            lists[schedule.rank_of_stage(recv.stage)].append(recv)
+        if messages is None:
+            continue
+        send, recv = messages
+        receiver = send.peer
+        sends[(step.rank, step.index)] = send
+        consumer = position[(receiver, _identity(_consumer(recv)))]
+        running = next((k for k, end in enumerate(compute_ends[receiver]) if end > step.end), consumer)
+        receives[(step.rank, receiver)].append((min(running, consumer), recv))
+    before: defaultdict[tuple[int, int], list[Action]] = defaultdict(list)
+    for (_, receiver), queue in sorted(receives.items()):
+        for slot, recv in _keep_sender_order(queue):
+            before[(receiver, slot)].append(recv)
+    lists = []
+    for rank, actions in enumerate(schedule.actions):
+        lowered = []
+        for index, action in enumerate(actions):
+            lowered += before[(rank, index)] + [action]
+            if (rank, index) in sends:
+                lowered.append(sends[(rank, index)])
+        lists.append(lowered)
     return Schedule(schedule.name, schedule.p, schedule.m, schedule.v, lists)
+
+
+def _identity(action: Action) -> tuple:
+    return (action.kind, action.stage, action.microbatch)
+
+
+def _consumer(recv: Action) -> Action:
+    kind = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B
+    return Action(kind, recv.stage, recv.microbatch)
+
+
+def _keep_sender_order(queue: list[tuple[int, Action]]) -> list[tuple[int, Action]]:
+    """Slots of one sender's receives, in send order, lowered where needed to be non-decreasing."""
+    kept, lowest = [], None
+    for slot, recv in reversed(queue):
+        lowest = slot if lowest is None else min(slot, lowest)
+        kept.append((lowest, recv))
+    return kept[::-1]

@@ -1,0 +1,79 @@
+"""Timelines: busy and idle time, JSON round trip, merging per-rank parts, Chrome traces."""
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from megapipe.pipeline.actions import Action, ActionKind, parse_action
+from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.simulate import simulate
+from megapipe.pipeline.timeline import Timeline
+
+
+def hand_made():
+    timeline = Timeline(meta={"schedule": "hand", "p": 2, "m": 1, "v": 1})
+    for rank, text, start, end in [(0, "F0.0", 0, 1), (0, "SEND_F0.0>1", 1, 2), (0, "B0.0", 5, 7), (0, "STEP", 7, 8),
+                                   (1, "RECV_F1.0<0", 0, 2), (1, "F1.0", 2, 3), (1, "B1.0", 3, 5), (1, "STEP", 5, 5)]:
+        timeline.record(rank, parse_action(text), start, end)
+    return timeline
+
+
+def test_busy_time_counts_compute_only():
+    assert hand_made().busy_time() == {0: 1 + 2 + 1, 1: 1 + 2}
+
+
+def test_idle_fraction_over_own_span_and_over_a_window():
+    timeline = hand_made()
+    # rank 0 computes in [0, 8] for 4 units; rank 1 in [2, 5] for 3 units.
+    assert timeline.idle_fraction() == {0: Fraction(4, 8), 1: Fraction(0)}
+    assert timeline.idle_fraction(window=(0, 8)) == {0: Fraction(4, 8), 1: Fraction(5, 8)}
+
+
+def test_save_and_load_round_trip(tmp_path):
+    timeline = hand_made()
+    path = tmp_path / "run.json"
+    timeline.save(path)
+    loaded = Timeline.load(path)
+    assert loaded.meta == timeline.meta
+    assert [(e.rank, e.action, e.start, e.end) for e in loaded.events] == \
+        [(e.rank, e.action, float(e.start), float(e.end)) for e in timeline.events]
+
+
+def test_load_rejects_other_json(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="not a megapipe-timeline file"):
+        Timeline.load(path)
+
+
+def test_merge_of_per_rank_parts_is_the_whole():
+    whole = simulate(build_schedule("1f1b", 3, 4)).timeline
+    parts = [Timeline((e for e in whole.events if e.rank == rank), whole.meta) for rank in range(3)]
+    merged = Timeline.merge(parts)
+    assert sorted(map(repr, merged.events)) == sorted(map(repr, whole.events))
+    assert merged.idle_fraction() == whole.idle_fraction()
+    with pytest.raises(ValueError, match="whose schedule differs"):
+        Timeline.merge([whole, Timeline(meta={"schedule": "gpipe"})])
+
+
+def test_chrome_trace_has_one_track_per_rank(tmp_path):
+    timeline = hand_made()
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(path, microseconds_per_unit=1000)
+    trace = json.loads(path.read_text())["traceEvents"]
+    slices = [e for e in trace if e["ph"] == "X"]
+    assert len(slices) == len(timeline.events)
+    b00 = next(e for e in slices if e["name"] == "B0.0")
+    assert (b00["pid"], b00["tid"], b00["ts"], b00["dur"]) == (0, 0, 5000.0, 2000.0)
+    send = next(e for e in slices if e["name"] == "SEND_F0.0>1")
+    assert send["tid"] == 1  # communication on its own thread of the rank's track
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+
+
+def test_recorded_actions_keep_their_identity():
+    timeline = Timeline()
+    action = Action(ActionKind.RECV_B, 2, 5, peer=3)
+    timeline.record(2, action, 0.5, 0.75)
+    assert Timeline.from_dict(json.loads(json.dumps(timeline.to_dict()))).events[0].action == action
