@@ -16,8 +16,9 @@ One training iteration on one rank::
     opt.zero_grad()
 
 ``opt.step()`` returns ``StepResult(ok, grad_norm, num_zeros)``: ``ok`` is False when the
-update was skipped (fp16 overflow on any model-parallel rank, then ``grad_norm`` is None; or a
-non-finite gradient norm without loss scaling, then ``grad_norm`` is that inf/NaN).
+update was skipped because some gradient on some model-parallel rank held inf/NaN (then
+``grad_norm`` is None; with fp16 the loss scale backs off) or because the norm itself
+overflowed (then ``grad_norm`` is inf). ``num_zeros`` needs ``log_num_zeros_in_grad``.
 Checkpoints: ``opt.state_dict()`` / ``load_state_dict()`` (inner optimizer state, fp32 masters,
 loss scaler) and ``sched.state_dict()`` / ``load_state_dict()`` (iteration, schedule).
 

@@ -58,7 +58,7 @@ class OptimizerConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer} is unknown; use one of {', '.join(OPTIMIZERS)}.")
         if self.lr is None:
-            raise ConfigError("--lr is not set; pass the peak learning rate, e.g. --lr 1e-4.")
+            raise ConfigError("--lr is not set; pass the peak learning rate such as --lr 1e-4.")
         if self.lr < 0 or self.min_lr < 0:
             raise ConfigError(f"--lr {self.lr} and --min-lr {self.min_lr} must not be negative.")
         if self.min_lr > self.lr:

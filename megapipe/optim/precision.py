@@ -40,17 +40,16 @@ class StepResult(NamedTuple):
     """What one optimizer step did: ``ok`` is False when the update was skipped."""
 
     ok: bool
-    grad_norm: Optional[float]  # None when an fp16 overflow skipped the step before the norm
+    grad_norm: Optional[float]  # None when an inf/NaN gradient skipped the step; inf if only the norm overflowed
     num_zeros: Optional[int]  # only with OptimizerConfig.log_num_zeros_in_grad
 
 
 class PrecisionOptimizer:
     """Steps an inner torch optimizer over main params fed from ``GradBuffers``.
 
-    ``step()`` unscales the gradients and checks them for inf/NaN (fp16), computes the global
-    norm, skips the update if anything overflowed on any model-parallel rank, clips, updates,
-    and copies masters into low-precision model params. Without a loss scaler (fp32, bf16) a
-    non-finite gradient norm also skips the update instead of writing NaN into the weights.
+    ``step()`` unscales the gradients (fp16) and checks them for inf/NaN, skips the update if
+    any model-parallel rank found one (in every precision: NaN never reaches the weights),
+    computes the global norm, clips, updates, and copies masters into low-precision params.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, model_params: list[torch.nn.Parameter],
@@ -88,11 +87,11 @@ class PrecisionOptimizer:
         """Update the parameters from the finalized main gradients, or skip on overflow."""
         self._attach_main_grads()
         try:
+            overflow = self._unscale_and_find_overflow()
             if self.loss_scaler is not None:
-                overflow = self._unscale_and_find_overflow()
                 self.loss_scaler.update(overflow)
-                if overflow:
-                    return StepResult(False, None, None)
+            if overflow:
+                return StepResult(False, None, None)
             grad_norm = global_grad_norm(self.main_params, self.ps)
             if not torch.isfinite(grad_norm):
                 return StepResult(False, grad_norm.item(), None)
@@ -112,11 +111,16 @@ class PrecisionOptimizer:
             main.grad = model.main_grad if model.main_grad.dtype == main.dtype else model.main_grad.to(main.dtype)
 
     def _unscale_and_find_overflow(self) -> bool:
-        """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN."""
+        """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN.
+
+        Every gradient is checked, including copies the norm leaves out (tensor-parallel
+        duplicates, the last stage's embedding copy), so no rank can step on a bad gradient.
+        """
         grads = [main.grad for main in self.main_params]
         device = self.grads.buffer.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inverse_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, dtype=torch.float32, device=device)
+        inverse_scale = torch.full((1,), 1.0 / self.loss_scale if self.loss_scaler is not None else 1.0,
+                                   dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
         all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
         return bool(found.item())
