@@ -1,0 +1,111 @@
+"""Fused bias + dropout + residual add: ``residual + dropout(x + bias)`` (seed 002 section 4.4.2).
+
+Used after the attention and MLP output projections on [s, b, h] activations (any [..., h]
+works). The eager and torch.compile kernels draw the keep mask exactly as ``F.dropout`` draws
+it on CPU (``bernoulli_(1 - p)`` on a tensor like ``x``, from the default generator of x's
+device), so on CPU fused and unfused runs drop the same elements for the same seed and leave
+the generator in the same state. Triton kernels draw Philox numbers in the kernel from a seed
+taken from that same generator, and recompute the mask in the backward pass instead of
+storing it. Callers under tensor parallelism choose the generator state (RNG tracker).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megapipe.fusions.backend import active_backend
+from megapipe.fusions.bias_math import add_bias_fp32, bias_grad
+from megapipe.fusions.compiled import compiled
+
+
+def keep_scale(p: float) -> float:
+    """The factor kept elements are multiplied by: 1 / (1 - p), and 0 when everything is dropped."""
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def output_dtype(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.dtype:
+    """The dtype PyTorch's ``residual + (x + bias)`` would have."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
+
+
+def draw_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
+    """The elements dropout keeps (True), drawn as ``F.dropout`` does; None when p == 0."""
+    if p == 0.0:
+        return None
+    if p == 1.0:  # F.dropout draws nothing here either
+        return torch.zeros_like(x, dtype=torch.bool)
+    return torch.empty_like(x).bernoulli_(1.0 - p).bool()
+
+
+def dropout_add_forward(x, bias, residual, keep, scale: float) -> torch.Tensor:
+    """``residual + keep * (x + bias) * scale`` in fp32, rounded once to the result dtype."""
+    y = add_bias_fp32(x, bias)
+    if keep is not None:
+        y = torch.where(keep, y * scale, 0.0)
+    return (residual.float() + y).to(output_dtype(x, bias, residual))
+
+
+def dropout_add_backward(grad, keep, bias, scale: float, x_dtype: torch.dtype):
+    """Gradients for x and bias: the incoming gradient where kept, times ``scale``."""
+    grad_y = grad.float() if keep is None else torch.where(keep, grad.float() * scale, 0.0)
+    return grad_y.to(x_dtype), bias_grad(grad_y, bias)
+
+
+def _torch_kernels(forward, backward):
+    def run_forward(x, bias, residual, p):
+        keep = draw_keep_mask(x, p)
+        return forward(x, bias, residual, keep, keep_scale(p)), keep
+
+    def run_backward(grad, keep, bias, p, x_dtype):
+        return backward(grad, keep, bias, keep_scale(p), x_dtype)
+
+    return run_forward, run_backward
+
+
+_EAGER_KERNELS = _torch_kernels(dropout_add_forward, dropout_add_backward)
+
+
+class _BiasDropoutAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, kernels):
+        out, dropout_state = kernels[0](x, bias, residual, p)
+        ctx.save_for_backward(dropout_state, bias)
+        ctx.p, ctx.x_dtype, ctx.residual_dtype, ctx.backward_kernel = p, x.dtype, residual.dtype, kernels[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        dropout_state, bias = ctx.saved_tensors
+        grad_x, grad_bias = ctx.backward_kernel(grad.contiguous(), dropout_state, bias, ctx.p, ctx.x_dtype)
+        return grad_x, grad_bias, grad.to(ctx.residual_dtype), None, None
+
+
+def _kernels(family: str):
+    if family == "triton":
+        from megapipe.fusions import triton_elementwise
+
+        return triton_elementwise.bias_dropout_add_forward, triton_elementwise.bias_dropout_add_backward
+    if family == "compile":
+        return _torch_kernels(compiled(dropout_add_forward), compiled(dropout_add_backward))
+    return _EAGER_KERNELS
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
+                     training: bool, fused: bool = True) -> torch.Tensor:
+    """``residual + dropout(x + bias, p)``; dropout only when ``training``.
+
+    ``x`` and ``residual`` have the same shape, ``bias`` is x's last dimension (or None).
+    ``fused=False`` is the plain PyTorch composition (``--no-bias-dropout-fusion``).
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability {p} must be between 0 and 1.")
+    if x.shape != residual.shape:
+        raise ValueError(f"bias_dropout_add needs x and residual of the same shape, got {tuple(x.shape)} "
+                         f"and {tuple(residual.shape)}.")
+    if not fused:
+        return residual + F.dropout(x if bias is None else x + bias, p=p, training=training)
+    family = active_backend().family("bias_dropout_add", x)
+    return _BiasDropoutAdd.apply(x.contiguous(), bias, residual.contiguous(), p if training else 0.0,
+                                 _kernels(family))

@@ -1,0 +1,18 @@
+"""Bias helpers shared by the fused elementwise ops (which compute in fp32, round once)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_bias_fp32(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + bias`` in fp32 (bias broadcast over the leading dimensions); ``x`` if there is no bias."""
+    y = x.float()
+    return y if bias is None else y + bias.float()
+
+
+def bias_grad(grad_fp32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias gradient: ``grad_fp32`` summed over the leading dimensions, in the bias's dtype."""
+    if bias is None:
+        return None
+    return grad_fp32.reshape(-1, bias.numel()).sum(0).view(bias.shape).to(bias.dtype)

@@ -1,0 +1,65 @@
+"""Shared pieces of the fused-kernel tests: kernel-family fixture and precision-aware comparisons."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megapipe.fusions import backend
+
+# torch.compile costs 10-45 s per function on this machine, so it is tested only on request.
+COMPILE_TESTS = os.environ.get("MEGAPIPE_TEST_COMPILE") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(params=["eager", "compile", "triton"])
+def family(request, monkeypatch):
+    """Runs a test once per kernel family; Triton runs in its CPU interpreter."""
+    name = request.param
+    if name == "compile" and not COMPILE_TESTS:
+        pytest.skip("set MEGAPIPE_TEST_COMPILE=1 to test the torch.compile kernels")
+    if name == "triton":
+        if not HAS_TRITON:
+            pytest.skip("triton not importable")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    previous = backend.activate(backend.FusionBackend(name, "test"))
+    yield name
+    backend.activate(previous)
+
+
+@pytest.fixture
+def eager_backend():
+    previous = backend.activate(backend.FusionBackend("eager", "test"))
+    yield
+    backend.activate(previous)
+
+
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same fp32 formula, different operation order: a few ULP (2^-23 = 1.2e-7) apart at most.
+
+    1e-6 relative to each element plus 1e-6 of the tensor's largest magnitude (for elements
+    that cancel to near zero, such as bias-gradient sums) allows about 8 ULP and no more.
+    """
+    assert actual.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def assert_bf16_rounded_once(actual: torch.Tensor, expected_fp32: torch.Tensor, family: str = "eager") -> None:
+    """A fused kernel computes in fp32 and rounds once to bf16.
+
+    Rounding to nearest costs at most half a bf16 ULP, which is at most 2^-8 relative (8
+    significant bits); the fp32 part adds ~1e-6 of the tensor's scale. Triton's CPU
+    interpreter converts fp32 to bf16 by truncation (measured; GPUs round to nearest), which
+    costs up to a whole ULP, 2^-7 relative.
+    """
+    assert actual.dtype == torch.bfloat16
+    rtol = 2**-7 if family == "triton" else 2**-8
+    torch.testing.assert_close(actual.float(), expected_fp32, rtol=rtol, atol=1e-5 * expected_fp32.abs().max().item())
+
+
+def grads(output: torch.Tensor, grad_output: torch.Tensor, *inputs: torch.Tensor):
+    """The gradients of ``(output * grad_output).sum()`` for ``inputs``."""
+    return torch.autograd.grad(output, inputs, grad_output)

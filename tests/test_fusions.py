@@ -1,0 +1,202 @@
+"""Fused bias+GeLU and bias+dropout+add equal their PyTorch references; backend selection."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fusion_helpers import HAS_TRITON, assert_bf16_rounded_once, assert_fp32_close, eager_backend, family, grads
+
+from megapipe import fusions
+from megapipe.fusions import backend
+
+S, B, H = 7, 3, 33  # odd sizes: no dimension is a multiple of a vector width or block
+
+
+def _inputs(dtype=torch.float32, with_bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(S, B, H, generator=g)).to(dtype).requires_grad_()
+    bias = torch.randn(H, generator=g).to(dtype).requires_grad_() if with_bias else None
+    residual = torch.randn(S, B, H, generator=g).to(dtype).requires_grad_()
+    grad_out = torch.randn(S, B, H, generator=g).to(dtype)
+    return x, bias, residual, grad_out
+
+
+def _present(*tensors):
+    return [t for t in tensors if t is not None]
+
+
+# ----------------------------------------------------------------------------- backend selection
+
+@pytest.mark.parametrize("requested", ["apex", "triton"])
+def test_unavailable_backend_falls_back_to_eager_with_one_log_line(requested, caplog):
+    previous = backend.active_backend() if backend._active else None
+    with caplog.at_level(logging.INFO, logger="megapipe.fusions"):
+        chosen = fusions.select_backend(requested, device="cpu")
+    backend.activate(previous)
+    if requested == "triton" and HAS_TRITON and backend.triton_interpret():
+        pytest.skip("TRITON_INTERPRET=1 makes triton usable on CPU")
+    why = {"apex": "apex not importable", "triton": "triton not importable" if not HAS_TRITON else "triton needs CUDA"}
+    lines = [r.getMessage() for r in caplog.records if r.name == "megapipe.fusions"]
+    assert chosen.name == "eager"
+    assert lines == [f"fusion backend: eager ({requested} requested, but {why[requested]})"]
+
+
+def test_auto_on_cpu_is_eager_and_says_why(caplog):
+    previous = backend._active
+    with caplog.at_level(logging.INFO, logger="megapipe.fusions"):
+        chosen = fusions.select_backend("auto", device="cpu")
+    backend.activate(previous)
+    assert chosen.name == "eager"
+    assert [r.getMessage() for r in caplog.records] == [f"fusion backend: eager ({chosen.reason})"]
+    assert "apex not importable" in chosen.reason and "torch.compile only on request" in chosen.reason
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown"):
+        fusions.select_backend("cudnn", device="cpu")
+
+
+def test_family_without_kernels_for_an_op_yields_to_eager():
+    # apex has no GeLU kernel and no CUDA here; triton cannot run CPU tensors uninterpreted.
+    cpu = torch.zeros(1)
+    assert backend.FusionBackend("apex", "test").family("bias_gelu", cpu) == "eager"
+    assert backend.FusionBackend("apex", "test").family("layer_norm", cpu) == "eager"
+    if not backend.triton_interpret():
+        assert backend.FusionBackend("triton", "test").family("softmax", cpu) == "eager"
+
+
+# ----------------------------------------------------------------------------- bias + GeLU
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu_fp32_matches_pytorch(family, approximate, with_bias):
+    x, bias, _, g = _inputs(with_bias=with_bias)
+    fused = fusions.bias_gelu(x, bias, approximate)
+    expected = F.gelu(x if bias is None else x + bias, approximate=approximate)
+    assert_fp32_close(fused, expected)
+    for got, want in zip(grads(fused, g, *_present(x, bias)), grads(expected, g, *_present(x, bias))):
+        assert_fp32_close(got, want)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_bf16_is_the_fp32_result_rounded_once(family, approximate):
+    x, bias, _, g = _inputs(torch.bfloat16)
+    fused = fusions.bias_gelu(x, bias, approximate)
+    x32, b32 = x.detach().float().requires_grad_(), bias.detach().float().requires_grad_()
+    expected = F.gelu(x32 + b32, approximate=approximate)
+    assert_bf16_rounded_once(fused, expected.detach(), family)
+    for got, want in zip(grads(fused, g, x, bias), grads(expected, g.float(), x32, b32)):
+        assert_bf16_rounded_once(got, want, family)
+
+
+def test_unfused_bias_gelu_is_plain_pytorch(eager_backend):
+    x, bias, _, _ = _inputs()
+    assert torch.equal(fusions.bias_gelu(x, bias, "tanh", fused=False), F.gelu(x + bias, approximate="tanh"))
+
+
+def test_bias_gelu_saves_only_its_inputs(eager_backend):
+    # Megatron's point: the backward pass recomputes x + bias instead of storing it.
+    x, bias, _, _ = _inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fusions.bias_gelu(x, bias, "none")
+    assert len(saved) == 2 and saved[0] is x and saved[1] is bias
+
+
+def test_bias_gelu_rejects_unknown_approximation(eager_backend):
+    x, bias, _, _ = _inputs()
+    with pytest.raises(ValueError, match="approximation"):
+        fusions.bias_gelu(x, bias, "sigmoid")
+
+
+# ----------------------------------------------------------------------------- bias + dropout + add
+
+def _reference_with_mask(x, bias, residual, keep, p):
+    """Independent reference: the given keep mask applied by hand."""
+    return residual + (x + bias) * keep.to(x.dtype) / (1 - p)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+def test_bias_dropout_add_eval_and_train_fp32(family, p):
+    if family == "triton" and p > 0:
+        pytest.skip("Triton draws its own Philox mask: see test_triton_dropout_mask_is_consistent")
+    x, bias, residual, g = _inputs()
+    for training in (False, True):
+        torch.manual_seed(1234)
+        fused = fusions.bias_dropout_add(x, bias, residual, p, training)
+        state_after_fused = torch.get_rng_state()
+        torch.manual_seed(1234)
+        unfused = fusions.bias_dropout_add(x, bias, residual, p, training, fused=False)
+        torch.manual_seed(1234)
+        keep = torch.empty_like(x).bernoulli_(1 - p) if training and p > 0 else torch.ones_like(x)
+        expected = _reference_with_mask(x, bias, residual, keep, p if training else 0.0)
+        assert_fp32_close(fused, expected)
+        assert_fp32_close(unfused, expected)  # F.dropout on CPU draws exactly this mask
+        assert torch.equal(state_after_fused, torch.get_rng_state())  # same generator use as F.dropout
+        for got, want in zip(grads(fused, g, x, bias, residual), grads(expected, g, x, bias, residual)):
+            assert_fp32_close(got, want)
+
+
+def test_bias_dropout_add_bf16_is_the_fp32_result_rounded_once(family):
+    x, bias, residual, g = _inputs(torch.bfloat16)
+    if family == "triton":
+        pytest.skip("Triton draws its own Philox mask: see test_triton_dropout_mask_is_consistent")
+    torch.manual_seed(7)
+    fused = fusions.bias_dropout_add(x, bias, residual, 0.2, training=True)
+    torch.manual_seed(7)
+    keep = torch.empty_like(x).bernoulli_(0.8)
+    x32, b32, r32 = (t.detach().float().requires_grad_() for t in (x, bias, residual))
+    expected = _reference_with_mask(x32, b32, r32, keep, 0.2)
+    assert_bf16_rounded_once(fused, expected.detach(), family)
+    for got, want in zip(grads(fused, g, x, bias, residual), grads(expected, g.float(), x32, b32, r32)):
+        assert_bf16_rounded_once(got, want, family)
+
+
+def test_bias_dropout_add_everything_dropped(family):
+    x, bias, residual, g = _inputs()
+    out = fusions.bias_dropout_add(x, bias, residual, 1.0, training=True)
+    assert torch.equal(out, residual)
+    grad_x, grad_bias, grad_residual = grads(out, g, x, bias, residual)
+    assert not grad_x.any() and not grad_bias.any() and torch.equal(grad_residual, g)
+
+
+def test_bias_dropout_add_without_bias(family):
+    x, _, residual, g = _inputs()
+    out = fusions.bias_dropout_add(x, None, residual, 0.3, training=False)
+    assert_fp32_close(out, residual + x)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+def test_triton_dropout_mask_is_consistent(family):
+    """Triton's in-kernel mask: every element is dropped or scaled, the backward pass uses the
+    forward's mask, the drop rate is p, and the seed comes from the default generator."""
+    if family != "triton":
+        pytest.skip("Triton only")
+    p = 0.3
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4, 96, generator=g, requires_grad=True)
+    bias, residual = torch.randn(96, generator=g, requires_grad=True), torch.randn(64, 4, 96, generator=g)
+    grad_out = torch.randn(64, 4, 96, generator=g)
+    torch.manual_seed(11)
+    out = fusions.bias_dropout_add(x, bias, residual, p, training=True)
+    keep = out != residual  # x + bias is never exactly 0 for random normals
+    expected = _reference_with_mask(x, bias, residual, keep, p)
+    assert_fp32_close(out, expected)
+    for got, want in zip(grads(out, grad_out, x, bias), grads(expected, grad_out, x, bias)):
+        assert_fp32_close(got, want)
+    # 24576 Bernoulli(0.7) draws: standard deviation of the kept fraction is 0.003; allow 5 sigma.
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.015
+    torch.manual_seed(11)
+    assert torch.equal(fusions.bias_dropout_add(x, bias, residual, p, training=True), out)
+    assert not torch.equal(fusions.bias_dropout_add(x, bias, residual, p, training=True), out)
+
+
+def test_bias_dropout_add_rejects_bad_arguments(eager_backend):
+    x, bias, residual, _ = _inputs()
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        fusions.bias_dropout_add(x, bias, residual, 1.5, training=True)
+    with pytest.raises(ValueError, match="same shape"):
+        fusions.bias_dropout_add(x, bias, residual[:2], 0.1, training=True)
