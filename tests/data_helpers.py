@@ -47,3 +47,12 @@ def random_documents(rng: np.random.Generator, count: int, max_sequences: int, m
     """``count`` documents of random sequences (lengths 1..max_length) of ids below ``vocab``."""
     return [[rng.integers(0, vocab, size=int(rng.integers(1, max_length + 1))).tolist()
              for _ in range(int(rng.integers(min_sequences, max_sequences + 1)))] for _ in range(count)]
+
+
+def build_index_in_process(cache_dir: str, start, results) -> None:
+    """Child-process body for the concurrent index build test: wait for the start signal, build, report the sum."""
+    from megapipe.data.index_cache import load_or_build
+
+    start.wait(timeout=60)
+    arrays = load_or_build(cache_dir, {"kind": "race"}, lambda: {"a": np.arange(200_000) * 7})
+    results.put(int(arrays["a"].sum()))

@@ -58,7 +58,7 @@ class Tokenizer(ABC):
     def _special(self, role: str) -> int:
         token_id = self._special_ids[role]
         if token_id is None:
-            raise ConfigError(f"{self.name} has no {SPECIAL_ROLES[role]}.")
+            raise ConfigError(f"{self.name} lacks {SPECIAL_ROLES[role]}.")
         return token_id
 
     @property

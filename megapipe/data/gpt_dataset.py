@@ -1,0 +1,98 @@
+"""GPT samples: windows of ``seq_length + 1`` tokens over a shuffled stream of documents.
+
+The documents of a split are concatenated in a fresh random order every epoch (epoch ``e``
+uses the ``e``-th permutation drawn from ``numpy.random.default_rng(seed)``), and sample ``j``
+of the stream is tokens ``[j*seq_length, (j+1)*seq_length + 1)``: windows cross document
+boundaries and consecutive windows share one token, so no token is wasted. After the
+epochs' permutations the same generator draws one more permutation, the order in which the
+samples are served. Enough epochs are taken to give the requested number of samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from megapipe.data.index_cache import array_digest, load_or_build
+from megapipe.data.indexed_dataset import IndexedDataset
+from megapipe.errors import DataError
+
+INDEX_VERSION = 1
+
+
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+    """Epochs whose concatenation holds ``num_samples`` windows of ``seq_length + 1`` tokens."""
+    if num_samples == 0:
+        return 1
+    return math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
+
+
+def build_sample_index(document_lengths: np.ndarray, num_samples: int, seq_length: int,
+                       seed: int) -> dict[str, np.ndarray]:
+    """Document order over all epochs, where each sample starts, and the order samples are served.
+
+    ``sample_start[j] = (k, offset)``: sample ``j`` starts ``offset`` tokens into the ``k``-th
+    document of ``document_order`` (an index into ``document_lengths``).
+    """
+    num_epochs = num_epochs_needed(int(document_lengths.sum()), num_samples, seq_length)
+    rng = np.random.default_rng(seed)
+    document_order = np.concatenate([rng.permutation(len(document_lengths)) for _ in range(num_epochs)])
+    sample_order = rng.permutation(num_samples)
+    stream_offsets = np.concatenate([[0], np.cumsum(document_lengths[document_order])])
+    starts = np.arange(num_samples, dtype=np.int64) * seq_length
+    position = np.searchsorted(stream_offsets, starts, side="right") - 1
+    sample_start = np.stack([position, starts - stream_offsets[position]], axis=1)
+    return {"document_order": document_order, "sample_start": sample_start, "sample_order": sample_order}
+
+
+class GPTDataset:
+    """``num_samples`` language-model samples from the documents ``documents`` of ``indexed``.
+
+    Items are dicts: ``tokens`` and ``labels`` (int64[seq_length], labels = tokens shifted by
+    one) and ``loss_mask`` (float32[seq_length]; with ``eod_mask_loss`` set to the eod id,
+    positions whose input token is eod get 0, as Megatron's --eod-mask-loss does).
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
+                 seed: int, cache_dir: str, split_name: str = "train", eod_mask_loss: Optional[int] = None):
+        self.indexed = indexed
+        self.documents = np.asarray(documents, dtype=np.int64)
+        self.seq_length = seq_length
+        self.eod_mask_loss = eod_mask_loss
+        lengths = indexed.document_lengths[self.documents]
+        if num_samples > 0 and lengths.sum() == 0:
+            raise DataError(f"the {split_name} split of {indexed.prefix} has no tokens but {num_samples} samples "
+                            "were asked for; give it more documents with --split or add data.")
+        description = {"kind": "gpt", "version": INDEX_VERSION, "split": split_name, "seed": seed,
+                       "seq_length": seq_length, "num_samples": num_samples, "lengths": array_digest(lengths),
+                       "num_documents": len(lengths)}
+        index = load_or_build(cache_dir, description,
+                              lambda: build_sample_index(lengths, num_samples, seq_length, seed))
+        self.document_order = index["document_order"]
+        self.sample_start = index["sample_start"]
+        self.sample_order = index["sample_order"]
+
+    def __len__(self) -> int:
+        return len(self.sample_order)
+
+    def sample_tokens(self, j: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of stream window ``j`` (before serving order is applied)."""
+        position, offset = (int(v) for v in self.sample_start[j])
+        pieces, needed = [], self.seq_length + 1
+        while needed:
+            document = self.indexed.document(int(self.documents[self.document_order[position]]))
+            piece = document[offset:offset + needed]
+            pieces.append(piece)
+            needed -= len(piece)
+            position, offset = position + 1, 0
+        return np.concatenate(pieces).astype(np.int64)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        window = self.sample_tokens(int(self.sample_order[i]))
+        tokens, labels = window[:-1], window[1:]
+        loss_mask = np.ones(self.seq_length, dtype=np.float32)
+        if self.eod_mask_loss is not None:
+            loss_mask[tokens == self.eod_mask_loss] = 0.0
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
