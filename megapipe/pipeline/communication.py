@@ -27,6 +27,7 @@ to rank 0, and the gradient goes back the same way.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from numbers import Real
 
@@ -68,7 +69,7 @@ def add_communication(schedule: Schedule, duration: Duration = unit_duration, tr
         receiver = send.peer
         sends[(step.rank, step.index)] = send
         consumer = position[(receiver, _identity(_consumer(recv)))]
-        running = next((k for k, end in enumerate(compute_ends[receiver]) if end > step.end), consumer)
+        running = bisect_right(compute_ends[receiver], step.end)  # first action still running after the send
         receives[(step.rank, receiver)].append((min(running, consumer), recv))
     before: defaultdict[tuple[int, int], list[Action]] = defaultdict(list)
     for (_, receiver), queue in sorted(receives.items()):
