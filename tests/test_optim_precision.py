@@ -94,6 +94,11 @@ def test_hook_accumulates_bf16_grads_in_fp32_and_frees_them():
     assert not grads.buffer.any()
 
 
+def test_optimizer_refuses_buffers_of_other_chunks():
+    with pytest.raises(ValueError, match="other model chunks"):
+        build_optimizer([mlp()], optimizer_config(), PS, GradBuffers([mlp()], PS))
+
+
 # ---- weight-decay groups -----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_decay_group_holds_exactly_the_1d_params(dtype):

@@ -66,6 +66,9 @@ def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerCo
                     grads: GradBuffers) -> PrecisionOptimizer:
     """The optimizer for this rank's chunks, reading gradients from ``grads`` (built on the same chunks)."""
     model_params = trainable_params(model_chunks)
+    if list(map(id, model_params)) != list(map(id, grads.params)):
+        raise ValueError("build_optimizer got gradient buffers built on other model chunks; "
+                         "pass the GradBuffers made from these chunks.")
     main_params = [make_main_param(p) for p in model_params]
     groups = weight_decay_groups(model_params, main_params, config.weight_decay)
     inner, kernel = build_inner_optimizer(groups, config, grads.buffer.device)
