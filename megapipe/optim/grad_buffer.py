@@ -72,7 +72,6 @@ class GradBuffers:
     def __init__(self, model_chunks: Iterable[torch.nn.Module], ps: ParallelState,
                  dtype: torch.dtype = torch.float32, bucket_size: int = DEFAULT_BUCKET_SIZE):
         self.ps = ps
-        self.dtype = dtype
         self.params = trainable_params(model_chunks)
         layout = list(reversed(self.params))
         self.buffer = torch.zeros(sum(p.numel() for p in layout), dtype=dtype, device=_common_device(layout))
