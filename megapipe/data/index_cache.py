@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import numpy as np
@@ -50,6 +51,15 @@ def _write(folder: str, description: dict, arrays: dict[str, np.ndarray]) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _reported_as_cache_error(cache_dir: str):
+    try:
+        yield
+    except OSError as error:
+        raise DataError(f"cannot write the dataset index cache in {cache_dir} ({error.strerror}); "
+                        "pass --data-cache-path with a writable folder.") from None
+
+
 def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The arrays cached under ``description`` (a JSON-able dict with a ``kind``), built by ``build()`` if absent.
 
@@ -57,11 +67,10 @@ def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[st
     """
     folder = cache_path(cache_dir, description)
     if not os.path.isdir(folder):
-        try:
+        with _reported_as_cache_error(cache_dir):
             os.makedirs(cache_dir, exist_ok=True)
-            _write(folder, description, build())
-        except PermissionError as error:
-            raise DataError(f"cannot write the dataset index cache in {cache_dir} ({error.strerror}); "
-                            "pass --data-cache-path with a writable folder.") from None
+        arrays = build()
+        with _reported_as_cache_error(cache_dir):
+            _write(folder, description, arrays)
     return {name[:-4]: np.load(os.path.join(folder, name), mmap_mode="r")
             for name in sorted(os.listdir(folder)) if name.endswith(".npy")}
