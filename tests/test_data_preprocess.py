@@ -69,12 +69,12 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
 def test_plain_text_one_document_per_line_or_per_file(tmp_path):
     lines = [d.replace("\n", " ") for d in DOCUMENTS if d]
     (tmp_path / "a.txt").write_text("\n".join(lines[:2]) + "\n\n   \n")
-    (tmp_path / "b.txt").write_text("\n".join(lines[2:]))
+    (tmp_path / "b.txt").write_bytes("\r\n".join(lines[2:]).encode())  # Windows line endings
     inputs = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
     per_line = preprocess(inputs, str(tmp_path / "lines"), BYTE_LEVEL, progress=False)["text"]
     assert documents_of(per_line, BYTE_LEVEL, drop_eod=False) == lines  # blank lines are not documents
     per_file = preprocess(inputs, str(tmp_path / "files"), BYTE_LEVEL, document_per_file=True, progress=False)["text"]
-    assert documents_of(per_file, BYTE_LEVEL, drop_eod=False) == [open(p).read() for p in inputs]
+    assert documents_of(per_file, BYTE_LEVEL, drop_eod=False) == [open(p, "rb").read().decode() for p in inputs]
 
 
 def test_parquet_round_trip(tmp_path):

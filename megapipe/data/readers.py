@@ -2,7 +2,8 @@
 
 Each document is a dict ``{key: text}``. JSONL and Parquet give one document per line/row with
 the ``--json-keys`` fields (columns); plain text gives the key ``text`` with one document per
-non-blank line (without its line ending) or, with ``document_per_file``, one per file.
+non-blank line (without its line ending) or, with ``document_per_file``, one per file (its exact
+content, line endings included).
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ def _text_field(record, key: str, where: str) -> str:
 
 
 def _read_text(path: str, document_per_file: bool) -> Iterator[dict[str, str]]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="") as f:  # keep \r\n as written: files round-trip byte for byte
         if document_per_file:
             yield {TEXT_KEY: f.read()}
             return
         for line in f:
-            line = line.rstrip("\n")
+            line = line.rstrip("\r\n")
             if line.strip():
                 yield {TEXT_KEY: line}
 
