@@ -119,7 +119,8 @@ def test_corrupt_index_is_reported(dataset_prefix, transform, message):
 def test_truncated_bin_is_reported_as_index_pointing_past_its_end(dataset_prefix):
     size = os.path.getsize(dataset_prefix + ".bin")
     corrupt(dataset_prefix + ".bin", lambda data: data[:-2])
-    with pytest.raises(DataError, match=f"points to byte {size} but .*has only {size - 2} bytes; the .bin is truncated"):
+    with pytest.raises(DataError, match=f"points to byte {size} but .*has only {size - 2} bytes; "
+                                        "the .bin is truncated"):
         IndexedDataset(dataset_prefix)
 
 

@@ -140,8 +140,9 @@ def test_large_vocabularies_are_stored_as_int32(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"text": "ok"}\n{"text": "broken\n', r"in.jsonl:2 is not valid JSON"),
-    ('{"text": "ok"}\n{"body": "x"}\n', r"in.jsonl:2 has no key 'text' \(found: body\); pass the right field with --json-keys"),
-    ('{"text": 5}\n', r"in.jsonl:1 key 'text' holds a int, not text"),
+    ('{"text": "ok"}\n{"body": "x"}\n',
+     r"in.jsonl:2 has no key 'text' \(found: body\); pass the right field with --json-keys"),
+    ('{"text": 5}\n', r"in.jsonl:1 key 'text' holds int, not text"),
     ('["text"]\n', r"in.jsonl:1 has no key 'text' \(found: list\)"),
 ])
 def test_bad_jsonl_is_reported_with_file_and_line(tmp_path, content, message):

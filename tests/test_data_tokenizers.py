@@ -1,7 +1,6 @@
 """Tokenizers: real GPT-2 and SentencePiece vocabularies, round trips, special tokens, flag errors."""
 
 import json
-import os
 import pickle
 
 import pytest

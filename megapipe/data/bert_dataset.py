@@ -23,8 +23,6 @@ Without ``binary_head`` the whole chunk is A, there is no B and ``is_random`` is
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from megapipe.data.index_cache import array_digest, load_or_build
@@ -82,7 +80,8 @@ class BERTDataset:
                  cache_dir: str, tokenizer: Tokenizer, split_name: str = "train", masked_lm_prob: float = 0.15,
                  short_seq_prob: float = 0.1, binary_head: bool = True, pair_task: str = "sop"):
         if pair_task not in PAIR_TASKS:
-            raise ConfigError(f"BERT pair task {pair_task} is unknown; use sop (sentence order) or nsp (next sentence).")
+            raise ConfigError(f"BERT pair task {pair_task} is unknown; "
+                              "use sop (sentence order) or nsp (next sentence).")
         if seq_length < 5:
             raise ConfigError(f"--seq-length {seq_length} is too short for BERT; it needs at least 5 positions.")
         self.indexed = indexed

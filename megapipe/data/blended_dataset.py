@@ -34,7 +34,8 @@ def parse_data_path(items: Sequence[str]) -> list[tuple[float, str]]:
         raise ConfigError(f"--data-path {' '.join(items)} is not valid; give one dataset prefix or "
                           "weight/prefix pairs such as 0.3 prefixA 0.7 prefixB.")
     if min(w for w, _ in pairs) <= 0:
-        raise ConfigError(f"--data-path {' '.join(items)} has a weight that is not positive; every weight must be above 0.")
+        raise ConfigError(f"--data-path {' '.join(items)} has a weight that is not positive; "
+                          "every weight must be above 0.")
     total = sum(w for w, _ in pairs)
     return [(w / total, prefix) for w, prefix in pairs]
 

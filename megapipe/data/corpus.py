@@ -110,7 +110,8 @@ def default_bert_data(cache_dir: Optional[str] = None) -> tuple[str, Tokenizer]:
                    split_sentences=True, progress=False)
 
     _build_once(folder, build)
-    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=os.path.join(folder, f"{BERT_VOCAB_PREFIX}-vocab.txt"))
+    vocab_file = os.path.join(folder, f"{BERT_VOCAB_PREFIX}-vocab.txt")
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab_file)
     return os.path.join(folder, "corpus_text_sentence"), tokenizer
 
 

@@ -60,7 +60,8 @@ def _reported_as_cache_error(cache_dir: str):
                         "pass --data-cache-path with a writable folder.") from None
 
 
-def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def load_or_build(cache_dir: str, description: dict,
+                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The arrays cached under ``description`` (a JSON-able dict with a ``kind``), built by ``build()`` if absent.
 
     Arrays come back as read-only memory maps.

@@ -64,7 +64,8 @@ def check_prefix_exists(prefix: str, flag: str = "--data-path") -> None:
     if missing:
         hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
         raise DataError(f"{flag} prefix {prefix} not found{hint}: looked for {bin_path(prefix)} and "
-                        f"{idx_path(prefix)}, missing {' and '.join(missing)}; create them with tools/preprocess_data.py.")
+                        f"{idx_path(prefix)}, missing {' and '.join(missing)}; "
+                        "create them with tools/preprocess_data.py.")
 
 
 class IndexedDataset:
@@ -99,7 +100,8 @@ class IndexedDataset:
         expected = HEADER.size + 8 * (2 * n + d + 1)
         if size != expected:
             raise DataError(f"{path} has {size} bytes but its header ({n} sequences, {d} documents) needs "
-                            f"{expected}; the file is truncated or corrupt, re-create it with tools/preprocess_data.py.")
+                            f"{expected}; the file is truncated or corrupt, "
+                            "re-create it with tools/preprocess_data.py.")
         index = np.memmap(path, dtype="<i8", mode="r", offset=HEADER.size) if n + d + 1 else np.zeros(0, "<i8")
         self.dtype = DTYPE_CODES[dtype_code]
         self.sequence_lengths = index[:n]
@@ -107,7 +109,8 @@ class IndexedDataset:
         self.document_indices = index[2 * n:]
         if self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise DataError(f"{path} has document boundaries from {self.document_indices[0]} to "
-                            f"{self.document_indices[-1]} instead of 0 to {n}; re-create it with tools/preprocess_data.py.")
+                            f"{self.document_indices[-1]} instead of 0 to {n}; "
+                            "re-create it with tools/preprocess_data.py.")
 
     def _map_tokens(self, path: str) -> None:
         n = len(self.sequence_lengths)

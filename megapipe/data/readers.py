@@ -55,7 +55,7 @@ def _text_field(record, key: str, where: str) -> str:
         raise DataError(f"{where} has no key '{key}' (found: {found}); pass the right field with --json-keys.")
     value = record[key]
     if not isinstance(value, str):
-        raise DataError(f"{where} key '{key}' holds a {type(value).__name__}, not text; "
+        raise DataError(f"{where} key '{key}' holds {type(value).__name__}, not text; "
                         "pass a text field with --json-keys.")
     return value
 
@@ -84,7 +84,8 @@ def read_documents(paths: Sequence[str], json_keys: Sequence[str] = (TEXT_KEY,),
     """Every document of every input file, in order."""
     for path in paths:
         if not os.path.isfile(path):
-            raise DataError(f"--input {path} does not exist or is not a file; pass a local JSONL, text or Parquet file.")
+            raise DataError(f"--input {path} does not exist or is not a file; "
+                            "pass a local JSONL, text or Parquet file.")
     for path in paths:
         kind = input_format(path)
         try:

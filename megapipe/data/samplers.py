@@ -50,7 +50,8 @@ def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
+                                  data_parallel_size: int, num_workers: int = 0
+                                  ) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader of this rank's microbatches (dicts of tensors); ``None`` for a ``None`` dataset.
 
     Items are cheap memory-mapped slices, so ``num_workers=0`` is usually fastest.
