@@ -68,6 +68,14 @@ def check_prefix_exists(prefix: str, flag: str = "--data-path") -> None:
                         "create them with tools/preprocess_data.py.")
 
 
+def _memory_map(path: str, dtype: np.dtype, offset: int) -> np.ndarray:
+    """Read-only zero-copy view of a file from ``offset`` on, as a plain ndarray (slices of a
+    ``np.memmap`` subclass cost several times more); an empty file gives an empty array."""
+    if os.path.getsize(path) <= offset:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset).view(np.ndarray)
+
+
 class IndexedDataset:
     """Read-only view of a dataset: ``len(ds)`` sequences, ``ds[i]`` a zero-copy array of ids.
 
@@ -102,7 +110,7 @@ class IndexedDataset:
             raise DataError(f"{path} has {size} bytes but its header ({n} sequences, {d} documents) needs "
                             f"{expected}; the file is truncated or corrupt, "
                             "re-create it with tools/preprocess_data.py.")
-        index = np.memmap(path, dtype="<i8", mode="r", offset=HEADER.size) if n + d + 1 else np.zeros(0, "<i8")
+        index = _memory_map(path, np.dtype("<i8"), HEADER.size)
         self.dtype = DTYPE_CODES[dtype_code]
         self.sequence_lengths = index[:n]
         self.sequence_pointers = index[n:2 * n]
@@ -122,7 +130,7 @@ class IndexedDataset:
         if size > needed:
             raise DataError(f"{path} has {size} bytes but {idx_path(self.prefix)} describes {needed}; the two files "
                             "come from different runs, re-create the dataset with tools/preprocess_data.py.")
-        self.tokens = np.memmap(path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+        self.tokens = _memory_map(path, self.dtype, 0)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
