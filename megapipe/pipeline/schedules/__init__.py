@@ -67,10 +67,11 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if m < 1:
         raise ConfigError(f"the number of microbatches m={m} must be at least 1; raise --global-batch-size.")
     if v < 1:
-        raise ConfigError(f"--virtual-pipeline-model-parallel-size {v} must be at least 1.")
+        raise ConfigError(f"the number of model chunks per rank v={v} must be at least 1; check "
+                          "--num-layers-per-virtual-pipeline-stage.")
     if v > 1 and not spec.chunked:
         chunked = [n for n in schedule_names() if _REGISTRY[n].chunked]
-        raise ConfigError(f"--virtual-pipeline-model-parallel-size {v} needs a schedule with model chunks, but "
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage gives v={v} model chunks per rank, but "
                           f"--pipeline-schedule {name} has none; use {' or '.join(chunked)} or drop the flag.")
     lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
     return lower_schedule(Schedule(name, p, m, v, lists))
