@@ -1,0 +1,80 @@
+"""Closed forms for each pipeline schedule: batch time, bubble, in-flight activations, weight versions.
+
+Seed 002 Table 7.1 gives the bubble and the (weight versions, activation stashes) of each
+scheme: GPipe (p-1)/m and (1, m); PipeDream 0 and (p, p); 2BW 0 and (2, p); Flush (1f1b)
+(p-1)/m and (1, p); interleaved (p-1)/(v m) and (1, p). Here they are per pipeline rank r,
+as megapipe's schedules run them: 1F1B holds p - r microbatches on rank r (its warm-up plus
+one), interleaved 1F1B holds (2 (p - r - 1) + (v - 1) p + 1) / v stages' worth on rank r
+(all m when m = p), which Table 7.1 rounds to p. The batch time generalises
+(m + (p-1)/v)(t_f + t_b) to ranks of unequal speed as m * max_r t_r + (sum_r t_r - max_r t_r) / v:
+for GPipe with t = t_f and t = t_b in turn (two flow shops, exact), for 1F1B with t = t_f + t_b
+(exact when the middle ranks are equal and the last rank's step is not shorter than the
+first's, as when the head outweighs the embedding; otherwise within two steps), and for
+interleaving the same (exact for equal ranks; unequal chunks cause stalls it does not see). 2BW and PipeDream never flush, so in steady state a microbatch leaves every
+max_r (t_f + t_b)_r.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Optional, Sequence
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "2bw", "pipedream")
+FLUSHING = ("1f1b", "gpipe", "interleaved")
+
+
+def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
+    """Why ``schedule`` cannot run m microbatches on p ranks with v chunks each, or None if it can."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule}"
+    if (v > 1) != (schedule == "interleaved"):
+        return "only the interleaved schedule has several chunks per rank, and it needs at least two"
+    if schedule == "interleaved" and (p < 2 or m % p):
+        return f"interleaving needs p >= 2 and m a multiple of p (p={p}, m={m})"
+    if schedule in ("1f1b", "2bw") and m < p:
+        return f"{schedule} needs at least p={p} microbatches per batch, not {m}"
+    if schedule == "pipedream" and m != 1:
+        return "PipeDream updates the weights after every microbatch, so a batch is one microbatch per pipeline"
+    return None
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
+    """Peak microbatches whose activations rank ``rank`` holds, in units of the whole rank's (all chunks)."""
+    if schedule == "gpipe":
+        return Fraction(m)
+    if schedule == "interleaved":
+        if m == p:
+            return Fraction(m)
+        return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
+    return Fraction(min(p - rank, m))  # 1f1b, 2bw and pipedream admit p - rank before the first backward
+
+
+def weight_versions(schedule: str, p: int, rank: int) -> int:
+    """Copies of the weights rank ``rank`` keeps: one per in-flight input with stashing, two with 2BW."""
+    if schedule == "pipedream":
+        return p - rank
+    if schedule == "2bw":
+        return 2
+    return 1
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
+    """Idle time over ideal time for equal ranks: (p-1)/(v m) with a flush, 0 without."""
+    if schedule not in FLUSHING:
+        return Fraction(0)
+    return Fraction(p - 1, v * m)
+
+
+def _phase_time(times: Sequence[float], m: int, v: int) -> float:
+    slowest = max(times)
+    return m * slowest + (sum(times) - slowest) / v
+
+
+def pipeline_time(schedule: str, forward: Sequence[float], backward: Sequence[float], m: int, v: int = 1) -> float:
+    """Seconds for one batch of m microbatches; ``forward[r]``/``backward[r]`` are rank r's per microbatch (all chunks)."""
+    if schedule == "gpipe":  # all forwards, then all backwards: two flow shops
+        return _phase_time(forward, m, v) + _phase_time(backward, m, v)
+    both = [f + b for f, b in zip(forward, backward)]
+    if schedule in FLUSHING:  # 1F1B alternates, so a rank's forward and backward form one step
+        return _phase_time(both, m, v)
+    return m * max(both)
