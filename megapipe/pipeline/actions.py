@@ -20,6 +20,11 @@ Kinds and what an executor does for each, in list order:
 * ``RECV_B s.i<r`` -- receive the output gradient of stage s, microbatch i, from rank r.
 * ``STEP`` -- optimizer step of all this rank's chunks after the flush: all-reduce the
   gradients over the data-parallel group, then update.
+* ``UPDATE s.i`` -- asynchronous schedules (PipeDream, 2BW) only: stage s applies, on its own,
+  the gradients of its microbatches up to i that no earlier UPDATE applied, creating the next
+  weight version of stage s. When stage s is replicated, i is the last microbatch of the
+  update on any replica; every replica runs the same UPDATE, which all-reduces the gradients
+  among them first (a collective).
 
 Executor contract (what makes the lists deadlock-free, see ``communication.py``): sends and
 receives are *posted* without blocking at their place in the list; a compute action waits
@@ -28,17 +33,29 @@ the end of its list. Between one ordered pair of ranks the k-th send matches the
 receive, so no tags are needed.
 
 Weight versions. ``version`` is ``None`` for the flush schedules (one weight version).
-PipeDream (weight stashing) and 2BW will set it on F and B to name the weight version the
-pass must use; its text form is a ``v`` suffix, e.g. ``F3.1v2``.
+PipeDream (weight stashing) and 2BW set it on F and B to name the weight version of the
+stage the pass must use: version k of stage s is its weights after its first k UPDATEs. Its
+text form is a ``v`` suffix, e.g. ``F3.1v2``.
+
+Placement. Without replication stage s lives on rank ``s % p``. A schedule over a stage
+plan with replicated stages (PipeDream's "2-1") has one list per worker, workers numbered
+stage by stage, and replica ``i % R`` of a stage with R replicas runs microbatch i (1F1B-RR);
+``Schedule.rank_of(stage, microbatch)`` answers both cases.
+
+Batches. A flush schedule's lists cover one batch of m microbatches. An asynchronous
+schedule has no flush; its lists are its *unrolled form* over ``batches`` consecutive
+batches (microbatches ``0 .. batches*m - 1``): warm-up, steady state, drain. The executor
+runs it as a periodic program, one batch per call (see ``program.py``).
 
 Text form, used in grids and schedule files: ``F3.1`` (forward, stage 3, microbatch 1),
-``B0.7``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``. ``parse_action`` reads it back.
+``B0.7``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``, ``UPDATE2.7``. ``parse_action`` reads it
+back.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional
 
@@ -55,10 +72,15 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     STEP = "STEP"
+    UPDATE = "UPDATE"
 
     @property
     def is_compute(self) -> bool:
         return self is ActionKind.F or self is ActionKind.B
+
+    @property
+    def is_optimizer_step(self) -> bool:
+        return self is ActionKind.STEP or self is ActionKind.UPDATE
 
     @property
     def is_send(self) -> bool:
@@ -70,7 +92,7 @@ class ActionKind(str, Enum):
 
     @property
     def is_communication(self) -> bool:
-        return not (self.is_compute or self is ActionKind.STEP)
+        return not (self.is_compute or self.is_optimizer_step)
 
 
 @dataclass(frozen=True)
@@ -78,7 +100,8 @@ class Action:
     """One step of one pipeline rank; see the module docstring for each kind's meaning.
 
     ``stage`` and ``microbatch`` are ``None`` only for ``STEP``; ``peer`` is the pipeline rank
-    at the other end and is set exactly for communication kinds.
+    at the other end and is set exactly for communication kinds; ``version`` only on F and B
+    (and the messages they cause) of asynchronous schedules.
     """
 
     kind: ActionKind
@@ -100,6 +123,8 @@ class Action:
         if self.kind.is_communication != (self.peer is not None):
             raise ScheduleError(f"{self.kind.value} {self.stage}.{self.microbatch}: communication actions need a peer "
                                 "rank and compute actions must not have one.")
+        if self.kind is ActionKind.UPDATE and self.version is not None:
+            raise ScheduleError(f"UPDATE{self.stage}.{self.microbatch} takes no version: it creates the next one.")
 
     def __str__(self) -> str:
         if self.kind is ActionKind.STEP:
@@ -112,7 +137,7 @@ class Action:
         return text
 
 
-_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
+_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
 
 
 def parse_action(text: str) -> Action:
@@ -122,7 +147,8 @@ def parse_action(text: str) -> Action:
         return Action(ActionKind.STEP)
     match = _ACTION_PATTERN.fullmatch(token)
     if match is None:
-        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, SEND_F3.1>0, RECV_B2.5<3 or STEP.")
+        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, SEND_F3.1>0, RECV_B2.5<3, "
+                            "UPDATE1.3 or STEP.")
     kind, stage, microbatch, version, arrow, peer = match.groups()
     kind = ActionKind(kind)
     if kind.is_communication and arrow != (">" if kind.is_send else "<"):
@@ -135,11 +161,13 @@ def parse_action(text: str) -> Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A whole pipeline schedule: per pipeline rank, the ordered actions it runs for one batch.
+    """A whole pipeline schedule: per pipeline rank, the ordered actions it runs.
 
-    ``p`` pipeline ranks, ``m`` microbatches per batch, ``v`` model chunks per rank.
-    ``actions[r]`` is rank r's list. Build one with ``build_schedule`` or ``load_schedule``
-    (both validate); the constructor only checks the shape.
+    ``p`` pipeline ranks (workers), ``m`` microbatches per batch, ``v`` model chunks per rank,
+    ``batches`` consecutive batches covered (1 for flush schedules, see the module
+    docstring), ``replicas`` the number of workers of each stage when stages are replicated
+    (None: one per stage). ``actions[r]`` is rank r's list. Build one with ``build_schedule``
+    or ``load_schedule`` (both validate); the constructor only checks the shape.
     """
 
     name: str
@@ -147,40 +175,82 @@ class Schedule:
     m: int
     v: int
     actions: tuple[tuple[Action, ...], ...]
+    batches: int = 1
+    replicas: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
-        if self.p < 1 or self.m < 1 or self.v < 1:
-            raise ScheduleError(f"schedule {self.name!r} needs p, m and v of at least 1, got p={self.p}, "
-                                f"m={self.m}, v={self.v}.")
+        if self.p < 1 or self.m < 1 or self.v < 1 or self.batches < 1:
+            raise ScheduleError(f"schedule {self.name!r} needs p, m, v and batches of at least 1, got p={self.p}, "
+                                f"m={self.m}, v={self.v}, batches={self.batches}.")
         if len(self.actions) != self.p:
             raise ScheduleError(f"schedule {self.name!r} has {len(self.actions)} action lists for p={self.p} "
                                 "pipeline ranks; give exactly one list per rank.")
+        if self.replicas is not None:
+            object.__setattr__(self, "replicas", tuple(self.replicas))
+            if self.v != 1 or min(self.replicas, default=0) < 1 or sum(self.replicas) != self.p:
+                raise ScheduleError(f"schedule {self.name!r}: stage replicas {list(self.replicas)} must be positive "
+                                    f"and add up to p={self.p} workers, with v=1.")
 
     @property
     def num_stages(self) -> int:
-        return self.p * self.v
+        return len(self.replicas) if self.replicas is not None else self.p * self.v
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatch ids the lists use: 0 .. batches * m - 1."""
+        return self.m * self.batches
+
+    def stage_replicas(self, stage: int) -> int:
+        return 1 if self.replicas is None else self.replicas[stage]
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``stage`` for ``microbatch`` (round robin over a replicated stage)."""
+        if self.replicas is None:
+            return stage % self.p
+        return sum(self.replicas[:stage]) + microbatch % self.replicas[stage]
+
+    def ranks_of_stage(self, stage: int) -> list[int]:
+        """Every rank that holds ``stage`` (its replicas, in replica order)."""
+        if self.replicas is None:
+            return [stage % self.p]
+        first = sum(self.replicas[:stage])
+        return list(range(first, first + self.replicas[stage]))
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.p
+        """The rank of an unreplicated stage."""
+        ranks = self.ranks_of_stage(stage)
+        if len(ranks) != 1:
+            raise ValueError(f"stage {stage} is replicated on ranks {ranks}; use rank_of(stage, microbatch)")
+        return ranks[0]
 
     def chunk_of_stage(self, stage: int) -> int:
-        return stage // self.p
+        return 0 if self.replicas is not None else stage // self.p
 
     def stages_on_rank(self, rank: int) -> list[int]:
         """The virtual stages rank ``rank`` holds, in chunk order."""
+        if self.replicas is not None:
+            return [next(s for s in range(self.num_stages) if rank in self.ranks_of_stage(s))]
         return [rank + chunk * self.p for chunk in range(self.v)]
+
+    def microbatches_on(self, rank: int, stage: int) -> range:
+        """The microbatches ``rank`` runs ``stage`` for (all of them unless the stage is replicated)."""
+        replicas = self.stage_replicas(stage)
+        return range(self.ranks_of_stage(stage).index(rank) if replicas > 1 else 0, self.num_microbatches, replicas)
 
     @property
     def has_communication(self) -> bool:
         return any(action.kind.is_communication for rank_actions in self.actions for action in rank_actions)
 
+    def with_actions(self, actions) -> "Schedule":
+        """The same schedule (name, sizes, placement) with other lists."""
+        return replace(self, actions=actions)
+
     def compute_only(self) -> "Schedule":
         """The same schedule without SEND/RECV actions (what generators and files hold)."""
-        return Schedule(self.name, self.p, self.m, self.v,
-                        [[a for a in rank_actions if not a.kind.is_communication] for rank_actions in self.actions])
+        return self.with_actions([[a for a in rank_actions if not a.kind.is_communication]
+                                  for rank_actions in self.actions])
 
     def to_text(self) -> str:
         """One line per rank, actions separated by spaces (the schedule file format)."""
         return "\n".join(" ".join(str(a) for a in rank_actions) for rank_actions in self.actions) + "\n"
-

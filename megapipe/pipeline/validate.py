@@ -2,8 +2,10 @@
 
 The checks, in order: every action names a stage its rank holds and a microbatch in range,
 and a send or receive names the right peer; every (stage, microbatch) has exactly one F and
-one B, and every rank one STEP; on each rank F comes before its B, a send after the compute
-that makes its tensor, STEP after all the rank's B; if the schedule has SEND/RECV actions,
+one B, and every rank one STEP (flush schedules) or UPDATEs of its stages (asynchronous
+schedules, whose UPDATE and weight-version rules ``validate_updates`` checks); on each rank
+F comes before its B, a send after the compute that makes its tensor, STEP after all the
+rank's B; if the schedule has SEND/RECV actions,
 every tensor crossing ranks has exactly one send and one receive, the receive comes before
 its consumer, and between two ranks receives are posted in the order the sender sends;
 finally a replay of all lists (``replay.replay``) finds no deadlock, which also covers F of
@@ -19,6 +21,7 @@ from megapipe.errors import ScheduleError
 from megapipe.pipeline.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.grid import format_grid
 from megapipe.pipeline.replay import input_producer, message_of, outgoing_messages, replay
+from megapipe.pipeline.validate_updates import check_updates_and_versions, is_asynchronous
 
 __all__ = ["validate_schedule", "format_grid"]
 
@@ -28,6 +31,8 @@ def validate_schedule(schedule: Schedule) -> None:
     _check_placement(schedule)
     _check_counts(schedule)
     _check_rank_order(schedule)
+    if is_asynchronous(schedule):
+        check_updates_and_versions(schedule, _fail)
     if schedule.has_communication:
         _check_messages(schedule)
     replay(schedule)
@@ -44,7 +49,7 @@ def _expected_peer(schedule: Schedule, action: Action) -> Optional[int]:
     neighbour = action.stage + offset
     if not 0 <= neighbour < schedule.num_stages:
         return None
-    return schedule.rank_of_stage(neighbour)
+    return schedule.rank_of(neighbour, action.microbatch)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -62,10 +67,16 @@ def _placement_problem(schedule: Schedule, rank: int, action: Action) -> str:
     if action.stage >= schedule.num_stages:
         return (f"names stage {action.stage}, but the schedule has only {schedule.num_stages} stages "
                 f"(p={schedule.p} x v={schedule.v})")
-    if schedule.rank_of_stage(action.stage) != rank:
-        return f"names stage {action.stage}, which lives on rank {schedule.rank_of_stage(action.stage)}; move it there"
-    if action.microbatch >= schedule.m:
-        return f"names microbatch {action.microbatch}, but there are only m={schedule.m}"
+    if action.microbatch >= schedule.num_microbatches:
+        batches = "" if schedule.batches == 1 else f" per batch x {schedule.batches} batches"
+        return f"names microbatch {action.microbatch}, but there are only m={schedule.m}{batches}"
+    if action.kind is ActionKind.UPDATE:
+        holders = schedule.ranks_of_stage(action.stage)
+        return "" if rank in holders else f"updates stage {action.stage}, which lives on rank(s) {holders}"
+    owner = schedule.rank_of(action.stage, action.microbatch)
+    if owner != rank:
+        which = "" if schedule.stage_replicas(action.stage) == 1 else f" for microbatch {action.microbatch}"
+        return f"names stage {action.stage}{which}, which lives on rank {owner}; move it there"
     if action.kind.is_communication:
         expected = _expected_peer(schedule, action)
         if expected is None or expected == rank:
@@ -84,11 +95,15 @@ def _check_counts(schedule: Schedule) -> None:
             if seen[key] > 1:
                 _fail(schedule, rank, index, f"rank {rank} runs {action} twice (again at position {index}); "
                                              "keep exactly one.")
+    asynchronous = is_asynchronous(schedule)
     for rank in range(schedule.p):
-        if not seen[(rank, ActionKind.STEP, None, None)]:
+        if asynchronous and seen[(rank, ActionKind.STEP, None, None)]:
+            _fail(schedule, None, None, f"rank {rank} mixes STEP with UPDATE; an asynchronous schedule updates each "
+                                        "stage with UPDATE actions and has no flush STEP.")
+        if not asynchronous and not seen[(rank, ActionKind.STEP, None, None)]:
             _fail(schedule, None, None, f"rank {rank} has no STEP; end its list with STEP after its last backward.")
         for stage in schedule.stages_on_rank(rank):
-            for microbatch in range(schedule.m):
+            for microbatch in schedule.microbatches_on(rank, stage):
                 for kind in (ActionKind.F, ActionKind.B):
                     if not seen[(rank, kind, stage, microbatch)]:
                         _fail(schedule, None, None, f"rank {rank} never runs {kind.value}{stage}.{microbatch}; "
@@ -110,9 +125,10 @@ def _check_rank_order(schedule: Schedule) -> None:
                                                  "tensor; put the send after it.")
             if action.kind is ActionKind.STEP:
                 backwards = sum(1 for key in done if key[0] is ActionKind.B)
-                if backwards < schedule.m * schedule.v:
+                expected = sum(len(schedule.microbatches_on(rank, s)) for s in schedule.stages_on_rank(rank))
+                if backwards < expected:
                     _fail(schedule, rank, index, f"rank {rank} runs STEP after only {backwards} of its "
-                                                 f"{schedule.m * schedule.v} backwards; move STEP after the last one.")
+                                                 f"{expected} backwards; move STEP after the last one.")
             done.add((action.kind, action.stage, action.microbatch))
 
 
@@ -149,7 +165,7 @@ def _check_messages(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         for index, action in enumerate(actions):
             producer = input_producer(schedule, action) if action.kind.is_compute else None
-            if producer is None or schedule.rank_of_stage(producer.stage) == rank:
+            if producer is None or schedule.rank_of(producer.stage, producer.microbatch) == rank:
                 continue
             _, recv = outgoing_messages(schedule, producer)
             if positions[rank][_key(recv)] > index:
