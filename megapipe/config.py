@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
+from megapipe.optim.config import OptimizerConfig
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -122,8 +123,63 @@ class ParallelConfig:
 
 
 @dataclass
+class DataConfig:
+    """Where samples come from: ``data_path`` empty means the embedded default corpus."""
+
+    data_path: list = field(default_factory=list)
+    split: str = "969,30,1"
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    data_cache_path: Optional[str] = None
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+
+
+@dataclass
+class TrainingConfig:
+    """The loop: batch sizes, length, evaluation, checkpoints and logging."""
+
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    train_iters: int = 200
+    eval_interval: int = 100
+    eval_iters: int = 10
+    log_interval: int = 10
+    seed: int = 1234
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    async_save: bool = False
+    exit_on_sigterm: bool = True
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    device_peak_tflops: Optional[float] = None  # for model FLOPs utilisation; known GPUs are looked up
+    fusion_backend: str = "auto"
+
+    def num_microbatches(self, data_parallel: int) -> int:
+        """m = global batch / (micro batch x d), as in Megatron."""
+        per_step = self.micro_batch_size * data_parallel
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                              f"{self.micro_batch_size} x data-parallel size {data_parallel} (= {per_step}); "
+                              f"use a multiple of {per_step}.")
+        return self.global_batch_size // per_step
+
+
+@dataclass
 class Config:
-    """Everything a run needs; grows with the training loop."""
+    """Everything a run needs, parsed once from the flags."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

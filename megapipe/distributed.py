@@ -68,3 +68,18 @@ def manual_seed(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``; a no-op on the CPU, where every op has finished on return."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated on the accelerator, resident on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux reports KiB

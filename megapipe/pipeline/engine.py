@@ -18,6 +18,7 @@ from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optim
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.timeline import Timeline
 
 
@@ -44,6 +45,10 @@ class PipelineEngine:
         self.executor = PipelineExecutor(chunks, ps, self.schedule, boundary_shape, dtype, device, step=self._step,
                                          scale_loss=self.optimizer.scale_loss, scatter_gather=scatter_gather,
                                          timeout=timeout, timeline=timeline)
+        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(ps.pp_size, num_microbatches,
+                                                                                ps.virtual_pipeline),
+                                              boundary_shape, dtype, device, step=lambda: None,
+                                              scatter_gather=scatter_gather, timeout=timeout)
 
     def _step(self) -> None:
         finalize_model_grads(self.chunks, self.ps, self.grads)
@@ -56,3 +61,10 @@ class PipelineEngine:
         self._last_step = None
         result = self.executor.run(microbatches)
         return TrainStepResult(result.losses, self._last_step, result.peak_in_flight)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict]) -> list[float]:
+        """Per-microbatch losses (last stage; empty elsewhere) without dropout or gradients."""
+        for chunk in self.chunks:
+            chunk.eval()
+        return self.eval_executor.run(microbatches).losses

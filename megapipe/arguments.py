@@ -1,0 +1,220 @@
+"""Command-line flags with Megatron-LM's names, parsed once into ``Config``.
+
+``parse_config(kind, argv, world_size)`` reads the flags, fills the dataclasses of
+``megapipe.config`` and checks every combination that can be checked before a process
+group exists; each mistake is one sentence naming the flags and the fix. With no flags at
+all a small model trains on the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+import torch
+
+from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megapipe.errors import ConfigError
+from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"pretrain_{kind}.py", description=f"Pretrain a {kind.upper()} model with "
+                                     "tensor, pipeline and data parallelism (Megatron-LM flag names).",
+                                     allow_abbrev=False)
+    _model_flags(parser.add_argument_group("model"))
+    _parallel_flags(parser.add_argument_group("parallelism"))
+    _optimizer_flags(parser.add_argument_group("optimizer and precision"))
+    _training_flags(parser.add_argument_group("training"))
+    _data_flags(parser.add_argument_group("data"))
+    _kernel_flags(parser.add_argument_group("kernels and memory"))
+    return parser
+
+
+def _model_flags(g) -> None:
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--layernorm-epsilon", type=float, default=None, help="default 1e-5 (GPT), 1e-12 (BERT)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--bert-no-binary-head", action="store_true", help="BERT: train masked LM only")
+
+
+def _parallel_flags(g) -> None:
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk for the interleaved schedule")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
+    g.add_argument("--pipeline-schedule", default=None,
+                   help="1f1b (default), gpipe, interleaved (default with virtual stages), pipedream, 2bw")
+
+
+def _optimizer_flags(g) -> None:
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="constant loss scale; dynamic when unset")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _training_flags(g) -> None:
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=32)
+    g.add_argument("--train-iters", type=int, default=500)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--device-peak-tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device, for model FLOPs utilisation")
+
+
+def _data_flags(g) -> None:
+    g.add_argument("--data-path", nargs="*", default=[],
+                   help="prefix, or weight/prefix pairs; the embedded corpus when omitted")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--mask-prob", type=float, default=0.15)
+    g.add_argument("--short-seq-prob", type=float, default=0.1)
+
+
+def _kernel_flags(g) -> None:
+    g.add_argument("--no-bias-gelu-fusion", action="store_true")
+    g.add_argument("--no-bias-dropout-fusion", action="store_true")
+    g.add_argument("--no-masked-softmax-fusion", action="store_true")
+    g.add_argument("--fusion-backend", choices=("auto", "apex", "triton", "compile", "eager"), default="auto")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _virtual_pipeline_size(args) -> int:
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    per_chunk, p = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_size
+    if per_chunk < 1 or args.num_layers % (p * per_chunk):
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {p} x "
+                          f"--num-layers-per-virtual-pipeline-stage {per_chunk}; every model chunk must hold the "
+                          "same number of layers.")
+    return args.num_layers // (p * per_chunk)
+
+
+def config_from_args(kind: str, args: argparse.Namespace) -> Config:
+    v = _virtual_pipeline_size(args)
+    schedule = args.pipeline_schedule or ("interleaved" if v > 1 else "1f1b")
+    bert = kind == "bert"
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.layernorm_epsilon or (1e-12 if bert else 1e-5), normalization=args.normalization,
+        activation="gelu" if bert else "gelu_tanh", post_layernorm=bert,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        num_tokentypes=2 if bert else 0, bert_binary_head=not args.bert_no_binary_head,
+        init_method_std=args.init_method_std,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        bias_gelu_fusion=not args.no_bias_gelu_fusion, bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        masked_softmax_fusion=not args.no_masked_softmax_fusion,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers)
+    parallel = ParallelConfig(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+                              virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
+                              scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
+                              pipeline_schedule=schedule)
+    optimizer = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=args.lr_warmup_iters if args.lr_warmup_iters is not None else
+        (0 if args.lr_warmup_fraction is not None else min(50, args.train_iters // 10)),
+        lr_warmup_fraction=args.lr_warmup_fraction, lr_decay_iters=args.lr_decay_iters)
+    data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_type=args.tokenizer_type,
+                      vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                      data_cache_path=args.data_cache_path, mask_prob=args.mask_prob,
+                      short_seq_prob=args.short_seq_prob)
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        log_interval=args.log_interval, seed=args.seed, save=args.save, load=args.load,
+        save_interval=args.save_interval, no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, finetune=args.finetune, async_save=args.async_save,
+        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+        tensorboard_dir=args.tensorboard_dir, device_peak_tflops=args.device_peak_tflops,
+        fusion_backend=args.fusion_backend)
+    return Config(model=model, parallel=parallel, data=data, training=training, optimizer=optimizer)
+
+
+def validate_config(config: Config, world_size: int) -> int:
+    """Check everything knowable before process groups exist; returns the data-parallel size."""
+    from megapipe.parallel_state import RankLayout
+    from megapipe.pipeline.schedules import build_schedule
+
+    par, train = config.parallel, config.training
+    layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
+    par.validate()
+    config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+    config.optimizer.validate()
+    for flag, value in (("--micro-batch-size", train.micro_batch_size), ("--train-iters", train.train_iters),
+                        ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1.")
+    if par.sequence_parallel and config.model.seq_length % par.tensor:
+        raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
+                          f"{par.tensor}, which --sequence-parallel needs.")
+    if train.save_interval is not None and not train.save:
+        raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    m = train.num_microbatches(layout.data)
+    build_schedule(par.pipeline_schedule, par.pipeline, m, par.virtual_pipeline)  # m vs p rules, unknown names
+    return layout.data
+
+
+def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1) -> Config:
+    args = build_parser(kind).parse_args(argv)
+    config = config_from_args(kind, args)
+    validate_config(config, world_size)
+    return config

@@ -1,0 +1,246 @@
+"""The pretraining loop behind ``pretrain_gpt.py`` and ``pretrain_bert.py``.
+
+``pretrain(kind, argv)`` parses and checks the flags (before any process group), joins the
+process group, builds the parallel state, this rank's model chunks, the pipeline engine
+(optimizer included), the LR schedule and the data, then trains, evaluates, logs and
+checkpoints. Every rank loads the same microbatches of its data-parallel slice; the losses
+live on the last pipeline stage, which logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megapipe.arguments import parse_config
+from megapipe.config import Config
+from megapipe.errors import ConfigError
+from megapipe.data.builder import build_train_valid_test_datasets
+from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
+from megapipe.data.samplers import build_pretraining_data_loader
+from megapipe.data.tokenizer import build_tokenizer
+from megapipe.distributed import DEFAULT_TIMEOUT, init_distributed, peak_memory_gib
+from megapipe.flops import device_peak_tflops, flops_per_iteration
+from megapipe.models import build_model_chunks
+from megapipe.optim import LRScheduler
+from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.engine import PipelineEngine
+from megapipe.train_logger import IterationStats, TrainLogger
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a checkpoint must restore besides weights and optimizer: where training stands."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+
+
+def _data(kind: str, config: Config, ps: ParallelState):
+    """Tokenizer and dataset prefixes: the flags', or the embedded corpus built on first use."""
+    data = config.data
+    if data.data_path:
+        if data.tokenizer_type is None and kind == "bert":
+            raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
+                              "--vocab-file) matching the tokenizer the data was preprocessed with.")
+        tokenizer = build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file, merge_file=data.merge_file,
+                                    tokenizer_model=data.tokenizer_model)
+        return tokenizer, list(data.data_path)
+    build = default_gpt_data if kind == "gpt" else default_bert_data
+    if ps.rank == 0:  # one rank builds the cache; the others then read it
+        build(data.data_cache_path)
+    dist.barrier()
+    prefix, tokenizer = build(data.data_cache_path)
+    return tokenizer, [prefix]
+
+
+def _datasets(kind: str, config: Config, tokenizer, data_path: list[str]):
+    t = config.training
+    options = {} if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
+                                             short_seq_prob=config.data.short_seq_prob,
+                                             binary_head=config.model.bert_binary_head)
+    eval_samples = t.eval_iters * t.global_batch_size
+    return build_train_valid_test_datasets(kind, data_path, config.data.split, config.model.seq_length,
+                                           t.seed, (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
+                                           tokenizer, cache_dir=config.data.data_cache_path, **options)
+
+
+def _model_batch(kind: str, batch: dict, device: torch.device) -> dict:
+    """A loader batch in the names the model stages read."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if kind == "bert":
+        batch["tokens"] = batch.pop("text")
+    return batch
+
+
+def _microbatches(loader_iter: Iterator, count: int, kind: str, device) -> list[dict]:
+    return [_model_batch(kind, next(loader_iter), device) for _ in range(count)]
+
+
+class SigtermFlag:
+    """Set by SIGTERM; all ranks agree on it at iteration boundaries so they stop together."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Trainer:
+    """Owns one rank's engine, schedule, data iterators and logger for one run."""
+
+    def __init__(self, kind: str, config: Config):
+        self.kind, self.config = kind, config
+        self.device = init_distributed(DEFAULT_TIMEOUT)
+        par, t = config.parallel, config.training
+        self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
+                                           timeout=DEFAULT_TIMEOUT)
+        self.tokenizer, self.data_path = _data(kind, config, self.ps)
+        config.model.vocab_size = self.tokenizer.vocab_size
+        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+        self.ps.seed(t.seed, self.device)
+        self.m = t.num_microbatches(self.ps.dp_size)
+        self.chunks = build_model_chunks(kind, config.model, self.ps, seed=t.seed,
+                                         sequence_parallel=par.sequence_parallel, device=self.device)
+        seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
+        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, par.pipeline_schedule, self.m,
+                                     (seq, t.micro_batch_size, config.model.hidden_size),
+                                     dtype=config.model.params_dtype, device=self.device,
+                                     scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
+                                     timeout=DEFAULT_TIMEOUT)
+        self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
+        self.state = TrainState()
+        self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
+        self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
+        self.train_ds, self.valid_ds, self.test_ds = _datasets(kind, config, self.tokenizer, self.data_path)
+        self.flops = flops_per_iteration(config.model, t.global_batch_size,
+                                         recompute=config.model.recompute_granularity == "full")
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak_tflops = t.device_peak_tflops or device_peak_tflops(name)
+
+    # ---- loop ---------------------------------------------------------------------------------
+    def train(self) -> None:
+        t = self.config.training
+        if t.load:
+            self.load(t.load)
+        self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
+                          f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
+                          f"vocabulary {self.tokenizer.vocab_size} | unigram entropy of the data "
+                          f"{unigram_entropy(self.data_path[0]):.4f} nats/token")
+        loader = iter(build_pretraining_data_loader(self.train_ds, self.state.consumed_samples, t.micro_batch_size,
+                                                    self.ps.dp_rank, self.ps.dp_size))
+        sigterm = SigtermFlag()
+        window_losses, window_start, window_iters, nan_iterations = [], time.time(), 0, 0
+        while self.state.iteration < t.train_iters:
+            result = self.engine.train_batch(_microbatches(loader, self.m, self.kind, self.device))
+            self.state.iteration += 1
+            self.state.consumed_samples += t.global_batch_size
+            self.scheduler.step()
+            ok = result.step is None or result.step.ok
+            if not ok:
+                self.state.skipped_iterations += 1
+                self.logger.print(f"skipped iteration {self.state.iteration}: loss scale reduced to "
+                                  f"{self.engine.optimizer.loss_scale}")
+            if result.step is not None and result.step.grad_norm is not None \
+                    and not math.isfinite(float(result.step.grad_norm)):
+                nan_iterations += 1
+            window_losses.extend(result.losses)
+            window_iters += 1
+            if self.state.iteration % t.log_interval == 0:
+                self._log(window_losses, time.time() - window_start, window_iters, result, nan_iterations)
+                window_losses, window_start, window_iters = [], time.time(), 0
+            if self.state.iteration % t.eval_interval == 0:
+                self.evaluate("validation", self.valid_ds)
+            if t.save and t.save_interval and self.state.iteration % t.save_interval == 0:
+                self.save(t.save)
+            if sigterm.agreed(self.device):
+                if t.save:
+                    self.save(t.save)
+                self.logger.print(f"exiting on SIGTERM at iteration {self.state.iteration}")
+                return
+        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
+            self.save(t.save)
+        if self.state.iteration % t.eval_interval:
+            self.evaluate("validation", self.valid_ds)
+        self.evaluate("test", self.test_ds)
+        self.logger.close()
+
+    def save(self, directory: str) -> None:
+        from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
+
+        checkpointing.save_checkpoint(directory, self)
+
+    def load(self, directory: str) -> None:
+        from megapipe import checkpointing
+
+        checkpointing.load_checkpoint(directory, self)
+
+    def _data_parallel_mean(self, losses: list[float]) -> float:
+        """Mean over this step window's microbatch losses of all data-parallel ranks (last stage)."""
+        total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=self.device)
+        if self.ps.is_last_stage and self.ps.dp_size > 1:
+            dist.all_reduce(total, group=self.ps.dp_group)
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def _log(self, losses, elapsed, iters, result, nan_iterations) -> None:
+        t = self.config.training
+        loss = self._data_parallel_mean(losses)
+        seconds = elapsed / iters
+        tflops = self.flops / seconds / self.ps.world_size / 1e12
+        step = result.step
+        name = "lm loss" if self.kind == "gpt" else "lm + binary loss"
+        self.logger.log(IterationStats(
+            iteration=self.state.iteration, train_iters=t.train_iters, consumed_samples=self.state.consumed_samples,
+            ms_per_iteration=1000 * seconds, learning_rate=self.scheduler.lr, global_batch_size=t.global_batch_size,
+            losses={name: loss}, loss_scale=self.engine.optimizer.loss_scale,
+            grad_norm=None if step is None or step.grad_norm is None else float(step.grad_norm),
+            skipped_iterations=self.state.skipped_iterations, nan_iterations=nan_iterations,
+            tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
+            tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
+            memory_gib=peak_memory_gib(self.device)))
+
+    def evaluate(self, split: str, dataset) -> Optional[float]:
+        """Mean loss over ``--eval-iters`` global batches of ``dataset``; logged with perplexity."""
+        if dataset is None:
+            return None
+        t = self.config.training
+        loader = iter(build_pretraining_data_loader(dataset, 0, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size))
+        losses = []
+        for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
+            losses.extend(self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device)))
+        loss = self._data_parallel_mean(losses)
+        self.logger.log_evaluation(split, self.state.iteration, loss)
+        return loss
+
+
+def _plain(config: Config) -> dict:
+    """The run's configuration as plain values (for W&B and checkpoints)."""
+    def convert(value):
+        if isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+        return value
+    return {section: {k: convert(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
+            for section in ("model", "parallel", "data", "training", "optimizer")}
+
+
+def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
+    config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    trainer = Trainer(kind, config)
+    trainer.train()
+    return trainer

@@ -1,0 +1,12 @@
+"""Pretrain a BERT model with tensor, pipeline and data parallelism.
+
+    python pretrain_bert.py                                   # small BERT on the embedded corpus, one CPU process
+    torchrun --nproc_per_node=4 pretrain_bert.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+Flags follow Megatron-LM; `python pretrain_bert.py --help` lists them.
+"""
+
+from megapipe.cli import main
+
+if __name__ == "__main__":
+    main("bert")
