@@ -17,7 +17,8 @@ KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0,
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, recompute: bool) -> float:
     """Model FLOPs of one training iteration over ``global_batch_size`` sequences."""
-    b, s, l, h, v = global_batch_size, config.seq_length, config.num_layers, config.hidden_size, config.vocab_size
+    b, s, l, h = global_batch_size, config.seq_length, config.num_layers, config.hidden_size
+    v = config.padded_vocab_size(1)  # the logit matmul runs over the padded vocabulary
     passes = 4 if recompute else 3
     per_layer_forward = 24 * b * s * h * h + 4 * b * s * s * h
     return passes * l * per_layer_forward + 6 * b * s * h * v
