@@ -65,6 +65,7 @@ class PipelineExecutor:
                 self._post(actions[i:j], state)
                 i = j
                 continue
+            self._wait_for_inputs(actions[i], state)
             start = time.time()
             self._compute(actions[i], microbatches, state)
             if self.timeline is not None:
@@ -92,6 +93,19 @@ class PipelineExecutor:
                 state.recvs[(transfer.action.kind, transfer.action.stage, transfer.action.microbatch)] = transfer
         state.sends = [t for t in state.sends if not _completed(t)]
 
+    def _wait_for_inputs(self, action: Action, state: "_BatchState") -> None:
+        """Wait for what a compute action needs from other ranks (the message it consumes; for
+        STEP, the completion of this rank's sends), so the timeline shows the wait as idle."""
+        if action.kind is ActionKind.STEP:
+            for transfer in state.sends:
+                self.p2p.wait(transfer)
+            state.sends.clear()
+            return
+        kind = ActionKind.RECV_F if action.kind is ActionKind.F else ActionKind.RECV_B
+        transfer = state.recvs.get((kind, action.stage, action.microbatch))
+        if transfer is not None:
+            self.p2p.wait(transfer)
+
     def _received(self, kind: ActionKind, stage: int, microbatch: int, state: "_BatchState") -> Optional[Transfer]:
         transfer = state.recvs.pop((kind, stage, microbatch), None)
         return None if transfer is None else self.p2p.received(transfer)
@@ -103,9 +117,6 @@ class PipelineExecutor:
         elif action.kind is ActionKind.B:
             self._backward(action.stage, action.microbatch, state)
         elif action.kind is ActionKind.STEP:
-            for transfer in state.sends:
-                self.p2p.wait(transfer)
-            state.sends.clear()
             self.step()
 
     def _forward(self, stage: int, microbatch: int, batch: dict, state: "_BatchState") -> None:
