@@ -1,0 +1,183 @@
+"""Weight versions of one model chunk (pipeline stage), as explicit tensors.
+
+Version k of a stage is its weights after k updates. The module's own parameters always hold
+the newest (*live*) version; older versions a schedule still needs are *stashed*. A pass runs
+against an explicit version: the live parameters themselves, or alias tensors that share a
+version's storage (``torch.func.functional_call``), never by loading a state dict into the
+module under autograd (which broke the original PipeDream on newer PyTorch).
+
+Copies happen only where a version differs from the live weights. A forward whose microbatch
+stays in flight across an update runs on aliases of the live storage; when that update comes,
+the live parameters first move to fresh storage (copy-on-write) and the aliases, with the
+autograd graphs that saved them, keep the old version untouched. A stashed version is freed the
+moment no in-flight microbatch uses it and no later forward will (``pin`` / ``forget_future``).
+
+Policies, the most versions each allows, and who uses them:
+
+* ``single`` -- one version, never copied: the flush schedules (GPipe, 1F1B, interleaved).
+* ``stash`` -- any number: PipeDream's weight stashing, a version per in-flight microbatch
+  (p - s on stage s of a straight pipeline), more with vertical sync.
+* ``double_buffer`` -- at most two: PipeDream-2BW.
+
+Gradients computed on an alias are added to the live parameter's ``main_grad`` (or ``grad``),
+where the next update applies them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class WeightPolicy(str, Enum):
+    SINGLE = "single"
+    STASH = "stash"
+    DOUBLE_BUFFER = "double_buffer"
+
+    @property
+    def most_versions(self) -> Optional[int]:
+        return {"single": 1, "stash": None, "double_buffer": 2}[self.value]
+
+
+@dataclass(frozen=True)
+class VersionUse:
+    """What a forward ran on; hand it back with ``WeightVersionStore.backward_done``."""
+
+    version: int
+    weights: Optional[dict[str, torch.Tensor]]  # None: the module's own (live) parameters
+
+
+def _accumulate_into(param: torch.Tensor, alias: torch.Tensor) -> None:
+    """Post-accumulate hook of an alias: move its gradient to the live parameter it stands for."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(alias.grad)
+    elif param.grad is None:
+        param.grad = alias.grad.detach().clone()
+    else:
+        param.grad.add_(alias.grad)
+    alias.grad = None
+
+
+def _alias(param: torch.nn.Parameter) -> torch.Tensor:
+    """A leaf tensor on ``param``'s current storage, with its own autograd identity and version counter."""
+    alias = torch.empty(0, dtype=param.dtype, device=param.device)
+    with torch.no_grad():
+        alias.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+    alias.requires_grad_(True)
+    alias.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, param))
+    return alias
+
+
+class WeightVersionStore:
+    """The weight versions of one model chunk under one policy (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, policy: WeightPolicy):
+        self.module, self.policy = module, WeightPolicy(policy)
+        self.params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        self.version_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
+        self.live_version = 0
+        self._stashed: dict[int, dict[str, torch.Tensor]] = {}
+        self._live_aliases: Optional[dict[str, torch.Tensor]] = None
+        self._pinned: set[int] = set()
+        self._in_flight: Counter = Counter()  # forwards on aliases not yet backwarded, per version
+        self._on_live_params = 0  # forwards on the live parameters not yet backwarded
+        self.peak_versions = 1
+
+    # ---- what tests and logs read -------------------------------------------------------------
+    @property
+    def versions(self) -> list[int]:
+        """Every version held, oldest first (the live one last)."""
+        return sorted(self._stashed) + [self.live_version]
+
+    @property
+    def num_versions(self) -> int:
+        return len(self._stashed) + 1
+
+    @property
+    def bytes_held(self) -> int:
+        return self.num_versions * self.version_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_versions * self.version_bytes
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def forward(self, version: Optional[int] = None, survives_update: bool = False) -> VersionUse:
+        """The weights a forward on ``version`` (None: live) runs on.
+
+        ``survives_update``: an update of this stage comes before the microbatch's backward, so
+        the forward must not run on the live parameters themselves.
+        """
+        version = self.live_version if version is None else version
+        if version > self.live_version:
+            raise RuntimeError(f"weight version {version} does not exist yet; the stage is at {self.live_version}")
+        if self.policy is WeightPolicy.SINGLE and (version != self.live_version or survives_update):
+            raise RuntimeError("the single weight policy keeps one version, but a forward asked for an older one or "
+                               "to outlive an update; flush schedules update only after every backward")
+        self._pinned = {v for v in self._pinned if v >= version}  # forwards never go back to older versions
+        if version == self.live_version and not survives_update:
+            self._on_live_params += 1
+            return VersionUse(version, None)
+        if version == self.live_version:
+            if self._live_aliases is None:
+                self._live_aliases = {name: _alias(p) for name, p in self.params.items()}
+            weights = self._live_aliases
+        elif version in self._stashed:
+            weights = self._stashed[version]
+        else:
+            raise RuntimeError(f"weight version {version} was released; a schedule must pin a version that later "
+                               "forwards use when it updates past it")
+        self._in_flight[version] += 1
+        self._release()
+        return VersionUse(version, weights)
+
+    def backward_done(self, use: VersionUse) -> None:
+        """The microbatch that ran on ``use`` finished its backward; its version may be freed."""
+        if use.weights is None:
+            self._on_live_params -= 1
+        else:
+            self._in_flight[use.version] -= 1
+        self._release()
+
+    def update(self, step: Callable[[], T], keep_live: bool) -> T:
+        """Run ``step`` (an in-place update of the live parameters), creating the next version.
+
+        ``keep_live``: a later forward will use the current live version, so it is stashed.
+        """
+        if self._on_live_params:
+            raise RuntimeError("an update came while a microbatch that ran on the live parameters is in flight; "
+                               "its forward should have been told that it survives an update")
+        if keep_live:
+            self._pinned.add(self.live_version)
+        if self.live_version in self._pinned or self._in_flight[self.live_version]:
+            self._stashed[self.live_version] = self._live_aliases or {n: _alias(p) for n, p in self.params.items()}
+            with torch.no_grad():
+                for param in self.params.values():  # copy-on-write: the stash keeps the old storage
+                    param.data = param.detach().clone()
+        self._live_aliases = None
+        result = step()
+        self.live_version += 1
+        self._release()
+        most = self.policy.most_versions
+        if most is not None and self.num_versions > most:
+            raise RuntimeError(f"the {self.policy.value} weight policy keeps at most {most} versions, but this stage "
+                               f"now holds {self.versions}")
+        self.peak_versions = max(self.peak_versions, self.num_versions)
+        return result
+
+    def forget_future(self) -> None:
+        """No later forward will come (the pipeline drains): unpin every version."""
+        self._pinned.clear()
+        self._release()
+
+    def _release(self) -> None:
+        for version in [v for v in self._stashed if v not in self._pinned and not self._in_flight[v]]:
+            del self._stashed[version]
