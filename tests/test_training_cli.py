@@ -1,0 +1,73 @@
+"""The training entry points, run as users run them (subprocesses: plain python and torchrun)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
+        "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--lr", "3e-3", "--lr-warmup-iters", "0"]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
+
+
+def run(args, nproc=None, timeout=300, env_extra=None, cache=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    if cache:
+        env["MEGAPIPE_CACHE"] = str(cache)
+    env.update(env_extra or {})
+    launcher = [sys.executable] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [os.path.join(ROOT, "pretrain_gpt.py")] + args, capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def losses(output: str) -> dict[int, float]:
+    return {int(i): float(v) for i, v in LOSS.findall(output)}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--global-batch-size", "30", "--micro-batch-size", "4"],
+     "--global-batch-size 30 is not divisible by --micro-batch-size 4"),
+    (["--num-layers", "5", "--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "--num-layers 5 is not divisible by --pipeline-model-parallel-size 1 x --num-layers-per-virtual-pipeline-stage 2"),
+    (["--fp16", "--bf16"], "--fp16"),
+    (["--data-path", "does/not/exist"], "does/not/exist"),
+    (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
+])
+def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
+    result = run(args, timeout=120, cache=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
+    """(t, p) = (2, 2) on 4 processes gives the losses of one process (same seed, same global batch).
+
+    The logs carry 7 significant digits; the runs differ only in fp32 summation order, so the
+    losses agree to ~1e-6 relative: 1e-5 is the bound.
+    """
+    single = run(TINY, cache=tmp_path)
+    assert single.returncode == 0, single.stderr
+    parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], nproc=4,
+                   cache=tmp_path)
+    assert parallel.returncode == 0, parallel.stderr
+    expected, actual = losses(single.stdout), losses(parallel.stdout)
+    assert sorted(expected) == list(range(1, 7)) and sorted(actual) == sorted(expected)
+    for i in expected:
+        assert actual[i] == pytest.approx(expected[i], rel=1e-5), (i, actual[i], expected[i])
+    assert expected[6] < expected[1]  # and it learns
+
+
+def test_bf16_trains_on_cpu(tmp_path):
+    result = run(TINY + ["--bf16"], cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    values = losses(result.stdout)
+    assert len(values) == 6 and values[6] < values[1]
