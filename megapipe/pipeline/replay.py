@@ -15,6 +15,9 @@ Waiting rules, under the executor contract of ``actions.py``:
   always posted.
 * ``SEND_* s.i`` waits for the compute that makes the tensor; ``RECV_*`` waits for nothing
   (posting a receive never blocks); ``STEP`` waits for every ``B`` of the rank.
+* ``UPDATE s.i`` waits for the backwards it applies: on a replicated stage it is a
+  collective, so it waits for each replica's last ``B s.j`` with j <= i (on this rank list
+  order already guarantees it).
 
 Actions of one rank run in list order; sends and receives take no compute time.
 """
@@ -65,7 +68,8 @@ def outgoing_messages(schedule: Schedule, action: Action) -> Optional[tuple[Acti
         send_kind, recv_kind, consumer_stage = ActionKind.SEND_B, ActionKind.RECV_B, action.stage - 1
     else:
         return None
-    sender, receiver = schedule.rank_of_stage(action.stage), schedule.rank_of_stage(consumer_stage)
+    sender = schedule.rank_of(action.stage, action.microbatch)
+    receiver = schedule.rank_of(consumer_stage, action.microbatch)
     if sender == receiver:
         return None
     return (Action(send_kind, action.stage, action.microbatch, peer=receiver, version=action.version),
@@ -99,13 +103,23 @@ def waits_of(schedule: Schedule, rank: int, action: Action) -> list[Wait]:
         waits = [Wait((ActionKind.F, stage, microbatch), False)] if kind is ActionKind.B else []
         producer_stage = stage - 1 if kind is ActionKind.F else stage + 1
         if 0 <= producer_stage < schedule.num_stages:
-            waits.append(Wait((kind, producer_stage, microbatch), schedule.rank_of_stage(producer_stage) != rank))
+            waits.append(Wait((kind, producer_stage, microbatch),
+                              schedule.rank_of(producer_stage, microbatch) != rank))
         return waits
     if kind.is_send:
         return [Wait((_PRODUCER_OF_SEND[kind], stage, microbatch), False)]
     if kind is ActionKind.STEP:
-        return [Wait((ActionKind.B, s, i), False) for s in schedule.stages_on_rank(rank) for i in range(schedule.m)]
+        return [Wait((ActionKind.B, s, i), False) for s in schedule.stages_on_rank(rank)
+                for i in schedule.microbatches_on(rank, s)]
+    if kind is ActionKind.UPDATE:
+        return [Wait((ActionKind.B, stage, last), False) for last in _last_backwards(schedule, stage, microbatch)]
     return []
+
+
+def _last_backwards(schedule: Schedule, stage: int, microbatch: int) -> list[int]:
+    """Per replica of ``stage``, the last microbatch j <= ``microbatch`` it runs (none if it has none)."""
+    replicas = schedule.stage_replicas(stage)
+    return [j for j in range(max(microbatch - replicas + 1, 0), microbatch + 1)]
 
 
 @dataclass(frozen=True)
