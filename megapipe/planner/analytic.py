@@ -1,0 +1,89 @@
+"""A closed-form profile of a GPT shape, for models too big to profile here (e.g. 1.3B-3.8B on 64 GPUs).
+
+Times come from FLOP counts (seed 002 section 4.5.1, the terms of eq. 4.2): a block's forward
+is ``24 b s h^2 + 4 b s^2 h`` for ffn = 4h (in general ``8 b s h^2 + 4 b s h ffn + 4 b s^2 h``),
+backward twice that, recomputation one forward more; the head's logits cost ``2 b s h V``
+forward and twice that backward. A device runs them at ``achieved_flops * e(n)``, where the
+efficiency ``e(n) = n / (n + half_tokens)`` of a GEMM over n tokens models that small
+micro-batches do not fill the device; the default half point of 0.3 x 2048 tokens makes
+throughput rise 1.3x from b = 1 to large b at s = 2048, as the seed reports for its 1B model
+(Fig. 4.7). Bytes come from the shape: the tensors one block keeps for backward, counted for
+this codebase's layer with e-byte activations and 1-byte dropout masks, are
+  replicated across tensor ranks: 2 norm inputs, QKV and fc1 inputs (4e sbh), 2 dropout masks (2 sbh);
+  split by tensor parallelism: QKV output 3e sbh, attention context e sbh, GeLU input and output
+  2e s b ffn, and per head the softmax output, its dropout mask and the dropped probabilities
+  ((2e + 1) a b s^2),
+which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from megapipe.planner.profile import ELEMENT_BYTES, LayerProfile, ModelProfile, ModelShape
+
+DEFAULT_HALF_TOKENS = 0.3 * 2048
+LOGITS_BYTES = 4  # the cross entropy keeps fp32 logits (softmax) per vocabulary entry
+
+
+def block_forward_flops(shape: ModelShape, b: float) -> float:
+    s, h, f = shape.seq_length, shape.hidden_size, shape.ffn_hidden_size
+    return 8 * b * s * h * h + 4 * b * s * h * f + 4 * b * s * s * h
+
+
+def head_forward_flops(shape: ModelShape, b: float) -> float:
+    return 2 * b * shape.seq_length * shape.hidden_size * shape.vocab_size
+
+
+def block_params(shape: ModelShape) -> tuple[int, int]:
+    """(all, split) parameters of one block: QKV, projection, two MLP matrices, their biases, two norms."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    return split + 2 * h + 4 * h, split
+
+
+def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int) -> tuple[float, float]:
+    """(all, split) bytes one block keeps for backward at micro-batch b (see the module docstring)."""
+    s, h, f, a, e = shape.seq_length, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads, element_bytes
+    replicated = 4 * e * s * b * h + 2 * s * b * h
+    split = 4 * e * s * b * h + 2 * e * s * b * f + (2 * e + 1) * a * b * s * s
+    return replicated + split, split
+
+
+def _seconds(flops: float, tokens: float, achieved_flops: float, half_tokens: float) -> float:
+    return flops / (achieved_flops * tokens / (tokens + half_tokens))
+
+
+def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                         dtype: str = "float16", half_tokens: float = DEFAULT_HALF_TOKENS) -> ModelProfile:
+    """The profile a device reaching ``achieved_flops`` on large GEMMs would measure for ``shape``."""
+    e = ELEMENT_BYTES[dtype]
+    s, h, v = shape.seq_length, shape.hidden_size, shape.vocab_size
+    sizes = tuple(micro_batch_sizes)
+
+    def seconds(flops_of) -> tuple[float, ...]:
+        return tuple(_seconds(flops_of(b), b * s, achieved_flops, half_tokens) for b in sizes)
+
+    def per_size(value_of) -> tuple[float, ...]:
+        return tuple(float(value_of(b)) for b in sizes)
+
+    zero = per_size(lambda b: 0.0)
+    activation = per_size(lambda b: e * s * b * h)
+    embedding = LayerProfile("embedding", "embedding", params=v * h + s * h, split_params=v * h, forward_s=zero,
+                             backward_s=zero, recompute_backward_s=zero, output_bytes=activation,
+                             stash_bytes=per_size(lambda b: s * b * h + 8 * s * b), split_stash_bytes=zero)
+    params, split_params = block_params(shape)
+    forward = seconds(lambda b: block_forward_flops(shape, b))
+    block = LayerProfile("block", "block", params=params, split_params=split_params, forward_s=forward,
+                         backward_s=tuple(2 * t for t in forward), recompute_backward_s=tuple(3 * t for t in forward),
+                         output_bytes=activation, stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e)[0]),
+                         split_stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e)[1]))
+    head_forward = seconds(lambda b: head_forward_flops(shape, b))
+    logits = per_size(lambda b: LOGITS_BYTES * s * b * v)
+    head = LayerProfile("head", "head", params=2 * h, split_params=0, forward_s=head_forward,
+                        backward_s=tuple(2 * t for t in head_forward), recompute_backward_s=tuple(2 * t for t in head_forward),
+                        output_bytes=per_size(lambda b: 4.0),
+                        stash_bytes=tuple(2 * a + l for a, l in zip(activation, logits)), split_stash_bytes=logits)
+    blocks = tuple(LayerProfile(f"block.{i}", **{k: getattr(block, k) for k in block.__dataclass_fields__ if k != "name"})
+                   for i in range(shape.num_layers))
+    return ModelProfile(shape, sizes, (embedding, *blocks, head), dtype, "analytic", "analytic")

@@ -1,0 +1,110 @@
+"""The machines a plan is for: nodes of identical devices, their memory and two link speeds.
+
+A JSON description::
+
+    {"nodes": 8, "gpus_per_node": 8, "memory_per_gpu": 17179869184,
+     "intra_node_bandwidth": 1.5e11, "inter_node_bandwidth": 3.125e9,
+     "peak_flops": 1.25e14}
+
+Bandwidths are bytes per second per device; optional keys: ``intra_node_latency`` and
+``inter_node_latency`` (seconds per message or collective step), ``reserved_memory`` (bytes
+per device the runtime takes), ``compute_speed`` (device speed relative to the device the
+profile was measured on), ``achieved_flops`` (what a device reaches on large GEMMs, for
+closed-form profiles), ``peak_flops`` and ``name``. Global rank r sits on node
+``r // gpus_per_node``, the order torchrun assigns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Iterable, Optional
+
+from megapipe.errors import ConfigError
+
+_REQUIRED = ("nodes", "gpus_per_node", "memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes per second
+    latency: float  # seconds per message
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    memory_per_gpu: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float = 0.0
+    inter_node_latency: float = 0.0
+    reserved_memory: float = 0.0
+    compute_speed: float = 1.0
+    achieved_flops: Optional[float] = None
+    peak_flops: Optional[float] = None
+    name: str = ""
+
+    def __post_init__(self):
+        source = f"cluster {self.name}" if self.name else "the cluster description"
+        for key in ("nodes", "gpus_per_node"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source} has {key} {value}; it must be a whole number of at least 1.")
+        for key in ("memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth", "compute_speed"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
+        for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must not be negative.")
+        if self.reserved_memory >= self.memory_per_gpu:
+            raise ConfigError(f"{source} reserves {self.reserved_memory:.0f} of {self.memory_per_gpu:.0f} bytes per "
+                              "device; reserved_memory must leave room for the model.")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_per_gpu - self.reserved_memory
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def link(self, ranks: Iterable[int]) -> Link:
+        """The slowest link a collective or message among ``ranks`` crosses: intra-node if they share a node."""
+        if len({self.node_of(r) for r in ranks}) <= 1:
+            return Link(self.intra_node_bandwidth, self.intra_node_latency)
+        return Link(self.inter_node_bandwidth, self.inter_node_latency)
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    @staticmethod
+    def from_dict(data: dict, source: str = "the cluster description") -> "Cluster":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source} must be a JSON object with {', '.join(_REQUIRED)}.")
+        missing = [key for key in _REQUIRED if key not in data]
+        if missing:
+            raise ConfigError(f"{source} lacks {', '.join(missing)}; add them (bandwidths in bytes per second, memory "
+                              "in bytes).")
+        known = {f.name for f in fields(Cluster)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source} has unknown keys {', '.join(unknown)}; the keys are {', '.join(sorted(known))}.")
+        values = dict(data)
+        values.setdefault("name", Path(source).stem if source.endswith(".json") else "")
+        return Cluster(**values)
+
+    @staticmethod
+    def load(path: str | Path) -> "Cluster":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"cluster file {path} does not exist; pass a JSON file or a preset name.") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"cluster file {path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+        return Cluster.from_dict(data, str(path))
