@@ -1,0 +1,214 @@
+"""THROUGHPUT and MEMORY of one parallel layout: seed 002's closed forms (section 3.3.3) extended to
+tensor parallelism, interleaving and every schedule, with the communication volumes of section 4.3.
+
+Per microbatch of b samples, a rank computes its stages' layers; a tensor-parallel rank at b
+takes as long as the whole layer at b / t (same FLOPs, smaller GEMMs). Communication adds to a
+rank's time (it is on the critical path):
+  tensor parallelism: 2 all-reduces of b s h elements per block forward, 2 backward (2 more when
+    recomputing), 1 after the embedding and 1 into the head: 8 b s h (t-1)/t per block in all;
+  pipeline parallelism: each stage boundary carries b s h / t per tensor rank (scatter/gather)
+    forward and the same backward, 2 |A| / bandwidth per neighbour as in THROUGHPUT(.);
+  data parallelism: a ring all-reduce of each rank's gradients, 2 (d-1)/d |W| bytes, once per
+    batch, after the flush for flushing schedules and overlapped with compute for 2BW and
+    PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)); the tied
+    word embedding is also summed between the first and the last stage.
+A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
+rank order tensor-innermost, then data, then pipeline, so t shares a node first.
+MEMORY(.) per rank = weight versions x weights + (gradients + optimizer state) per parameter +
+in-flight microbatches x stashed activations; with recomputation a microbatch keeps only the
+input of every k-th block, plus one segment of k blocks while it is recomputed (seed 002 section
+4.3.5: c checkpoints cost c A_input + (l / c) A_intermediate), with k chosen to use the least memory.
+The seeds' 2BW forms 2|W|/p + |A_total|/p + p |A_input| (recompute) and 2|W|/p + p |A_total|/p
+(no recompute) are the t = 1, d = 1, k = l special cases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+
+from megapipe.planner.cluster import Cluster, Link
+from megapipe.planner.profile import LayerCosts, ModelProfile
+from megapipe.planner.schedule_costs import (FLUSHING, bubble_fraction, in_flight, pipeline_time,
+                                             weight_versions)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: parallel degrees, micro-batch size, schedule, chunks, recomputation."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batch_size: int
+    schedule: str
+    virtual: int = 1
+    recompute: bool = False
+
+    def describe(self) -> str:
+        chunks = f", v={self.virtual}" if self.virtual > 1 else ""
+        return (f"t={self.tensor}, p={self.pipeline}, d={self.data}, b={self.micro_batch_size}{chunks}, "
+                f"{self.schedule}{' with recomputation' if self.recompute else ''}")
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch_size: int
+    grad_bytes_per_param: float = 4.0  # megapipe accumulates gradients in fp32 buffers
+    optimizer_bytes_per_param: Optional[float] = None  # default: Adam's two fp32 moments, plus an fp32 master
+    #                                                    copy when the weights are 16-bit
+
+    def optimizer_bytes(self, element_bytes: int) -> float:
+        if self.optimizer_bytes_per_param is not None:
+            return self.optimizer_bytes_per_param
+        return 8.0 + (4.0 if element_bytes < 4 else 0.0)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    microbatches: int  # per pipeline and batch: m = B / (d b)
+    batch_time: float  # seconds
+    samples_per_second: float
+    memory: float  # bytes on the fullest device
+    bubble: float  # idle over ideal time, equal ranks
+    recompute_layers: Optional[int]  # blocks per recomputation segment (k), None without recomputation
+    compute_time: float  # per batch on the slowest rank, and the communication it waits for:
+    tensor_comm_time: float
+    pipeline_comm_time: float
+    data_comm_time: float
+    flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
+
+
+def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
+    """2 (n-1)/n x bytes over the link, plus 2 (n-1) steps of latency; nothing for one member."""
+    if members <= 1 or nbytes == 0:
+        return 0.0
+    return 2 * (members - 1) / members * nbytes / link.bandwidth + 2 * (members - 1) * link.latency
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
+    """Profile layer indices of virtual stage ``stage``: its blocks, the embedding first, the head last."""
+    per = num_layers // num_stages
+    layers = list(range(1 + stage * per, 1 + (stage + 1) * per))
+    return ([0] if stage == 0 else []) + layers + ([num_layers + 1] if stage == num_stages - 1 else [])
+
+
+def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
+    """Seed 002 eq. 4.2 per sample: (72 or 96, with recomputation) s l h^2 (1 + s / 6h) + 6 s h V."""
+    shape = profile.shape
+    s, l, h = shape.seq_length, shape.num_layers, shape.hidden_size
+    passes = 96 if recompute else 72
+    return passes * s * l * h * h * (1 + s / (6 * h)) + 6 * s * h * shape.vocab_size
+
+
+class CostModel:
+    """Estimates for one profile on one cluster; caches what layouts share."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training):
+        self.profile, self.cluster, self.training = profile, cluster, training
+        self.element_bytes = profile.element_bytes
+        self.optimizer_bytes = training.optimizer_bytes(profile.element_bytes)
+
+    @lru_cache(maxsize=None)
+    def costs(self, micro_batch_size: float) -> LayerCosts:
+        return self.profile.costs(micro_batch_size)
+
+    @lru_cache(maxsize=None)
+    def links(self, t: int, p: int, d: int) -> tuple[Link, Link, tuple[Link, ...], Link]:
+        """Tensor-group, data-group, per-boundary pipeline (rank r to r+1, wrapping) and embedding-group links."""
+        def rank(ti, di, pi):
+            return ti + t * (di + d * pi)
+
+        def slowest(groups) -> Link:
+            links = [self.cluster.link(g) for g in groups]
+            return min(links, key=lambda link: (link.bandwidth, -link.latency))
+
+        tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
+        data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
+        boundaries = tuple(slowest([[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in range(d)])
+                           for r in range(p))
+        embedding = slowest([[rank(ti, di, 0), rank(ti, di, p - 1)] for ti in range(t) for di in range(d)])
+        return tensor, data, boundaries, embedding
+
+    def estimate(self, layout: Layout) -> Estimate:
+        shape, training = self.profile.shape, self.training
+        t, p, d, v, b = layout.tensor, layout.pipeline, layout.data, layout.virtual, layout.micro_batch_size
+        m = training.global_batch_size // (d * b)
+        stages, n_layers = p * v, shape.num_layers
+        timing, sizes = self.costs(b / t), self.costs(float(b))
+        tensor_link, data_link, boundary_links, embedding_link = self.links(t, p, d)
+        speed = self.cluster.compute_speed
+        backward = timing.recompute_backward if layout.recompute else timing.backward
+        activation = b * shape.seq_length * shape.hidden_size * self.element_bytes
+        allreduce = ring_allreduce_time(activation, t, tensor_link)
+        stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
+        params = sizes.params - sizes.split_params + sizes.split_params / t
+
+        forward_rank, backward_rank = np.zeros(p), np.zeros(p)
+        compute_rank, tensor_rank, pipe_rank = np.zeros(p), np.zeros(p), np.zeros(p)
+        params_rank, stash_rank, checkpoint_rank = np.zeros(p), np.zeros(p), np.zeros(p)
+        block_stash = float(stash[1])
+        for s in range(stages):
+            r, layers = s % p, stage_layers(n_layers, stages, s)
+            blocks = [l for l in layers if 1 <= l <= n_layers]
+            forward = timing.forward[layers].sum() / speed
+            back = backward[layers].sum() / speed
+            tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
+            tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
+            hop = 0.0
+            for neighbour, link in ((s > 0, boundary_links[(s - 1) % p]), (s < stages - 1, boundary_links[r])):
+                if neighbour:
+                    hop += sizes.output_bytes[blocks[-1] if blocks else 0] / t / link.bandwidth + link.latency
+            forward_rank[r] += forward + tp_forward + hop
+            backward_rank[r] += back + tp_backward + hop
+            compute_rank[r] += forward + back
+            tensor_rank[r] += tp_forward + tp_backward
+            pipe_rank[r] += 2 * hop
+            params_rank[r] += params[layers].sum()
+            others = [l for l in layers if l not in blocks]
+            stash_rank[r] += stash[layers].sum()
+            checkpoint_rank[r] += stash[others].sum()  # embedding and head are not recomputed
+        if stages > 1:
+            params_rank[p - 1] += self.profile.output_weight_params / t  # the head's copy of the tied embedding
+
+        grads = params_rank * training.grad_bytes_per_param
+        data_rank = np.array([ring_allreduce_time(g, d, data_link) for g in grads])
+        if stages > 1 and self.profile.output_weight_params:
+            tied = self.profile.output_weight_params / t * training.grad_bytes_per_param
+            for r in {0, p - 1}:
+                data_rank[r] += ring_allreduce_time(tied, 2, embedding_link)
+
+        pipe = pipeline_time(layout.schedule, forward_rank, backward_rank, m, v)
+        data = float(data_rank.max())
+        batch_time = pipe + data if layout.schedule in FLUSHING else max(pipe, data)
+
+        weights = np.array([params_rank[r] * (self.element_bytes * weight_versions(layout.schedule, p, r)
+                                              + training.grad_bytes_per_param + self.optimizer_bytes)
+                            for r in range(p)])
+        counts = np.array([float(in_flight(layout.schedule, p, m, v, r)) for r in range(p)])
+        recompute_layers = None
+        if layout.recompute:
+            per_chunk = n_layers // stages
+            block_input = float(sizes.output_bytes[1])
+            options = [k for k in range(1, per_chunk + 1) if per_chunk % k == 0]
+
+            def peak(k: int) -> float:
+                kept = checkpoint_rank + v * (per_chunk // k) * block_input
+                return float((weights + counts * kept).max() + k * block_stash)
+
+            recompute_layers = min(options, key=peak)
+            memory = peak(recompute_layers)
+        else:
+            memory = float((weights + counts * stash_rank).max())
+
+        slowest = int(np.argmax(forward_rank + backward_rank))
+        samples = training.global_batch_size / batch_time
+        flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
+        return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
+                        recompute_layers, m * float(compute_rank[slowest]), m * float(tensor_rank[slowest]),
+                        m * float(pipe_rank[slowest]), data, flops)

@@ -1,0 +1,174 @@
+"""The cost model against closed forms computed here: seed 002's 2BW and GPipe memory footprints,
+the section 4.3 communication volumes on hierarchical links, and the simulator's batch times."""
+
+from fractions import Fraction
+
+import pytest
+
+from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.simulate import CostModel as SimulatorCosts, simulate
+from megapipe.planner.cluster import Cluster
+from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape
+
+L, S, H, HEADS, V = 8, 4, 16, 4, 32
+E = 2  # bytes per element (16-bit)
+FORWARD = 1e-3  # seconds per sample and block
+PARAMS, SPLIT = 1000, 800
+STASH, SPLIT_STASH = 4000.0, 3000.0  # bytes per sample and block
+OPTIMIZER = 12  # fp32 master + two Adam moments for 16-bit weights
+GRAD = 4
+
+
+def synthetic_profile(head_forward=0.0, embedding_params=0, head_stash=0.0, stash=STASH) -> ModelProfile:
+    """Linear in b, two micro-batch sizes: blocks with the constants above, a nearly free embedding and head."""
+    sizes = (1, 2)
+
+    def per(value):
+        return tuple(float(value * b) for b in sizes)
+
+    output = E * S * H
+    block = dict(kind="block", params=PARAMS, split_params=SPLIT, forward_s=per(FORWARD), backward_s=per(2 * FORWARD),
+                 recompute_backward_s=per(3 * FORWARD), output_bytes=per(output), stash_bytes=per(stash),
+                 split_stash_bytes=per(min(SPLIT_STASH, stash)))
+    embedding = LayerProfile("embedding", "embedding", embedding_params, embedding_params, per(0), per(0), per(0),
+                             per(output), per(0), per(0))
+    head = LayerProfile("head", "head", 0, 0, per(head_forward), per(2 * head_forward), per(2 * head_forward),
+                        per(4), per(head_stash), per(0))
+    blocks = [LayerProfile(f"block.{i}", **block) for i in range(L)]
+    return ModelProfile(ModelShape("gpt", L, H, HEADS, S, V, 4 * H), sizes, (embedding, *blocks, head),
+                        "float16", "test", "analytic")
+
+
+def cluster(nodes=1, per_node=8, intra=1e9, inter=1e8, memory=1e12, latency=0.0) -> Cluster:
+    return Cluster(nodes=nodes, gpus_per_node=per_node, memory_per_gpu=memory, intra_node_bandwidth=intra,
+                   inter_node_bandwidth=inter, intra_node_latency=latency, inter_node_latency=latency)
+
+
+def estimate(layout, profile=None, machines=None, batch=32):
+    return CostModel(profile or synthetic_profile(), machines or cluster(), Training(batch)).estimate(layout)
+
+
+def test_2bw_memory_is_the_seeds_footprint():
+    # 2|W|/p + p |A_total|/p (no recomputation), plus gradients and optimizer state once.
+    p = 4
+    result = estimate(Layout(1, p, 2, 2, "2bw"), batch=32)
+    weights = L * PARAMS / p
+    a_total = L * STASH * 2  # b = 2
+    assert result.memory == 2 * weights * E + weights * (GRAD + OPTIMIZER) + p * a_total / p
+
+
+def test_2bw_memory_with_recomputation_is_the_seeds_footprint():
+    # 2|W|/p + |A_total|/p + p |A_input| when one checkpoint per stage uses least memory; in general
+    # c checkpoints per stage cost p c A_input + (l / c) A_block (seed 002 section 4.3.5).
+    p, b = 4, 2
+    a_input = E * S * H * b
+    blocks = L // p
+    weights = L * PARAMS / p
+    fixed = 2 * weights * E + weights * (GRAD + OPTIMIZER)
+    for stash in (200.0, STASH):
+        result = estimate(Layout(1, p, 2, b, "2bw", recompute=True), synthetic_profile(stash=stash), batch=32)
+        by_segment = {k: p * (blocks // k) * a_input + k * stash * b for k in (1, 2)}
+        assert result.memory == fixed + min(by_segment.values())
+        assert result.recompute_layers == min(by_segment, key=by_segment.get)
+        if stash * b < p * a_input:  # recompute whole stages: the seeds' formula
+            assert result.recompute_layers == blocks
+            assert result.memory == fixed + L * stash * b / p + p * a_input
+
+
+def test_gpipe_memory_with_recomputation_is_the_seeds_footprint():
+    # |W|/p + |A_total|/p + m |A_input| (seed 002 section 3.2.3).
+    p, b, batch = 2, 1, 16
+    result = estimate(Layout(1, p, 1, b, "gpipe", recompute=True), batch=batch)
+    m = batch // b
+    weights = L * PARAMS / p
+    blocks = L // p
+    best = min(blocks / k * m * E * S * H * b + k * STASH * b for k in (1, 2, 4))  # checkpoint every k blocks
+    assert result.memory == weights * E + weights * (GRAD + OPTIMIZER) + best
+
+
+def test_tensor_parallelism_splits_weights_and_activations_and_all_reduces_8bsh_per_layer():
+    t, b, batch = 4, 2, 8
+    bandwidth = 1e9
+    result = estimate(Layout(t, 1, 2, b, "1f1b"), machines=cluster(intra=bandwidth), batch=batch)
+    weights = PARAMS - SPLIT + SPLIT / t
+    stash = STASH * b - SPLIT_STASH * b + SPLIT_STASH * b / t
+    assert result.memory == L * weights * (E + GRAD + OPTIMIZER) + stash * L
+    m = batch // (2 * b)
+    volume_per_layer = 8 * b * S * H * E * (t - 1) / t  # seed 002 section 4.3: 8bsh(t-1)/t
+    embedding_and_head = 2 * 2 * b * S * H * E * (t - 1) / t  # one all-reduce each
+    assert result.tensor_comm_time == pytest.approx(m * (L * volume_per_layer + embedding_and_head) / bandwidth)
+
+
+@pytest.mark.parametrize("per_node,expected", [(4, "intra"), (2, "inter")])
+def test_data_parallel_ring_all_reduce_uses_the_hierarchical_link(per_node, expected):
+    d = 4
+    machines = cluster(nodes=4 // per_node, per_node=per_node, intra=1e9, inter=1e7)
+    result = estimate(Layout(1, 1, d, 1, "1f1b"), machines=machines, batch=8)
+    gradient_bytes = L * PARAMS * GRAD
+    bandwidth = 1e9 if expected == "intra" else 1e7
+    assert result.data_comm_time == pytest.approx(2 * (d - 1) / d * gradient_bytes / bandwidth)
+    assert result.batch_time == pytest.approx(result.compute_time + result.data_comm_time)  # after the flush
+
+
+def test_2bw_overlaps_the_all_reduce_and_flush_schedules_do_not():
+    # Slow links make the gradient all-reduce (16 kB per rank) outweigh compute: 2BW hides
+    # everything else under it, 1F1B pays it after (m + p - 1) steps of its equal ranks.
+    p, d, m = 2, 2, 4
+    machines = cluster(nodes=2, per_node=2, intra=1e5, inter=1e5)
+    flush = estimate(Layout(1, p, d, 1, "1f1b"), machines=machines, batch=d * m)
+    double = estimate(Layout(1, p, d, 1, "2bw"), machines=machines, batch=d * m)
+    assert flush.data_comm_time == double.data_comm_time == pytest.approx(2 * (d - 1) / d * L * PARAMS / p * GRAD / 1e5)
+    assert double.batch_time == double.data_comm_time > double.compute_time + double.pipeline_comm_time
+    step = (flush.compute_time + flush.pipeline_comm_time) / m
+    assert flush.batch_time == pytest.approx(flush.data_comm_time + (m + p - 1) * step)
+
+
+def test_pipeline_boundaries_send_bsh_over_t_each_way_on_the_link_they_cross():
+    # t = 2, p = 2, d = 1 on nodes of 2 devices: the boundary crosses nodes; scatter/gather sends bsh/t.
+    t, p, b, batch, inter = 2, 2, 2, 4, 1e6
+    machines = cluster(nodes=2, per_node=2, intra=1e12, inter=inter)
+    result = estimate(Layout(t, p, 1, b, "1f1b"), machines=machines, batch=batch)
+    m = batch // b
+    hop = E * S * H * b / t / inter
+    assert result.pipeline_comm_time == pytest.approx(m * 2 * hop)  # activation forward, gradient backward
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_batch_time_equals_the_simulated_makespan(schedule, v):
+    # Equal stages and free communication: the cost model's batch time is the simulator's makespan
+    # fed with each virtual stage's forward and backward time from the profile.
+    p, b, batch = 4, 1, 8
+    machines = cluster(intra=1e30, inter=1e30)
+    result = estimate(Layout(1, p, 1, b, schedule, v), machines=machines, batch=batch)
+    m = batch // b
+    blocks = L // (p * v)
+    costs = SimulatorCosts(forward=Fraction(blocks) * Fraction(FORWARD), backward=2 * blocks * Fraction(FORWARD))
+    simulated = simulate(build_schedule(schedule, p, m, v), costs)
+    assert result.batch_time == pytest.approx(float(simulated.makespan), rel=1e-12)
+
+
+def test_heavy_head_batch_time_equals_the_simulated_makespan():
+    p, b, batch, head = 4, 1, 12, 5e-3
+    profile = synthetic_profile(head_forward=head)
+    result = estimate(Layout(1, p, 1, b, "1f1b"), profile, machines=cluster(intra=1e30, inter=1e30), batch=batch)
+    blocks = L // p
+    forward = [blocks * FORWARD] * p
+    backward = [2 * blocks * FORWARD] * p
+    forward[-1] += head
+    backward[-1] += 2 * head
+    simulated = simulate(build_schedule("1f1b", p, batch // b).compute_only(),
+                         SimulatorCosts(forward=forward, backward=backward))
+    assert result.batch_time == pytest.approx(float(simulated.makespan), rel=1e-12)
+
+
+def test_the_last_stage_holds_a_copy_of_the_tied_embedding():
+    vocab_params = 5000
+    profile = synthetic_profile(embedding_params=vocab_params)
+    one = estimate(Layout(1, 1, 1, 1, "1f1b"), profile, batch=4)
+    two = estimate(Layout(1, 2, 1, 1, "1f1b"), profile, batch=4)
+    per_param = E + GRAD + OPTIMIZER
+    assert one.memory == (L * PARAMS + vocab_params) * per_param + L * STASH
+    last_rank = (L // 2 * PARAMS + vocab_params) * per_param + 1 * (L // 2) * STASH  # one microbatch in flight
+    first_rank = (L // 2 * PARAMS + vocab_params) * per_param + 2 * (L // 2) * STASH
+    assert two.memory == max(first_rank, last_rank)
