@@ -1,16 +1,15 @@
 """The planner's schedule formulas (seed 002 Table 7.1, per rank) against megapipe.pipeline.simulate,
-and its weight-version counts against the seeds' closed-form version rules.
-
-The PipeDream and 2BW schedules are built elsewhere at the same time; until their generators and
-megapipe/pipeline/weights.py exist, their version counts are checked against the closed forms."""
+and its weight-version counts against the versions the PipeDream and 2BW schedules actually use
+(and against the seeds' closed-form version rules)."""
 
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
+from megapipe.pipeline.actions import ActionKind
 from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.simulate import CostModel, simulate
+from megapipe.pipeline.simulate import CostModel, peak_activations, simulate
 from megapipe.planner.schedule_costs import (bubble_fraction, in_flight, microbatch_problem, pipeline_time,
                                              weight_versions)
 
@@ -80,13 +79,44 @@ def test_table_7_1_activation_and_weight_counts():
     assert max(in_flight("gpipe", p, m, 1, r) for r in range(p)) == m
     for name in ("1f1b", "2bw"):
         assert max(in_flight(name, p, m, 1, r) for r in range(p)) == p
-    assert max(in_flight("pipedream", p, 1, 1, r) for r in range(p)) == 1  # one microbatch per update and pipeline
-    assert in_flight("pipedream", p, p, 1, 0) == p  # NOAM = p when the input stage keeps admitting
+    assert max(in_flight("pipedream", p, 1, 1, r) for r in range(p)) == p  # NOAM, whatever the batch
     # Interleaving: Table 7.1 says p; exactly it is p + (p - 1) / v on the first rank.
     assert max(in_flight("interleaved", p, m, v, r) for r in range(p)) == p + Fraction(p - 1, v)
     assert [weight_versions(n, p, 0) for n in ("gpipe", "1f1b", "interleaved", "2bw", "pipedream")] == [1, 1, 1, 2, p]
     assert [bubble_fraction(n, p, m, 1) for n in ("gpipe", "1f1b", "2bw", "pipedream")] == [Fraction(p - 1, m)] * 2 + [0, 0]
     assert bubble_fraction("interleaved", p, m, v) == Fraction(p - 1, v * m)
+
+
+def versions_held(actions) -> dict[int, int]:
+    """Per stage, the most weight versions needed at once: those of microbatches in flight, the live
+    one (updates so far), and an older one the next forward will use (kept for it, as
+    WeightVersionStore pins it)."""
+    peaks = {}
+    stages = {a.stage for a in actions if a.kind is ActionKind.F}
+    for stage in stages:
+        mine = [a for a in actions if a.stage == stage and a.kind in (ActionKind.F, ActionKind.B, ActionKind.UPDATE)]
+        live, in_flight, peak = 0, {}, 1
+        for index, action in enumerate(mine):
+            if action.kind is ActionKind.F:
+                in_flight[action.microbatch] = action.version
+            elif action.kind is ActionKind.B:
+                in_flight.pop(action.microbatch)
+            else:
+                live += 1
+            upcoming = next((a.version for a in mine[index + 1:] if a.kind is ActionKind.F), live)
+            peak = max(peak, len(set(in_flight.values()) | {live, min(upcoming, live)}))
+        peaks[stage] = peak
+    return peaks
+
+
+@pytest.mark.parametrize("name", ["2bw", "pipedream"])
+def test_asynchronous_schedules_hold_the_planned_versions_and_activations(name):
+    for p in range(1, 6):
+        for m in sorted({p, p + 1, 2 * p}):
+            schedule = build_schedule(name, p, m)
+            assert tuple(peak_activations(schedule)) == tuple(in_flight(name, p, m, 1, r) for r in range(p))
+            for rank, actions in enumerate(schedule.actions):
+                assert max(versions_held(actions).values()) == weight_versions(name, p, rank), (p, m, rank)
 
 
 def test_2bw_needs_two_versions_by_its_version_rule():

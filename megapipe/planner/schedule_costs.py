@@ -46,7 +46,9 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
         if m == p:
             return Fraction(m)
         return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
-    return Fraction(min(p - rank, m))  # 1f1b, 2bw and pipedream admit p - rank before the first backward
+    if schedule in FLUSHING:  # 1f1b: p - rank before the first backward, fewer if the batch is smaller
+        return Fraction(min(p - rank, m))
+    return Fraction(p - rank)  # 2bw and pipedream never flush: microbatches of the next batch keep coming
 
 
 def weight_versions(schedule: str, p: int, rank: int) -> int:
