@@ -31,6 +31,14 @@ def family(request, monkeypatch):
 
 
 @pytest.fixture
+def restore_backend():
+    """Puts back whichever backend was active once a test that selects one is done."""
+    previous = backend.activate(None)
+    yield
+    backend.activate(previous)
+
+
+@pytest.fixture
 def eager_backend():
     previous = backend.activate(backend.FusionBackend("eager", "test"))
     yield
@@ -47,16 +55,17 @@ def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
-def assert_bf16_rounded_once(actual: torch.Tensor, expected_fp32: torch.Tensor, family: str = "eager") -> None:
-    """A fused kernel computes in fp32 and rounds once to bf16.
+def assert_bf16_rounded(actual: torch.Tensor, expected_fp32: torch.Tensor, family: str = "eager",
+                        roundings: int = 1) -> None:
+    """``actual`` is the fp32 value ``expected_fp32`` after ``roundings`` roundings to bf16.
 
-    Rounding to nearest costs at most half a bf16 ULP, which is at most 2^-8 relative (8
-    significant bits); the fp32 part adds ~1e-6 of the tensor's scale. Triton's CPU
-    interpreter converts fp32 to bf16 by truncation (measured; GPUs round to nearest), which
-    costs up to a whole ULP, 2^-7 relative.
+    Rounding to nearest costs at most half a bf16 ULP, at most 2^-8 relative (8 significant
+    bits); the fp32 computation adds ~1e-6 of the tensor's scale. Triton's CPU interpreter
+    converts fp32 to bf16 by truncation (measured; GPUs round to nearest), which costs up to a
+    whole ULP, 2^-7 relative.
     """
     assert actual.dtype == torch.bfloat16
-    rtol = 2**-7 if family == "triton" else 2**-8
+    rtol = roundings * (2**-7 if family == "triton" else 2**-8)
     torch.testing.assert_close(actual.float(), expected_fp32, rtol=rtol, atol=1e-5 * expected_fp32.abs().max().item())
 
 

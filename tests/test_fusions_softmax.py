@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from fusion_helpers import assert_bf16_rounded_once, assert_fp32_close, eager_backend, family, grads
+from fusion_helpers import assert_bf16_rounded, assert_fp32_close, eager_backend, family, grads
 
 from megapipe import fusions
 from megapipe.fusions import softmax as softmax_module
@@ -97,13 +97,14 @@ def test_softmax_bf16_fused_is_fp32_rounded_once(family, case):
     scores, g = _scores(torch.bfloat16)
     probs = fusions.scale_mask_softmax(scores, SCALE, mask, causal)
     expected = _reference(scores.detach().double(), SCALE, mask, causal).float()
-    assert_bf16_rounded_once(probs, expected, family)
+    assert_bf16_rounded(probs, expected, family)
     # The backward pass reads the saved bf16 probabilities, as Megatron's kernel does: it is
-    # the fp32 value of scale * p * (g - sum(g p)) on those probabilities, rounded once.
+    # the fp32 value of scale * p * (g - sum(g p)) on those probabilities, rounded once (twice
+    # on the eager backend: PyTorch's softmax backward kernel, then the scale).
     p, g32 = probs.detach().float(), g.float()
     expected_grad = SCALE * p * (g32 - (g32 * p).sum(-1, keepdim=True))
     (got,) = grads(probs, g, scores)
-    assert_bf16_rounded_once(got, expected_grad, family)
+    assert_bf16_rounded(got, expected_grad, family, roundings=2 if family == "eager" else 1)
 
 
 @pytest.mark.parametrize("softmax_in_fp32", [True, False])

@@ -8,7 +8,7 @@ What the model calls; each ``fused`` argument is the matching ``ModelConfig`` bo
     scale_mask_softmax(scores, scale, mask=None, causal=False, softmax_in_fp32=True,
                        fused=cfg.masked_softmax_fusion)
     attention(q, k, v, mask=None, causal=False, dropout_p=0.0, training=False, scale=None,
-              softmax_in_fp32=True, fused=cfg.masked_softmax_fusion)
+              softmax_in_fp32=True, fused=cfg.masked_softmax_fusion, sdpa=True)   # [b, heads, s, d]
     LayerNorm(hidden_size, eps), RMSNorm(hidden_size, eps)
 
 Masks are boolean, True = masked out. The kernels come from one backend chosen at start-up,

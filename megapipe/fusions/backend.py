@@ -154,8 +154,8 @@ def select_backend(requested: str | None = None, device: torch.device | str | No
     return chosen
 
 
-def activate(backend: FusionBackend) -> FusionBackend | None:
-    """Make ``backend`` the one fused ops use; returns the previous one (None if none was chosen)."""
+def activate(backend: FusionBackend | None) -> FusionBackend | None:
+    """Make ``backend`` the one fused ops use (None: choose again on first use); returns the previous one."""
     global _active
     previous, _active = _active, backend
     return previous

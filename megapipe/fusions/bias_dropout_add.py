@@ -7,6 +7,11 @@ device), so on CPU fused and unfused runs drop the same elements for the same se
 the generator in the same state. Triton kernels draw Philox numbers in the kernel from a seed
 taken from that same generator, and recompute the mask in the backward pass instead of
 storing it. Callers under tensor parallelism choose the generator state (RNG tracker).
+
+The autograd function stores the mask as booleans (1 byte per element, where the unfused
+dropout stores its scaled mask in the activation dtype). torch.compile and Triton compute in
+fp32 and round once; the eager backend, where nothing can fuse, uses PyTorch's own kernels
+(one ``addcmul`` for scale, mask and residual). Both backward passes are the same fp32 formula.
 """
 
 from __future__ import annotations
@@ -31,32 +36,44 @@ def output_dtype(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Ten
 
 
 def draw_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
-    """The elements dropout keeps (True), drawn as ``F.dropout`` does; None when p == 0."""
+    """1 where dropout keeps an element, 0 where it drops it (x's dtype), drawn exactly as
+    ``F.dropout`` draws it; None when p == 0."""
     if p == 0.0:
         return None
     if p == 1.0:  # F.dropout draws nothing here either
-        return torch.zeros_like(x, dtype=torch.bool)
-    return torch.empty_like(x).bernoulli_(1.0 - p).bool()
+        return torch.zeros_like(x)
+    return torch.empty_like(x).bernoulli_(1.0 - p)
 
 
 def dropout_add_forward(x, bias, residual, keep, scale: float) -> torch.Tensor:
-    """``residual + keep * (x + bias) * scale`` in fp32, rounded once to the result dtype."""
+    """``residual + keep * (x + bias) * scale`` in fp32, rounded once to the result dtype.
+
+    ``keep`` is the 0/1 mask from ``draw_keep_mask`` (or None: no dropout).
+    """
     y = add_bias_fp32(x, bias)
     if keep is not None:
-        y = torch.where(keep, y * scale, 0.0)
+        y = y * keep * scale
     return (residual.float() + y).to(output_dtype(x, bias, residual))
 
 
 def dropout_add_backward(grad, keep, bias, scale: float, x_dtype: torch.dtype):
-    """Gradients for x and bias: the incoming gradient where kept, times ``scale``."""
+    """Gradients for x and bias: the incoming gradient where ``keep`` (boolean) holds, times ``scale``."""
     grad_y = grad.float() if keep is None else torch.where(keep, grad.float() * scale, 0.0)
     return grad_y.to(x_dtype), bias_grad(grad_y, bias)
 
 
+def native_forward(x, bias, residual, keep, scale: float) -> torch.Tensor:
+    """``residual + keep * (x + bias) * scale`` with PyTorch's kernels (the eager backend)."""
+    y = x if bias is None else x + bias
+    return residual + y if keep is None else torch.addcmul(residual, y, keep, value=scale)
+
+
 def _torch_kernels(forward, backward):
+    """Kernels that draw the mask as F.dropout does, then run ``forward``/``backward`` on it."""
     def run_forward(x, bias, residual, p):
         keep = draw_keep_mask(x, p)
-        return forward(x, bias, residual, keep, keep_scale(p)), keep
+        out = forward(x, bias, residual, keep, keep_scale(p))
+        return out, None if keep is None else keep.bool()
 
     def run_backward(grad, keep, bias, p, x_dtype):
         return backward(grad, keep, bias, keep_scale(p), x_dtype)
@@ -64,7 +81,7 @@ def _torch_kernels(forward, backward):
     return run_forward, run_backward
 
 
-_EAGER_KERNELS = _torch_kernels(dropout_add_forward, dropout_add_backward)
+_EAGER_KERNELS = _torch_kernels(native_forward, dropout_add_backward)
 
 
 class _BiasDropoutAdd(torch.autograd.Function):

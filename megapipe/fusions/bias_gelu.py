@@ -2,7 +2,10 @@
 
 The autograd function saves only its inputs ``(x, bias)`` and recomputes ``x + bias`` in the
 backward pass, so the intermediate sum is never stored (as Megatron's fused version does).
-Fused kernels compute in fp32 and round once to the input dtype.
+Its kernels: the explicit fp32 formulas below, compiled into one kernel each by torch.compile
+(the Triton kernels implement the same formulas), computing in fp32 and rounding once; and,
+on the eager backend where nothing can fuse, PyTorch's own GeLU kernels, which keep the
+memory saving and the unfused path's speed and numerics.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ _CUBIC = 0.044715
 
 
 def gelu_forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
-    """GeLU(x + bias), in x's dtype."""
+    """GeLU(x + bias) computed in fp32, in x's dtype."""
     y = add_bias_fp32(x, bias)
     if approximate == "tanh":
         out = 0.5 * y * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (y + _CUBIC * y * y * y)))
@@ -44,6 +47,17 @@ def gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
         slope = 0.5 * (1.0 + torch.erf(y * _INV_SQRT_2)) + y * torch.exp(-0.5 * y * y) * _INV_SQRT_2PI
     grad_y = grad.float() * slope
     return grad_y.to(x.dtype), bias_grad(grad_y, bias)
+
+
+def native_forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    """GeLU(x + bias) with PyTorch's kernels (the eager backend)."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def native_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str):
+    """Gradients for x and bias with PyTorch's GeLU backward kernel, recomputing x + bias."""
+    grad_y = torch.ops.aten.gelu_backward(grad, x if bias is None else x + bias, approximate=approximate)
+    return grad_y, bias_grad(grad_y, bias)
 
 
 class _BiasGeLU(torch.autograd.Function):
@@ -67,7 +81,7 @@ def _kernels(family: str):
         return triton_elementwise.bias_gelu_forward, triton_elementwise.bias_gelu_backward
     if family == "compile":
         return compiled(gelu_forward), compiled(gelu_backward)
-    return gelu_forward, gelu_backward
+    return native_forward, native_backward
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none",
@@ -80,6 +94,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"GeLU approximation {approximate!r} is unknown; use 'none' or 'tanh'.")
     if not fused:
-        return F.gelu(x if bias is None else x + bias, approximate=approximate)
+        return native_forward(x, bias, approximate)
     family = active_backend().family("bias_gelu", x)
     return _BiasGeLU.apply(x.contiguous(), bias, approximate, _kernels(family))

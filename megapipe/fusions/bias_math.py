@@ -1,4 +1,4 @@
-"""Bias helpers shared by the fused elementwise ops (which compute in fp32, round once)."""
+"""Bias helpers shared by the fused elementwise ops."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ def add_bias_fp32(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.float()
 
 
-def bias_grad(grad_fp32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The bias gradient: ``grad_fp32`` summed over the leading dimensions, in the bias's dtype."""
+def bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias gradient: ``grad`` summed over the leading dimensions (accumulated in at least
+    fp32), in the bias's dtype."""
     if bias is None:
         return None
-    return grad_fp32.reshape(-1, bias.numel()).sum(0).view(bias.shape).to(bias.dtype)
+    return grad.reshape(-1, bias.numel()).sum(0, dtype=torch.promote_types(grad.dtype, torch.float32)).view(bias.shape).to(bias.dtype)

@@ -11,7 +11,8 @@ zeros, forward and backward, never NaN. This matches ``scaled_dot_product_attent
 boolean masks.
 
 The fused versions always accumulate in fp32 and return the input dtype; they save only the
-output probabilities for the backward pass, ``dx = scale * p * (g - sum(g * p))``.
+output probabilities for the backward pass, ``dx = scale * p * (g - sum(g * p))`` (in fp32
+under torch.compile and Triton; with PyTorch's softmax backward kernel on the eager backend).
 ``softmax_in_fp32`` (Megatron's ``--attention-softmax-in-fp32``) therefore only changes the
 unfused path, which otherwise computes in the input dtype.
 """
@@ -84,6 +85,12 @@ def softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> t
     return (scale * p * (g - (g * p).sum(dim=-1, keepdim=True))).to(probs.dtype)
 
 
+def native_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same gradient with PyTorch's softmax backward kernel, then the scale (the eager backend)."""
+    grad_scores = torch.ops.aten._softmax_backward_data(grad, probs, -1, probs.dtype)
+    return grad_scores if scale == 1.0 else grad_scores * scale
+
+
 class _ScaleMaskSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, scale, mask, causal, kernels):
@@ -108,7 +115,7 @@ def _kernels(family: str, scores: torch.Tensor):
                  f"{TRITON_MAX_KEYS}; using the eager fused softmax")
     if family == "compile":
         return compiled(softmax_forward), compiled(softmax_backward)
-    return softmax_forward, softmax_backward
+    return softmax_forward, native_softmax_backward
 
 
 def scale_mask_softmax(scores: torch.Tensor, scale: float = 1.0, mask: torch.Tensor | None = None,
