@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megapipe.errors import ConfigError
+from megapipe.planner.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -241,10 +242,10 @@ def partition(problem: PartitionProblem) -> Partition:
     best = float(tables[problem.levels[-1].count][0, 0])
     workers = math.prod(level.count for level in problem.levels)
     if not math.isfinite(best):
-        capacity = problem.memory.capacity / 2 ** 30 if problem.memory else float("nan")
-        raise ConfigError(f"no partition of the {n} layers over {workers} devices fits in {capacity:.1f} GiB per "
-                          "device with weight stashing; add devices or memory, or use a schedule with fewer weight "
-                          "versions (2bw or 1f1b).")
+        capacity = human_bytes(problem.memory.capacity) if problem.memory else "memory"
+        raise ConfigError(f"no partition of the {n} layers over {workers} devices fits in {capacity} per device "
+                          "with weight stashing; add devices or memory, or use a schedule with fewer weight versions "
+                          "(2bw or 1f1b).")
     stages = solver.stages(top, Fraction(0), 0, n - 1, problem.levels[-1].count)
     counts = in_flight_counts([r for _, _, r in stages])
     return Partition(tuple(Stage(a, b, r, c) for (a, b, r), c in zip(stages, counts)), best)

@@ -15,8 +15,7 @@ from __future__ import annotations
 from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.profile import ModelShape
-
-GIB = 2 ** 30
+from megapipe.planner.units import GIB
 
 
 def _v100(nodes: int) -> Cluster:

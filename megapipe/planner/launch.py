@@ -1,0 +1,137 @@
+"""Turn a plan into what the training scripts take: a plan file and the exact torchrun command.
+
+The plan file holds ``{"stages": [{"layers": [start, end], "replicas": r}, ...]}`` (transformer
+layers, end exclusive; the first stage also runs the embedding, the last the head) plus the
+settings that go with it. A uniform layout lists its p stages with d replicas each (with
+interleaving, its p v model chunks in pipeline order); a PipeDream partition lists its stages
+with their own replication factors, as ``--pipeline-stages 0:12x2,12:24x1`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from megapipe.planner.cluster import Cluster
+from megapipe.planner.cost_model import Estimate
+from megapipe.planner.partition import Partition
+from megapipe.planner.profile import ModelShape
+
+
+def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
+    """``start:endxreplicas`` per stage, comma separated."""
+    return ",".join(f"{start}:{end}x{replicas}" for start, end, replicas in stages)
+
+
+def model_flags(shape: ModelShape) -> list[str]:
+    flags = ["--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
+             "--num-attention-heads", shape.num_attention_heads, "--seq-length", shape.seq_length,
+             "--max-position-embeddings", shape.seq_length]
+    if shape.ffn_hidden_size != 4 * shape.hidden_size:
+        flags += ["--ffn-hidden-size", shape.ffn_hidden_size]
+    if not shape.tied_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(flag) for flag in flags]
+
+
+def torchrun_prefix(cluster: Cluster, devices: Optional[int] = None) -> list[str]:
+    """torchrun for ``devices`` processes (default: the whole cluster), rendezvous on $MASTER_ADDR across nodes."""
+    devices = devices or cluster.num_gpus
+    nodes = -(-devices // cluster.gpus_per_node)
+    per_node = min(devices, cluster.gpus_per_node)
+    words = ["torchrun", "--nnodes", str(nodes), "--nproc_per_node", str(per_node)]
+    if nodes > 1:
+        words += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "$MASTER_ADDR:29500"]
+    return words
+
+
+def _join(words: list[str]) -> str:
+    return " ".join(word if word.startswith("$") else shlex.quote(word) for word in words)
+
+
+def _script(shape: ModelShape) -> str:
+    return f"pretrain_{shape.kind}.py"
+
+
+def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> str:
+    layout = estimate.layout
+    words = torchrun_prefix(cluster) + [_script(shape)] + model_flags(shape) + [
+        "--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline),
+        "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
+        "--pipeline-schedule", layout.schedule]
+    if layout.virtual > 1:
+        words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
+    if layout.recompute:
+        words += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", str(estimate.recompute_layers)]
+    return _join(words)
+
+
+def uniform_stages(estimate: Estimate, shape: ModelShape) -> list[tuple[int, int, int]]:
+    layout = estimate.layout
+    chunks = layout.pipeline * layout.virtual
+    per = shape.num_layers // chunks
+    return [(k * per, (k + 1) * per, layout.data) for k in range(chunks)]
+
+
+def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> dict:
+    layout = estimate.layout
+    stages = uniform_stages(estimate, shape)
+    document = {
+        "stages": [{"layers": [a, b], "replicas": r} for a, b, r in stages],
+        "schedule": layout.schedule,
+        "micro_batch_size": layout.micro_batch_size,
+        "global_batch_size": global_batch_size,
+        "tensor_model_parallel_size": layout.tensor,
+        "pipeline_model_parallel_size": layout.pipeline,
+        "data_parallel_size": layout.data,
+        "microbatches_per_pipeline": estimate.microbatches,
+        "recompute": ({"granularity": "full", "method": "uniform", "num_layers": estimate.recompute_layers}
+                      if layout.recompute else None),
+        "predicted": {"samples_per_second": estimate.samples_per_second, "batch_time_s": estimate.batch_time,
+                      "memory_bytes_per_device": estimate.memory, "bubble": estimate.bubble,
+                      "model_flops_per_device": estimate.flops_per_gpu},
+        "model": asdict(shape),
+        "cluster": cluster.to_dict(),
+        "pipeline_stages": pipeline_stages_flag(stages),
+        "command": torchrun_command(estimate, shape, cluster, global_batch_size),
+    }
+    if layout.virtual > 1:
+        document["num_layers_per_virtual_pipeline_stage"] = shape.num_layers // (layout.pipeline * layout.virtual)
+    return document
+
+
+def pipedream_plan(partition: Partition, shape: ModelShape, cluster: Cluster, micro_batch_size: int) -> dict:
+    """A PipeDream plan: stages with their own replication, NOAM, predicted time per microbatch.
+
+    Weights are updated after every microbatch, so a step's batch is one microbatch per input-stage replica.
+    """
+    stages = [(s.start, s.end, s.replicas) for s in partition.stages]
+    flag = pipeline_stages_flag(stages)
+    batch = micro_batch_size * partition.stages[0].replicas
+    command = _join(torchrun_prefix(cluster, partition.workers) + [_script(shape)] + model_flags(shape) + [
+        "--pipeline-stages", flag, "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(batch),
+        "--pipeline-schedule", "pipedream"])
+    return {
+        "stages": [{"layers": [a, b], "replicas": r, "in_flight": s.in_flight}
+                   for (a, b, r), s in zip(stages, partition.stages)],
+        "schedule": "pipedream",
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": batch,
+        "tensor_model_parallel_size": 1,
+        "noam": partition.noam,
+        "config": partition.config_name,
+        "predicted": {"time_per_microbatch_s": partition.time_per_input,
+                      "samples_per_second": micro_batch_size / partition.time_per_input},
+        "model": asdict(shape),
+        "cluster": cluster.to_dict(),
+        "pipeline_stages": flag,
+        "command": command,
+    }
+
+
+def write_plan(document: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")

@@ -1,0 +1,142 @@
+"""The planner: seed 002's Algorithm 1 over data-parallel size d and pipeline depth p, extended so that
+SEARCH also chooses the tensor size t = N / (d p), the micro-batch size b, recomputation, the
+schedule and the number of chunks v, scored by ``cost_model`` (THROUGHPUT and MEMORY).
+
+Every layout that uses all N devices, divides the model (heads and width by t, layers by p v)
+and the global batch B (by d b, so m = B / (d b) microbatches per pipeline) and suits its
+schedule is estimated; those that fit in device memory are ranked by predicted throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+from megapipe.errors import ConfigError
+from megapipe.planner.cluster import Cluster
+from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
+from megapipe.planner.profile import ModelProfile, ModelShape
+from megapipe.planner.schedule_costs import SCHEDULES, microbatch_problem
+from megapipe.planner.units import human_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    global_batch_size: int
+    schedules: Sequence[str] = SCHEDULES
+    micro_batch_sizes: Optional[Sequence[int]] = None  # default: every divisor of B / d up to the maximum
+    max_micro_batch_size: int = 64
+    recompute: Sequence[bool] = (False, True)
+    max_virtual: int = 8  # most chunks per rank tried for the interleaved schedule
+    training: Optional[Training] = None  # default: Training(global_batch_size)
+
+    def costs_training(self) -> Training:
+        return self.training or Training(self.global_batch_size)
+
+
+@dataclass
+class PlanResult:
+    best: Estimate  # Algorithm 1's choice
+    ranked: list[Estimate]  # layouts that fit, fastest first
+    best_by_data_pipeline: dict  # (d, p) -> SEARCH's choice, Algorithm 1's inner step
+    evaluated: int
+
+
+def algorithm1(devices: int, search: Callable, throughput: Callable, memory: Callable, capacity: float):
+    """Seed 002 Algorithm 1: for every (d, p) with d p <= N, SEARCH picks the rest of the layout;
+    keep the highest-throughput choice whose MEMORY fits. Returns (d, p, choice) or None."""
+    best, best_throughput = None, 0.0
+    for d in range(1, devices + 1):
+        for p in range(1, devices // d + 1):
+            choice = search(d, p)
+            if choice is None:
+                continue
+            value = throughput(d, p, choice)
+            if memory(d, p, choice) > capacity:
+                continue
+            if value > best_throughput:
+                best, best_throughput = (d, p, choice), value
+    return best
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def model_splits(shape: ModelShape, devices: int) -> Iterator[tuple[int, int, int]]:
+    """(t, p, d) with t p d = devices, t dividing heads, width and MLP width, p dividing the layers."""
+    for t in _divisors(devices):
+        if shape.num_attention_heads % t or shape.hidden_size % t or shape.ffn_hidden_size % t:
+            continue
+        for p in _divisors(devices // t):
+            if shape.num_layers % p == 0:
+                yield t, p, devices // (t * p)
+
+
+def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> Iterator[Layout]:
+    batch = request.global_batch_size
+    for t, p, d in model_splits(shape, devices):
+        if batch % d:
+            continue
+        sizes = request.micro_batch_sizes or [b for b in _divisors(batch // d) if b <= request.max_micro_batch_size]
+        for b in sizes:
+            if (batch // d) % b:
+                continue
+            m = batch // (d * b)
+            for schedule in request.schedules:
+                if p == 1 and schedule != "1f1b":
+                    continue  # without a pipeline every schedule is gradient accumulation
+                chunks = [1] if schedule != "interleaved" else [
+                    v for v in range(2, request.max_virtual + 1) if shape.num_layers % (p * v) == 0]
+                for v in chunks:
+                    if microbatch_problem(schedule, p, m, v) is None:
+                        for recompute in request.recompute:
+                            yield Layout(t, p, d, b, schedule, v, recompute)
+
+
+def _no_layout_error(shape: ModelShape, devices: int, request: PlanRequest) -> ConfigError:
+    batch = request.global_batch_size
+    data_sizes = sorted({d for _, _, d in model_splits(shape, devices)})
+    if not data_sizes:
+        return ConfigError(f"this model cannot be split over {devices} devices: no tensor size divides its "
+                           f"{shape.num_attention_heads} heads and no pipeline depth its {shape.num_layers} layers "
+                           "while using every device; change the number of devices.")
+    if all(batch % d for d in data_sizes):
+        return ConfigError(f"--global-batch-size {batch} is not divisible by any data-parallel size this model allows "
+                           f"on {devices} devices ({', '.join(map(str, data_sizes))}); use a multiple of "
+                           f"{data_sizes[0]}.")
+    return ConfigError(f"no layout with schedules {', '.join(request.schedules)} runs --global-batch-size {batch} on "
+                       f"{devices} devices (each needs enough microbatches per pipeline); raise the batch size or "
+                       "allow gpipe.")
+
+
+def _memory_error(smallest: Estimate, cluster: Cluster) -> ConfigError:
+    return ConfigError(f"no configuration fits in {human_bytes(cluster.usable_memory)} per device: the smallest "
+                       f"needs {human_bytes(smallest.memory)} at {smallest.layout.describe()}; add devices or "
+                       "memory, or lower the micro-batch size.")
+
+
+def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanResult:
+    """Rank every fitting layout of ``profile``'s model on ``cluster`` for ``request``'s global batch."""
+    if request.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size {request.global_batch_size} must be at least 1.")
+    unknown = [s for s in request.schedules if s not in SCHEDULES]
+    if unknown:
+        raise ConfigError(f"schedule {unknown[0]} is unknown; choose from {', '.join(SCHEDULES)}.")
+    model = CostModel(profile, cluster, request.costs_training())
+    estimates = [model.estimate(layout) for layout in enumerate_layouts(profile.shape, cluster.num_gpus, request)]
+    if not estimates:
+        raise _no_layout_error(profile.shape, cluster.num_gpus, request)
+    fitting = [e for e in estimates if e.memory <= cluster.usable_memory]
+    if not fitting:
+        raise _memory_error(min(estimates, key=lambda e: e.memory), cluster)
+
+    best_by_data_pipeline: dict = {}
+    for e in fitting:
+        key = (e.layout.data, e.layout.pipeline)
+        if key not in best_by_data_pipeline or e.samples_per_second > best_by_data_pipeline[key].samples_per_second:
+            best_by_data_pipeline[key] = e
+    ranked = sorted(fitting, key=lambda e: (-e.samples_per_second, e.memory))
+    _, _, best = algorithm1(cluster.num_gpus, lambda d, p: best_by_data_pipeline.get((d, p)),
+                            lambda d, p, e: e.samples_per_second, lambda d, p, e: e.memory, cluster.usable_memory)
+    return PlanResult(best, ranked, best_by_data_pipeline, len(estimates))

@@ -1,0 +1,180 @@
+"""Choose a parallel layout: rank (t, p, d, micro-batch, schedule, recomputation) by predicted throughput.
+
+Examples::
+
+    # a measured profile (tools/profile_model.py) on a cluster described in JSON
+    python tools/plan.py --profile gpt.profile.json --cluster cluster.json --global-batch-size 64
+
+    # a GPT too big to profile here, from FLOP counts, on a preset cluster
+    python tools/plan.py --model gpt-3.8b --cluster v100-16gb-8x8 --global-batch-size 512 \\
+        --plan-out plan.json --plot-out plan.png
+
+    # PipeDream's partitioner: uneven stages with their own replication, weight stashing
+    python tools/plan.py --model gpt-1.3b --cluster v100-16gb-1x8 --pipedream --micro-batch-size 4
+
+Prints the best configurations, the torchrun command of the best, and writes the plan file
+(``--plan-out``) the training scripts accept and a throughput map over (d, p) (``--plot-out``).
+Cluster presets: v100-16gb-1x8, v100-16gb-8x8, a100-80gb-1x8, a100-80gb-8x8.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
+from megapipe.planner.cluster import Cluster  # noqa: E402
+from megapipe.planner.cost_model import Training  # noqa: E402
+from megapipe.planner.launch import pipedream_plan, torchrun_command, uniform_plan, write_plan  # noqa: E402
+from megapipe.planner.pipedream import partition_profile  # noqa: E402
+from megapipe.planner.plan import PlanRequest, plan  # noqa: E402
+from megapipe.planner.presets import CLUSTERS, MODELS, cluster_preset, model_preset  # noqa: E402
+from megapipe.planner.profile import ModelProfile, ModelShape  # noqa: E402
+from megapipe.planner.schedule_costs import SCHEDULES  # noqa: E402
+from megapipe.planner.units import human_bytes  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_argument_group("model (a profile, a preset, or a shape with --achieved-flops)")
+    source.add_argument("--profile", help="JSON written by tools/profile_model.py")
+    source.add_argument("--model", help=f"preset shape: {', '.join(MODELS)}")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size",
+                 "--ffn-hidden-size"):
+        source.add_argument(flag, type=int, help="model shape (checked against --profile when both are given)")
+    source.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
+    source.add_argument("--achieved-flops", type=float,
+                        help="FLOP/s one device reaches on large GEMMs, for a closed-form profile "
+                             "(default: the cluster's achieved_flops)")
+    source.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                        help="closed-form profile: weight and activation type")
+    run = parser.add_argument_group("cluster and batch")
+    run.add_argument("--cluster", required=True, help=f"JSON file or preset: {', '.join(CLUSTERS)}")
+    run.add_argument("--global-batch-size", type=int, help="samples per optimizer step (required unless --pipedream)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of the schedules")
+    search.add_argument("--max-micro-batch-size", type=int, default=64)
+    search.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    search.add_argument("--pipedream", action="store_true",
+                        help="run PipeDream's partitioner (uneven stages, replication, weight stashing) instead")
+    search.add_argument("--micro-batch-size", type=int, help="--pipedream: the micro-batch size to partition for")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="rows in the table")
+    out.add_argument("--plan-out", help="write the best plan as JSON")
+    out.add_argument("--plot-out", help="write a PNG of predicted throughput over (d, p)")
+    return parser.parse_args(argv)
+
+
+def load_cluster(name: str) -> Cluster:
+    return Cluster.load(name) if name.endswith(".json") or Path(name).exists() else cluster_preset(name)
+
+
+def shape_from_flags(args) -> ModelShape | None:
+    given = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                           "vocab_size", "ffn_hidden_size")}
+    if all(v is None for v in given.values()):
+        return None
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+               if given[k] is None]
+    if missing:
+        raise ConfigError(f"a model shape needs --{missing[0].replace('_', '-')} as well; give the whole shape or use "
+                          "--model or --profile.")
+    ffn = given["ffn_hidden_size"] or 4 * given["hidden_size"]
+    return ModelShape(args.model_type, given["num_layers"], given["hidden_size"], given["num_attention_heads"],
+                      given["seq_length"], given["vocab_size"], ffn)
+
+
+def load_profile(args, cluster: Cluster) -> ModelProfile:
+    shape = shape_from_flags(args)
+    if args.profile:
+        preset = model_preset(args.model) if args.model else None
+        return ModelProfile.load(args.profile, expected=shape or preset)
+    shape = shape or (model_preset(args.model) if args.model else None)
+    if shape is None:
+        raise ConfigError("no model given; pass --profile, --model or a shape (--num-layers, --hidden-size, ...).")
+    flops = args.achieved_flops or cluster.achieved_flops
+    if not flops:
+        raise ConfigError("a closed-form profile needs --achieved-flops (or achieved_flops in the cluster "
+                          "description); or measure one with tools/profile_model.py and pass --profile.")
+    return analytic_gpt_profile(shape, flops, dtype=args.dtype)
+
+
+def format_table(result, top: int) -> str:
+    header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
+              f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
+              f"{'pp comm':>8} {'dp comm':>8}")
+    rows = [header, "-" * len(header)]
+    for rank, e in enumerate(result.ranked[:top], 1):
+        layout = e.layout
+        recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
+        rows.append(f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>3} {layout.virtual:>2} "
+                    f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
+                    f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
+                    f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
+                    f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g}")
+    return "\n".join(rows)
+
+
+def run_pipedream(args, profile: ModelProfile, cluster: Cluster) -> None:
+    if not args.micro_batch_size:
+        raise ConfigError("--pipedream partitions for one micro-batch size; pass --micro-batch-size.")
+    training = Training(args.micro_batch_size)
+    result = partition_profile(profile, cluster, args.micro_batch_size, training)
+    document = pipedream_plan(result, profile.shape, cluster, args.micro_batch_size)
+    print(f"PipeDream partition of {profile.shape.num_layers} blocks over {result.workers} devices "
+          f"({cluster.name or 'cluster'}): config {result.config_name}, NOAM {result.noam}, "
+          f"{result.time_per_input * 1e3:.3g} ms per microbatch "
+          f"({document['predicted']['samples_per_second']:.4g} samples/s)")
+    for stage in result.stages:
+        print(f"  layers {stage.start:>3}-{stage.end - 1:<3} x{stage.replicas:<3} in flight {stage.in_flight}")
+    print(f"\n{document['command']}")
+    if args.plan_out:
+        write_plan(document, args.plan_out)
+        print(f"plan written to {args.plan_out}")
+
+
+def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
+    if not args.global_batch_size:
+        raise ConfigError("--global-batch-size is required; it is the batch every layout must reach.")
+    request = PlanRequest(args.global_batch_size, schedules=tuple(s for s in args.schedules.split(",") if s),
+                          max_micro_batch_size=args.max_micro_batch_size,
+                          recompute=(False,) if args.no_recompute else (False, True))
+    result = plan(profile, cluster, request)
+    shape = profile.shape
+    print(f"{shape.kind} with {shape.num_layers} layers, h={shape.hidden_size}, s={shape.seq_length} "
+          f"({profile.source} profile) on {cluster.num_gpus} devices ({cluster.name or 'cluster'}, "
+          f"{human_bytes(cluster.usable_memory)} usable each), global batch {args.global_batch_size}: "
+          f"{len(result.ranked)} of {result.evaluated} layouts fit")
+    print(format_table(result, args.top))
+    best = result.best
+    print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
+          f"{human_bytes(best.memory)} per device")
+    print(torchrun_command(best, shape, cluster, args.global_batch_size))
+    if args.plan_out:
+        write_plan(uniform_plan(best, shape, cluster, args.global_batch_size), args.plan_out)
+        print(f"plan written to {args.plan_out}")
+    if args.plot_out:
+        from megapipe.planner.plot import plot_throughput
+
+        plot_throughput(result, args.plot_out, f"{shape.kind} l={shape.num_layers} h={shape.hidden_size} on "
+                                               f"{cluster.num_gpus} devices, batch {args.global_batch_size}")
+        print(f"plot written to {args.plot_out}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cluster = load_cluster(args.cluster)
+        profile = load_profile(args, cluster)
+        (run_pipedream if args.pipedream else run_planner)(args, profile, cluster)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
