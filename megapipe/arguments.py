@@ -109,7 +109,8 @@ def _training_flags(g) -> None:
 def _data_flags(g) -> None:
     g.add_argument("--data-path", nargs="*", default=[],
                    help="prefix, or weight/prefix pairs; the embedded corpus when omitted")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test weights over documents; default 969,30,1 (90,5,5 for the embedded corpus)")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None)
     g.add_argument("--vocab-file", default=None)
@@ -173,7 +174,10 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         lr_warmup_iters=args.lr_warmup_iters if args.lr_warmup_iters is not None else
         (0 if args.lr_warmup_fraction is not None else min(50, args.train_iters // 10)),
         lr_warmup_fraction=args.lr_warmup_fraction, lr_decay_iters=args.lr_decay_iters)
-    data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_type=args.tokenizer_type,
+    # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
+    # would leave its test split empty
+    split = args.split or ("969,30,1" if args.data_path else "90,5,5")
+    data = DataConfig(data_path=list(args.data_path), split=split, tokenizer_type=args.tokenizer_type,
                       vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       data_cache_path=args.data_cache_path, mask_prob=args.mask_prob,
                       short_seq_prob=args.short_seq_prob)

@@ -126,6 +126,7 @@ class Trainer:
                                      timeout=DEFAULT_TIMEOUT)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
+        self.loss_name = "lm loss" if kind == "gpt" or not config.model.bert_binary_head else "lm + sop loss"
         self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.train_ds, self.valid_ds, self.test_ds = _datasets(kind, config, self.tokenizer, self.data_path)
@@ -204,7 +205,7 @@ class Trainer:
         seconds = elapsed / iters
         tflops = self.flops / seconds / self.ps.world_size / 1e12
         step = result.step
-        name = "lm loss" if self.kind == "gpt" else "lm + binary loss"
+        name = self.loss_name
         self.logger.log(IterationStats(
             iteration=self.state.iteration, train_iters=t.train_iters, consumed_samples=self.state.consumed_samples,
             ms_per_iteration=1000 * seconds, learning_rate=self.scheduler.lr, global_batch_size=t.global_batch_size,
@@ -225,7 +226,7 @@ class Trainer:
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
             losses.extend(self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device)))
         loss = self._data_parallel_mean(losses)
-        self.logger.log_evaluation(split, self.state.iteration, loss)
+        self.logger.log_evaluation(split, self.state.iteration, loss, name=self.loss_name)
         return loss
 
 

@@ -71,3 +71,19 @@ def test_bf16_trains_on_cpu(tmp_path):
     assert result.returncode == 0, result.stderr
     values = losses(result.stdout)
     assert len(values) == 6 and values[6] < values[1]
+
+
+def test_wandb_offline_and_tensorboard_receive_the_figures(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run(TINY + ["--wandb-project", "megapipe-test", "--wandb-save-dir", str(tmp_path / "wandb"),
+                         "--tensorboard-dir", str(tmp_path / "tb")], cache=tmp_path,
+                 env_extra={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("train/lm loss")]
+    assert logged == pytest.approx(list(losses(result.stdout).values()), rel=1e-6)
+    assert "train/tflops-per-device" in events.Tags()["scalars"]
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
