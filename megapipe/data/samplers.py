@@ -54,11 +54,14 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
                                   ) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader of this rank's microbatches (dicts of tensors); ``None`` for a ``None`` dataset.
 
-    Items are cheap memory-mapped slices, so ``num_workers=0`` is usually fastest.
+    Items are cheap memory-mapped slices, so ``num_workers=0`` is usually fastest. The loader
+    draws its worker seed from a generator of its own: starting an iterator must not advance
+    the global generator that dropout uses, or a resumed run would not repeat the original.
     """
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       collate_fn=collate_samples, persistent_workers=num_workers > 0)
+                                       collate_fn=collate_samples, persistent_workers=num_workers > 0,
+                                       generator=torch.Generator())
