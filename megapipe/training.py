@@ -126,6 +126,7 @@ class Trainer:
                                      timeout=DEFAULT_TIMEOUT)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
+        self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save
         self.loss_name = "lm loss" if kind == "gpt" or not config.model.bert_binary_head else "lm + sop loss"
         self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
@@ -173,6 +174,7 @@ class Trainer:
             if sigterm.agreed(self.device):
                 if t.save:
                     self.save(t.save)
+                    self.wait_for_save()
                 self.logger.print(f"exiting on SIGTERM at iteration {self.state.iteration}")
                 return
         if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
@@ -180,12 +182,20 @@ class Trainer:
         if self.state.iteration % t.eval_interval:
             self.evaluate("validation", self.valid_ds)
         self.evaluate("test", self.test_ds)
+        if t.save:
+            self.wait_for_save()
         self.logger.close()
 
     def save(self, directory: str) -> None:
         from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
 
         checkpointing.save_checkpoint(directory, self)
+
+    def wait_for_save(self) -> None:
+        """Block until an asynchronous save (--async-save) has published its checkpoint."""
+        from megapipe import checkpointing
+
+        checkpointing.wait_for_save(self)
 
     def load(self, directory: str) -> None:
         from megapipe import checkpointing

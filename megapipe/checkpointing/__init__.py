@@ -1,0 +1,23 @@
+"""Sharded checkpoints: exact resume, loading into any parallel layout, atomic publication.
+
+On disk (``--save DIR``)::
+
+    DIR/latest_checkpointed_iteration.txt   the newest complete iteration, e.g. "100"
+    DIR/iter_0000100/common.json            iteration, consumed samples, schedule, loss scaler,
+                                            writing layout, run configuration (JSON)
+    DIR/iter_0000100/.metadata              DCP index: every tensor's global shape, dtype, and
+                                            each saved piece's offsets and file byte range
+    DIR/iter_0000100/__<rank>_0.distcp      the pieces one rank wrote
+
+Tensors are stored under canonical names with whole-model shapes (``state.py`` lists the
+keys), so a run with any (t, p, d, v) reads the blocks it needs from pieces written by any
+other. Modules: ``shards`` (where a rank's block sits), ``planners`` (DCP glue), ``storage``
+(file I/O and integrity), ``state`` (what a rank saves and loads), ``common`` (JSON part),
+``validate`` (fit checks), ``paths`` (atomic publication), ``save`` / ``load`` (entry points),
+``offline`` (whole-model access without processes, for tools).
+"""
+
+from megapipe.checkpointing.load import load_checkpoint
+from megapipe.checkpointing.save import save_checkpoint, wait_for_save
+
+__all__ = ["load_checkpoint", "save_checkpoint", "wait_for_save"]

@@ -1,0 +1,117 @@
+"""The small, layout-independent part of a checkpoint, kept as readable JSON (``common.json``).
+
+It records where training stands (iteration, consumed samples), the learning-rate schedule,
+the loss scaler, the layout that wrote the files (to decide whether per-rank random states
+still apply), what the tensors include, and the whole run configuration, so a tool can
+rebuild the model without the original command line. JSON rather than pickle: it loads under
+any PyTorch version and ``torch.load(weights_only=True)`` rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch
+
+from megapipe.checkpointing.paths import COMMON
+from megapipe.config import ModelConfig
+from megapipe.errors import CheckpointError
+
+FORMAT = "megapipe-checkpoint"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The parallel layout a checkpoint was written with; per-rank random states only fit the same one."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    virtual_pipeline: int = 1
+
+    def __str__(self) -> str:
+        v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
+        return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}"
+
+    @staticmethod
+    def of(ps) -> "Layout":
+        return Layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.virtual_pipeline)
+
+
+def optimizer_family(name: str) -> str:
+    """Optimizers whose state tensors have the same names ('adam' and 'adamw' are one thing here)."""
+    return "sgd" if name == "sgd" else "adam"
+
+
+def plain(value):
+    """A config value as JSON: dtypes by name, dataclasses as dicts."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def model_config_from_dict(fields: dict) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    values = {k: v for k, v in fields.items() if k in known}
+    values["params_dtype"] = getattr(torch, values.get("params_dtype", "float32"))
+    return ModelConfig(**values)
+
+
+@dataclasses.dataclass
+class Common:
+    """Everything in a checkpoint that is not a tensor."""
+
+    kind: str  # "gpt" or "bert"
+    iteration: int
+    consumed_samples: int
+    skipped_iterations: int
+    layout: Layout
+    config: dict  # the run's Config as plain values
+    scheduler: Optional[dict]
+    loss_scaler: Optional[dict]
+    has_optimizer: bool
+    has_rng: bool
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return model_config_from_dict(self.config["model"])
+
+    @property
+    def optimizer_family(self) -> str:
+        return optimizer_family(self.config["optimizer"]["optimizer"])
+
+    def write(self, directory: str) -> None:
+        """Write ``common.json`` into ``directory`` and sync it (the directory is synced on publish)."""
+        with open(os.path.join(directory, COMMON), "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @staticmethod
+    def read(directory: str) -> "Common":
+        path = os.path.join(directory, COMMON)
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory} is not a checkpoint: it has no {COMMON}.") from None
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{path} is damaged ({error.msg} at character {error.pos}).") from None
+        if fields.get("format") != FORMAT:
+            raise CheckpointError(f"{directory} is not a megapipe checkpoint ({COMMON} has format "
+                                  f"{fields.get('format')!r}).")
+        if fields.get("version", 0) > VERSION:
+            raise CheckpointError(f"{directory} was written by a newer megapipe (format version {fields['version']}, "
+                                  f"this one reads up to {VERSION}); upgrade megapipe to load it.")
+        fields["layout"] = Layout(**fields["layout"])
+        return Common(**fields)

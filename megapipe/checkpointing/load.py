@@ -1,0 +1,106 @@
+"""``load_checkpoint``: resume (or fine-tune from) a checkpoint written with any parallel layout.
+
+Order: find the checkpoint, read its JSON part and index, check that every shard file is
+whole, decide what to load from the flags, check on every rank that the blocks it needs
+exist with the right global shapes, read everything into fresh buffers, and only then copy
+into the model, the optimizer, the schedule and the random generators.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megapipe.checkpointing.common import Common, Layout, optimizer_family
+from megapipe.checkpointing.paths import LATEST, find_checkpoint
+from megapipe.checkpointing.state import (apply_optimizer, apply_rng, apply_weights, load_targets,
+                                          param_entries)
+from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
+from megapipe.checkpointing.validate import agree_on_fit
+from megapipe.errors import CheckpointError
+from megapipe.optim.lr_schedule import LRSchedule
+
+
+def _same_path(a: str, b) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def load_checkpoint(directory: str, trainer) -> None:
+    """Load ``directory`` (``--load``) into ``trainer``, honouring --finetune / --no-load-optim / --no-load-rng.
+
+    A directory that is also ``--save`` and holds no checkpoint yet starts the run from
+    scratch, so one command line both starts and resumes a job.
+    """
+    t = trainer.config.training
+    path = find_checkpoint(directory)
+    if path is None:
+        if _same_path(directory, t.save):
+            trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
+            return
+        raise CheckpointError(f"{directory} holds no checkpoint: it has no {LATEST} and is not an iter_* "
+                              "directory; check --load.")
+    common = Common.read(path)
+    if common.kind != trainer.kind:
+        raise CheckpointError(f"checkpoint {path} holds a {common.kind.upper()} model, not {trainer.kind.upper()}.")
+    saved = saved_tensors(read_metadata(path))
+    with_optimizer = not (t.finetune or t.no_load_optim)
+    if with_optimizer:
+        _check_optimizer_fits(path, common, trainer)
+    layout = Layout.of(trainer.ps)
+    restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
+
+    entries = param_entries(trainer.chunks, trainer.engine.optimizer)
+    targets = load_targets(entries, saved, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
+    agree_on_fit(path, targets.shards, [e.key(trainer.ps, trainer.config.model) for e in entries], saved,
+                 common.model_config, trainer.config.model)
+    read_shards(targets.shards, path)
+
+    apply_weights(targets)
+    if with_optimizer:
+        apply_optimizer(targets, trainer.engine.optimizer)
+        if common.loss_scaler is not None:
+            trainer.engine.optimizer.loss_scaler.load_state_dict(common.loss_scaler)
+    if not t.finetune:
+        trainer.state.iteration = common.iteration
+        trainer.state.consumed_samples = common.consumed_samples
+        trainer.state.skipped_iterations = common.skipped_iterations
+        if with_optimizer:
+            trainer.scheduler.load_state_dict(common.scheduler)
+        else:
+            trainer.scheduler.step(common.iteration - trainer.scheduler.iteration)
+    _restore_or_reseed_rng(trainer, targets.rng, common, layout, restore_rng)
+    what = "weights only" if not with_optimizer else "weights and optimizer state"
+    trainer.logger.print(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
+                         f"{common.iteration}; continuing at iteration {trainer.state.iteration} with {layout}")
+
+
+def _check_optimizer_fits(path: str, common: Common, trainer) -> None:
+    """Optimizer state, loss scaling and learning-rate schedule of the checkpoint suit this run."""
+    fix = "load weights only with --no-load-optim (or --finetune)"
+    if not common.has_optimizer:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); {fix}.")
+    ours = optimizer_family(trainer.config.optimizer.optimizer)
+    if common.optimizer_family != ours:
+        raise CheckpointError(f"checkpoint {path} holds {common.optimizer_family} optimizer state but this run uses "
+                              f"{ours}; {fix}.")
+    if (common.loss_scaler is None) != (trainer.engine.optimizer.loss_scaler is None):
+        raise CheckpointError(f"checkpoint {path} was written {'with' if common.loss_scaler else 'without'} fp16 "
+                              f"loss scaling and this run is the other way; resume with the same --fp16/--bf16 "
+                              f"setting or {fix}.")
+    if LRSchedule(**common.scheduler["schedule"]) != trainer.scheduler.schedule:
+        trainer.scheduler.load_state_dict(common.scheduler)  # raises, naming the flags that differ
+
+
+def _restore_or_reseed_rng(trainer, rng: dict, common: Common, layout: Layout, restore: bool) -> None:
+    t = trainer.config.training
+    if restore:
+        apply_rng(rng, trainer.ps, trainer.device)
+        return
+    if t.finetune or t.no_load_rng:
+        reason = "--finetune" if t.finetune else "--no-load-rng"
+    elif not common.has_rng:
+        reason = "the checkpoint has none"
+    else:
+        reason = f"they belong to the layout {common.layout}, not {layout}"
+    seed = t.seed + trainer.state.iteration
+    trainer.ps.seed(seed, trainer.device)
+    trainer.logger.print(f"> random states not restored ({reason}): reseeded with --seed + iteration = {seed}")

@@ -1,0 +1,108 @@
+"""``save_checkpoint``: every rank writes its own pieces in parallel; rank 0 publishes atomically.
+
+Rank 0 prepares ``iter_N.tmp``; every rank writes its shards there through DCP. When DCP
+returns on rank 0, every rank's files and the index are on disk and synced; rank 0 then adds
+``common.json`` and publishes (see ``paths.publish``). With ``--async-save`` the pieces are first copied to CPU memory and a
+background thread writes and publishes them over a process group of its own, while training
+goes on; ``latest`` moves only once that write is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from megapipe.checkpointing.common import Common, Layout, plain
+from megapipe.checkpointing.paths import prepare_staging, publish, staging_dir
+from megapipe.checkpointing.shards import Shard
+from megapipe.checkpointing.state import param_entries, save_shards
+from megapipe.checkpointing.storage import write_shards
+from megapipe.errors import CheckpointError
+
+
+def save_checkpoint(directory: str, trainer) -> None:
+    """Write the state of ``trainer`` as ``directory/iter_<iteration>`` (collective over all ranks)."""
+    wait_for_save(trainer)  # one save in flight at a time, and its failure surfaces here
+    t = trainer.config.training
+    started = time.perf_counter()
+    entries = param_entries(trainer.chunks, trainer.engine.optimizer)
+    shards = save_shards(entries, trainer.engine.optimizer, trainer.ps, trainer.config.model, trainer.device,
+                         with_optimizer=not t.no_save_optim)
+    common = _common(trainer, with_optimizer=not t.no_save_optim)
+    iteration = trainer.state.iteration
+    staging = staging_dir(directory, iteration)
+    if trainer.ps.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        prepare_staging(directory, iteration)
+    dist.barrier()  # the staging directory exists before any rank writes into it
+
+    def finish() -> None:  # rank 0, once every rank's pieces are on disk
+        common.write(staging)
+        final = publish(directory, iteration)
+        trainer.logger.print(f"> saved checkpoint {final} at iteration {iteration} in "
+                             f"{time.perf_counter() - started:.2f} s")
+
+    if t.async_save:
+        writer = trainer.checkpoint_writer = trainer.checkpoint_writer or AsyncWriter()
+        writer.start({key: _cpu_copy(shard) for key, shard in shards.items()}, staging, finish)
+        return
+    write_shards(shards, staging)
+    if trainer.ps.rank == 0:
+        finish()
+
+
+def wait_for_save(trainer) -> None:
+    """Block until an asynchronous save has published its checkpoint; raise if it failed."""
+    if trainer.checkpoint_writer is not None:
+        trainer.checkpoint_writer.wait()
+
+
+def _common(trainer, with_optimizer: bool) -> Common:
+    scaler = trainer.engine.optimizer.loss_scaler
+    return Common(kind=trainer.kind, iteration=trainer.state.iteration,
+                  consumed_samples=trainer.state.consumed_samples,
+                  skipped_iterations=trainer.state.skipped_iterations, layout=Layout.of(trainer.ps),
+                  config=plain(trainer.config), scheduler=trainer.scheduler.state_dict(),
+                  loss_scaler=scaler.state_dict() if scaler is not None else None,
+                  has_optimizer=with_optimizer, has_rng=True)
+
+
+def _cpu_copy(shard: Shard) -> Shard:
+    return Shard(shard.local.detach().to("cpu", copy=True), shard.global_shape, shard.offsets)
+
+
+class AsyncWriter:
+    """Writes staged CPU copies on a background thread over a process group of its own.
+
+    The group keeps the writer's collectives apart from training's; it is created on the
+    first asynchronous save, which every rank reaches at the same iteration.
+    """
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def start(self, shards: dict[str, Shard], staging: str, finish: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                write_shards(shards, staging, process_group=self.group)
+                if dist.get_rank() == 0:
+                    finish()
+            except BaseException as error:  # reported by wait() on the training thread
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="megapipe-async-save", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread, error, self.error = None, self.error, None
+        if error is not None:
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error

@@ -1,0 +1,58 @@
+"""A rank's piece of a global tensor, and where each model tensor's piece sits.
+
+A checkpoint stores every tensor under its canonical name with its global (whole-model,
+vocabulary-unpadded) shape; each rank writes only the block it holds, at an offset. That
+makes the files independent of the layout that wrote them: a run with another (t, p, d, v)
+asks for its own blocks and the reader assembles them from whatever pieces were saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megapipe.config import ModelConfig
+from megapipe.models.state_dict import VOCAB_DIM0, canonical_name
+from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.utils import is_tensor_parallel
+
+
+@dataclass
+class Shard:
+    """``local`` is the block of a ``global_shape`` tensor that starts at ``offsets``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @staticmethod
+    def whole(tensor: torch.Tensor) -> "Shard":
+        """A tensor this rank holds in full (replicated, or unique to the rank)."""
+        return Shard(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+
+def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelState,
+          config: ModelConfig) -> tuple[str, Optional[Shard]]:
+    """Canonical key of a chunk's parameter ``name`` and the block of it that ``tensor`` holds.
+
+    ``tensor`` is the parameter itself or anything of its shape (a master copy, an Adam
+    moment). Tensor-parallel slices sit at ``tp_rank`` times their size along the split
+    dimension; vocabulary padding is cut off, so a slice made only of padding holds nothing
+    (``None``).
+    """
+    key = canonical_name(name, param)
+    shape, offsets = list(tensor.shape), [0] * tensor.dim()
+    if is_tensor_parallel(param) and ps.tp_size > 1:
+        dim = param.partition_dim
+        offsets[dim] = ps.tp_rank * tensor.shape[dim]
+        shape[dim] = tensor.shape[dim] * ps.tp_size
+    local = tensor
+    if name in VOCAB_DIM0:
+        shape[0] = config.vocab_size
+        rows = min(tensor.shape[0], config.vocab_size - offsets[0])
+        if rows <= 0:
+            return key, None
+        local = tensor.narrow(0, 0, rows)
+    return key, Shard(local, tuple(shape), tuple(offsets))

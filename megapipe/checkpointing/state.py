@@ -1,0 +1,177 @@
+"""This rank's tensors in a checkpoint, by checkpoint key.
+
+Keys (canonical parameter names, global shapes; see ``shards.place``)::
+
+    model/<name>                      the weight, in the run's parameter dtype
+    optimizer/<name>/master           its fp32 master copy (bf16/fp16 runs)
+    optimizer/<name>/<state>          optimizer state of the same shape (exp_avg, exp_avg_sq,
+                                      momentum_buffer) split like the weight, or a scalar (step)
+    rng/rank_<r>/{cpu,device,tracker/<stream>}   random generator states of global rank r
+
+Saving lists this rank's pieces (``save_shards``); loading lists the blocks this rank needs,
+read into fresh buffers (``LoadTargets``), so nothing touches the model until every read
+has succeeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megapipe.checkpointing.shards import Shard, place
+from megapipe.config import ModelConfig
+from megapipe.distributed import rng_state, set_rng_state
+from megapipe.parallel_state import ParallelState
+
+MASTER = "master"
+
+
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def optimizer_key(name: str, state: str) -> str:
+    return f"optimizer/{name}/{state}"
+
+
+def rng_prefix(rank: int) -> str:
+    return f"rng/rank_{rank}/"
+
+
+@dataclass
+class ParamEntry:
+    """A parameter of this rank: its chunk-local name, the parameter and the tensor the optimizer steps."""
+
+    name: str
+    param: torch.nn.Parameter
+    main: torch.Tensor  # the fp32 master, or the parameter itself in fp32 runs
+
+    def key(self, ps: ParallelState, config: ModelConfig) -> str:
+        return place(self.name, self.param, self.param, ps, config)[0]
+
+    def shard(self, tensor: torch.Tensor, ps: ParallelState, config: ModelConfig) -> Optional[Shard]:
+        """This rank's block of ``tensor`` (the weight or anything shaped like it) in the global tensor."""
+        if tensor.dim() == 0:  # a scalar such as Adam's step count: the same on every rank
+            return Shard.whole(tensor)
+        return place(self.name, tensor, self.param, ps, config)[1]
+
+
+def param_entries(chunks, optimizer) -> list[ParamEntry]:
+    """Every parameter of ``chunks`` once, with its main (optimizer) tensor."""
+    main_of = {id(model): main for model, main in zip(optimizer.model_params, optimizer.main_params)}
+    entries, seen = [], set()
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                entries.append(ParamEntry(name, param, main_of.get(id(param), param)))
+    return entries
+
+
+def save_shards(entries: list[ParamEntry], optimizer, ps: ParallelState, config: ModelConfig, device: torch.device,
+                with_optimizer: bool) -> dict[str, Shard]:
+    """This rank's pieces of the weights, (optionally) the optimizer state, and its random states."""
+    out = {}
+
+    def add(key: str, shard: Optional[Shard]) -> None:
+        if shard is not None:
+            out[key] = shard
+
+    for entry in entries:
+        key = entry.key(ps, config)
+        add(model_key(key), entry.shard(entry.param.detach(), ps, config))
+        if not with_optimizer:
+            continue
+        if entry.main is not entry.param:
+            add(optimizer_key(key, MASTER), entry.shard(entry.main.detach(), ps, config))
+        for state, value in optimizer.inner.state.get(entry.main, {}).items():
+            add(optimizer_key(key, state), entry.shard(value, ps, config))
+    out.update(rng_shards(ps, device))
+    return out
+
+
+def rng_shards(ps: ParallelState, device: torch.device) -> dict[str, Shard]:
+    """The default generators and the tensor-parallel tracker's streams of this rank."""
+    prefix = rng_prefix(ps.rank)
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states["device"] = rng_state(device).cpu()
+    if ps.rng_tracker is not None:
+        states.update({f"tracker/{name}": state for name, state in ps.rng_tracker.get_states().items()})
+    return {prefix + name: Shard.whole(state) for name, state in states.items()}
+
+
+@dataclass
+class LoadTargets:
+    """Fresh buffers for what this rank reads, and where each goes once every read succeeded."""
+
+    shards: dict[str, Shard] = field(default_factory=dict)  # checkpoint key -> block to fill
+    weights: list[tuple[ParamEntry, torch.Tensor]] = field(default_factory=list)  # fp32 value of each param
+    optimizer: list[tuple[ParamEntry, dict[str, torch.Tensor]]] = field(default_factory=list)
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def load_targets(entries: list[ParamEntry], saved: dict, ps: ParallelState, config: ModelConfig,
+                 with_optimizer: bool, with_rng: bool) -> LoadTargets:
+    """What this rank reads; ``saved`` is the checkpoint's key -> TensorStorageMetadata."""
+    targets = LoadTargets()
+    buffers: dict[str, torch.Tensor] = {}
+
+    def request(key: str, entry: ParamEntry, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if key not in buffers:
+            buffers[key] = torch.zeros(like.shape, dtype=dtype, device=like.device)
+            shard = entry.shard(buffers[key], ps, config)
+            if shard is not None:
+                targets.shards[key] = shard
+        return buffers[key]
+
+    saved_states: dict[str, dict] = {}  # parameter name -> {state name: metadata}, masters left out
+    for name, md in saved.items():
+        if name.startswith("optimizer/") and not name.endswith("/" + MASTER):
+            param_name, state = name.removeprefix("optimizer/").rsplit("/", 1)
+            saved_states.setdefault(param_name, {})[state] = md
+    for entry in entries:
+        key = entry.key(ps, config)
+        # the fp32 master is the precise weight; checkpoints of fp32 runs have none
+        source = optimizer_key(key, MASTER) if optimizer_key(key, MASTER) in saved else model_key(key)
+        targets.weights.append((entry, request(source, entry, entry.param, torch.float32)))
+        if with_optimizer:
+            targets.optimizer.append((entry, {
+                state: request(optimizer_key(key, state), entry,
+                               entry.main if len(md.size) else entry.main.new_zeros(()), md.properties.dtype)
+                for state, md in saved_states.get(key, {}).items()}))
+    if with_rng:
+        prefix = rng_prefix(ps.rank)
+        for key, md in saved.items():
+            if key.startswith(prefix):
+                targets.rng[key[len(prefix):]] = torch.zeros(md.size, dtype=md.properties.dtype)
+                targets.shards[key] = Shard.whole(targets.rng[key[len(prefix):]])
+    return targets
+
+
+@torch.no_grad()
+def apply_weights(targets: LoadTargets) -> None:
+    for entry, value in targets.weights:
+        entry.param.copy_(value)
+        if entry.main is not entry.param:
+            entry.main.copy_(value)
+
+
+def apply_optimizer(targets: LoadTargets, optimizer) -> None:
+    """Hand the read state to the inner torch optimizer, which casts and places it as it needs."""
+    inner = optimizer.inner
+    index = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
+    state = inner.state_dict()
+    state["state"] = {index[id(entry.main)]: values for entry, values in targets.optimizer if values}
+    inner.load_state_dict(state)
+
+
+def apply_rng(rng: dict[str, torch.Tensor], ps: ParallelState, device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if "device" in rng:
+        set_rng_state(rng["device"], device)
+    tracker = {name.removeprefix("tracker/"): state for name, state in rng.items() if name.startswith("tracker/")}
+    if tracker:
+        ps.rng_tracker.set_states(tracker)
