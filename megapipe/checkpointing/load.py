@@ -13,7 +13,7 @@ import os
 from megapipe.checkpointing.common import Common, Layout, optimizer_family
 from megapipe.checkpointing.paths import LATEST, find_checkpoint
 from megapipe.checkpointing.state import (apply_optimizer, apply_rng, apply_weights, load_targets,
-                                          param_entries)
+                                          param_entries, precision_optimizers)
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.errors import CheckpointError
@@ -58,7 +58,8 @@ def load_checkpoint(directory: str, trainer) -> None:
     if with_optimizer:
         apply_optimizer(targets, trainer.engine.optimizer)
         if common.loss_scaler is not None:
-            trainer.engine.optimizer.loss_scaler.load_state_dict(common.loss_scaler)
+            for optimizer in precision_optimizers(trainer.engine.optimizer):
+                optimizer.loss_scaler.load_state_dict(common.loss_scaler)
     if not t.finetune:
         trainer.state.iteration = common.iteration
         trainer.state.consumed_samples = common.consumed_samples
@@ -82,7 +83,7 @@ def _check_optimizer_fits(path: str, common: Common, trainer) -> None:
     if common.optimizer_family != ours:
         raise CheckpointError(f"checkpoint {path} holds {common.optimizer_family} optimizer state but this run uses "
                               f"{ours}; {fix}.")
-    if (common.loss_scaler is None) != (trainer.engine.optimizer.loss_scaler is None):
+    if (common.loss_scaler is None) != (precision_optimizers(trainer.engine.optimizer)[0].loss_scaler is None):
         raise CheckpointError(f"checkpoint {path} was written {'with' if common.loss_scaler else 'without'} fp16 "
                               f"loss scaling and this run is the other way; resume with the same --fp16/--bf16 "
                               f"setting or {fix}.")

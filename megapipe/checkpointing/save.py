@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megapipe.checkpointing.common import Common, Layout, plain
 from megapipe.checkpointing.paths import prepare_staging, publish, staging_dir
 from megapipe.checkpointing.shards import Shard
-from megapipe.checkpointing.state import param_entries, save_shards
+from megapipe.checkpointing.state import param_entries, precision_optimizers, save_shards
 from megapipe.checkpointing.storage import write_shards
 from megapipe.errors import CheckpointError
 
@@ -30,8 +30,7 @@ def save_checkpoint(directory: str, trainer) -> None:
     t = trainer.config.training
     started = time.perf_counter()
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    shards = save_shards(entries, trainer.engine.optimizer, trainer.ps, trainer.config.model, trainer.device,
-                         with_optimizer=not t.no_save_optim)
+    shards = save_shards(entries, trainer.ps, trainer.config.model, trainer.device, with_optimizer=not t.no_save_optim)
     common = _common(trainer, with_optimizer=not t.no_save_optim)
     iteration = trainer.state.iteration
     staging = staging_dir(directory, iteration)
@@ -62,7 +61,7 @@ def wait_for_save(trainer) -> None:
 
 
 def _common(trainer, with_optimizer: bool) -> Common:
-    scaler = trainer.engine.optimizer.loss_scaler
+    scaler = precision_optimizers(trainer.engine.optimizer)[0].loss_scaler  # one scale for all chunks
     return Common(kind=trainer.kind, iteration=trainer.state.iteration,
                   consumed_samples=trainer.state.consumed_samples,
                   skipped_iterations=trainer.state.skipped_iterations, layout=Layout.of(trainer.ps),

@@ -40,13 +40,20 @@ def rng_prefix(rank: int) -> str:
     return f"rng/rank_{rank}/"
 
 
+def precision_optimizers(optimizer) -> list:
+    """The PrecisionOptimizers behind the engine's optimizer (one, or one per chunk in an OptimizerGroup)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
 @dataclass
 class ParamEntry:
-    """A parameter of this rank: its chunk-local name, the parameter and the tensor the optimizer steps."""
+    """A parameter of this rank: its chunk-local name, the parameter, the tensor the optimizer
+    steps and the PrecisionOptimizer that steps it."""
 
     name: str
     param: torch.nn.Parameter
     main: torch.Tensor  # the fp32 master, or the parameter itself in fp32 runs
+    optimizer: object
 
     def key(self, ps: ParallelState, config: ModelConfig) -> str:
         return place(self.name, self.param, self.param, ps, config)[0]
@@ -59,18 +66,19 @@ class ParamEntry:
 
 
 def param_entries(chunks, optimizer) -> list[ParamEntry]:
-    """Every parameter of ``chunks`` once, with its main (optimizer) tensor."""
-    main_of = {id(model): main for model, main in zip(optimizer.model_params, optimizer.main_params)}
+    """Every parameter of ``chunks`` once, with its main tensor and optimizer."""
+    owner = {id(model): (main, opt) for opt in precision_optimizers(optimizer)
+             for model, main in zip(opt.model_params, opt.main_params)}
     entries, seen = [], set()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                entries.append(ParamEntry(name, param, main_of.get(id(param), param)))
+                entries.append(ParamEntry(name, param, *owner[id(param)]))
     return entries
 
 
-def save_shards(entries: list[ParamEntry], optimizer, ps: ParallelState, config: ModelConfig, device: torch.device,
+def save_shards(entries: list[ParamEntry], ps: ParallelState, config: ModelConfig, device: torch.device,
                 with_optimizer: bool) -> dict[str, Shard]:
     """This rank's pieces of the weights, (optionally) the optimizer state, and its random states."""
     out = {}
@@ -86,7 +94,7 @@ def save_shards(entries: list[ParamEntry], optimizer, ps: ParallelState, config:
             continue
         if entry.main is not entry.param:
             add(optimizer_key(key, MASTER), entry.shard(entry.main.detach(), ps, config))
-        for state, value in optimizer.inner.state.get(entry.main, {}).items():
+        for state, value in entry.optimizer.inner.state.get(entry.main, {}).items():
             add(optimizer_key(key, state), entry.shard(value, ps, config))
     out.update(rng_shards(ps, device))
     return out
@@ -160,12 +168,14 @@ def apply_weights(targets: LoadTargets) -> None:
 
 
 def apply_optimizer(targets: LoadTargets, optimizer) -> None:
-    """Hand the read state to the inner torch optimizer, which casts and places it as it needs."""
-    inner = optimizer.inner
-    index = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
-    state = inner.state_dict()
-    state["state"] = {index[id(entry.main)]: values for entry, values in targets.optimizer if values}
-    inner.load_state_dict(state)
+    """Hand the read state to each inner torch optimizer, which casts and places it as it needs."""
+    for precision in precision_optimizers(optimizer):
+        inner = precision.inner
+        index = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
+        state = inner.state_dict()
+        state["state"] = {index[id(entry.main)]: values for entry, values in targets.optimizer
+                          if values and entry.optimizer is precision}
+        inner.load_state_dict(state)
 
 
 def apply_rng(rng: dict[str, torch.Tensor], ps: ParallelState, device: torch.device) -> None:

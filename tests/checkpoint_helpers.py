@@ -1,0 +1,40 @@
+"""Tiny GPT runs through the real Trainer for the checkpoint tests (inside ``run_distributed`` worlds)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megapipe.arguments import parse_config
+from megapipe.training import Trainer
+
+# 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of
+# 16 x t, so tensor-parallel slices hold padding rows that a checkpoint must trim and restore.
+TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "1", "--fusion-backend", "eager",
+            "--make-vocab-size-divisible-by", "16", "--lr-warmup-iters", "1"]
+
+
+def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p),
+             "--pipeline-schedule", schedule]
+    if schedule == "interleaved":
+        flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    return flags
+
+
+def train(argv: list[str], cache: str) -> tuple[Trainer, list[list[float]]]:
+    """Run ``pretrain_gpt.py argv`` in this world; the per-microbatch losses of every training call."""
+    config = parse_config("gpt", TINY_GPT + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
+    trainer = Trainer("gpt", config)
+    losses = []
+    train_batch = trainer.engine.train_batch
+
+    def recording(microbatches):
+        result = train_batch(microbatches)
+        losses.append(result.losses)
+        return result
+
+    trainer.engine.train_batch = recording
+    trainer.train()
+    return trainer, losses
