@@ -100,9 +100,22 @@ class ModelConfig:
                               "every stage must hold the same number of layers.")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization {self.normalization} is unknown; use LayerNorm or RMSNorm.")
+        self._validate_recompute()
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
         self.padded_vocab_size(t)
+
+    def _validate_recompute(self) -> None:
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {granularity} is unknown; use full or selective.")
+        if granularity == "full" and method not in ("uniform", "block"):
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block.")
+        if granularity != "full" and (method is not None or self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply only to "
+                              "--recompute-granularity full.")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} must be at least 1.")
 
 
 @dataclass

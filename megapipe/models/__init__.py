@@ -34,3 +34,15 @@ def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: 
         chunks.append(stage_cls(config, ps, start, end, pre_process=stage == 0, post_process=stage == num_stages - 1,
                                 seed=seed, sequence_parallel=sequence_parallel, device=device))
     return chunks
+
+
+def build_planned_stage(kind: str, config: ModelConfig, ps: ParallelState, layer_ranges: list[tuple[int, int]],
+                        seed: int = 1234, sequence_parallel: bool = False, device=None) -> list[LanguageModelStage]:
+    """The one chunk of this rank's stage when stage i holds layers ``layer_ranges[i]`` (a stage plan,
+    ``megapipe.pipeline.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
+    config.validate(ps.tp_size)
+    stage = ps.pipeline_stage
+    start, end = layer_ranges[stage]
+    return [MODEL_KINDS[kind](config, ps, start, end, pre_process=stage == 0,
+                              post_process=stage == len(layer_ranges) - 1, seed=seed,
+                              sequence_parallel=sequence_parallel, device=device)]

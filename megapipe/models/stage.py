@@ -12,6 +12,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.embedding import Embedding
+from megapipe.models.recompute import checkpoint, recompute_groups
 from megapipe.models.transformer import TransformerLayer
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel.layers import _init_weight
@@ -77,11 +78,20 @@ class LanguageModelStage(nn.Module):
         if self.pre_process:
             hidden = self.embedding(batch["tokens"], batch.get("position_ids"), batch.get("types"))
         mask = self.attention_mask(batch)
-        for layer in self.layers.values():
-            hidden = layer(hidden, mask, self.causal)
+        layers = list(self.layers.values())
+        for start, end, recompute in recompute_groups(self.config, len(layers)):
+            run = self._layer_run(layers[start:end], mask)
+            hidden = checkpoint(run, self.ps, hidden) if recompute and self.training else run(hidden)
         if self.post_process:
             return self.head(hidden, batch)
         return hidden
+
+    def _layer_run(self, layers: list, mask):
+        def run(hidden):
+            for layer in layers:
+                hidden = layer(hidden, mask, self.causal)
+            return hidden
+        return run
 
     def head(self, hidden: torch.Tensor, batch: dict):
         raise NotImplementedError

@@ -17,6 +17,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm, dropout_add
+from megapipe.models.recompute import checkpoint
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.tensor_parallel.utils import divide
@@ -44,7 +45,11 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, 3 h / t]
         s, b = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.config.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
-        context = self.core_attention(q, k, v, attention_mask, causal)  # [b, heads, s, d]
+        if self.config.recompute_granularity == "selective" and self.training:
+            context = checkpoint(lambda q_, k_, v_: self.core_attention(q_, k_, v_, attention_mask, causal),
+                                 self.ps, q, k, v)
+        else:
+            context = self.core_attention(q, k, v, attention_mask, causal)  # [b, heads, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.config.head_dim)
         return self.dense(context)
 
