@@ -124,6 +124,7 @@ def check_layouts(rank, world_size, layouts):
 
 @pytest.mark.parametrize("world,layouts", [
     (4, [(1, 2, 2), (2, 2, 1), (1, 4, 1)]),
+    (8, [(2, 4, 1), (2, 2, 2), (1, 4, 2)]),
 ])
 def test_flush_schedules_match_gradient_accumulation(world, layouts):
     results = run_distributed(world, check_layouts, layouts, timeout=600)
