@@ -17,7 +17,7 @@ other. Modules: ``shards`` (where a rank's block sits), ``planners`` (DCP glue),
 ``offline`` (whole-model access without processes, for tools).
 """
 
-from megapipe.checkpointing.load import load_checkpoint
+from megapipe.checkpointing.load import load_checkpoint, load_weights
 from megapipe.checkpointing.save import save_checkpoint, wait_for_save
 
-__all__ = ["load_checkpoint", "save_checkpoint", "wait_for_save"]
+__all__ = ["load_checkpoint", "load_weights", "save_checkpoint", "wait_for_save"]

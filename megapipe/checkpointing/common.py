@@ -37,6 +37,10 @@ class Layout:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
         return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}"
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
     @staticmethod
     def of(ps) -> "Layout":
         return Layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.virtual_pipeline)

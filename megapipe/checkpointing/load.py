@@ -1,4 +1,4 @@
-"""``load_checkpoint``: resume (or fine-tune from) a checkpoint written with any parallel layout.
+"""Loading a checkpoint written with any parallel layout: a whole training state, or weights only.
 
 Order: find the checkpoint, read its JSON part and index, check that every shard file is
 whole, decide what to load from the flags, check on every rank that the blocks it needs
@@ -12,16 +12,47 @@ import os
 
 from megapipe.checkpointing.common import Common, Layout, optimizer_family
 from megapipe.checkpointing.paths import LATEST, find_checkpoint
-from megapipe.checkpointing.state import (apply_optimizer, apply_rng, apply_weights, load_targets,
+from megapipe.checkpointing.state import (LoadTargets, apply_optimizer, apply_rng, apply_weights, load_targets,
                                           param_entries, precision_optimizers)
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.checkpointing.validate import agree_on_fit
+from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import LRSchedule
+from megapipe.parallel_state import ParallelState
 
 
 def _same_path(a: str, b) -> bool:
     return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
+    """(checkpoint directory, its JSON part, its tensor index), or CheckpointError."""
+    path = find_checkpoint(directory)
+    if path is None:
+        raise CheckpointError(f"{directory} holds no checkpoint: it has no {LATEST} and is not an iter_* "
+                              "directory; check --load.")
+    common = Common.read(path)
+    if common.kind != kind:
+        raise CheckpointError(f"checkpoint {path} holds a {common.kind.upper()} model, not {kind.upper()}.")
+    return path, common, saved_tensors(read_metadata(path))
+
+
+def _read(path: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
+          with_optimizer: bool, with_rng: bool) -> LoadTargets:
+    """Check the fit on every rank, then read this rank's blocks into fresh buffers (collective)."""
+    targets = load_targets(entries, saved, ps, config, with_optimizer, with_rng)
+    agree_on_fit(path, targets.shards, [entry.key(ps, config) for entry in entries], saved, common.model_config,
+                 config)
+    read_shards(targets.shards, path)
+    return targets
+
+
+def load_weights(directory: str, kind: str, chunks, ps: ParallelState, config: ModelConfig) -> Common:
+    """Load only the weights of a checkpoint into ``chunks`` (any layout; collective over all ranks)."""
+    path, common, saved = _open(directory, kind)
+    apply_weights(_read(path, common, saved, param_entries(chunks), ps, config, False, False))
+    return common
 
 
 def load_checkpoint(directory: str, trainer) -> None:
@@ -31,28 +62,17 @@ def load_checkpoint(directory: str, trainer) -> None:
     scratch, so one command line both starts and resumes a job.
     """
     t = trainer.config.training
-    path = find_checkpoint(directory)
-    if path is None:
-        if _same_path(directory, t.save):
-            trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
-            return
-        raise CheckpointError(f"{directory} holds no checkpoint: it has no {LATEST} and is not an iter_* "
-                              "directory; check --load.")
-    common = Common.read(path)
-    if common.kind != trainer.kind:
-        raise CheckpointError(f"checkpoint {path} holds a {common.kind.upper()} model, not {trainer.kind.upper()}.")
-    saved = saved_tensors(read_metadata(path))
+    if _same_path(directory, t.save) and (not os.path.isdir(directory) or find_checkpoint(directory) is None):
+        trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
+        return
+    path, common, saved = _open(directory, trainer.kind)
     with_optimizer = not (t.finetune or t.no_load_optim)
     if with_optimizer:
         _check_optimizer_fits(path, common, trainer)
     layout = Layout.of(trainer.ps)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
-
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    targets = load_targets(entries, saved, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
-    agree_on_fit(path, targets.shards, [e.key(trainer.ps, trainer.config.model) for e in entries], saved,
-                 common.model_config, trainer.config.model)
-    read_shards(targets.shards, path)
+    targets = _read(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
 
     apply_weights(targets)
     if with_optimizer:
@@ -69,7 +89,7 @@ def load_checkpoint(directory: str, trainer) -> None:
         else:
             trainer.scheduler.step(common.iteration - trainer.scheduler.iteration)
     _restore_or_reseed_rng(trainer, targets.rng, common, layout, restore_rng)
-    what = "weights only" if not with_optimizer else "weights and optimizer state"
+    what = "weights and optimizer state" if with_optimizer else "weights only"
     trainer.logger.print(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
                          f"{common.iteration}; continuing at iteration {trainer.state.iteration} with {layout}")
 
@@ -78,7 +98,8 @@ def _check_optimizer_fits(path: str, common: Common, trainer) -> None:
     """Optimizer state, loss scaling and learning-rate schedule of the checkpoint suit this run."""
     fix = "load weights only with --no-load-optim (or --finetune)"
     if not common.has_optimizer:
-        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); {fix}.")
+        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim or imported); "
+                              f"{fix}.")
     ours = optimizer_family(trainer.config.optimizer.optimizer)
     if common.optimizer_family != ours:
         raise CheckpointError(f"checkpoint {path} holds {common.optimizer_family} optimizer state but this run uses "

@@ -109,7 +109,7 @@ def find_checkpoint(path: str) -> Optional[str]:
     ``latest`` names a directory that is not a complete checkpoint.
     """
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint directory {path} does not exist; check --load.")
+        raise CheckpointError(f"checkpoint directory {path} does not exist.")
     if is_checkpoint(path):
         return path
     iteration = read_latest(path)

@@ -56,3 +56,25 @@ def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelStat
             return key, None
         local = tensor.narrow(0, 0, rows)
     return key, Shard(local, tuple(shape), tuple(offsets))
+
+
+def local_shape(name: str, global_shape: tuple[int, ...], param: torch.Tensor, tp_size: int,
+                config: ModelConfig) -> tuple[int, ...]:
+    """The shape a rank of a ``tp_size``-way tensor group holds for a global tensor (padding included)."""
+    shape = list(global_shape)
+    if name in VOCAB_DIM0:
+        shape[0] = config.padded_vocab_size(tp_size)
+    if is_tensor_parallel(param) and tp_size > 1:
+        shape[param.partition_dim] //= tp_size
+    return tuple(shape)
+
+
+def cut(name: str, whole: torch.Tensor, param: torch.Tensor, ps: ParallelState,
+        config: ModelConfig) -> tuple[str, Optional[Shard]]:
+    """The piece of the global tensor ``whole`` that the rank ``ps`` describes would hold (see :func:`place`)."""
+    shape = local_shape(name, tuple(whole.shape), param, ps.tp_size, config)
+    key, bounds = place(name, torch.empty(shape, device="meta"), param, ps, config)
+    if bounds is None:
+        return key, None
+    block = whole[tuple(slice(o, o + n) for o, n in zip(bounds.offsets, bounds.local.shape))]
+    return key, Shard(block, bounds.global_shape, bounds.offsets)

@@ -65,16 +65,16 @@ class ParamEntry:
         return place(self.name, tensor, self.param, ps, config)[1]
 
 
-def param_entries(chunks, optimizer) -> list[ParamEntry]:
-    """Every parameter of ``chunks`` once, with its main tensor and optimizer."""
-    owner = {id(model): (main, opt) for opt in precision_optimizers(optimizer)
+def param_entries(chunks, optimizer=None) -> list[ParamEntry]:
+    """Every parameter of ``chunks`` once, with its main tensor and optimizer (none: weights only)."""
+    owner = {id(model): (main, opt) for opt in (precision_optimizers(optimizer) if optimizer else [])
              for model, main in zip(opt.model_params, opt.main_params)}
     entries, seen = [], set()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                entries.append(ParamEntry(name, param, *owner[id(param)]))
+                entries.append(ParamEntry(name, param, *owner.get(id(param), (param, None))))
     return entries
 
 

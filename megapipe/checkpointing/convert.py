@@ -1,0 +1,74 @@
+"""Offline conversions behind ``tools/convert_checkpoint.py``: reshard, import and export Hugging Face.
+
+Each returns a ``Conversion`` that says what it did: source and target (with layouts), how
+many tensors and bytes it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megapipe.checkpointing.common import Common, Layout, plain
+from megapipe.checkpointing.hf import export_hf, import_hf
+from megapipe.checkpointing.offline import read_checkpoint, write_checkpoint
+from megapipe.checkpointing.state import MASTER, model_key, optimizer_key
+from megapipe.config import Config
+
+
+@dataclass
+class Conversion:
+    source: str
+    source_layout: Optional[Layout]  # None for a Hugging Face directory
+    target: str
+    target_layout: Optional[Layout]
+    tensors: int
+    bytes: int
+
+    def lines(self) -> list[str]:
+        def where(path, layout):
+            return f"{path} ({layout})" if layout is not None else f"{path} (Hugging Face)"
+        return [f"source:  {where(self.source, self.source_layout)}",
+                f"target:  {where(self.target, self.target_layout)}",
+                f"tensors: {self.tensors}",
+                f"bytes:   {self.bytes} ({self.bytes / 2 ** 20:.1f} MiB)"]
+
+
+def _size(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _written(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a checkpoint written from ``tensors`` holds: random states are dropped."""
+    return {key: value for key, value in tensors.items() if not key.startswith("rng/")}
+
+
+def reshard(source: str, target: str, layout: Layout) -> Conversion:
+    """Rewrite a checkpoint (weights, optimizer state, schedule) as ``layout``'s ranks would save it."""
+    path, common, tensors = read_checkpoint(source)
+    tensors = _written(tensors)
+    written = write_checkpoint(target, common, tensors, layout)
+    return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors))
+
+
+def import_hf_checkpoint(hf_dir: str, target: str, layout: Layout) -> Conversion:
+    """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face GPT-2 or BERT directory."""
+    kind, config, canonical = import_hf(hf_dir)
+    tensors = {model_key(name): value for name, value in canonical.items()}
+    common = Common(kind=kind, iteration=0, consumed_samples=0, skipped_iterations=0, layout=layout,
+                    config=plain(Config(model=config)), scheduler=None, loss_scaler=None, has_optimizer=False,
+                    has_rng=False)
+    written = write_checkpoint(target, common, tensors, layout)
+    return Conversion(os.path.abspath(hf_dir), None, written, layout, len(tensors), _size(tensors))
+
+
+def export_hf_checkpoint(source: str, hf_dir: str) -> Conversion:
+    """A Hugging Face directory of a megapipe GPT or BERT checkpoint's weights (fp32 masters when present)."""
+    path, common, tensors = read_checkpoint(source)
+    names = [key.removeprefix("model/") for key in tensors if key.startswith("model/")]
+    canonical = {name: tensors.get(optimizer_key(name, MASTER), tensors[model_key(name)]) for name in names}
+    export_hf(common.kind, common.model_config, canonical, hf_dir)
+    return Conversion(path, common.layout, os.path.abspath(hf_dir), None, len(canonical), _size(canonical))

@@ -1,0 +1,81 @@
+"""Convert checkpoints offline: to another parallel layout, from and to Hugging Face.
+
+    # rewrite a checkpoint as a (t, p, d) = (1, 4, 1) run would save it (any layout loads
+    # any checkpoint directly; this makes the files match the new layout, one per rank)
+    python tools/convert_checkpoint.py reshard ckpt/ ckpt-p4/ --pipeline-model-parallel-size 4
+
+    # a Hugging Face GPT-2 or BERT directory (save_pretrained output) -> megapipe checkpoint
+    python tools/convert_checkpoint.py import-hf gpt2-hf/ ckpt/ --tensor-model-parallel-size 2
+    torchrun --nproc_per_node 2 pretrain_gpt.py --tensor-model-parallel-size 2 --load ckpt/ --finetune ...
+
+    # a megapipe checkpoint -> Hugging Face directory (config.json + model.safetensors)
+    python tools/convert_checkpoint.py export-hf ckpt/ gpt2-out/
+
+Sources may be a --save directory (its latest checkpoint) or one iter_* directory. Prints
+the source and target with their layouts and how many tensors and bytes were written.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megapipe.checkpointing.common import Layout  # noqa: E402
+from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint, reshard  # noqa: E402
+from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+
+
+def _layout_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
+                        help="model chunks per pipeline rank (interleaved schedule)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("reshard", help="rewrite a checkpoint for another (t, p, d, v)")
+    command.add_argument("source")
+    command.add_argument("target")
+    _layout_flags(command)
+    command = commands.add_parser("import-hf", help="Hugging Face GPT-2/BERT directory -> megapipe checkpoint")
+    command.add_argument("hf_dir")
+    command.add_argument("target")
+    _layout_flags(command)
+    command = commands.add_parser("export-hf", help="megapipe checkpoint -> Hugging Face directory")
+    command.add_argument("source")
+    command.add_argument("hf_dir")
+    return parser.parse_args(argv)
+
+
+def _layout(args) -> Layout:
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
+             args.virtual_pipeline_model_parallel_size)
+    if min(sizes) < 1:
+        raise ConfigError(f"parallel sizes must be at least 1, got (t, p, d, v) = {sizes}.")
+    return Layout(*sizes)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process by design
+    try:
+        if args.command == "reshard":
+            done = reshard(args.source, args.target, _layout(args))
+        elif args.command == "import-hf":
+            done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args))
+        else:
+            done = export_hf_checkpoint(args.source, args.hf_dir)
+    except (CheckpointError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(done.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
