@@ -168,6 +168,15 @@ def test_bias_dropout_add_bf16(family):
         assert_bf16_rounded(got, want, family)
 
 
+def test_bias_dropout_add_saves_only_the_mask(eager_backend):
+    # Neither x + bias nor the dropped activations are kept for the backward pass.
+    x, bias, residual, _ = _inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fusions.bias_dropout_add(x, bias, residual, 0.1, training=True)
+    assert len(saved) == 2 and set(saved[0].unique().tolist()) == {0.0, 1.0} and saved[1] is bias
+
+
 def test_bias_dropout_add_everything_dropped(family):
     x, bias, residual, g = _inputs()
     out = fusions.bias_dropout_add(x, bias, residual, 1.0, training=True)

@@ -8,8 +8,9 @@ the generator in the same state. Triton kernels draw Philox numbers in the kerne
 taken from that same generator, and recompute the mask in the backward pass instead of
 storing it. Callers under tensor parallelism choose the generator state (RNG tracker).
 
-The autograd function stores the mask as booleans (1 byte per element, where the unfused
-dropout stores its scaled mask in the activation dtype). torch.compile and Triton compute in
+The eager and compiled kernels store the 0/1 mask in x's dtype, as ``F.dropout`` does (a
+boolean mask would halve that memory, but converting and multiplying booleans costs more than
+the rest of the op on CPU); Triton kernels store nothing. torch.compile and Triton compute in
 fp32 and round once; the eager backend, where nothing can fuse, uses PyTorch's own kernels
 (one ``addcmul`` for scale, mask and residual). Both backward passes are the same fp32 formula.
 """
@@ -57,8 +58,8 @@ def dropout_add_forward(x, bias, residual, keep, scale: float) -> torch.Tensor:
 
 
 def dropout_add_backward(grad, keep, bias, scale: float, x_dtype: torch.dtype):
-    """Gradients for x and bias: the incoming gradient where ``keep`` (boolean) holds, times ``scale``."""
-    grad_y = grad.float() if keep is None else torch.where(keep, grad.float() * scale, 0.0)
+    """Gradients for x and bias: the incoming gradient times the 0/1 ``keep`` mask and ``scale``."""
+    grad_y = grad.float() if keep is None else grad.float() * keep * scale
     return grad_y.to(x_dtype), bias_grad(grad_y, bias)
 
 
@@ -72,8 +73,7 @@ def _torch_kernels(forward, backward):
     """Kernels that draw the mask as F.dropout does, then run ``forward``/``backward`` on it."""
     def run_forward(x, bias, residual, p):
         keep = draw_keep_mask(x, p)
-        out = forward(x, bias, residual, keep, keep_scale(p))
-        return out, None if keep is None else keep.bool()
+        return forward(x, bias, residual, keep, keep_scale(p)), keep
 
     def run_backward(grad, keep, bias, p, x_dtype):
         return backward(grad, keep, bias, keep_scale(p), x_dtype)
