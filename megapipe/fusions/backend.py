@@ -9,6 +9,7 @@ ending with eager PyTorch, so a choice never produces a wrong result or an error
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -34,6 +35,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def apex_problem() -> str | None:
     """Why apex's fused kernels cannot be used, or None when they can."""
     if importlib.util.find_spec("apex") is None:
@@ -43,6 +45,7 @@ def apex_problem() -> str | None:
     return None
 
 
+@functools.cache
 def triton_problem() -> str | None:
     """Why Triton kernels cannot be used, or None when they can (on CUDA, or interpreted)."""
     if importlib.util.find_spec("triton") is None:
@@ -50,51 +53,18 @@ def triton_problem() -> str | None:
     return None
 
 
-def compile_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot generate kernels for ``device``, or None when it can."""
-    if device.type == "cuda":  # inductor writes Triton kernels for CUDA
+@functools.cache
+def compile_problem(device_type: str) -> str | None:
+    """Why torch.compile cannot generate kernels for this device type, or None when it can."""
+    if device_type == "cuda":  # inductor writes Triton kernels for CUDA
         return None if triton_problem() is None else "torch.compile on CUDA needs triton"
-    if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
+    if device_type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         return "torch.compile on CPU needs a C++ compiler"
     return None
 
 
-def _family_runs_on(family: str, device: torch.device) -> bool:
-    if family == "apex":
-        return device.type == "cuda" and apex_problem() is None
-    if family == "triton":
-        return triton_problem() is None and (device.type == "cuda" or (device.type == "cpu" and triton_interpret()))
-    if family == "compile":
-        return compile_problem(device) is None
-    return True
-
-
-@dataclass(frozen=True)
-class FusionBackend:
-    """The chosen backend: its name, why it was chosen, and the order of families it tries."""
-
-    name: str
-    reason: str
-
-    def preference(self) -> tuple[str, ...]:
-        # apex only has normalization kernels; its elementwise and softmax ops come from Triton.
-        order = {"apex": ("apex", "triton"), "triton": ("triton",), "compile": ("compile",)}.get(self.name, ())
-        return order + ("eager",)
-
-    def family(self, op: str, tensor: torch.Tensor) -> str:
-        """The first family in this backend's order that implements ``op`` on ``tensor``'s device."""
-        for family in self.preference():
-            if family == "eager":
-                return family
-            if op in OPS_BY_FAMILY[family] and _family_runs_on(family, tensor.device):
-                return family
-            if family == self.name and op in OPS_BY_FAMILY[family]:
-                log_once(f"fusion backend {self.name} cannot run {op} on {tensor.device.type} tensors; "
-                         f"using the next backend for it")
-        return "eager"
-
-
 def _why_not(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run kernels on ``device``, or None when it can."""
     if name == "apex":
         problem = apex_problem()
         return problem or (None if device.type == "cuda" else "apex needs CUDA")
@@ -106,19 +76,45 @@ def _why_not(name: str, device: torch.device) -> str | None:
             return None
         return "triton needs CUDA"
     if name == "compile":
-        return compile_problem(device)
+        return compile_problem(device.type)
     return None
 
 
+@dataclass(frozen=True)
+class FusionBackend:
+    """The chosen backend: its name, why it was chosen, and the order of families it tries."""
+
+    name: str
+    reason: str
+
+    def preference(self) -> tuple[str, ...]:
+        """The kernel families tried before eager; apex has only normalization kernels, so its
+        elementwise and softmax ops come from Triton."""
+        return {"apex": ("apex", "triton"), "triton": ("triton",), "compile": ("compile",)}.get(self.name, ())
+
+    def family(self, op: str, tensor: torch.Tensor) -> str:
+        """The first family in this backend's order that implements ``op`` on ``tensor``'s device."""
+        for family in self.preference():
+            if op not in OPS_BY_FAMILY[family]:
+                continue
+            if _why_not(family, tensor.device) is None:
+                return family
+            if family == self.name:
+                log_once(f"fusion backend {self.name} cannot run {op} on {tensor.device.type} tensors; "
+                         f"using the next backend for it")
+        return "eager"
+
+
 def _auto(device: torch.device) -> FusionBackend:
+    """apex, else Triton, else eager, with the reasons the better ones were passed over."""
     reasons = []
     for name in ("apex", "triton"):
         problem = _why_not(name, device)
         if problem is None:
             return FusionBackend(name, f"{name} available on {device.type}")
         reasons.append(problem)
-    if device.type == "cuda" and compile_problem(device) is None:
-        return FusionBackend("compile", ", ".join(reasons))
+    # torch.compile is never the automatic choice: on CUDA it needs Triton, which would have
+    # been chosen above, and on CPU its seconds of compilation per op rarely pay off.
     reasons.append("torch.compile only on request")
     return FusionBackend("eager", ", ".join(reasons))
 
