@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megapipe import fusions
 from megapipe.arguments import parse_config
 from megapipe.config import Config
 from megapipe.errors import ConfigError
@@ -115,6 +116,7 @@ class Trainer:
         config.model.vocab_size = self.tokenizer.vocab_size
         config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
         self.ps.seed(t.seed, self.device)
+        self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
         self.m = t.num_microbatches(self.ps.dp_size)
         self.chunks = build_model_chunks(kind, config.model, self.ps, seed=t.seed,
                                          sequence_parallel=par.sequence_parallel, device=self.device)
@@ -144,7 +146,8 @@ class Trainer:
         self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
                           f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
                           f"vocabulary {self.tokenizer.vocab_size} | unigram entropy of the data "
-                          f"{unigram_entropy(self.data_path[0]):.4f} nats/token")
+                          f"{unigram_entropy(self.data_path[0]):.4f} nats/token | fusion backend "
+                          f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
         loader = iter(build_pretraining_data_loader(self.train_ds, self.state.consumed_samples, t.micro_batch_size,
                                                     self.ps.dp_rank, self.ps.dp_size))
         sigterm = SigtermFlag()

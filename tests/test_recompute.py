@@ -141,6 +141,10 @@ def test_saved_activation_memory_follows_the_formula():
         assert one_group == (l // c) * a_layer
         if c > 1:  # one checkpoint for the whole stage saves nothing: the peak is then one full stage again
             assert c * a_input + (l // c) * a_layer < no_recompute
-    selective, _ = measure(config("gpt", recompute_granularity="selective", **base), l)
+    # selective recomputation targets the explicit attention core, whose [b, heads, s, s]
+    # probabilities dominate at long sequences (the fused SDPA kernel does not keep them at all)
+    explicit = dict(masked_softmax_fusion=False, **base)
+    explicit_total, _ = measure(config("gpt", **explicit), l)
+    selective, _ = measure(config("gpt", recompute_granularity="selective", **explicit), l)
     scores = MICRO * 4 * SEQ * SEQ * 4  # one [b, heads, s, s] fp32 tensor per layer at least
-    assert selective <= no_recompute - l * scores
+    assert selective <= explicit_total - l * scores

@@ -2,44 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel.utils import deterministic_normal
 
 
 def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden size; marked when it sees only a sequence slice."""
-    if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
-    else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device,
-                            dtype=config.params_dtype)
+    """LayerNorm or RMSNorm over the hidden size (the fusion backend's kernel); marked when it
+    sees only a sequence slice."""
+    norm_class = fusions.RMSNorm if config.normalization == "RMSNorm" else fusions.LayerNorm
+    norm = norm_class(config.hidden_size, eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = sequence_parallel
     return norm
 
 
-def dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool,
-                ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
-    """residual + dropout(x + bias).
+def dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, config: ModelConfig,
+                training: bool, ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
+    """residual + dropout(x + bias), fused unless ``--no-bias-dropout-fusion``.
 
     The residual stream is replicated across tensor ranks, so its dropout mask must be the
     same on each (default generator); under sequence parallelism each rank holds a different
     slice, so the mask comes from the per-rank stream.
     """
-    if bias is not None:
-        x = x + bias
-    if training and p > 0:
-        if sequence_parallel:
-            with ps.tensor_parallel_rng():
-                x = F.dropout(x, p)
-        else:
-            x = F.dropout(x, p)
-    return residual + x
+    p = config.hidden_dropout
+    per_rank = sequence_parallel and training and p > 0
+    with ps.tensor_parallel_rng() if per_rank else contextlib.nullcontext():
+        return fusions.bias_dropout_add(x, bias, residual, p, training, fused=config.bias_dropout_fusion)
 
 
 def replicated_linear(in_features: int, out_features: int, config: ModelConfig, name: str, seed: int,

@@ -9,12 +9,13 @@ instead of GPT's pre-norm.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm, dropout_add
 from megapipe.models.recompute import checkpoint
@@ -55,24 +56,17 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q, k, v, attention_mask, causal):
         """softmax(q k^T / sqrt(d) + mask) v on the local heads; dropout differs per tensor rank."""
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.config.head_dim))
-        if causal:
-            sq, sk = scores.shape[-2:]
-            causal_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(causal_mask, float("-inf"))
-        if attention_mask is not None:
-            scores = scores.masked_fill(attention_mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        if self.training and self.config.attention_dropout > 0:
-            with self.ps.tensor_parallel_rng():
-                probs = F.dropout(probs, self.config.attention_dropout)
-        return torch.matmul(probs, v)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        with self.ps.tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
+            return fusions.attention(q, k, v, attention_mask, causal=causal, dropout_p=dropout,
+                                     training=self.training, fused=self.config.masked_softmax_fusion)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, sequence_parallel: bool,
                  device=None):
         super().__init__()
+        self.config = config
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         common = dict(seed=seed, sequence_parallel=sequence_parallel, dtype=config.params_dtype, device=device)
         self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ps, name=f"{name}.fc1",
@@ -82,7 +76,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         h, bias = self.fc1(x)
-        h = F.gelu(h + bias, approximate=self.approximate)
+        h = fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)
         return self.fc2(h)
 
 
@@ -101,8 +95,7 @@ class TransformerLayer(nn.Module):
 
     def _residual(self, branch_out, residual):
         out, bias = branch_out
-        return dropout_add(out, bias, residual, self.config.hidden_dropout, self.training, self.ps,
-                           self.sequence_parallel)
+        return dropout_add(out, bias, residual, self.config, self.training, self.ps, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = True):
         if self.config.post_layernorm:
