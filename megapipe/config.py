@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
+from megapipe.pipeline.stage_plan import StagePlan, read_stage_plan
 from megapipe.optim.config import OptimizerConfig
 
 
@@ -129,10 +130,36 @@ class ParallelConfig:
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = True
     pipeline_schedule: str = "1f1b"
+    pipedream_vertical_sync: bool = False  # PipeDream: every stage uses the version tagged at the input stage
+    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (pipeline/stage_plan.py)
 
-    def validate(self) -> None:
+    def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
+        """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
+        if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
+            raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
+                              f"{self.pipeline_schedule}: it chooses the weight versions of PipeDream's weight "
+                              "stashing; drop the flag or use --pipeline-schedule pipedream.")
+        plan = self.stage_plan()
+        if plan is None:
+            return
+        if self.virtual_pipeline > 1:
+            raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
+                              "--num-layers-per-virtual-pipeline-stage or the plan.")
+        if self.pipeline not in (1, plan.num_stages):
+            raise ConfigError(f"--pipeline-stages names {plan.num_stages} stages but --pipeline-model-parallel-size "
+                              f"is {self.pipeline}; drop --pipeline-model-parallel-size or make them equal.")
+        if plan.equal_replication is None and self.pipeline_schedule != "pipedream":
+            raise ConfigError(f"--pipeline-stages replicates its stages unequally ({plan.to_text()}), which only "
+                              "--pipeline-schedule pipedream (1F1B-RR) can run; use it or replicate every stage "
+                              "equally.")
+        if num_layers is not None:
+            plan.validate(num_layers, world_size, self.tensor)
+
+    def stage_plan(self) -> Optional["StagePlan"]:
+        """The plan ``pipeline_stages`` names, or None."""
+        return None if self.pipeline_stages is None else read_stage_plan(self.pipeline_stages)
 
 
 @dataclass

@@ -5,6 +5,10 @@ t ranks of a tensor group are neighbours (one node) and pipeline stages span nod
 ``RankLayout`` is the pure arithmetic (testable without processes); ``ParallelState``
 holds the groups built from it and answers every rank/stage query the rest of the code
 needs. Library code receives a ``ParallelState``; there are no module globals.
+
+Sizes and indices come from the member lists of the groups, so a state built from another
+layout (a stage plan with replicated stages, ``megapipe.pipeline.plan_layout``) or a view of
+one stage (``stage_view``) answers the same queries.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ class ParallelState:
     groups: dict = field(default_factory=dict)
     members: dict = field(default_factory=dict)
     rng_tracker: Optional["RNGTracker"] = None  # set by seed(); per-tensor-rank dropout stream
+    # Workers per stage when the pipeline group holds replicated stages (1F1B-RR); None: one per stage.
+    stage_replicas: Optional[tuple[int, ...]] = None
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -141,6 +147,17 @@ class ParallelState:
                     state.members[name] = list(ranks)
         return state
 
+    def stage_view(self) -> "ParallelState":
+        """This rank's stage seen as a whole model: the same tensor and data groups, no pipeline.
+
+        An optimizer built on it reduces gradient norms and overflow flags over the stage's
+        tensor group only, so a stage can update on its own (asynchronous schedules) without
+        meeting the other stages in a collective, which would be a flush.
+        """
+        groups = dict(self.groups, pipeline=None, model_parallel=self.tp_group, embedding=None)
+        members = dict(self.members, pipeline=[self.rank], model_parallel=list(self.members["tensor"]), embedding=[])
+        return ParallelState(self.layout, self.rank, 1, groups, members, self.rng_tracker)
+
     # ---- sizes and indices -----------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -148,27 +165,27 @@ class ParallelState:
 
     @property
     def tp_size(self) -> int:
-        return self.layout.tensor
+        return len(self.members["tensor"])
 
     @property
     def pp_size(self) -> int:
-        return self.layout.pipeline
+        return len(self.members["pipeline"])
 
     @property
     def dp_size(self) -> int:
-        return self.layout.data
+        return len(self.members["data"])
 
     @property
     def tp_rank(self) -> int:
-        return self.layout.coords(self.rank)[0]
+        return self.members["tensor"].index(self.rank)
 
     @property
     def dp_rank(self) -> int:
-        return self.layout.coords(self.rank)[1]
+        return self.members["data"].index(self.rank)
 
     @property
     def pp_rank(self) -> int:
-        return self.layout.coords(self.rank)[2]
+        return self.members["pipeline"].index(self.rank)
 
     @property
     def tp_group(self):
@@ -192,12 +209,25 @@ class ParallelState:
 
     # ---- pipeline queries -------------------------------------------------------------------
     @property
+    def pipeline_stage(self) -> int:
+        """The stage this rank runs (its pipeline rank unless stages are replicated)."""
+        if self.stage_replicas is None:
+            return self.pp_rank
+        first = 0
+        for stage, count in enumerate(self.stage_replicas):
+            if self.pp_rank < first + count:
+                return stage
+            first += count
+        raise ValueError(f"pipeline rank {self.pp_rank} is outside the stage replicas {self.stage_replicas}")
+
+    @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.pipeline_stage == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        last = self.pp_size - 1 if self.stage_replicas is None else len(self.stage_replicas) - 1
+        return self.pipeline_stage == last
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the process at pipeline index ``pp_rank`` in this process's pipeline."""

@@ -83,7 +83,7 @@ def add_communication(schedule: Schedule, duration: Duration = unit_duration, tr
             if (rank, index) in sends:
                 lowered.append(sends[(rank, index)])
         lists.append(lowered)
-    return Schedule(schedule.name, schedule.p, schedule.m, schedule.v, lists)
+    return schedule.with_actions(lists)  # keeps the placement (replicas) and batches
 
 
 def _identity(action: Action) -> tuple:

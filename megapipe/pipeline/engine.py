@@ -1,70 +1,147 @@
-"""One rank's share of pipelined training: model chunks, gradients, optimizer and schedule.
+"""One rank's share of pipelined training: model chunks, gradients, optimizer, weight versions, schedule.
 
-``PipelineEngine.train_batch(microbatches)`` runs the rank's action list for one batch; the
-STEP action finalises gradients (data-parallel average, tied embedding, sequence parallel)
-and updates the weights. The training loop, the benchmarks and the tests all drive
-training through this one class.
+``PipelineEngine.train_batch(microbatches)`` runs one call of the rank's program for one batch
+of m microbatches. With a flush schedule the STEP action finalises gradients (data-parallel
+average, tied embedding, sequence parallel) and updates the weights. With an asynchronous
+schedule (PipeDream, 2BW) every chunk is a stage with its own optimizer, which each UPDATE
+steps on its own: gradients are averaged over the stage's replicas and the norm and overflow
+check cover the stage only, since meeting the other stages would be a flush. The pipeline
+then stays full between calls; ``drain()`` empties it (before a checkpoint, at the end of
+training; ``evaluate`` drains first). The training loop, the benchmarks and the tests all
+drive training through this one class.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
+from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
+from megapipe.optim.finalize import is_tied_embedding_copy
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
-from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.optimizer_group import OptimizerGroup
+from megapipe.pipeline.program import FlushProgram, PeriodicProgram
+from megapipe.pipeline.schedules import build_schedule, schedule_spec
 from megapipe.pipeline.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.timeline import Timeline
+from megapipe.pipeline.weights import WeightVersionStore
 
 
 @dataclass
 class TrainStepResult:
-    losses: list[float]  # per microbatch, on the last pipeline stage; empty elsewhere
-    step: Optional[StepResult]
+    losses: list[float]  # per microbatch the last stage forwarded in this call; empty on other stages
+    step: Optional[StepResult]  # the last optimizer step of this call on this rank, if any
     peak_in_flight: int
+    updates: list[StepResult] = field(default_factory=list)  # every step of this call (one per UPDATE)
+
+
+@lru_cache(maxsize=32)
+def periodic_program(name: str, p: int, m: int, v: int, replicas: Optional[tuple[int, ...]],
+                     vertical_sync: bool) -> PeriodicProgram:
+    """The (cached) program of an asynchronous schedule: building one replays a few unrolled forms."""
+    return PeriodicProgram(name, p, m, v, replicas, vertical_sync)
 
 
 class PipelineEngine:
-    """Trains ``chunks`` (this rank's model chunks) with the named schedule."""
+    """Trains ``chunks`` (this rank's model chunks) with the named schedule.
+
+    ``vertical_sync`` applies to ``pipedream``; a state built from a stage plan with replicated
+    stages (``ps.stage_replicas``) gives 1F1B-RR. ``versions_used`` (a dict) records the weight
+    version of every pass, as in ``PipelineExecutor``.
+    """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
                  schedule: str, num_microbatches: int, boundary_shape: tuple[int, ...],
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-                 timeline: Optional[Timeline] = None):
+                 timeline: Optional[Timeline] = None, vertical_sync: bool = False,
+                 versions_used: Optional[dict] = None):
         self.chunks, self.ps = chunks, ps
-        self.schedule = build_schedule(schedule, ps.pp_size, num_microbatches, ps.virtual_pipeline)
-        self.grads = GradBuffers(chunks, ps)
-        self.optimizer = build_optimizer(chunks, optimizer_config, ps, self.grads)
-        self._last_step: Optional[StepResult] = None
-        self.executor = PipelineExecutor(chunks, ps, self.schedule, boundary_shape, dtype, device, step=self._step,
-                                         scale_loss=self.optimizer.scale_loss, scatter_gather=scatter_gather,
-                                         timeout=timeout, timeline=timeline)
-        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(ps.pp_size, num_microbatches,
-                                                                                ps.virtual_pipeline),
+        spec = schedule_spec(schedule)
+        sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
+        if spec.asynchronous:
+            _check_asynchronous_training(schedule, chunks, ps, optimizer_config)
+            self.program = periodic_program(schedule, *sizes, ps.stage_replicas, vertical_sync)
+            stage_ps = ps.stage_view()
+            self._groups = [([chunk], stage_ps) for chunk in chunks]
+        else:
+            self.program = FlushProgram(build_schedule(schedule, *sizes, replicas=ps.stage_replicas,
+                                                       vertical_sync=vertical_sync))
+            self._groups = [(chunks, ps)]
+        self.schedule = self.program.schedule
+        self.grads = [GradBuffers(group, group_ps) for group, group_ps in self._groups]
+        self.optimizers = [build_optimizer(group, optimizer_config, group_ps, grads)
+                           for (group, group_ps), grads in zip(self._groups, self.grads)]
+        self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerGroup(self.optimizers)
+        self.stores = [WeightVersionStore(chunk, spec.weight_policy) for chunk in chunks]
+        self._steps: list[StepResult] = []
+        self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
+                                         update=self._update, scale_loss=self.optimizer.scale_loss,
+                                         scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
+                                         stores=self.stores, versions_used=versions_used)
+        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas),
                                               boundary_shape, dtype, device, step=lambda: None,
                                               scatter_gather=scatter_gather, timeout=timeout)
 
-    def _step(self) -> None:
-        finalize_model_grads(self.chunks, self.ps, self.grads)
-        self._last_step = self.optimizer.step()
-        self.optimizer.zero_grad()
+    def _step(self) -> StepResult:
+        return self._update(0)
+
+    def _update(self, group: int) -> StepResult:
+        """Finalise the gradients of one optimizer's chunks (all of them for a flush) and step it."""
+        chunks, group_ps = self._groups[group]
+        finalize_model_grads(chunks, group_ps, self.grads[group])
+        result = self.optimizers[group].step()
+        self.optimizers[group].zero_grad()
+        self._steps.append(result)
+        return result
+
+    def _result(self, batch) -> TrainStepResult:
+        steps, self._steps = self._steps, []
+        return TrainStepResult(batch.losses, steps[-1] if steps else None, batch.peak_in_flight, steps)
 
     def train_batch(self, microbatches: list[dict]) -> TrainStepResult:
         for chunk in self.chunks:
             chunk.train()
-        self._last_step = None
-        result = self.executor.run(microbatches)
-        return TrainStepResult(result.losses, self._last_step, result.peak_in_flight)
+        return self._result(self.executor.run(microbatches))
+
+    def drain(self) -> TrainStepResult:
+        """Finish the microbatches still in flight (asynchronous schedules; nothing to do after a flush)."""
+        return self._result(self.executor.drain())
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> list[float]:
-        """Per-microbatch losses (last stage; empty elsewhere) without dropout or gradients."""
+        """Per-microbatch losses (last stage; empty elsewhere) without dropout or gradients.
+
+        An asynchronous pipeline is drained first, so evaluation sees every update applied and
+        no training message is in flight between the ranks.
+        """
+        if self.executor.calls:
+            with torch.enable_grad():
+                self.drain()
         for chunk in self.chunks:
             chunk.eval()
         return self.eval_executor.run(microbatches).losses
+
+
+def _check_asynchronous_training(name: str, chunks: list[torch.nn.Module], ps: ParallelState,
+                                 config: OptimizerConfig) -> None:
+    """What asynchronous schedules cannot do, as one-sentence errors."""
+    stages = ps.pp_size * ps.virtual_pipeline if ps.stage_replicas is None else len(ps.stage_replicas)
+    if stages > 1 and any(is_tied_embedding_copy(p) for chunk in chunks for p in chunk.parameters()):
+        raise ConfigError(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the tied word "
+                          "embedding lives on the first and last stage, which update at different times without "
+                          "flushes, so its two copies would need a flush to stay equal.")
+    if any(getattr(getattr(chunk, "config", None), "recompute_granularity", None) == "full" for chunk in chunks):
+        raise ConfigError(f"--pipeline-schedule {name} cannot use --recompute-granularity full: recomputing a layer "
+                          "would re-run it on the live weights instead of the version the microbatch used; use "
+                          "selective (the attention core has no weights) or no recomputation.")
+    if config.fp16 and config.loss_scale is None:
+        raise ConfigError(f"--pipeline-schedule {name} with --fp16 needs a constant --loss-scale: every stage "
+                          "updates on its own, so dynamic scaling would change the scale on each stage at different "
+                          "times while the gradients between stages carry one scale.")

@@ -1,9 +1,17 @@
-"""Runs one pipeline rank's action list for real: forward, backward, messages, step.
+"""Runs one pipeline rank's actions for real: forward, backward, messages, step, update.
 
 The executor knows nothing about which schedule it runs; the list says everything (see
-``actions.py`` for each kind's meaning and the posting contract). Activations are released
-as soon as the schedule allows: a sent output after its send completes, a stage's saved
-input and output after its backward.
+``actions.py`` for each kind's meaning and the posting contract). It runs a *program*
+(``program.py``): a flush schedule's whole list every call, or one segment of an
+asynchronous schedule per call, with what is in flight (activations, posted sends, weight
+versions) carried over to the next call until ``drain``. Activations are released as soon as
+the schedule allows: a sent output after its send completes, a stage's saved input and output
+after its backward.
+
+Weight versions: with weight stores (``weights.py``, one per chunk) every forward runs against
+the version its action names, and its backward, through the saved autograd graph, against the
+same one; STEP and UPDATE go through the stores so a version still needed survives the
+in-place optimizer update.
 """
 
 from __future__ import annotations
@@ -11,52 +19,97 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
+from torch.func import functional_call
 
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.lookahead import Lookahead
 from megapipe.pipeline.p2p import StageP2P, Transfer
+from megapipe.pipeline.program import FlushProgram
 from megapipe.pipeline.timeline import Timeline
+from megapipe.pipeline.weights import WeightVersionStore
 
 
 @dataclass
 class BatchResult:
-    """What one batch produced on this rank: per-microbatch losses (last stage only)."""
+    """What one call produced on this rank: losses of the microbatches its last stage forwarded."""
 
     losses: list[float]
     peak_in_flight: int  # most microbatch activations held at once, summed over this rank's chunks
 
 
 class PipelineExecutor:
-    """Executes ``schedule.actions[pp_rank]`` over this rank's model chunks.
+    """Executes rank ``ps.pp_rank``'s part of ``program`` (or of a Schedule, run as a flush program).
 
-    ``step`` is called for STEP (after the flush): it finalises gradients and updates
-    weights. ``scale_loss`` turns a microbatch loss into the tensor to differentiate (for
-    example times a loss scale); the executor itself divides by the number of microbatches,
-    so the accumulated gradient is that of the mean loss.
+    ``step`` is called for STEP (after the flush) and ``update(chunk)`` for UPDATE: they
+    finalise gradients and update weights, returning the optimizer's result. ``scale_loss``
+    turns a microbatch loss into the tensor to differentiate (for example times a loss
+    scale); the executor itself divides by the number of microbatches one update applies, so
+    each update applies the mean gradient. ``versions_used``, when given, records for every
+    pass ``(kind, stage, microbatch) -> version`` as the weight store saw it.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, schedule: Schedule,
+    def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, program: Union[Schedule, object],
                  boundary_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  step: Callable[[], object], scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-                 timeline: Optional[Timeline] = None):
-        if schedule.p != ps.pp_size or schedule.v != len(chunks):
-            raise ValueError(f"schedule for p={schedule.p}, v={schedule.v} given to a rank with "
+                 timeline: Optional[Timeline] = None, stores: Optional[list[WeightVersionStore]] = None,
+                 update: Optional[Callable[[int], object]] = None, versions_used: Optional[dict] = None):
+        self.program = FlushProgram(program) if isinstance(program, Schedule) else program
+        self.schedule = self.program.schedule
+        if self.schedule.p != ps.pp_size or self.schedule.v != len(chunks):
+            raise ValueError(f"schedule for p={self.schedule.p}, v={self.schedule.v} given to a rank with "
                              f"p={ps.pp_size} and {len(chunks)} model chunks")
-        self.chunks, self.ps, self.schedule = chunks, ps, schedule
-        self.step, self.scale_loss, self.timeline = step, scale_loss, timeline
+        self.chunks, self.ps = chunks, ps
+        self.step, self.update, self.scale_loss, self.timeline = step, update, scale_loss, timeline
+        self.stores, self.versions_used = stores, versions_used
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
-        self.actions = schedule.actions[ps.pp_rank]
+        self.lookahead = Lookahead(self.program, ps.pp_rank)
+        self.calls = 0  # calls run since the pipeline was last empty
+        self.state = _State()
+        self._base_versions = [0] * len(chunks)
 
+    # ---- calls ----------------------------------------------------------------------------------
     def run(self, microbatches: list[dict]) -> BatchResult:
-        """Run one batch of ``schedule.m`` microbatches (each a dict of tensors)."""
+        """Run one batch of m microbatches (each a dict of tensors): one call of the program."""
         if len(microbatches) != self.schedule.m:
             raise ValueError(f"schedule expects {self.schedule.m} microbatches, got {len(microbatches)}")
-        state = _BatchState()
-        actions, i = self.actions, 0
+        if self.calls == 0 and self.stores is not None:
+            self._base_versions = [store.live_version for store in self.stores]
+        first = self.program.first_microbatch(self.calls)
+        result = self._execute(self.program.segment(self.ps.pp_rank, self.calls), self.calls,
+                               lambda i: microbatches[i - first])
+        self.calls += 1
+        if not self.program.asynchronous:  # a flush leaves nothing in flight (forward-only lists leave no B)
+            self._finish(check_empty=False)
+        return result
+
+    def drain(self) -> BatchResult:
+        """Run the backwards and updates still in flight; afterwards the pipeline is empty."""
+        if self.calls == 0:
+            return BatchResult([], 0)
+        for store in self.stores or ():
+            store.forget_future()
+        result = self._execute(self.program.drain(self.ps.pp_rank, self.calls), None, None)
+        self._finish(check_empty=True)
+        return result
+
+    def _finish(self, check_empty: bool) -> None:
+        """Complete this rank's sends and start the next call from an empty pipeline."""
+        for transfer in self.state.sends:
+            self.p2p.wait(transfer)
+        left = [key for key, held in vars(self.state).items() if isinstance(held, dict) and held]
+        if check_empty and left:
+            raise RuntimeError(f"rank {self.ps.rank}: the pipeline should be empty, but {left} still hold tensors")
+        self.state, self.calls = _State(), 0
+
+    def _execute(self, actions: tuple[Action, ...], call: Optional[int], data) -> BatchResult:
+        state = self.state
+        state.losses, state.peak_in_flight = [], len(state.saved)
+        i = 0
         while i < len(actions):
             if actions[i].kind.is_communication:
                 j = i
@@ -67,16 +120,15 @@ class PipelineExecutor:
                 continue
             self._wait_for_inputs(actions[i], state)
             start = time.time()
-            self._compute(actions[i], microbatches, state)
+            self._compute(actions[i], call, i, data, state)
             if self.timeline is not None:
                 self.timeline.record(self.ps.pp_rank, actions[i], start, time.time())
             i += 1
-        for transfer in state.sends:
-            self.p2p.wait(transfer)
+        state.sends = [t for t in state.sends if not _completed(t)]
         return BatchResult([loss.item() for loss in state.losses], state.peak_in_flight)
 
     # ---- communication --------------------------------------------------------------------------
-    def _post(self, actions: list[Action], state: "_BatchState") -> None:
+    def _post(self, actions: list[Action], state: "_State") -> None:
         items = []
         for action in actions:
             key = (action.stage, action.microbatch)
@@ -93,7 +145,7 @@ class PipelineExecutor:
                 state.recvs[(transfer.action.kind, transfer.action.stage, transfer.action.microbatch)] = transfer
         state.sends = [t for t in state.sends if not _completed(t)]
 
-    def _wait_for_inputs(self, action: Action, state: "_BatchState") -> None:
+    def _wait_for_inputs(self, action: Action, state: "_State") -> None:
         """Wait for what a compute action needs from other ranks (the message it consumes; for
         STEP, the completion of this rank's sends), so the timeline shows the wait as idle."""
         if action.kind is ActionKind.STEP:
@@ -101,47 +153,71 @@ class PipelineExecutor:
                 self.p2p.wait(transfer)
             state.sends.clear()
             return
+        if not action.kind.is_compute:
+            return
         kind = ActionKind.RECV_F if action.kind is ActionKind.F else ActionKind.RECV_B
         transfer = state.recvs.get((kind, action.stage, action.microbatch))
         if transfer is not None:
             self.p2p.wait(transfer)
 
-    def _received(self, kind: ActionKind, stage: int, microbatch: int, state: "_BatchState") -> Optional[Transfer]:
+    def _received(self, kind: ActionKind, stage: int, microbatch: int, state: "_State") -> Optional[torch.Tensor]:
         transfer = state.recvs.pop((kind, stage, microbatch), None)
         return None if transfer is None else self.p2p.received(transfer)
 
     # ---- compute --------------------------------------------------------------------------------
-    def _compute(self, action: Action, microbatches: list[dict], state: "_BatchState") -> None:
+    def _compute(self, action: Action, call: Optional[int], index: int, data, state: "_State") -> None:
         if action.kind is ActionKind.F:
-            self._forward(action.stage, action.microbatch, microbatches[action.microbatch], state)
+            self._forward(action, call, index, data(action.microbatch), state)
         elif action.kind is ActionKind.B:
             self._backward(action.stage, action.microbatch, state)
         elif action.kind is ActionKind.STEP:
-            self.step()
+            self._update_stores(self.stores or [], self.step)
+        elif action.kind is ActionKind.UPDATE:
+            chunk = self.schedule.chunk_of_stage(action.stage)
+            upcoming = None if call is None else self.lookahead.next_forward_version(call, index, action.stage)
+            self.stores[chunk].update(lambda: self.update(chunk), self._store_version(chunk, upcoming))
 
-    def _forward(self, stage: int, microbatch: int, batch: dict, state: "_BatchState") -> None:
+    def _update_stores(self, stores: list[WeightVersionStore], step: Callable[[], object]) -> object:
+        """Run ``step`` (which updates every chunk) inside each store's update."""
+        if not stores:
+            return step()
+        return stores[0].update(lambda: self._update_stores(stores[1:], step))
+
+    def _store_version(self, chunk: int, version: Optional[int]) -> Optional[int]:
+        return None if version is None else self._base_versions[chunk] + version
+
+    def _forward(self, action: Action, call: Optional[int], index: int, batch: dict, state: "_State") -> None:
+        stage, microbatch = action.stage, action.microbatch
         key = (stage, microbatch)
-        chunk = self.chunks[self.schedule.chunk_of_stage(stage)]
+        chunk_index = self.schedule.chunk_of_stage(stage)
+        chunk = self.chunks[chunk_index]
         if stage == 0:
             inp = None
         else:
             received = self._received(ActionKind.RECV_F, stage, microbatch, state)
             source = received if received is not None else state.local_outputs.pop(key)
             inp = source.detach().requires_grad_(True)
-        out = chunk(inp, batch)
+        use = None
+        if self.stores is not None:
+            survives = self.program.asynchronous and self.lookahead.updates_before_backward(call, index, stage,
+                                                                                            microbatch)
+            use = self.stores[chunk_index].forward(self._store_version(chunk_index, action.version), survives)
+            self._record(ActionKind.F, stage, microbatch, use.version)
+        out = chunk(inp, batch) if use is None or use.weights is None else functional_call(chunk, use.weights,
+                                                                                           (inp, batch))
         if stage == self.schedule.num_stages - 1:
             state.losses.append(out.detach())
-            out = self.scale_loss(out / self.schedule.m)
-        elif self.schedule.rank_of_stage(stage + 1) == self.ps.pp_rank:
+            out = self.scale_loss(out / self.program.loss_divisor)
+        elif self.schedule.rank_of(stage + 1, microbatch) == self.ps.pp_rank:
             state.local_outputs[(stage + 1, microbatch)] = out.detach()
         else:
             state.outputs_to_send[key] = out
-        state.saved[key] = (inp, out)
+        state.saved[key] = (inp, out, use)
         state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
 
-    def _backward(self, stage: int, microbatch: int, state: "_BatchState") -> None:
+    def _backward(self, stage: int, microbatch: int, state: "_State") -> None:
         key = (stage, microbatch)
-        inp, out = state.saved.pop(key)
+        inp, out, use = state.saved.pop(key)
         if stage == self.schedule.num_stages - 1:
             torch.autograd.backward(out)
         else:
@@ -149,12 +225,19 @@ class PipelineExecutor:
             if grad is None:
                 grad = state.local_grads.pop(key)
             torch.autograd.backward(out, grad_tensors=grad)
+        if use is not None:
+            self.stores[self.schedule.chunk_of_stage(stage)].backward_done(use)
+            self._record(ActionKind.B, stage, microbatch, use.version)
         if stage == 0:
             return
-        if self.schedule.rank_of_stage(stage - 1) == self.ps.pp_rank:
+        if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
             state.local_grads[(stage - 1, microbatch)] = inp.grad
         else:
             state.input_grads[key] = inp.grad
+
+    def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
+        if self.versions_used is not None:
+            self.versions_used[(kind.value, stage, microbatch)] = version
 
 
 def _completed(transfer: Transfer) -> bool:
@@ -164,16 +247,16 @@ def _completed(transfer: Transfer) -> bool:
     return transfer.done
 
 
-class _BatchState:
-    """Tensors in flight during one batch, keyed by (stage, microbatch)."""
+class _State:
+    """Tensors in flight, keyed by (stage, microbatch); carried across calls until the pipeline is empty."""
 
     def __init__(self):
-        self.saved: dict = {}  # (input, output) kept for the backward
+        self.saved: dict = {}  # (input, output, version use) kept for the backward
         self.outputs_to_send: dict = {}
         self.input_grads: dict = {}
         self.local_outputs: dict = {}  # handed to the next stage on this same rank
         self.local_grads: dict = {}
         self.recvs: dict = {}
         self.sends: list[Transfer] = []
-        self.losses: list[float] = []
+        self.losses: list = []
         self.peak_in_flight = 0

@@ -10,7 +10,8 @@ Copies happen only where a version differs from the live weights. A forward whos
 stays in flight across an update runs on aliases of the live storage; when that update comes,
 the live parameters first move to fresh storage (copy-on-write) and the aliases, with the
 autograd graphs that saved them, keep the old version untouched. A stashed version is freed the
-moment no in-flight microbatch uses it and no later forward will (``pin`` / ``forget_future``).
+moment no in-flight microbatch uses it and no later forward will (the caller says which version
+the next forward uses; ``forget_future`` when none will come).
 
 Policies, the most versions each allows, and who uses them:
 
@@ -147,16 +148,22 @@ class WeightVersionStore:
             self._in_flight[use.version] -= 1
         self._release()
 
-    def update(self, step: Callable[[], T], keep_live: bool) -> T:
+    def update(self, step: Callable[[], T], next_forward_version: Optional[int] = None) -> T:
         """Run ``step`` (an in-place update of the live parameters), creating the next version.
 
-        ``keep_live``: a later forward will use the current live version, so it is stashed.
+        ``next_forward_version``: the version the stage's next forward will use (None: no
+        forward comes). Later forwards never use older ones, so older stashed versions go as
+        soon as their in-flight microbatches are done; if it is the live one, that is stashed.
         """
         if self._on_live_params:
             raise RuntimeError("an update came while a microbatch that ran on the live parameters is in flight; "
                                "its forward should have been told that it survives an update")
-        if keep_live:
-            self._pinned.add(self.live_version)
+        if next_forward_version is None:
+            self._pinned.clear()
+        else:
+            self._pinned = {v for v in self._pinned if v >= next_forward_version}
+            if next_forward_version <= self.live_version:
+                self._pinned.add(self.live_version)
         if self.live_version in self._pinned or self._in_flight[self.live_version]:
             self._stashed[self.live_version] = self._live_aliases or {n: _alias(p) for n, p in self.params.items()}
             with torch.no_grad():

@@ -11,8 +11,10 @@ from megapipe.pipeline.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.communication import add_communication
 
 
-def forward_only_schedule(p: int, m: int, v: int = 1) -> Schedule:
-    """Rank r runs F of its virtual stages r, r + p, ... for microbatches 0..m-1, chunk-major."""
-    lists = [[Action(ActionKind.F, chunk * p + rank, i) for chunk in range(v) for i in range(m)]
-             for rank in range(p)]
-    return add_communication(Schedule("forward-only", p, m, v, lists))
+def forward_only_schedule(p: int, m: int, v: int = 1, replicas=None) -> Schedule:
+    """Rank r runs F of its virtual stages r, r + p, ... for microbatches 0..m-1, chunk-major
+    (with replicated stages, ``replicas`` per stage: the microbatches round robin gives it)."""
+    empty = Schedule("forward-only", p, m, v, [[] for _ in range(p)], replicas=replicas)
+    lists = [[Action(ActionKind.F, stage, i) for stage in empty.stages_on_rank(rank)
+              for i in empty.microbatches_on(rank, stage)] for rank in range(p)]
+    return add_communication(empty.with_actions(lists))

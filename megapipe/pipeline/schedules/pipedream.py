@@ -25,9 +25,7 @@ from megapipe.pipeline.schedules.round_robin import check_batch_fits_replicas, o
 
 def pipedream(*, p: int, m: int, v: int, batches: int, replicas: Optional[tuple[int, ...]],
               vertical_sync: bool) -> list[list[Action]]:
-    if v != 1:
-        raise ConfigError("--pipeline-schedule pipedream has no interleaved form; drop "
-                          "--virtual-pipeline-model-parallel-size or use --pipeline-schedule 2bw.")
+    """Registered without chunks: the registry refuses v > 1 before calling it."""
     replicas = replicas or (1,) * p
     check_batch_fits_replicas("pipedream", replicas, m)
     if vertical_sync and len(set(replicas)) > 1:

@@ -1,0 +1,88 @@
+"""Ranks and process groups for a stage plan whose stages may be replicated.
+
+Workers are numbered stage by stage: replica r of stage s is worker ``sum(R[:s]) + r``. Each
+worker is t consecutive ranks (tensor-innermost, as in ``RankLayout``): rank = worker * t +
+tensor index. An equally replicated plan (R copies of every stage) therefore gets exactly
+the ranks and groups of ``RankLayout(t, p, R)``: R parallel pipelines. Any other plan runs
+1F1B-RR, which sends microbatch i to replica i % R of each stage, so its pipeline group holds
+every worker (one per tensor index) and the schedule has one action list per worker.
+
+Groups: tensor (a worker's t ranks), data (the replicas of a stage: their gradients are
+averaged before each update), pipeline (as above), model_parallel (the ranks of one pipeline;
+with unequal replication, all ranks), embedding (first and last stage of each pipeline).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megapipe.errors import ConfigError
+from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.stage_plan import StagePlan
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    plan: StagePlan
+    tensor: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.workers * self.tensor
+
+    def worker(self, stage: int, replica: int) -> int:
+        return sum(self.plan.replicas[:stage]) + replica
+
+    def rank(self, worker: int, tensor_index: int) -> int:
+        return worker * self.tensor + tensor_index
+
+    def _pipelines(self) -> list[list[int]]:
+        """Workers of each pipeline: one per replica index when replication is equal, else all."""
+        copies = self.plan.equal_replication
+        if copies is None:
+            return [list(range(self.plan.workers))]
+        return [[self.worker(s, r) for s in range(self.plan.num_stages)] for r in range(copies)]
+
+    def tensor_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for t in range(self.tensor)] for w in range(self.plan.workers)]
+
+    def data_groups(self) -> list[list[int]]:
+        return [[self.rank(self.worker(s, r), t) for r in range(count)]
+                for s, count in enumerate(self.plan.replicas) for t in range(self.tensor)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for w in workers] for workers in self._pipelines() for t in range(self.tensor)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for w in workers for t in range(self.tensor)] for workers in self._pipelines()]
+
+    def embedding_groups(self) -> list[list[int]]:
+        return [sorted({group[0], group[-1]}) for group in self.pipeline_groups()]
+
+
+def initialize_plan_state(plan: StagePlan, tensor: int = 1,
+                          timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+    """The ParallelState of this process under ``plan``; all ranks must call it (collective)."""
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed is not initialized; call megapipe.distributed.init_distributed() "
+                          "first or launch with torchrun.")
+    layout = PlanLayout(plan, tensor)
+    if layout.world_size != dist.get_world_size():
+        plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
+    rank = dist.get_rank()
+    replicas = None if plan.equal_replication is not None else plan.replicas
+    state = ParallelState(layout, rank, stage_replicas=replicas)
+    state.groups["embedding"], state.members["embedding"] = None, []
+    all_groups = {"tensor": layout.tensor_groups(), "data": layout.data_groups(),
+                  "pipeline": layout.pipeline_groups(), "model_parallel": layout.model_parallel_groups(),
+                  "embedding": layout.embedding_groups()}
+    for name, groups in all_groups.items():
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.groups[name], state.members[name] = group, list(ranks)
+    return state
