@@ -23,10 +23,15 @@ def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
     return flags
 
 
-def train(argv: list[str], cache: str) -> tuple[Trainer, list[list[float]]]:
-    """Run ``pretrain_gpt.py argv`` in this world; the per-microbatch losses of every training call."""
+def build(argv: list[str], cache: str) -> Trainer:
+    """The Trainer ``pretrain_gpt.py TINY_GPT + argv`` builds in this world (not yet trained)."""
     config = parse_config("gpt", TINY_GPT + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
-    trainer = Trainer("gpt", config)
+    return Trainer("gpt", config)
+
+
+def train(argv: list[str], cache: str) -> tuple[Trainer, list[list[float]]]:
+    """Run ``pretrain_gpt.py TINY_GPT + argv`` in this world; the per-microbatch losses of every training call."""
+    trainer = build(argv, cache)
     losses = []
     train_batch = trainer.engine.train_batch
 

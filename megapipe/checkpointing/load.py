@@ -38,20 +38,21 @@ def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
     return path, common, saved_tensors(read_metadata(path))
 
 
-def _read(path: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
-          with_optimizer: bool, with_rng: bool) -> LoadTargets:
-    """Check the fit on every rank, then read this rank's blocks into fresh buffers (collective)."""
+def _targets(path: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
+             with_optimizer: bool, with_rng: bool) -> LoadTargets:
+    """This rank's buffers to read into, once every rank agreed that the checkpoint fits (collective)."""
     targets = load_targets(entries, saved, ps, config, with_optimizer, with_rng)
     agree_on_fit(path, targets.shards, [entry.key(ps, config) for entry in entries], saved, common.model_config,
                  config)
-    read_shards(targets.shards, path)
     return targets
 
 
 def load_weights(directory: str, kind: str, chunks, ps: ParallelState, config: ModelConfig) -> Common:
     """Load only the weights of a checkpoint into ``chunks`` (any layout; collective over all ranks)."""
     path, common, saved = _open(directory, kind)
-    apply_weights(_read(path, common, saved, param_entries(chunks), ps, config, False, False))
+    targets = _targets(path, common, saved, param_entries(chunks), ps, config, False, False)
+    read_shards(targets.shards, path)
+    apply_weights(targets)
     return common
 
 
@@ -67,12 +68,13 @@ def load_checkpoint(directory: str, trainer) -> None:
         return
     path, common, saved = _open(directory, trainer.kind)
     with_optimizer = not (t.finetune or t.no_load_optim)
-    if with_optimizer:
-        _check_optimizer_fits(path, common, trainer)
     layout = Layout.of(trainer.ps)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    targets = _read(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
+    targets = _targets(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
+    if with_optimizer:
+        _check_optimizer_fits(path, common, trainer)
+    read_shards(targets.shards, path)
 
     apply_weights(targets)
     if with_optimizer:

@@ -22,8 +22,10 @@ from megapipe.errors import CheckpointError
 
 
 def _first_failure(error: CheckpointException) -> str:
+    """The lowest failing rank and the first sentence of its exception, ending in a full stop."""
     rank, (exception, _) = min(error.failures.items())
-    return f"rank {rank}: {type(exception).__name__}: {exception}".splitlines()[0]
+    first = str(exception).splitlines()[0].split(". ")[0].rstrip(".") if str(exception) else ""
+    return f"rank {rank}: {type(exception).__name__}: {first}."
 
 
 def write_shards(shards: dict[str, Shard], directory: str, process_group=None, no_dist: bool = False) -> None:

@@ -1,0 +1,143 @@
+"""Bad checkpoints and interrupted saves: one clear sentence, the model untouched, nothing half done.
+
+One Trainer (a world of one) trains and saves, then tries to load each damaged copy of its
+checkpoint; every attempt must raise CheckpointError with the sentence below and leave every
+weight and optimizer moment exactly as it was. A second world kills a rank with SIGKILL in
+the middle of writing a checkpoint: the previous checkpoint and ``latest`` must survive.
+"""
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from checkpoint_helpers import build, train
+from megapipe.checkpointing import load_checkpoint, save_checkpoint
+from megapipe.checkpointing import paths
+from megapipe.checkpointing.offline import read_checkpoint
+from megapipe.errors import CheckpointError
+from megapipe.testing import DistributedFailure, run_distributed
+
+SHORT = ["--train-iters", "2", "--save-interval", "1"]
+
+
+def _snapshot(trainer) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for chunk in trainer.chunks for p in chunk.parameters()]
+    state = trainer.engine.optimizer.inner.state
+    return tensors + [v.clone() for s in state.values() for v in s.values()]
+
+
+def _damaged_copies(root: str, good: str) -> dict[str, str]:
+    """Damaged variants of the checkpoint ``good``, by the sentence fragment each must raise."""
+    def copy(name):
+        target = os.path.join(root, name)
+        shutil.copytree(good, target)
+        return target
+
+    missing = copy("missing-shard")
+    os.remove(os.path.join(missing, "__0_0.distcp"))
+    truncated = copy("truncated-shard")
+    with open(os.path.join(truncated, "__0_0.distcp"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    scrambled = copy("scrambled-shard")  # right length, unreadable bytes: fails while reading
+    with open(os.path.join(scrambled, "__0_0.distcp"), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(b"\0" * 4096)
+    empty = os.path.join(root, "empty")
+    os.makedirs(empty)
+    return {os.path.join(root, "nowhere"): "does not exist",
+            empty: "holds no checkpoint: it has no latest_checkpointed_iteration.txt",
+            missing: "shard file __0_0.distcp is missing",
+            truncated: "shard file __0_0.distcp is truncated",
+            scrambled: "reading checkpoint"}
+
+
+def _faults_world(rank, world_size, root):
+    cache = os.path.join(root, "cache")
+    good_root = os.path.join(root, "good")
+    trainer, _ = train(SHORT + ["--save", good_root], cache)
+    messages = {}
+    trainer.config.training.no_save_optim = True
+    save_checkpoint(os.path.join(root, "weights-only"), trainer)
+    trainer.config.training.no_save_optim = False
+    before = _snapshot(trainer)
+    cases = _damaged_copies(root, os.path.join(good_root, "iter_0000002"))
+    cases[os.path.join(root, "weights-only")] = "has no optimizer state (saved with --no-save-optim"
+    for directory, expected in cases.items():
+        with pytest.raises(CheckpointError) as error:
+            load_checkpoint(directory, trainer)
+        messages[expected] = str(error.value)
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(trainer))), directory
+    trainer.config.training.no_load_optim = True  # the weights-only checkpoint loads without its optimizer
+    load_checkpoint(os.path.join(root, "weights-only"), trainer)
+    wide = build(["--hidden-size", "64"], cache)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(good_root, wide)
+    messages["shape"] = str(error.value)
+    return messages
+
+
+@pytest.fixture(scope="module")
+def fault_messages(tmp_path_factory):
+    return run_distributed(1, _faults_world, str(tmp_path_factory.mktemp("faults")), timeout=300)[0]
+
+
+def test_each_damaged_checkpoint_is_one_sentence_and_the_model_is_untouched(fault_messages):
+    for expected, message in fault_messages.items():
+        if expected != "shape":
+            assert expected in message
+            assert "\n" not in message and message.endswith("."), message
+
+
+def test_a_different_model_names_the_first_mismatching_tensor_and_both_shapes(fault_messages):
+    message = fault_messages["shape"]
+    assert "'model/embedding.word_embeddings.weight' has shape [261, 32] in the checkpoint but [261, 64]" in message
+    assert "--hidden-size 32 vs 64" in message
+
+
+def _die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_while_saving(rank, world_size, root):
+    trainer, _ = train(["--pipeline-model-parallel-size", "2", "--train-iters", "2"], os.path.join(root, "cache"))
+    save_checkpoint(os.path.join(root, "ckpt"), trainer)  # iteration 2
+    trainer.state.iteration = 3
+    if rank == 1:  # dies once its shard file is written, when DCP syncs it
+        os.fsync = _die
+    save_checkpoint(os.path.join(root, "ckpt"), trainer)
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(DistributedFailure) as failure:
+        run_distributed(2, _killed_while_saving, str(tmp_path), timeout=300, collective_timeout=30)
+    # whichever the harness notices first: rank 1's death, or rank 0 losing its peer in the save's collective
+    assert "rank 1 died" in str(failure.value) or "by peer" in str(failure.value)
+    root = os.path.join(tmp_path, "ckpt")
+    assert paths.read_latest(root) == 2
+    assert not os.path.exists(paths.iteration_dir(root, 3))
+    directory, common, tensors = read_checkpoint(root)
+    assert directory == paths.iteration_dir(root, 2) and common.iteration == 2 and tensors
+
+
+@pytest.mark.parametrize("dies_in", ["rename", "write_file_durably"])
+def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, dies_in):
+    root = str(tmp_path)
+    for iteration in (1, 2):
+        staging = paths.prepare_staging(root, iteration)
+        for name in (paths.COMMON, paths.METADATA):
+            open(os.path.join(staging, name), "w").close()
+        if iteration == 2:
+            monkeypatch.setattr(paths.os if dies_in == "rename" else paths, dies_in, _raise)
+        try:
+            paths.publish(root, iteration)
+        except KeyboardInterrupt:
+            pass
+    assert paths.read_latest(root) == 1
+    assert paths.find_checkpoint(root) == paths.iteration_dir(root, 1)
+
+
+def _raise(*args, **kwargs):
+    raise KeyboardInterrupt  # stands for the process dying at this point
