@@ -5,8 +5,12 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.config import ParallelConfig
+from megapipe.config import ModelConfig, ParallelConfig
 from megapipe.errors import ConfigError
+from megapipe.models import build_model_chunks
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.pipeline.actions import ActionKind
 from megapipe.pipeline.program import PeriodicProgram
 from megapipe.pipeline.schedules import build_schedule
@@ -152,3 +156,24 @@ def test_updates_per_batch_and_throughput_against_flush():
     for name in ("pipedream", "2bw"):
         long, short = (simulate(build_schedule(name, p, m, batches=b)).makespan for b in (6, 5))
         assert long - short == 3 * m
+
+
+def first_of_two_stages() -> ParallelState:
+    """Rank 0 of a 2-stage pipeline, enough for checks made before any process group is used."""
+    members = {"tensor": [0], "data": [0], "pipeline": [0, 1], "model_parallel": [0, 1], "embedding": [0, 1]}
+    return ParallelState(RankLayout(1, 2, 1), 0, groups={k: None for k in members}, members=members)
+
+
+@pytest.mark.parametrize("model, optimizer, message", [
+    ({}, {}, "needs --untie-embeddings-and-output-weights"),
+    ({"untie_embeddings_and_output_weights": True, "recompute_granularity": "full", "recompute_method": "uniform"},
+     {}, "cannot use --recompute-granularity full"),
+    ({"untie_embeddings_and_output_weights": True}, {"fp16": True}, "with --fp16 needs a constant --loss-scale"),
+])
+def test_what_asynchronous_training_refuses(model, optimizer, message):
+    ps = first_of_two_stages()
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=16, seq_length=4, **model)
+    chunks = build_model_chunks("gpt", config, ps)
+    for schedule in ("pipedream", "2bw"):
+        with pytest.raises(ConfigError, match=message):
+            PipelineEngine(chunks, ps, OptimizerConfig(optimizer="sgd", lr=0.1, **optimizer), schedule, 2, (4, 1, 8))
