@@ -18,7 +18,6 @@ the source and target with their layouts and how many tensors and bytes were wri
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -62,7 +61,6 @@ def _layout(args) -> Layout:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process by design
     try:
         if args.command == "reshard":
             done = reshard(args.source, args.target, _layout(args))
