@@ -47,6 +47,8 @@ def test_uniform_plan_file_command_and_plot(tmp_path, capsys):
     t, p, d, b = (plan[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                      "data_parallel_size", "micro_batch_size"))
     assert t * p * d == 64
+    untied = plan["schedule"] in ("2bw", "pipedream") and p > 1  # no flush keeps tied copies equal
+    assert ("--untie-embeddings-and-output-weights" in plan["command"]) == untied
     for flag, value in (("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p),
                         ("--micro-batch-size", b), ("--global-batch-size", 512),
                         ("--pipeline-schedule", plan["schedule"]), ("--num-layers", 24)):

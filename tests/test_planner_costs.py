@@ -172,3 +172,16 @@ def test_the_last_stage_holds_a_copy_of_the_tied_embedding():
     last_rank = (L // 2 * PARAMS + vocab_params) * per_param + 1 * (L // 2) * STASH  # one microbatch in flight
     first_rank = (L // 2 * PARAMS + vocab_params) * per_param + 2 * (L // 2) * STASH
     assert two.memory == max(first_rank, last_rank)
+
+
+def test_asynchronous_schedules_untie_the_embedding_instead_of_summing_its_copies():
+    vocab_params, p, d = 5000, 2, 2
+    profile = synthetic_profile(embedding_params=vocab_params)
+    machines = cluster(nodes=2, per_node=2, intra=1e9, inter=1e7)
+    flush = estimate(Layout(1, p, d, 1, "1f1b"), profile, machines, batch=8)
+    double = estimate(Layout(1, p, d, 1, "2bw"), profile, machines, batch=8)
+    grads = (L // p * PARAMS + vocab_params) * GRAD  # first and last rank: half the blocks and a vocabulary
+    data = 2 * (d - 1) / d * grads / 1e9  # the data-parallel group shares a node
+    tied = 2 * (2 - 1) / 2 * vocab_params * GRAD / 1e7  # first and last stage are on different nodes
+    assert double.data_comm_time == pytest.approx(data)
+    assert flush.data_comm_time == pytest.approx(data + tied)

@@ -11,7 +11,8 @@ rank's time (it is on the critical path):
   data parallelism: a ring all-reduce of each rank's gradients, 2 (d-1)/d |W| bytes, once per
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
     PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)); the tied
-    word embedding is also summed between the first and the last stage.
+    word embedding is also summed between the first and the last stage (2BW and PipeDream
+    untie it instead: the last stage holds its own output embedding of the same size).
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
 rank order tensor-innermost, then data, then pipeline, so t shares a node first.
 MEMORY(.) per rank = weight versions x weights + (gradients + optimizer state) per parameter +
@@ -34,7 +35,7 @@ import numpy as np
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (FLUSHING, bubble_fraction, in_flight, pipeline_time,
-                                             weight_versions)
+                                             unties_embeddings, weight_versions)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class CostModel:
 
         grads = params_rank * training.grad_bytes_per_param
         data_rank = np.array([ring_allreduce_time(g, d, data_link) for g in grads])
-        if stages > 1 and self.profile.output_weight_params:
+        if stages > 1 and self.profile.output_weight_params and not unties_embeddings(layout.schedule, p):
             tied = self.profile.output_weight_params / t * training.grad_bytes_per_param
             for r in {0, p - 1}:
                 data_rank[r] += ring_allreduce_time(tied, 2, embedding_link)

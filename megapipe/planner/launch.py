@@ -4,7 +4,8 @@ The plan file holds ``{"stages": [{"layers": [start, end], "replicas": r}, ...]}
 layers, end exclusive; the first stage also runs the embedding, the last the head) plus the
 settings that go with it. A uniform layout lists its p stages with d replicas each (with
 interleaving, its p v model chunks in pipeline order); a PipeDream partition lists its stages
-with their own replication factors, as ``--pipeline-stages 0:12x2,12:24x1`` does.
+with their own replication factors, as ``--pipeline-stages 0:12x2,12:24x1`` does. 2BW and
+PipeDream pipelines get ``--untie-embeddings-and-output-weights`` (``unties_embeddings``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Estimate
 from megapipe.planner.partition import Partition
 from megapipe.planner.profile import ModelShape
+from megapipe.planner.schedule_costs import unties_embeddings
 
 
 def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
@@ -26,13 +28,14 @@ def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
     return ",".join(f"{start}:{end}x{replicas}" for start, end, replicas in stages)
 
 
-def model_flags(shape: ModelShape) -> list[str]:
+def model_flags(shape: ModelShape, untie: bool = False) -> list[str]:
+    """The shape's flags; ``untie`` gives a tied model separate input and output embeddings."""
     flags = ["--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
              "--num-attention-heads", shape.num_attention_heads, "--seq-length", shape.seq_length,
              "--max-position-embeddings", shape.seq_length]
     if shape.ffn_hidden_size != 4 * shape.hidden_size:
         flags += ["--ffn-hidden-size", shape.ffn_hidden_size]
-    if not shape.tied_embeddings:
+    if untie or not shape.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
     return [str(flag) for flag in flags]
 
@@ -58,7 +61,8 @@ def _script(shape: ModelShape) -> str:
 
 def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> str:
     layout = estimate.layout
-    words = torchrun_prefix(cluster) + [_script(shape)] + model_flags(shape) + [
+    untie = unties_embeddings(layout.schedule, layout.pipeline)
+    words = torchrun_prefix(cluster) + [_script(shape)] + model_flags(shape, untie) + [
         "--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline),
         "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
         "--pipeline-schedule", layout.schedule]
@@ -112,7 +116,8 @@ def pipedream_plan(partition: Partition, shape: ModelShape, cluster: Cluster, mi
     stages = [(s.start, s.end, s.replicas) for s in partition.stages]
     flag = pipeline_stages_flag(stages)
     batch = micro_batch_size * partition.stages[0].replicas
-    command = _join(torchrun_prefix(cluster, partition.workers) + [_script(shape)] + model_flags(shape) + [
+    untie = unties_embeddings("pipedream", len(stages))
+    command = _join(torchrun_prefix(cluster, partition.workers) + [_script(shape)] + model_flags(shape, untie) + [
         "--pipeline-stages", flag, "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(batch),
         "--pipeline-schedule", "pipedream"])
     return {

@@ -23,6 +23,12 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "2bw", "pipedream")
 FLUSHING = ("1f1b", "gpipe", "interleaved")
 
 
+def unties_embeddings(schedule: str, p: int) -> bool:
+    """Without flushes the first and last stage update at different times, so megapipe's asynchronous
+    schedules give a pipelined model its own output embedding instead of a tied copy to keep equal."""
+    return schedule not in FLUSHING and p > 1
+
+
 def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
     """Why ``schedule`` cannot run m microbatches on p ranks with v chunks each, or None if it can."""
     if schedule not in SCHEDULES:
