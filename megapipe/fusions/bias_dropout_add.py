@@ -8,11 +8,10 @@ the generator in the same state. Triton kernels draw Philox numbers in the kerne
 taken from that same generator, and recompute the mask in the backward pass instead of
 storing it. Callers under tensor parallelism choose the generator state (RNG tracker).
 
-The eager and compiled kernels store the 0/1 mask in x's dtype, as ``F.dropout`` does (a
-boolean mask would halve that memory, but converting and multiplying booleans costs more than
-the rest of the op on CPU); Triton kernels store nothing. torch.compile and Triton compute in
-fp32 and round once; the eager backend, where nothing can fuse, uses PyTorch's own kernels
-(one ``addcmul`` for scale, mask and residual). Both backward passes are the same fp32 formula.
+The eager backend, where nothing can fuse, does ``F.dropout``'s own arithmetic (the mask
+scaled in x's dtype, kept for the backward pass) with fewer passes: one ``addcmul`` applies
+mask and residual, so the dropped activations are never materialized. torch.compile keeps the
+0/1 mask and computes in fp32, rounding once; Triton kernels store no mask at all.
 """
 
 from __future__ import annotations
@@ -63,25 +62,32 @@ def dropout_add_backward(grad, keep, bias, scale: float, x_dtype: torch.dtype):
     return grad_y.to(x_dtype), bias_grad(grad_y, bias)
 
 
-def native_forward(x, bias, residual, keep, scale: float) -> torch.Tensor:
-    """``residual + keep * (x + bias) * scale`` with PyTorch's kernels (the eager backend)."""
+def _eager_forward(x, bias, residual, p):
+    """(output, scaled mask): F.dropout's mask ``bernoulli_(1 - p).div_(1 - p)`` and one addcmul."""
     y = x if bias is None else x + bias
-    return residual + y if keep is None else torch.addcmul(residual, y, keep, value=scale)
+    noise = draw_keep_mask(x, p)
+    if noise is None:
+        return residual + y, None
+    if p < 1.0:
+        noise.div_(1.0 - p)
+    return torch.addcmul(residual, y, noise), noise
 
 
-def _torch_kernels(forward, backward):
-    """Kernels that draw the mask as F.dropout does, then run ``forward``/``backward`` on it."""
-    def run_forward(x, bias, residual, p):
-        keep = draw_keep_mask(x, p)
-        return forward(x, bias, residual, keep, keep_scale(p)), keep
-
-    def run_backward(grad, keep, bias, p, x_dtype):
-        return backward(grad, keep, bias, keep_scale(p), x_dtype)
-
-    return run_forward, run_backward
+def _eager_backward(grad, noise, bias, p, x_dtype):
+    grad_y = grad if noise is None else grad * noise
+    return grad_y.to(x_dtype), bias_grad(grad_y, bias)
 
 
-_EAGER_KERNELS = _torch_kernels(native_forward, dropout_add_backward)
+def _compiled_forward(x, bias, residual, p):
+    keep = draw_keep_mask(x, p)
+    return compiled(dropout_add_forward)(x, bias, residual, keep, keep_scale(p)), keep
+
+
+def _compiled_backward(grad, keep, bias, p, x_dtype):
+    return compiled(dropout_add_backward)(grad, keep, bias, keep_scale(p), x_dtype)
+
+
+_EAGER_KERNELS = (_eager_forward, _eager_backward)
 
 
 class _BiasDropoutAdd(torch.autograd.Function):
@@ -105,7 +111,7 @@ def _kernels(family: str):
 
         return triton_elementwise.bias_dropout_add_forward, triton_elementwise.bias_dropout_add_backward
     if family == "compile":
-        return _torch_kernels(compiled(dropout_add_forward), compiled(dropout_add_backward))
+        return _compiled_forward, _compiled_backward
     return _EAGER_KERNELS
 
 
