@@ -16,7 +16,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils import benchmark
 
 from megapipe import fusions

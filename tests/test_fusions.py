@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from fusion_helpers import (HAS_TRITON, assert_bf16_rounded, assert_fp32_close, eager_backend, family, grads,
-                            restore_backend)
+from fusion_helpers import HAS_TRITON, assert_bf16_rounded, assert_fp32_close, grads
+from fusion_helpers import eager_backend, family, restore_backend  # noqa: F401 (fixtures)
 
 from megapipe import fusions
 from megapipe.fusions import backend

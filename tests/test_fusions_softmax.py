@@ -6,8 +6,8 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
-from fusion_helpers import assert_bf16_rounded, assert_fp32_close, eager_backend, family, grads
+from fusion_helpers import assert_bf16_rounded, assert_fp32_close, grads
+from fusion_helpers import eager_backend, family  # noqa: F401 (fixtures)
 
 from megapipe import fusions
 from megapipe.fusions import softmax as softmax_module
