@@ -43,6 +43,7 @@ class Case:
     p: int
     t: int = 1
     d: int = 1
+    v: int = 1  # model chunks per rank (2BW with interleaving)
     vertical_sync: bool = False
     plan: Optional[str] = None  # --pipeline-stages, for replicated stages (1F1B-RR)
     optimizer: str = "sgd"
@@ -55,12 +56,14 @@ class Case:
     def stage_plan(self) -> StagePlan:
         if self.plan is not None:
             return StagePlan.parse(self.plan)
-        per = LAYERS // self.p
-        return StagePlan.parse(",".join(f"{s * per}:{(s + 1) * per}x{self.d}" for s in range(self.p)))
+        stages = self.p * self.v
+        per = LAYERS // stages
+        return StagePlan.parse(",".join(f"{s * per}:{(s + 1) * per}x{self.d}" for s in range(stages)))
 
     def __str__(self) -> str:
         sync = "+vsync" if self.vertical_sync else ""
-        return f"{self.kind} {self.schedule}{sync} p={self.p} t={self.t} d={self.d} {self.plan or ''} {self.optimizer}"
+        return (f"{self.kind} {self.schedule}{sync} p={self.p} v={self.v} t={self.t} d={self.d} {self.plan or ''} "
+                f"{self.optimizer}")
 
 
 def model_config(kind: str) -> ModelConfig:
@@ -140,9 +143,10 @@ _STATES: dict = {}  # one ParallelState per layout and process: building groups 
 
 
 def build(case: Case, config: ModelConfig):
-    key = (case.t, case.p, case.plan)
+    key = (case.t, case.p, case.v, case.plan)
     if case.plan is None:
-        ps = _STATES.get(key) or _STATES.setdefault(key, ParallelState.initialize(tensor=case.t, pipeline=case.p))
+        ps = _STATES.get(key) or _STATES.setdefault(
+            key, ParallelState.initialize(tensor=case.t, pipeline=case.p, virtual_pipeline=case.v))
         return ps, build_model_chunks(case.kind, config, ps)
     plan = case.stage_plan
     ps = _STATES.get(key) or _STATES.setdefault(key, initialize_plan_state(plan, case.t))
@@ -177,8 +181,9 @@ def pipelined(case: Case, initial: dict) -> dict:
         for name, tensor in chunk.state_dict().items():
             key, full = canonical_tensor(name, tensor, params[name], ps, config)
             final[key] = full.numpy()  # by value: tensors would cross processes as shared memory
+    held = engine.schedule.stages_on_rank(ps.pp_rank)
     return dict(losses=losses, final=final, versions=versions, peaks=[s.peak_versions for s in engine.stores],
-                stage=ps.pipeline_stage, stages=engine.schedule.num_stages)
+                stages_held=held, stages=engine.schedule.num_stages)
 
 
 def flush_peaks(p: int) -> list[int]:
@@ -210,22 +215,22 @@ def check_case(case: Case, per_rank: list[dict], expected_losses, expected_final
     for result in per_rank:
         losses.update(result["losses"])
         for name, value in result["final"].items():
-            assert_close(value, expected_final[name], f"{case}: parameter {name} of stage {result['stage']}")
+            assert_close(value, expected_final[name], f"{case}: parameter {name} of stages {result['stages_held']}")
     assert sorted(losses) == list(range(len(expected_losses))), f"{case}: losses of microbatches {sorted(losses)}"
     assert_close([losses[k] for k in sorted(losses)], expected_losses, f"{case}: losses")
     for result in per_rank:
-        stage, stages = result["stage"], result["stages"]
+        held, stages = result["stages_held"], result["stages"]
         if case.schedule == "2bw":
-            assert result["peaks"] == [2], f"{case}: stage {stage} held {result['peaks']} versions, 2BW keeps 2"
+            assert result["peaks"] == [2] * len(held), f"{case}: stages {held} held {result['peaks']} versions"
             check_two_bw_versions(case, result)
-        elif case.plan is None and not case.vertical_sync:
-            assert result["peaks"] == [stages - stage], f"{case}: stage {stage} held {result['peaks']} versions"
+        elif case.plan is None and not case.vertical_sync:  # stage s of a straight pipeline: p - s versions
+            assert result["peaks"] == [stages - s for s in held], f"{case}: {held} held {result['peaks']} versions"
 
 
 def check_two_bw_versions(case: Case, result: dict):
     """Microbatch k (1-indexed) used version max(floor((k-1)/m) - 1, 0) for both passes, every pass."""
-    stage = result["stage"]
-    expected = {(kind, stage, k): max(k // case.m - 1, 0) for kind in ("F", "B") for k in range(BATCHES * case.m)}
+    expected = {(kind, stage, k): max(k // case.m - 1, 0)
+                for kind in ("F", "B") for stage in result["stages_held"] for k in range(BATCHES * case.m)}
     assert result["versions"] == expected, f"{case}: versions used {result['versions']}"
 
 
@@ -239,9 +244,9 @@ def run_cases(world: int, cases: list[Case], flush_p: int = 0, timeout: float = 
     return [peaks for _, peaks in results]
 
 
-def test_straight_pipelines_of_two_stages():
+def test_two_stages_and_interleaved_2bw():
     run_cases(2, [Case("gpt", "pipedream", 2), Case("gpt", "pipedream", 2, vertical_sync=True),
-                  Case("gpt", "2bw", 2), Case("bert", "2bw", 2, optimizer="adamw")])
+                  Case("gpt", "2bw", 2), Case("bert", "2bw", 2, optimizer="adamw"), Case("gpt", "2bw", 2, v=2)])
 
 
 def test_four_stages_and_parallel_pipelines_and_tensor_parallel_on_four_ranks():

@@ -36,6 +36,7 @@ class FlushProgram:
     """Runs the same list every call (GPipe, 1F1B, interleaved)."""
 
     asynchronous = False
+    fill_calls = 0  # calls before the program repeats itself
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
@@ -72,6 +73,11 @@ class PeriodicProgram:
         for n in (horizon - 2, horizon - 1):
             self._check_run(n)
         self.loss_divisor = _backwards_per_update(self.schedule, self._segments)
+
+    @property
+    def fill_calls(self) -> int:
+        """Calls before every call is the previous one shifted (the pipeline has filled)."""
+        return self._warmup + 1
 
     def segment(self, rank: int, call: int) -> Actions:
         if call <= self._warmup:

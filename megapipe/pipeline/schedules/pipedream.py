@@ -9,6 +9,9 @@ stage's latest version and its backward the same one. In a straight pipeline sta
 
 Vertical sync (optional): microbatch t is tagged with the version its forward sees at the
 input stage, and every stage uses that version for both passes: W_s(t-p+1) on all stages.
+The schedule is static, so the tag is known when the lists are made: it is the version of
+every stage's F and B of microbatch t (and of the messages that carry t between stages);
+stages keep the older versions later forwards name.
 
 A replicated stage (1F1B-RR) all-reduces the gradients of one microbatch per replica before
 each update, as data parallelism would: its update k applies microbatches kR .. kR + R - 1.

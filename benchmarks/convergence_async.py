@@ -1,0 +1,122 @@
+"""Convergence of PipeDream-Flush (1F1B), PipeDream-2BW and PipeDream on the same data.
+
+    python benchmarks/convergence_async.py             # 2 stages, 320 batches of m = 2; a few minutes
+    python benchmarks/convergence_async.py --quick     # 20 batches, a smoke test
+
+A small GPT (4 layers, untied embeddings) trains on the corpus that ships inside Python
+(``megapipe.data.corpus``), split into two pipeline stages (2 processes). All three runs
+start from the same weights and see the same microbatches in the same order, with AdamW at
+the same learning rate. Flush and 2BW apply one update per batch of m microbatches (2BW on
+1-stale weights: W(t+1) = W(t) - lr grad f(W(t-1))); PipeDream one update per microbatch on
+every stage (weight stashing: W(t+1) = W(t) - lr grad f(W_1(t-1), W_2(t)) for 2 stages), so at
+equal learning rate it takes m times more, smaller steps. The x-axis is microbatches
+trained; the curves are moving averages of the training loss; the held-out loss of every
+run is measured at the end on the same validation microbatches (PipeDream and 2BW drained).
+The plot goes to benchmarks/results/convergence_async.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from megapipe.config import ModelConfig  # noqa: E402
+from megapipe.data.corpus import cache_root, default_gpt_data  # noqa: E402
+from megapipe.data.gpt_dataset import GPTDataset  # noqa: E402
+from megapipe.data.indexed_dataset import IndexedDataset  # noqa: E402
+from megapipe.models import build_model_chunks  # noqa: E402
+from megapipe.optim import OptimizerConfig  # noqa: E402
+from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.pipeline.engine import PipelineEngine  # noqa: E402
+from megapipe.testing import run_distributed  # noqa: E402
+
+SCHEDULES = ("1f1b", "2bw", "pipedream")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+P, M, SEQ, MICRO, LR, VALID_MICROBATCHES, SMOOTH = 2, 2, 64, 8, 1e-3, 16, 40
+
+
+def datasets(batches: int):
+    prefix, tokenizer = default_gpt_data()
+    indexed = IndexedDataset(prefix)
+    documents = np.arange(indexed.num_documents)
+    cut = int(0.9 * len(documents))
+    cache = os.path.join(cache_root(), "convergence_async")
+    train = GPTDataset(indexed, documents[:cut], batches * M * MICRO, SEQ, 1234, cache, "train")
+    valid = GPTDataset(indexed, documents[cut:], VALID_MICROBATCHES * MICRO, SEQ, 1234, cache, "valid")
+    return train, valid, tokenizer.vocab_size
+
+
+def microbatch(dataset: GPTDataset, index: int) -> dict:
+    samples = [dataset[index * MICRO + j] for j in range(MICRO)]
+    return {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}
+
+
+def train(rank: int, world_size: int, batches: int) -> dict:
+    train_data, valid_data, vocab = datasets(batches)
+    config = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=vocab, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+    ps = ParallelState.initialize(pipeline=P)
+    curves, held_out = {}, {}
+    for name in SCHEDULES:
+        torch.manual_seed(0)
+        chunks = build_model_chunks("gpt", config, ps, seed=1234)  # the same initial weights for every run
+        engine = PipelineEngine(chunks, ps, OptimizerConfig(optimizer="adamw", lr=LR, weight_decay=0.0,
+                                                            clip_grad=0.0), name, M, (SEQ, MICRO, config.hidden_size))
+        losses = []
+        for batch in range(batches):
+            losses += engine.train_batch([microbatch(train_data, batch * M + j) for j in range(M)]).losses
+        losses += engine.drain().losses
+        valid = [microbatch(valid_data, i) for i in range(VALID_MICROBATCHES)]
+        held = [loss for start in range(0, VALID_MICROBATCHES, M) for loss in engine.evaluate(valid[start:start + M])]
+        curves[name] = losses
+        held_out[name] = float(np.mean(held)) if held else None
+    return {"curves": curves, "held_out": held_out} if ps.is_last_stage else None
+
+
+def smooth(values: list[float]) -> np.ndarray:
+    kernel = np.ones(SMOOTH) / SMOOTH
+    return np.convolve(values, kernel, mode="valid")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=320)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    batches = 20 if args.quick else args.batches
+    result = next(r for r in run_distributed(P, train, batches, timeout=7200) if r is not None)
+    print(f"GPT 4 layers, hidden 128, seq {SEQ}, micro batch {MICRO}, p={P}, m={M}, AdamW lr {LR}, "
+          f"{batches * M} microbatches")
+    print("| schedule | updates per stage | final train loss (mean of last 50 microbatches) | held-out loss |")
+    print("|---|---|---|---|")
+    for name in SCHEDULES:
+        curve = result["curves"][name]
+        updates = batches * M if name == "pipedream" else batches
+        print(f"| {name} | {updates} | {np.mean(curve[-50:]):.4f} | {result['held_out'][name]:.4f} |")
+    if args.quick:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(RESULTS, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name in SCHEDULES:
+        curve = smooth(result["curves"][name])
+        axes.plot(np.arange(SMOOTH, SMOOTH + len(curve)), curve, label=name)
+    axes.set_xlabel("microbatches trained")
+    axes.set_ylabel(f"training loss (moving average of {SMOOTH})")
+    axes.set_title(f"GPT on the built-in corpus, p={P}, m={M}, AdamW lr={LR}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(RESULTS, "convergence_async.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
