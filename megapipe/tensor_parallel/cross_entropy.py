@@ -3,7 +3,8 @@
 Each tensor rank holds logits for its slice of the (padded) vocabulary. Three all-reduces
 over the tensor group give the global max, the target's logit and the partition function;
 the backward is softmax minus one-hot on the local slice (seed 002 4.2.3, Megatron's
-``vocab_parallel_cross_entropy``).
+``vocab_parallel_cross_entropy``). The elementwise steps between the collectives come from
+``megapipe.fusions.cross_entropy``, so the fusion backend can compile each into one kernel.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapipe.fusions import cross_entropy as parts
 from megapipe.tensor_parallel.mappings import group_size
 
 
@@ -23,34 +25,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start):
         ctx.dtype = logits.dtype
-        logits = logits.float()
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.float().max(dim=-1).values
         _all_reduce(logits_max, dist.ReduceOp.MAX, group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        per_rank = logits.shape[-1]
-        outside = (target < vocab_start) | (target >= vocab_start + per_rank)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        shifted = parts.max_shifted_logits(logits, logits_max)
+        index, in_shard = parts.shard_target(target, vocab_start, vocab_start + logits.shape[-1])
+        predicted = parts.target_logit(shifted, index, in_shard)
+        _all_reduce(predicted, dist.ReduceOp.SUM, group)
+        exp_logits, sum_exp = parts.exp_and_sum(shifted)
         _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        loss = sum_exp.log() - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
+        ctx.save_for_backward(parts.normalize_exp(exp_logits, sum_exp), index, in_shard)
+        return parts.loss_from_sums(sum_exp, predicted)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None
+        softmax, index, in_shard = ctx.saved_tensors
+        return parts.softmax_minus_onehot(softmax, index, in_shard, grad_loss).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
