@@ -15,6 +15,11 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--make-vocab-size-divisible-by", "16", "--lr-warmup-iters", "1"]
 
 
+def session_cache(tmp_path_factory) -> str:
+    """One data cache for every checkpoint test of a session, so the corpus and its indices are built once."""
+    return str(tmp_path_factory.getbasetemp() / "checkpoint-data-cache")
+
+
 def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
     flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p),
              "--pipeline-schedule", schedule]

@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from checkpoint_helpers import build, train
+from checkpoint_helpers import build, session_cache, train
 from megapipe.checkpointing import load_checkpoint, save_checkpoint
 from megapipe.checkpointing import paths
 from megapipe.checkpointing.offline import read_checkpoint
@@ -54,8 +54,7 @@ def _damaged_copies(root: str, good: str) -> dict[str, str]:
             scrambled: "reading checkpoint"}
 
 
-def _faults_world(rank, world_size, root):
-    cache = os.path.join(root, "cache")
+def _faults_world(rank, world_size, root, cache):
     good_root = os.path.join(root, "good")
     trainer, _ = train(SHORT + ["--save", good_root], cache)
     messages = {}
@@ -81,7 +80,8 @@ def _faults_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def fault_messages(tmp_path_factory):
-    return run_distributed(1, _faults_world, str(tmp_path_factory.mktemp("faults")), timeout=300)[0]
+    return run_distributed(1, _faults_world, str(tmp_path_factory.mktemp("faults")), session_cache(tmp_path_factory),
+                           timeout=300)[0]
 
 
 def test_each_damaged_checkpoint_is_one_sentence_and_the_model_is_untouched(fault_messages):
@@ -101,8 +101,8 @@ def _die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _killed_while_saving(rank, world_size, root):
-    trainer, _ = train(["--pipeline-model-parallel-size", "2", "--train-iters", "2"], os.path.join(root, "cache"))
+def _killed_while_saving(rank, world_size, root, cache):
+    trainer, _ = train(["--pipeline-model-parallel-size", "2", "--train-iters", "2"], cache)
     save_checkpoint(os.path.join(root, "ckpt"), trainer)  # iteration 2
     trainer.state.iteration = 3
     if rank == 1:  # dies once its shard file is written, when DCP syncs it
@@ -110,9 +110,10 @@ def _killed_while_saving(rank, world_size, root):
     save_checkpoint(os.path.join(root, "ckpt"), trainer)
 
 
-def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, tmp_path_factory):
     with pytest.raises(DistributedFailure) as failure:
-        run_distributed(2, _killed_while_saving, str(tmp_path), timeout=300, collective_timeout=30)
+        run_distributed(2, _killed_while_saving, str(tmp_path), session_cache(tmp_path_factory), timeout=300,
+                        collective_timeout=30)
     # whichever the harness notices first: rank 1's death, or rank 0 losing its peer in the save's collective
     assert "rank 1 died" in str(failure.value) or "by peer" in str(failure.value)
     root = os.path.join(tmp_path, "ckpt")

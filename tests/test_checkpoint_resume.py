@@ -1,23 +1,42 @@
-"""Exact resume: train 2 steps, save, start a new Trainer from the checkpoint, train 2 more.
+"""Resuming training from checkpoints, in the same layout (bit for bit) and in others.
 
+Exact resume: train 2 steps, save, start a new Trainer from the checkpoint, train 2 more.
 The resumed steps must repeat the original run's steps 3 and 4 bit for bit, per microbatch
 loss, for every pipeline schedule at (t, p, d) = (2, 2, 1) and (1, 2, 2). Dropout stays on,
 so the losses only match if the random states of every rank (default generator and the
 tensor-parallel tracker) come back with the weights, the Adam moments, the learning-rate
-schedule and the data position. The new Trainer in the same process re-seeds everything
-at construction, so nothing carries over except through the files. One case saves with
+schedule and the data position. The new Trainer in the same process re-seeds everything at
+construction, so nothing carries over except through the files. One case saves with
 --async-save, whose background write must produce the same checkpoint.
+
+Resharding: a checkpoint saved at (2, 2, 1) loads at (1, 4, 1), (4, 1, 1), (1, 1, 4) and
+(1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``. Every layout trains
+steps 3 and 4 on the same global batches as the saving run. Step 3's loss checks the weights
+(the vocabulary is padded to 16 x t rows, so each layout pads and trims differently, and the
+tied embedding is split or whole); step 4's also checks that the Adam moments were resharded
+with their parameters. Dropout is off there: random states cannot follow a change of layout
+(they are reseeded, as the log says). Tolerance 1e-6 relative: the layouts compute the same
+fp32 sums in different orders (matmuls split over 1, 2 or 4 tensor ranks, partial softmax
+sums, all-reduces), which moves a loss of about 5.5 by ~1e-7 (2e-8 relative measured), and
+one Adam step on gradients that differ as little keeps that order.
+
+All 4-rank runs share one spawned world; the (1, 1, 1) runs share a world of one.
 """
 
 import os
 
 import pytest
 
-from checkpoint_helpers import layout_flags, train
+from checkpoint_helpers import layout_flags, session_cache, train
+from megapipe.checkpointing.common import Layout
+from megapipe.checkpointing.convert import reshard
 from megapipe.testing import run_distributed
 
 SCHEDULES = ["1f1b", "gpipe", "interleaved"]
 LAYOUTS = {"t2p2d1": (2, 2), "t1p2d2": (1, 2)}
+RTOL = 1e-6
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
+RESHARD_TARGETS = {"t1p4d1": (1, 4), "t4p1d1": (4, 1), "t1p1d4": (1, 1)}
 
 
 def resume_cases():
@@ -27,8 +46,7 @@ def resume_cases():
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
 
 
-def _resume_world(rank, world_size, root):
-    cache = os.path.join(root, "cache")
+def _resume(root, cache):
     results = {}
     for name, flags in resume_cases():
         directory = os.path.join(root, name)
@@ -39,16 +57,70 @@ def _resume_world(rank, world_size, root):
     return results
 
 
+def _logged(trainer, losses):
+    """Losses of the ranks that own a distinct slice of the batch's loss (last stage, tensor rank 0)."""
+    return losses if trainer.ps.is_last_stage and trainer.ps.tp_rank == 0 else None
+
+
+def _reshard(root, cache):
+    saved = os.path.join(root, "t2p2d1")
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2) + ["--save", saved, "--save-interval", "2"], cache)
+    results = {"t2p2d1": _logged(trainer, losses[2:])}
+    for name, (t, p) in RESHARD_TARGETS.items():
+        trainer, losses = train(NO_DROPOUT + layout_flags(t, p) + ["--load", os.path.join(saved, "iter_0000002")],
+                                cache)
+        results[name] = _logged(trainer, losses)
+    return results
+
+
+def _four_rank_world(rank, world_size, root, cache):
+    return _resume(os.path.join(root, "resume"), cache), _reshard(os.path.join(root, "reshard"), cache)
+
+
+def _one_rank_world(rank, world_size, root, cache):
+    direct = train(NO_DROPOUT + ["--load", os.path.join(root, "reshard", "t2p2d1", "iter_0000002")], cache)[1]
+    converted = train(NO_DROPOUT + ["--load", os.path.join(root, "converted")], cache)[1]
+    return direct, converted
+
+
 @pytest.fixture(scope="module")
-def resume_results(tmp_path_factory):
-    return run_distributed(4, _resume_world, str(tmp_path_factory.mktemp("resume")), timeout=600)
+def runs(tmp_path_factory):
+    root, cache = str(tmp_path_factory.mktemp("resume")), session_cache(tmp_path_factory)
+    four = run_distributed(4, _four_rank_world, root, cache, timeout=900)
+    conversion = reshard(os.path.join(root, "reshard", "t2p2d1", "iter_0000002"), os.path.join(root, "converted"),
+                         Layout(1, 1, 1))
+    direct, converted = run_distributed(1, _one_rank_world, root, cache, timeout=300)[0]
+    resumed = [resume for resume, _ in four]
+    by_layout = {name: [r[name] for _, r in four if r[name] is not None] for name in four[0][1]}
+    by_layout["t1p1d1"] = [direct]
+    return resumed, by_layout, converted, conversion
 
 
 @pytest.mark.parametrize("name", [name for name, _ in resume_cases()])
-def test_resumed_steps_repeat_the_uninterrupted_run_bit_for_bit(resume_results, name):
-    for rank, results in enumerate(resume_results):
+def test_resumed_steps_repeat_the_uninterrupted_run_bit_for_bit(runs, name):
+    for rank, results in enumerate(runs[0]):
         uninterrupted, resumed, last_stage = results[name]
         assert len(uninterrupted) == 4 and len(resumed) == 2
         assert resumed == uninterrupted[2:], f"rank {rank}"
         if last_stage:
             assert all(resumed), f"rank {rank} is a last stage but recorded no losses"
+
+
+def _step_means(rank_losses):
+    """Mean loss of each step over every microbatch of the global batch (all data-parallel ranks)."""
+    return [sum(sum(step, [])) / sum(len(part) for part in step) for step in zip(*rank_losses)]
+
+
+@pytest.mark.parametrize("layout", ["t1p4d1", "t4p1d1", "t1p1d4", "t1p1d1"])
+def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs, layout):
+    by_layout = runs[1]
+    expected, actual = _step_means(by_layout["t2p2d1"]), _step_means(by_layout[layout])
+    assert len(actual) == len(expected) == 2
+    assert actual == pytest.approx(expected, rel=RTOL, abs=0)
+
+
+def test_offline_reshard_loads_to_the_same_run(runs):
+    _, by_layout, converted, conversion = runs
+    assert converted == by_layout["t1p1d1"][0]  # same values, same layout: bit for bit
+    assert conversion.source_layout == Layout(2, 2, 1) and conversion.target_layout == Layout(1, 1, 1)
+    assert conversion.tensors > 0 and conversion.bytes > 0
