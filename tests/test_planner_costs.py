@@ -20,7 +20,7 @@ OPTIMIZER = 12  # fp32 master + two Adam moments for 16-bit weights
 GRAD = 4
 
 
-def synthetic_profile(head_forward=0.0, embedding_params=0, head_stash=0.0, stash=STASH) -> ModelProfile:
+def synthetic_profile(head_forward=0.0, embedding_params=0, head_stash=0.0, stash=STASH, optimizer=0.0) -> ModelProfile:
     """Linear in b, two micro-batch sizes: blocks with the constants above, a nearly free embedding and head."""
     sizes = (1, 2)
 
@@ -37,12 +37,13 @@ def synthetic_profile(head_forward=0.0, embedding_params=0, head_stash=0.0, stas
                         per(4), per(head_stash), per(0))
     blocks = [LayerProfile(f"block.{i}", **block) for i in range(L)]
     return ModelProfile(ModelShape("gpt", L, H, HEADS, S, V, 4 * H), sizes, (embedding, *blocks, head),
-                        "float16", "test", "analytic")
+                        "float16", "test", "analytic", optimizer)
 
 
-def cluster(nodes=1, per_node=8, intra=1e9, inter=1e8, memory=1e12, latency=0.0) -> Cluster:
+def cluster(nodes=1, per_node=8, intra=1e9, inter=1e8, memory=1e12, latency=0.0, reduce=None) -> Cluster:
     return Cluster(nodes=nodes, gpus_per_node=per_node, memory_per_gpu=memory, intra_node_bandwidth=intra,
-                   inter_node_bandwidth=inter, intra_node_latency=latency, inter_node_latency=latency)
+                   inter_node_bandwidth=inter, intra_node_latency=latency, inter_node_latency=latency,
+                   intra_node_reduce_bandwidth=reduce)
 
 
 def estimate(layout, profile=None, machines=None, batch=32):
@@ -185,3 +186,21 @@ def test_asynchronous_schedules_untie_the_embedding_instead_of_summing_its_copie
     tied = 2 * (2 - 1) / 2 * vocab_params * GRAD / 1e7  # first and last stage are on different nodes
     assert double.data_comm_time == pytest.approx(data)
     assert flush.data_comm_time == pytest.approx(data + tied)
+
+
+def test_all_reduces_use_the_reduce_bandwidth_and_latency_per_step():
+    d, reduce, latency = 4, 2e8, 1e-3
+    result = estimate(Layout(1, 1, d, 1, "1f1b"), machines=cluster(intra=1e9, reduce=reduce, latency=latency), batch=8)
+    assert result.data_comm_time == pytest.approx(2 * (d - 1) / d * L * PARAMS * GRAD / reduce + 2 * (d - 1) * latency)
+
+
+def test_the_optimizer_step_follows_the_flush_or_runs_in_the_stream_of_backwards():
+    per_param, p, m = 1e-6, 2, 4
+    profile = synthetic_profile(optimizer=per_param)
+    free = cluster(intra=1e30, inter=1e30)
+    plain = estimate(Layout(1, 1, 1, 1, "1f1b"), profile, free, batch=m)
+    assert plain.batch_time == pytest.approx(m * 3 * FORWARD * L + L * PARAMS * per_param)
+    assert plain.optimizer_time == pytest.approx(L * PARAMS * per_param)
+    double = estimate(Layout(1, p, 1, 1, "2bw"), profile, free, batch=m)
+    step = 3 * FORWARD * L / p + L * PARAMS / p * per_param / m  # each microbatch carries 1/m of an update
+    assert double.batch_time == pytest.approx(m * step)

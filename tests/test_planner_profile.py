@@ -45,6 +45,7 @@ def test_measured_profile_has_the_models_exact_sizes(measured):
     for layer in measured.layers:
         assert all(x > 0 for x in layer.forward_s + layer.backward_s + layer.recompute_backward_s)
     assert measured.layers[0].recompute_backward_s == measured.layers[0].backward_s  # only blocks recompute
+    assert measured.optimizer_step_s_per_param > 0
 
 
 def test_profile_round_trips_through_json(measured, tmp_path):

@@ -103,9 +103,10 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
 
 
 def format_table(result, top: int) -> str:
+    """The best layouts; the last five columns are seconds per batch on the slowest rank."""
     header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
               f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
-              f"{'pp comm':>8} {'dp comm':>8}")
+              f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
     for rank, e in enumerate(result.ranked[:top], 1):
         layout = e.layout
@@ -114,7 +115,7 @@ def format_table(result, top: int) -> str:
                     f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
-                    f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g}")
+                    f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
     return "\n".join(rows)
 
 

@@ -7,7 +7,9 @@ A JSON description::
      "peak_flops": 1.25e14}
 
 Bandwidths are bytes per second per device; optional keys: ``intra_node_latency`` and
-``inter_node_latency`` (seconds per message or collective step), ``reserved_memory`` (bytes
+``inter_node_latency`` (seconds per message or collective step), ``intra_node_reduce_bandwidth``
+and ``inter_node_reduce_bandwidth`` (the bandwidth term of a ring all-reduce, when reducing
+costs more than sending, as with gloo on busy CPUs; default the link's), ``reserved_memory`` (bytes
 per device the runtime takes), ``compute_speed`` (device speed relative to the device the
 profile was measured on), ``achieved_flops`` (what a device reaches on large GEMMs, for
 closed-form profiles), ``peak_flops`` and ``name``. Global rank r sits on node
@@ -30,6 +32,7 @@ _REQUIRED = ("nodes", "gpus_per_node", "memory_per_gpu", "intra_node_bandwidth",
 class Link:
     bandwidth: float  # bytes per second
     latency: float  # seconds per message
+    reduce_bandwidth: float  # bytes per second in a ring all-reduce's 2 (n-1)/n |bytes| term
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class Cluster:
     inter_node_bandwidth: float
     intra_node_latency: float = 0.0
     inter_node_latency: float = 0.0
+    intra_node_reduce_bandwidth: Optional[float] = None
+    inter_node_reduce_bandwidth: Optional[float] = None
     reserved_memory: float = 0.0
     compute_speed: float = 1.0
     achieved_flops: Optional[float] = None
@@ -55,6 +60,9 @@ class Cluster:
                 raise ConfigError(f"{source} has {key} {value}; it must be a whole number of at least 1.")
         for key in ("memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth", "compute_speed"):
             if not getattr(self, key) > 0:
+                raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
+        for key in ("intra_node_reduce_bandwidth", "inter_node_reduce_bandwidth"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
         for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):
             if getattr(self, key) < 0:
@@ -77,8 +85,10 @@ class Cluster:
     def link(self, ranks: Iterable[int]) -> Link:
         """The slowest link a collective or message among ``ranks`` crosses: intra-node if they share a node."""
         if len({self.node_of(r) for r in ranks}) <= 1:
-            return Link(self.intra_node_bandwidth, self.intra_node_latency)
-        return Link(self.inter_node_bandwidth, self.inter_node_latency)
+            return Link(self.intra_node_bandwidth, self.intra_node_latency,
+                        self.intra_node_reduce_bandwidth or self.intra_node_bandwidth)
+        return Link(self.inter_node_bandwidth, self.inter_node_latency,
+                    self.inter_node_reduce_bandwidth or self.inter_node_bandwidth)
 
     def to_dict(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}

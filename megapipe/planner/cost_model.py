@@ -15,6 +15,8 @@ rank's time (it is on the critical path):
     untie it instead: the last stage holds its own output embedding of the same size).
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
 rank order tensor-innermost, then data, then pipeline, so t shares a node first.
+The optimizer step (seconds per parameter from the profile) follows the flush, or for 2BW and
+PipeDream runs in each stage's stream of backwards.
 MEMORY(.) per rank = weight versions x weights + (gradients + optimizer state) per parameter +
 in-flight microbatches x stashed activations; with recomputation a microbatch keeps only the
 input of every k-th block, plus one segment of k blocks while it is recomputed (seed 002 section
@@ -82,6 +84,7 @@ class Estimate:
     tensor_comm_time: float
     pipeline_comm_time: float
     data_comm_time: float
+    optimizer_time: float  # the slowest rank's optimizer steps per batch
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
 
 
@@ -89,7 +92,7 @@ def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
     """2 (n-1)/n x bytes over the link, plus 2 (n-1) steps of latency; nothing for one member."""
     if members <= 1 or nbytes == 0:
         return 0.0
-    return 2 * (members - 1) / members * nbytes / link.bandwidth + 2 * (members - 1) * link.latency
+    return 2 * (members - 1) / members * nbytes / link.reduce_bandwidth + 2 * (members - 1) * link.latency
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
@@ -127,7 +130,7 @@ class CostModel:
 
         def slowest(groups) -> Link:
             links = [self.cluster.link(g) for g in groups]
-            return min(links, key=lambda link: (link.bandwidth, -link.latency))
+            return min(links, key=lambda link: (link.bandwidth, link.reduce_bandwidth, -link.latency))
 
         tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
         data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
@@ -136,27 +139,24 @@ class CostModel:
         embedding = slowest([[rank(ti, di, 0), rank(ti, di, p - 1)] for ti in range(t) for di in range(d)])
         return tensor, data, boundaries, embedding
 
-    def estimate(self, layout: Layout) -> Estimate:
-        shape, training = self.profile.shape, self.training
-        t, p, d, v, b = layout.tensor, layout.pipeline, layout.data, layout.virtual, layout.micro_batch_size
-        m = training.global_batch_size // (d * b)
+    def _rank_loads(self, layout: Layout) -> "_RankLoads":
+        """Per pipeline rank and microbatch: seconds of compute and communication, parameters and stashes."""
+        shape = self.profile.shape
+        t, p, v, b = layout.tensor, layout.pipeline, layout.virtual, layout.micro_batch_size
         stages, n_layers = p * v, shape.num_layers
         timing, sizes = self.costs(b / t), self.costs(float(b))
-        tensor_link, data_link, boundary_links, embedding_link = self.links(t, p, d)
+        tensor_link, _, boundary_links, _ = self.links(t, p, layout.data)
         speed = self.cluster.compute_speed
         backward = timing.recompute_backward if layout.recompute else timing.backward
         activation = b * shape.seq_length * shape.hidden_size * self.element_bytes
         allreduce = ring_allreduce_time(activation, t, tensor_link)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
-
-        forward_rank, backward_rank = np.zeros(p), np.zeros(p)
-        compute_rank, tensor_rank, pipe_rank = np.zeros(p), np.zeros(p), np.zeros(p)
-        params_rank, stash_rank, checkpoint_rank = np.zeros(p), np.zeros(p), np.zeros(p)
-        block_stash = float(stash[1])
+        loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
         for s in range(stages):
             r, layers = s % p, stage_layers(n_layers, stages, s)
             blocks = [l for l in layers if 1 <= l <= n_layers]
+            ends = [l for l in layers if l not in blocks]  # embedding and head: never recomputed
             forward = timing.forward[layers].sum() / speed
             back = backward[layers].sum() / speed
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
@@ -164,52 +164,76 @@ class CostModel:
             hop = 0.0
             for neighbour, link in ((s > 0, boundary_links[(s - 1) % p]), (s < stages - 1, boundary_links[r])):
                 if neighbour:
-                    hop += sizes.output_bytes[blocks[-1] if blocks else 0] / t / link.bandwidth + link.latency
-            forward_rank[r] += forward + tp_forward + hop
-            backward_rank[r] += back + tp_backward + hop
-            compute_rank[r] += forward + back
-            tensor_rank[r] += tp_forward + tp_backward
-            pipe_rank[r] += 2 * hop
-            params_rank[r] += params[layers].sum()
-            others = [l for l in layers if l not in blocks]
-            stash_rank[r] += stash[layers].sum()
-            checkpoint_rank[r] += stash[others].sum()  # embedding and head are not recomputed
+                    hop += sizes.output_bytes[blocks[-1]] / t / link.bandwidth + link.latency
+            loads.forward[r] += forward + tp_forward + hop
+            loads.backward[r] += back + tp_backward + hop
+            loads.compute[r] += forward + back
+            loads.tensor[r] += tp_forward + tp_backward
+            loads.pipe[r] += 2 * hop
+            loads.params[r] += params[layers].sum()
+            loads.stash[r] += stash[layers].sum()
+            loads.unrecomputed_stash[r] += stash[ends].sum()
         if stages > 1:
-            params_rank[p - 1] += self.profile.output_weight_params / t  # the head's copy of the tied embedding
+            loads.params[p - 1] += self.profile.output_weight_params / t  # the head's own output embedding
+        return loads
 
-        grads = params_rank * training.grad_bytes_per_param
-        data_rank = np.array([ring_allreduce_time(g, d, data_link) for g in grads])
-        if stages > 1 and self.profile.output_weight_params and not unties_embeddings(layout.schedule, p):
-            tied = self.profile.output_weight_params / t * training.grad_bytes_per_param
+    def _data_parallel_times(self, layout: Layout, params: np.ndarray) -> np.ndarray:
+        """Per rank: the gradient all-reduce over the data-parallel group, and the tied embedding's sum."""
+        t, p, d = layout.tensor, layout.pipeline, layout.data
+        _, data_link, _, embedding_link = self.links(t, p, d)
+        grad_bytes = self.training.grad_bytes_per_param
+        times = np.array([ring_allreduce_time(count * grad_bytes, d, data_link) for count in params])
+        tied = self.profile.output_weight_params
+        if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p):
             for r in {0, p - 1}:
-                data_rank[r] += ring_allreduce_time(tied, 2, embedding_link)
+                times[r] += ring_allreduce_time(tied / t * grad_bytes, 2, embedding_link)
+        return times
 
-        pipe = pipeline_time(layout.schedule, forward_rank, backward_rank, m, v)
-        data = float(data_rank.max())
-        batch_time = pipe + data if layout.schedule in FLUSHING else max(pipe, data)
-
-        weights = np.array([params_rank[r] * (self.element_bytes * weight_versions(layout.schedule, p, r)
-                                              + training.grad_bytes_per_param + self.optimizer_bytes)
+    def _memory(self, layout: Layout, loads: "_RankLoads", m: int) -> tuple[float, Optional[int]]:
+        """Peak bytes over ranks, and the blocks per recomputation segment that minimise it."""
+        p, v = layout.pipeline, layout.virtual
+        per_param = self.training.grad_bytes_per_param + self.optimizer_bytes
+        weights = np.array([loads.params[r] * (self.element_bytes * weight_versions(layout.schedule, p, r) + per_param)
                             for r in range(p)])
         counts = np.array([float(in_flight(layout.schedule, p, m, v, r)) for r in range(p)])
-        recompute_layers = None
-        if layout.recompute:
-            per_chunk = n_layers // stages
-            block_input = float(sizes.output_bytes[1])
-            options = [k for k in range(1, per_chunk + 1) if per_chunk % k == 0]
+        if not layout.recompute:
+            return float((weights + counts * loads.stash).max()), None
+        per_chunk = self.profile.shape.num_layers // (p * v)
 
-            def peak(k: int) -> float:
-                kept = checkpoint_rank + v * (per_chunk // k) * block_input
-                return float((weights + counts * kept).max() + k * block_stash)
+        def peak(k: int) -> float:  # every k-th block input kept per chunk, one segment of k blocks live
+            kept = loads.unrecomputed_stash + v * (per_chunk // k) * loads.block_input
+            return float((weights + counts * kept).max() + k * loads.block_stash)
 
-            recompute_layers = min(options, key=peak)
-            memory = peak(recompute_layers)
-        else:
-            memory = float((weights + counts * stash_rank).max())
+        best = min((k for k in range(1, per_chunk + 1) if per_chunk % k == 0), key=peak)
+        return peak(best), best
 
-        slowest = int(np.argmax(forward_rank + backward_rank))
-        samples = training.global_batch_size / batch_time
+    def estimate(self, layout: Layout) -> Estimate:
+        t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.virtual
+        batch = self.training.global_batch_size
+        m = batch // (d * layout.micro_batch_size)
+        loads = self._rank_loads(layout)
+        steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
+        data = float(self._data_parallel_times(layout, loads.params).max())
+        if layout.schedule in FLUSHING:  # all-reduce and step after the flush
+            pipe = pipeline_time(layout.schedule, loads.forward, loads.backward, m, v)
+            batch_time = pipe + data + float(steps.max())
+        else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)
+            pipe = pipeline_time(layout.schedule, loads.forward, loads.backward + steps / m, m, v)
+            batch_time = max(pipe, data)
+        memory, recompute_layers = self._memory(layout, loads, m)
+        slowest = int(np.argmax(loads.forward + loads.backward))
+        samples = batch / batch_time
         flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
-                        recompute_layers, m * float(compute_rank[slowest]), m * float(tensor_rank[slowest]),
-                        m * float(pipe_rank[slowest]), data, flops)
+                        recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
+                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops)
+
+
+class _RankLoads:
+    """Sums over a rank's chunks: seconds per microbatch and bytes, one array entry per pipeline rank."""
+
+    def __init__(self, p: int, block_stash: float, block_input: float):
+        self.forward, self.backward, self.compute = np.zeros(p), np.zeros(p), np.zeros(p)
+        self.tensor, self.pipe = np.zeros(p), np.zeros(p)
+        self.params, self.stash, self.unrecomputed_stash = np.zeros(p), np.zeros(p), np.zeros(p)
+        self.block_stash, self.block_input = block_stash, block_input

@@ -7,7 +7,8 @@ a pipeline boundary after it sends) and of the tensors it keeps for backward (it
 the part of the stash and of the parameters that a tensor-parallel rank holds 1/t of. The
 model shape is stored so that a profile of another model is refused. Values at micro-batch
 sizes between the profiled ones are interpolated linearly; outside, the end segments are
-extended (so a fixed per-call overhead carries over).
+extended (so a fixed per-call overhead carries over). A profile also holds the seconds the
+optimizer step takes per parameter (0 when not measured).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class ModelProfile:
     dtype: str  # of weights and activations
     device: str  # what it was measured on, or "analytic"
     source: str  # "measured" or "analytic"
+    optimizer_step_s_per_param: float = 0.0
 
     @property
     def element_bytes(self) -> int:
@@ -148,6 +150,7 @@ class ModelProfile:
     def to_dict(self) -> dict:
         return {"format": PROFILE_FORMAT, "model": asdict(self.shape), "micro_batch_sizes": list(self.micro_batch_sizes),
                 "dtype": self.dtype, "device": self.device, "source": self.source,
+                "optimizer_step_s_per_param": self.optimizer_step_s_per_param,
                 "layers": [asdict(layer) for layer in self.layers]}
 
     def save(self, path: str | Path) -> None:
@@ -202,4 +205,5 @@ class ModelProfile:
         if kinds != ["embedding"] + ["block"] * shape.num_layers + ["head"]:
             raise ConfigError(f"{source} does not hold an embedding, {shape.num_layers} blocks and a head in this "
                               f"order; {_FIX}.")
-        return ModelProfile(shape, sizes, tuple(layers), dtype, need(data, "device", ""), need(data, "source", ""))
+        return ModelProfile(shape, sizes, tuple(layers), dtype, need(data, "device", ""), need(data, "source", ""),
+                            float(need(data, "optimizer_step_s_per_param", "")))

@@ -7,12 +7,13 @@ backward (before the last block's). A saved-tensors hook attributes every tensor
 backward to the layer running when it was saved, counting each storage once and skipping
 parameters; tensors saved inside attention or the MLP (except the input a column-parallel
 linear keeps) and the head's vocabulary-wide logits are the part tensor parallelism splits.
-A second pass runs each block under ``torch.utils.checkpoint`` to time recomputation.
+A second pass runs each block under ``torch.utils.checkpoint`` to time recomputation. Each
+time is the fastest of the timed runs (other programs on the machine only ever add time), and
+last the optimizer step (megapipe's Adam) is timed per parameter.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import defaultdict
 from typing import Optional, Sequence
@@ -25,6 +26,7 @@ from megapipe.config import ModelConfig
 from megapipe.distributed import synchronize
 from megapipe.models import build_model_chunks
 from megapipe.models.transformer import MLP, SelfAttention
+from megapipe.optim import GradBuffers, OptimizerConfig, build_optimizer
 from megapipe.parallel_state import ParallelState
 from megapipe.planner.profile import ELEMENT_BYTES, LayerProfile, ModelProfile, ModelShape
 from megapipe.tensor_parallel.layers import ColumnParallelLinear
@@ -153,15 +155,31 @@ class _Recorder:
 
 
 def _timed_runs(recorder: _Recorder, batch: dict, warmup: int, iterations: int) -> tuple[list[float], list[float]]:
-    """Per-layer medians over ``iterations`` runs after ``warmup`` untimed ones."""
+    """Per-layer minima over ``iterations`` runs after ``warmup`` untimed ones."""
     samples = []
     for i in range(warmup + iterations):
         recorder.run(batch)
         if i >= warmup:
             samples.append(recorder.layer_times())
-    forward = [statistics.median(run[0][k] for run in samples) for k in range(len(samples[0][0]))]
-    backward = [statistics.median(run[1][k] for run in samples) for k in range(len(samples[0][1]))]
+    forward = [min(run[0][k] for run in samples) for k in range(len(samples[0][0]))]
+    backward = [min(run[1][k] for run in samples) for k in range(len(samples[0][1]))]
     return forward, backward
+
+
+def _optimizer_seconds_per_param(stage: nn.Module, batch: dict, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` Adam steps over the whole stage (after one that creates the state), per parameter."""
+    grads = GradBuffers([stage], stage.ps)
+    optimizer = build_optimizer([stage], OptimizerConfig(optimizer="adam", lr=1e-6), stage.ps, grads)
+    stage(None, batch).backward()
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    optimizer.zero_grad()
+    return min(times[1:]) / sum(p.numel() for p in stage.parameters())
 
 
 def _layer_params(stage: nn.Module, blocks: list[nn.Module]) -> list[tuple[int, int]]:
@@ -212,5 +230,6 @@ def profile_model(kind: str, config: ModelConfig, micro_batch_sizes: Sequence[in
     for index, ((params, split), name, layer_kind) in enumerate(zip(_layer_params(stage, blocks), layer_names, kinds)):
         series = {key: tuple(size[key][index] for size in per_size) for key in per_size[0]}
         layers.append(LayerProfile(name=name, kind=layer_kind, params=params, split_params=split, **series))
+    optimizer = _optimizer_seconds_per_param(stage, batch, device, iterations)
     return ModelProfile(ModelShape.from_config(kind, config), tuple(micro_batch_sizes), tuple(layers),
-                        _DTYPE_NAMES[config.params_dtype], str(device), "measured")
+                        _DTYPE_NAMES[config.params_dtype], str(device), "measured", optimizer)
