@@ -23,12 +23,13 @@ of every stage measured on the same timeline.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -67,7 +68,7 @@ class Settings:
     micro_batch_size: int = 2
     num_microbatches: int = 8
     warmup_steps: int = 2  # per system; their losses are the equality check
-    rounds: int = 8  # timed steps per system
+    rounds: int = 6  # timed steps per system
 
     def model_config(self) -> ModelConfig:
         # No dropout (both systems must compute the same function) and untied embeddings
@@ -293,10 +294,11 @@ def print_bubble(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 timed steps per row: a smoke test, noisy numbers")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per system and row (default 8)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per system and row (default 6)")
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", choices=[name for name, _ in SCHEDULES],
                         default=[name for name, _ in SCHEDULES])
+    parser.add_argument("--json", metavar="PATH", help="also write both tables' rows (with every paired ratio) here")
     args = parser.parse_args(argv)
     settings = Settings(rounds=args.rounds or (2 if args.quick else Settings.rounds))
     schedules = [(name, v) for name, v in SCHEDULES if name in args.schedules]
@@ -318,6 +320,9 @@ def main(argv=None) -> int:
     print_speed(speed)
     print_bubble(bubble)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": asdict(settings), "speed": speed, "bubble": bubble}, f, indent=1)
     bad = [r for r in speed if r["loss_diff"] > LOSS_TOLERANCE]
     if bad:
         print(f"FAILED: the two systems' losses differ by more than {LOSS_TOLERANCE} for "
