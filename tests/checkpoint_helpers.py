@@ -25,6 +25,8 @@ def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
              "--pipeline-schedule", schedule]
     if schedule == "interleaved":
         flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    if schedule in ("pipedream", "2bw"):  # stages update at different times: no tied copy to keep equal
+        flags += ["--untie-embeddings-and-output-weights"]
     return flags
 
 

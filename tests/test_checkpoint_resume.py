@@ -2,10 +2,12 @@
 
 Exact resume: train 2 steps, save, start a new Trainer from the checkpoint, train 2 more.
 The resumed steps must repeat the original run's steps 3 and 4 bit for bit, per microbatch
-loss, for every pipeline schedule at (t, p, d) = (2, 2, 1) and (1, 2, 2). Dropout stays on,
-so the losses only match if the random states of every rank (default generator and the
-tensor-parallel tracker) come back with the weights, the Adam moments, the learning-rate
-schedule and the data position. The new Trainer in the same process re-seeds everything at
+loss, for every pipeline schedule at (t, p, d) = (2, 2, 1) and (1, 2, 2). PipeDream and 2BW
+drain the pipeline before saving, so their saving run and the resumed one both continue from
+an empty pipeline with one weight version per stage (and untie the embedding, as they must).
+Dropout stays on, so the losses only match if the random states of every rank (default
+generator and the tensor-parallel tracker) come back with the weights, the Adam moments, the
+learning-rate schedule and the data position. The new Trainer in the same process re-seeds everything at
 construction, so nothing carries over except through the files. One case saves with
 --async-save, whose background write must produce the same checkpoint.
 
@@ -32,7 +34,7 @@ from megapipe.checkpointing.common import Layout
 from megapipe.checkpointing.convert import reshard
 from megapipe.testing import run_distributed
 
-SCHEDULES = ["1f1b", "gpipe", "interleaved"]
+SCHEDULES = ["1f1b", "gpipe", "interleaved", "pipedream", "2bw"]
 LAYOUTS = {"t2p2d1": (2, 2), "t1p2d2": (1, 2)}
 RTOL = 1e-6
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]

@@ -27,6 +27,7 @@ from megapipe.errors import CheckpointError
 def save_checkpoint(directory: str, trainer) -> None:
     """Write the state of ``trainer`` as ``directory/iter_<iteration>`` (collective over all ranks)."""
     wait_for_save(trainer)  # one save in flight at a time, and its failure surfaces here
+    _drain(trainer.engine)
     t = trainer.config.training
     started = time.perf_counter()
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
@@ -39,11 +40,11 @@ def save_checkpoint(directory: str, trainer) -> None:
         prepare_staging(directory, iteration)
     dist.barrier()  # the staging directory exists before any rank writes into it
 
-    def finish() -> None:  # rank 0, once every rank's pieces are on disk
+    def finish() -> None:  # rank 0, once every rank's pieces are on disk (it may not be the logging rank)
         common.write(staging)
         final = publish(directory, iteration)
-        trainer.logger.print(f"> saved checkpoint {final} at iteration {iteration} in "
-                             f"{time.perf_counter() - started:.2f} s")
+        print(f"> saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - started:.2f} s",
+              flush=True)
 
     if t.async_save:
         writer = trainer.checkpoint_writer = trainer.checkpoint_writer or AsyncWriter()
@@ -52,6 +53,20 @@ def save_checkpoint(directory: str, trainer) -> None:
     write_shards(shards, staging)
     if trainer.ps.rank == 0:
         finish()
+
+
+def _drain(engine) -> None:
+    """Empty an asynchronous pipeline (PipeDream, 2BW) so a checkpoint holds one weight version per stage.
+
+    The microbatches in flight finish their backwards and updates first; that is part of the
+    trajectory both of the run that saves and of every run resumed from the checkpoint. A
+    flush schedule is empty after every batch, so this does nothing there.
+    """
+    engine.drain()
+    held = [store.versions for store in engine.stores if store.num_versions > 1]
+    if held:
+        raise RuntimeError(f"the pipeline still holds weight versions {held} after draining; a checkpoint "
+                           "would lose them")
 
 
 def wait_for_save(trainer) -> None:
