@@ -71,6 +71,13 @@ def _faults_world(rank, world_size, root, cache):
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(trainer))), directory
     trainer.config.training.no_load_optim = True  # the weights-only checkpoint loads without its optimizer
     load_checkpoint(os.path.join(root, "weights-only"), trainer)
+    trainer.config.training.no_load_optim, trainer.config.training.finetune = False, True
+    trainer.state.iteration = 0
+    load_checkpoint(os.path.join(good_root, "iter_0000001"), trainer)  # weights of iteration 1, from iteration 0
+    _, _, saved = read_checkpoint(os.path.join(good_root, "iter_0000001"))
+    weights = dict(trainer.chunks[0].named_parameters())
+    assert trainer.state.iteration == 0
+    assert torch.equal(weights["layers.0.mlp.fc1.weight"], saved["model/layers.0.mlp.fc1.weight"])
     wide = build(["--hidden-size", "64"], cache)
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(good_root, wide)

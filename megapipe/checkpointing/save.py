@@ -2,9 +2,9 @@
 
 Rank 0 prepares ``iter_N.tmp``; every rank writes its shards there through DCP. When DCP
 returns on rank 0, every rank's files and the index are on disk and synced; rank 0 then adds
-``common.json`` and publishes (see ``paths.publish``). With ``--async-save`` the pieces are first copied to CPU memory and a
-background thread writes and publishes them over a process group of its own, while training
-goes on; ``latest`` moves only once that write is complete.
+``common.json`` and publishes (see ``paths.publish``). With ``--async-save`` the pieces are
+first copied to CPU memory and a background thread writes and publishes them over a process
+group of its own while training goes on; ``latest`` moves only once that write is complete.
 """
 
 from __future__ import annotations
