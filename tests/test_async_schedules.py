@@ -107,7 +107,7 @@ def test_calls_and_drain_are_the_validated_unrolled_form(name, p, m, v, replicas
     # One call per batch, then a drain: for any number n of batches, what the executor runs on every
     # rank is exactly the unrolled form over n batches that the validator accepted.
     program = PeriodicProgram(name, p, m, v, replicas, vertical_sync)
-    for n in range(1, program._horizon + 3):
+    for n in range(1, program.horizon + 3):
         unrolled = build_schedule(name, p, m, v, batches=n, replicas=replicas, vertical_sync=vertical_sync)
         for rank in range(p):
             run = sum((program.segment(rank, call) for call in range(n)), ()) + program.drain(rank, n)

@@ -20,6 +20,7 @@ class Lookahead:
 
     def __init__(self, program, rank: int):
         self.program, self.rank = program, rank
+        self.calls_ahead = program.horizon  # more calls than a microbatch stays in flight
         self._cache: dict[int, tuple[Action, ...]] = {}
 
     def segment(self, call: int) -> tuple[Action, ...]:
@@ -29,10 +30,10 @@ class Lookahead:
         return self._cache[call]
 
     def _after(self, call: int, index: int) -> Iterator[Action]:
+        """The actions after position ``index`` of call ``call``, over the next few calls."""
         yield from self.segment(call)[index + 1:]
-        while True:
-            call += 1
-            yield from self.segment(call)
+        for later in range(call + 1, call + 1 + self.calls_ahead):
+            yield from self.segment(later)
 
     def updates_before_backward(self, call: int, index: int, stage: int, microbatch: int) -> bool:
         """Whether ``stage`` updates between position ``index`` of call ``call`` and its B of ``microbatch``."""
@@ -43,8 +44,11 @@ class Lookahead:
                 return False
             if action.kind is ActionKind.UPDATE:
                 return True
-        raise AssertionError("unreachable: every forward has a backward")
+        raise RuntimeError(f"no B{stage}.{microbatch} within {self.calls_ahead} calls of its forward")
 
     def next_forward_version(self, call: int, index: int, stage: int) -> Optional[int]:
         """The version the next forward of ``stage`` after that position names."""
-        return next(a.version for a in self._after(call, index) if a.kind is ActionKind.F and a.stage == stage)
+        for action in self._after(call, index):
+            if action.kind is ActionKind.F and action.stage == stage:
+                return action.version
+        raise RuntimeError(f"no forward of stage {stage} within {self.calls_ahead} calls")

@@ -37,6 +37,7 @@ class FlushProgram:
 
     asynchronous = False
     fill_calls = 0  # calls before the program repeats itself
+    horizon = 1  # calls a microbatch can stay in flight, at most
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
@@ -63,12 +64,14 @@ class PeriodicProgram:
         self._options = (name, p, m, v, replicas, vertical_sync)
         self._built_forms: dict = {}
         self.m = m
-        horizon = 3 + 2 * math.ceil(p * v / m)  # enough batches for warm-up, repeats and drain to show
+        # Enough batches for the warm-up, two repeats and the drain to show; also more calls
+        # than any microbatch stays in flight (at most p v / m + 1).
+        horizon = self.horizon = 3 + 2 * math.ceil(p * v / m)
         self.schedule = self._unrolled(horizon)
         pieces = split_segments(self.schedule, self._cuts(horizon))
         self._warmup, self._steps = _find_period(self.schedule, pieces, m)
         self._segments = [segments[:self._warmup + 1] for segments, _ in pieces]
-        self._horizon, self._late_drains = horizon, [drain for _, drain in pieces]
+        self._late_drains = [drain for _, drain in pieces]
         self._stable_drains_from = horizon - 2
         for n in (horizon - 2, horizon - 1):
             self._check_run(n)
@@ -86,7 +89,7 @@ class PeriodicProgram:
 
     def drain(self, rank: int, calls: int) -> Actions:
         if calls >= self._stable_drains_from:
-            return self._shifted(self._late_drains[rank], calls - self._horizon)
+            return self._shifted(self._late_drains[rank], calls - self.horizon)
         return self._check_run(calls)[rank]
 
     def first_microbatch(self, call: int) -> int:
@@ -116,7 +119,7 @@ class PeriodicProgram:
                                         f"the unrolled form over {batches} batches; it cannot run periodically.")
         drains = [drain for _, drain in pieces]
         if batches >= self._stable_drains_from and any(
-                drain != self._shifted(late, batches - self._horizon)
+                drain != self._shifted(late, batches - self.horizon)
                 for drain, late in zip(drains, self._late_drains)):
             raise ScheduleError(f"schedule {self._options[0]!r}: its drain after {batches} batches is not the "
                                 "later drain shifted; raise the horizon.")
