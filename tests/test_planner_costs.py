@@ -204,3 +204,16 @@ def test_the_optimizer_step_follows_the_flush_or_runs_in_the_stream_of_backwards
     double = estimate(Layout(1, p, 1, 1, "2bw"), profile, free, batch=m)
     step = 3 * FORWARD * L / p + L * PARAMS / p * per_param / m  # each microbatch carries 1/m of an update
     assert double.batch_time == pytest.approx(m * step)
+
+
+def test_processes_sharing_cores_take_at_least_their_total_work_over_the_cores():
+    # 4 single-threaded processes on 2 cores: pure data parallelism is bound by its total work,
+    # a 4-deep pipeline's bubble is filled by the other ranks' work.
+    shared = Cluster(nodes=1, gpus_per_node=4, memory_per_gpu=1e12, intra_node_bandwidth=1e30,
+                     inter_node_bandwidth=1e30, shared_cores=2.0)
+    batch = 16
+    work = batch * 3 * FORWARD * L  # every sample through every block, forward and backward
+    data = estimate(Layout(1, 1, 4, 2, "1f1b"), machines=shared, batch=batch)
+    pipe = estimate(Layout(1, 4, 1, 2, "1f1b"), machines=shared, batch=batch)
+    assert data.batch_time == pytest.approx(work / 2)
+    assert pipe.batch_time == pytest.approx(max(work / 2, (8 + 3) * 3 * FORWARD * 2 * 2))

@@ -83,6 +83,8 @@ def test_interpolation_is_piecewise_linear_and_extends_the_end_segments():
     assert interpolate(sizes, values, 3.0)[0] == 6.5
     assert interpolate(sizes, values, 8.0)[0] == 14.0
     assert interpolate(sizes, values, 0.5)[0] == 2.0
+    steep = np.array([[1.0], [5.0], [9.0]])  # a noisy first point: the line would cross zero at b = 0.75
+    assert interpolate(sizes, steep, 0.5)[0] == 0.5  # its proportional share instead
     assert interpolate(np.array([2.0]), np.array([[6.0]]), 3.0)[0] == 9.0
 
 

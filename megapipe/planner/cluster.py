@@ -11,7 +11,9 @@ Bandwidths are bytes per second per device; optional keys: ``intra_node_latency`
 and ``inter_node_reduce_bandwidth`` (the bandwidth term of a ring all-reduce, when reducing
 costs more than sending, as with gloo on busy CPUs; default the link's), ``reserved_memory`` (bytes
 per device the runtime takes), ``compute_speed`` (device speed relative to the device the
-profile was measured on), ``achieved_flops`` (what a device reaches on large GEMMs, for
+profile was measured on), ``shared_cores`` (the devices are processes sharing this many cores,
+each worth one device at full speed, as when a CPU runs more processes than it has cores: a
+batch then takes at least all devices' compute over that many), ``achieved_flops`` (what a device reaches on large GEMMs, for
 closed-form profiles), ``peak_flops`` and ``name``. Global rank r sits on node
 ``r // gpus_per_node``, the order torchrun assigns.
 """
@@ -48,6 +50,7 @@ class Cluster:
     inter_node_reduce_bandwidth: Optional[float] = None
     reserved_memory: float = 0.0
     compute_speed: float = 1.0
+    shared_cores: Optional[float] = None
     achieved_flops: Optional[float] = None
     peak_flops: Optional[float] = None
     name: str = ""
@@ -61,7 +64,7 @@ class Cluster:
         for key in ("memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth", "compute_speed"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
-        for key in ("intra_node_reduce_bandwidth", "inter_node_reduce_bandwidth"):
+        for key in ("intra_node_reduce_bandwidth", "inter_node_reduce_bandwidth", "shared_cores"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
         for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):

@@ -16,7 +16,9 @@ rank's time (it is on the critical path):
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
 rank order tensor-innermost, then data, then pipeline, so t shares a node first.
 The optimizer step (seconds per parameter from the profile) follows the flush, or for 2BW and
-PipeDream runs in each stage's stream of backwards.
+PipeDream runs in each stage's stream of backwards. When the devices are processes sharing
+fewer cores (``Cluster.shared_cores``), a batch also takes at least all their compute over the
+cores: a rank idle in a bubble lends its core to the others.
 MEMORY(.) per rank = weight versions x weights + (gradients + optimizer state) per parameter +
 in-flight microbatches x stashed activations; with recomputation a microbatch keeps only the
 input of every k-th block, plus one segment of k blocks while it is recomputed (seed 002 section
@@ -220,6 +222,9 @@ class CostModel:
         else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)
             pipe = pipeline_time(layout.schedule, loads.forward, loads.backward + steps / m, m, v)
             batch_time = max(pipe, data)
+        if self.cluster.shared_cores is not None:  # processes on fewer cores: idle ranks lend theirs
+            work = t * d * float(m * loads.compute.sum() + steps.sum())
+            batch_time = max(batch_time, work / self.cluster.shared_cores)
         memory, recompute_layers = self._memory(layout, loads, m)
         slowest = int(np.argmax(loads.forward + loads.backward))
         samples = batch / batch_time

@@ -98,8 +98,9 @@ class LayerCosts:
 def interpolate(sizes: np.ndarray, values: np.ndarray, size: float) -> np.ndarray:
     """Piecewise-linear values at ``size`` (rows of ``values`` follow ``sizes``), extended with the end segments.
 
-    One profiled size scales proportionally. The result never drops below zero, and beyond
-    the largest size it never shrinks (noise can make a last segment slope down).
+    One profiled size scales proportionally. Below the smallest size a value never drops under
+    its proportional share (a steep first segment would otherwise reach zero), and beyond the
+    largest it never shrinks (noise can make a last segment slope down).
     """
     if len(sizes) == 1:
         return values[0] * (size / sizes[0])
@@ -107,7 +108,10 @@ def interpolate(sizes: np.ndarray, values: np.ndarray, size: float) -> np.ndarra
     slope = (values[k + 1] - values[k]) / (sizes[k + 1] - sizes[k])
     if size > sizes[-1]:
         slope = np.maximum(slope, 0.0)
-    return np.maximum(values[k] + slope * (size - sizes[k]), 0.0)
+    value = values[k] + slope * (size - sizes[k])
+    if size < sizes[0]:
+        value = np.maximum(value, values[0] * (size / sizes[0]))
+    return value
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,15 @@ backward (before the last block's). A saved-tensors hook attributes every tensor
 backward to the layer running when it was saved, counting each storage once and skipping
 parameters; tensors saved inside attention or the MLP (except the input a column-parallel
 linear keeps) and the head's vocabulary-wide logits are the part tensor parallelism splits.
-A second pass runs each block under ``torch.utils.checkpoint`` to time recomputation. Each
-time is the fastest of the timed runs (other programs on the machine only ever add time), and
-last the optimizer step (megapipe's Adam) is timed per parameter.
+A second pass runs each block under ``torch.utils.checkpoint`` to time recomputation. Passes
+and micro-batch sizes take turns, so load from other programs on the machine hits them alike;
+each time is the median over the timed rounds. Last, the optimizer step (megapipe's Adam) is
+timed per parameter.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from typing import Optional, Sequence
@@ -154,20 +156,36 @@ class _Recorder:
             handle.remove()
 
 
-def _timed_runs(recorder: _Recorder, batch: dict, warmup: int, iterations: int) -> tuple[list[float], list[float]]:
-    """Per-layer minima over ``iterations`` runs after ``warmup`` untimed ones."""
-    samples = []
-    for i in range(warmup + iterations):
+class _Passes:
+    """Runs one timed iteration of the plain or the checkpointed model, swapping the block wrappers in."""
+
+    def __init__(self, stage: nn.Module, device: torch.device, vocab_slice: int):
+        self.stage, self.device, self.vocab_slice = stage, device, vocab_slice
+        self.names = list(stage.layers.keys())
+        self.blocks = [stage.layers[name] for name in self.names]
+        self.wrapped = [_Checkpointed(block) for block in self.blocks]
+
+    def run(self, batch: dict, checkpointed: bool) -> _Recorder:
+        layers = self.wrapped if checkpointed else self.blocks
+        for name, layer in zip(self.names, layers):
+            self.stage.layers[name] = layer
+        recorder = _Recorder(self.stage, layers, self.device, self.vocab_slice)
         recorder.run(batch)
-        if i >= warmup:
-            samples.append(recorder.layer_times())
-    forward = [min(run[0][k] for run in samples) for k in range(len(samples[0][0]))]
-    backward = [min(run[1][k] for run in samples) for k in range(len(samples[0][1]))]
+        recorder.remove()
+        for name, block in zip(self.names, self.blocks):
+            self.stage.layers[name] = block
+        return recorder
+
+
+def _medians(samples: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """Per-layer medians of forward and backward times over the timed iterations."""
+    forward = [statistics.median(run[0][k] for run in samples) for k in range(len(samples[0][0]))]
+    backward = [statistics.median(run[1][k] for run in samples) for k in range(len(samples[0][1]))]
     return forward, backward
 
 
 def _optimizer_seconds_per_param(stage: nn.Module, batch: dict, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` Adam steps over the whole stage (after one that creates the state), per parameter."""
+    """The median of ``repeats`` Adam steps over the whole stage (after one that creates the state), per parameter."""
     grads = GradBuffers([stage], stage.ps)
     optimizer = build_optimizer([stage], OptimizerConfig(optimizer="adam", lr=1e-6), stage.ps, grads)
     stage(None, batch).backward()
@@ -179,7 +197,7 @@ def _optimizer_seconds_per_param(stage: nn.Module, batch: dict, device: torch.de
         synchronize(device)
         times.append(time.perf_counter() - start)
     optimizer.zero_grad()
-    return min(times[1:]) / sum(p.numel() for p in stage.parameters())
+    return statistics.median(times[1:]) / sum(p.numel() for p in stage.parameters())
 
 
 def _layer_params(stage: nn.Module, blocks: list[nn.Module]) -> list[tuple[int, int]]:
@@ -201,35 +219,36 @@ def profile_model(kind: str, config: ModelConfig, micro_batch_sizes: Sequence[in
     ps = ParallelState.single()
     stage = build_model_chunks(kind, config, ps, seed=seed, device=device)[0]
     stage.train()
-    names = list(stage.layers.keys())
-    blocks = [stage.layers[name] for name in names]
-    vocab_slice = config.padded_vocab_size(1)
+    passes = _Passes(stage, device, config.padded_vocab_size(1))
+    batches = {b: synthetic_batch(kind, config, b, device, seed=b) for b in micro_batch_sizes}
+    times = {(b, mode): [] for b in micro_batch_sizes for mode in (False, True)}
+    recorders = {}
+    for iteration in range(warmup + iterations):  # round robin, so load from other programs hits every size alike
+        for b in micro_batch_sizes:
+            for checkpointed in (False, True):
+                recorder = passes.run(batches[b], checkpointed)
+                if iteration >= warmup:
+                    times[(b, checkpointed)].append(recorder.layer_times())
+                if not checkpointed:
+                    recorders[b] = recorder
+    owners = ["embedding", *range(len(passes.blocks)), "head"]
     per_size = []
     for b in micro_batch_sizes:
-        batch = synthetic_batch(kind, config, b, device, seed=b)
-        recorder = _Recorder(stage, blocks, device, vocab_slice)
-        forward, backward = _timed_runs(recorder, batch, warmup, iterations)
-        recorder.remove()
-        for name, block in zip(names, blocks):
-            stage.layers[name] = _Checkpointed(block)
-        wrapped = [stage.layers[name] for name in names]
-        checkpointed = _Recorder(stage, wrapped, device, vocab_slice)
-        _, recompute = _timed_runs(checkpointed, batch, warmup, iterations)
-        checkpointed.remove()
-        for name, block in zip(names, blocks):
-            stage.layers[name] = block
-        owners = ["embedding", *range(len(blocks)), "head"]
-        recompute = [backward[0], *recompute[1:-1], backward[-1]]  # only blocks are recomputed
+        forward, backward = _medians(times[(b, False)])
+        _, recompute = _medians(times[(b, True)])
+        recorder = recorders[b]
         outputs = [recorder.outputs[o] for o in owners[:-1]] + [ELEMENT_BYTES["float32"]]  # the head emits the loss
-        per_size.append(dict(forward_s=forward, backward_s=backward, recompute_backward_s=recompute,
+        per_size.append(dict(forward_s=forward, backward_s=backward,
+                             recompute_backward_s=[backward[0], *recompute[1:-1], backward[-1]],  # only blocks
                              output_bytes=outputs, stash_bytes=[recorder.stash[o] for o in owners],
                              split_stash_bytes=[recorder.split_stash[o] for o in owners]))
+    names, blocks = passes.names, passes.blocks
     layer_names = ["embedding", *(f"block.{name}" for name in names), "head"]
     kinds = ["embedding"] + ["block"] * len(blocks) + ["head"]
     layers = []
     for index, ((params, split), name, layer_kind) in enumerate(zip(_layer_params(stage, blocks), layer_names, kinds)):
         series = {key: tuple(size[key][index] for size in per_size) for key in per_size[0]}
         layers.append(LayerProfile(name=name, kind=layer_kind, params=params, split_params=split, **series))
-    optimizer = _optimizer_seconds_per_param(stage, batch, device, iterations)
+    optimizer = _optimizer_seconds_per_param(stage, batches[micro_batch_sizes[-1]], device, iterations)
     return ModelProfile(ModelShape.from_config(kind, config), tuple(micro_batch_sizes), tuple(layers),
                         _DTYPE_NAMES[config.params_dtype], str(device), "measured", optimizer)
