@@ -57,6 +57,8 @@ def _parallel_flags(g) -> None:
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help="1f1b (default), gpipe, interleaved (default with virtual stages), pipedream, 2bw")
+    g.add_argument("--pipedream-vertical-sync", action="store_true",
+                   help="pipedream: every stage uses the weight version chosen at the input stage")
 
 
 def _optimizer_flags(g) -> None:
@@ -164,7 +166,7 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
     parallel = ParallelConfig(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
                               virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
                               scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
-                              pipeline_schedule=schedule)
+                              pipeline_schedule=schedule, pipedream_vertical_sync=args.pipedream_vertical_sync)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,

@@ -125,7 +125,7 @@ class Trainer:
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
-                                     timeout=DEFAULT_TIMEOUT)
+                                     timeout=DEFAULT_TIMEOUT, vertical_sync=par.pipedream_vertical_sync)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save

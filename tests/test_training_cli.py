@@ -39,6 +39,7 @@ def losses(output: str) -> dict[int, float]:
     (["--data-path", "does/not/exist"], "does/not/exist"),
     (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--pipedream-vertical-sync"], "--pipedream-vertical-sync has no meaning with --pipeline-schedule 1f1b"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
     result = run(args, timeout=120, cache=tmp_path)
