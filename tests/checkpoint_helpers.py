@@ -9,6 +9,7 @@ from megapipe.training import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of
 # 16 x t, so tensor-parallel slices hold padding rows that a checkpoint must trim and restore.
+# One evaluation batch at the end: it also drains PipeDream/2BW pipelines before the next run.
 TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "1", "--fusion-backend", "eager",

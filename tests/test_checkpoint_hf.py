@@ -7,6 +7,7 @@ order); the exported weights are the imported ones bit for bit, so transformers 
 exactly its original logits again.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -153,3 +154,30 @@ def test_unsupported_architecture_is_one_sentence(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds a 'llama' model \(LlamaForCausalLM\); only GPT-2"):
         import_hf_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), Layout(1, 1, 1))
     assert not (tmp_path / "out").exists()
+
+
+def _convert_tool():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_convert_tool_prints_what_it_did_and_errors_in_one_line(round_trip, tmp_path, capsys):
+    tool = _convert_tool()
+    source = str(tmp_path / "missing")
+    assert tool.main(["reshard", source, str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("error: checkpoint directory")
+    models = round_trip[0]
+    models["gpt"].save_pretrained(tmp_path / "gpt2")
+    assert tool.main(["import-hf", str(tmp_path / "gpt2"), str(tmp_path / "ckpt"),
+                      "--pipeline-model-parallel-size", "2"]) == 0
+    assert tool.main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "t2"), "--tensor-model-parallel-size", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-4] == f"source:  {tmp_path / 'ckpt' / 'iter_0000000'} ((t, p, d) = (1, 2, 1))"
+    assert printed[-3] == f"target:  {tmp_path / 't2' / 'iter_0000000'} ((t, p, d) = (2, 1, 1))"
+    assert printed[-2] == f"tensors: {len(models['gpt'].state_dict()) - 1}"  # lm_head is the tied embedding
+    assert printed[-1].startswith("bytes:   ")
+    assert sorted(os.listdir(tmp_path / "t2" / "iter_0000000")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                     "common.json"]

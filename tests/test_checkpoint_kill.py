@@ -21,6 +21,9 @@ import pytest
 
 from checkpoint_helpers import TINY_GPT, session_cache
 
+# two torchrun launches: minutes on a busy 2-core machine, beyond the suite's 300 s default
+pytestmark = pytest.mark.timeout(600)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_SECONDS = 60
 RUN_SECONDS = 300

@@ -14,7 +14,12 @@ keys), so a run with any (t, p, d, v) reads the blocks it needs from pieces writ
 other. Modules: ``shards`` (where a rank's block sits), ``planners`` (DCP glue), ``storage``
 (file I/O and integrity), ``state`` (what a rank saves and loads), ``common`` (JSON part),
 ``validate`` (fit checks), ``paths`` (atomic publication), ``save`` / ``load`` (entry points),
-``offline`` (whole-model access without processes, for tools).
+``offline`` (whole-model access without processes), ``hf`` (Hugging Face GPT-2 and BERT) and
+``convert`` (what ``tools/convert_checkpoint.py`` runs).
+
+Asynchronous schedules (PipeDream, 2BW) are drained before a save, so a checkpoint always
+holds one weight version per stage; a run resumed from it continues exactly as the run that
+saved it.
 """
 
 from megapipe.checkpointing.load import load_checkpoint, load_weights
