@@ -119,7 +119,7 @@ def random_profile(rng, n):
     return (rng.integers(1, 10, n).tolist(), rng.integers(0, 8, n).tolist(), rng.integers(0, 12, n).tolist())
 
 
-def random_memory(rng, n, compute_weights):
+def random_memory(rng, n):
     version = rng.integers(1, 4, n).tolist()
     state = rng.integers(0, 3, n).tolist()
     stash = rng.integers(1, 4, n).tolist()
@@ -168,7 +168,7 @@ def test_memory_limit_equals_brute_force_single_level():
     for _ in range(200):
         n, devices, bandwidth = int(rng.integers(1, 6)), int(rng.integers(1, 6)), float(rng.integers(1, 20))
         compute, activations, weights = random_profile(rng, n)
-        memory = random_memory(rng, n, weights)
+        memory = random_memory(rng, n)
         expected = brute_force_flat(compute, activations, weights, devices, bandwidth, memory)
         problem = PartitionProblem(compute, activations, weights, [Level(devices, bandwidth)], memory)
         if math.isinf(expected):
@@ -191,7 +191,7 @@ def test_memory_limit_equals_brute_force_two_levels():
         per_node, nodes = int(rng.integers(1, 4)), int(rng.integers(1, 4))
         b1, b2 = float(rng.integers(5, 30)), float(rng.integers(1, 6))
         compute, activations, weights = random_profile(rng, n)
-        memory = random_memory(rng, n, weights)
+        memory = random_memory(rng, n)
         expected = brute_force_two_levels(compute, activations, weights, per_node, b1, nodes, b2, memory)
         problem = PartitionProblem(compute, activations, weights, [Level(per_node, b1), Level(nodes, b2)], memory)
         if math.isinf(expected):

@@ -29,7 +29,6 @@ The seeds' 2BW forms 2|W|/p + |A_total|/p + p |A_input| (recompute) and 2|W|/p +
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
