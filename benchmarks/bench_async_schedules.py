@@ -9,8 +9,9 @@ same weights, fed the same microbatches. Rounds alternate the schedules so that 
 machine slows each alike. In a round every schedule runs a block: the flush schedule K
 batches; PipeDream and 2BW first fill their pipeline (their warm-up batches), then K timed
 batches, then drain, so that nothing is in flight when the next schedule's block starts.
-The K timed batches sit between two barriers; time per microbatch = their wall time / (K m),
-and the figure reported is the median over rounds.
+The K timed batches sit between two barriers; time per microbatch = their wall time / (K m).
+Reported: its median over rounds, and the median over rounds of the ratio to the flush
+block of the same round (neighbouring blocks see about the same machine load).
 
 The prediction simulates each schedule with the costs measured on the same timed batches:
 per stage, the mean forward and backward time; per schedule, the mean optimizer step (STEP
@@ -52,7 +53,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "b
 class Settings:
     p: int = 2
     m: int = 2
-    rounds: int = 5
+    rounds: int = 7
     timed_batches: int = 4
     layers_per_stage: int = 2
     hidden: int = 256
@@ -145,16 +146,18 @@ def report(settings: Settings, per_rank: list[dict]) -> list[str]:
              f"{settings.timed_batches} timed batches",
              "| schedule | measured ms/microbatch | simulated ms/microbatch | measured vs flush | simulated vs flush |",
              "|---|---|---|---|---|"]
-    measured, predicted = {}, {}
+    measured, predicted, ratio = {}, {}, {}
+    times = per_rank[0]["times"]
     for name in SCHEDULES:
-        measured[name] = statistics.median(per_rank[0]["times"][name]) / microbatches_timed * 1e3
+        measured[name] = statistics.median(times[name]) / microbatches_timed * 1e3
+        ratio[name] = statistics.median(t / flush for t, flush in zip(times[name], times["1f1b"]))
         stage_costs = [rank_result["costs"][name] for rank_result in per_rank]
         costs = CostModel(forward=[c["F"] for c in stage_costs], backward=[c["B"] for c in stage_costs],
                           step=statistics.mean(c["step"] for c in stage_costs))
         predicted[name] = predicted_per_microbatch(name, settings, costs) * 1e3
     for name in SCHEDULES:
         lines.append(f"| {name} | {measured[name]:.1f} | {predicted[name]:.1f} | "
-                     f"{measured[name] / measured['1f1b']:.3f} | {predicted[name] / predicted['1f1b']:.3f} |")
+                     f"{ratio[name]:.3f} | {predicted[name] / predicted['1f1b']:.3f} |")
     lines.append(f"unit-cost flush bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f}: asynchronous / flush "
                  f"should be about {m / (m + p - 1):.3f}")
     return lines
@@ -168,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     lines = []
     for m in args.m:
-        settings = Settings(p=args.p, m=m, rounds=2 if args.quick else 5, timed_batches=2 if args.quick else 4)
+        settings = Settings(p=args.p, m=m, rounds=2 if args.quick else 7, timed_batches=2 if args.quick else 4)
         block = report(settings, run_distributed(args.p, measure, settings, timeout=3600))
         print("\n".join(block) + "\n", flush=True)
         lines += block + [""]
