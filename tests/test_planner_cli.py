@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megapipe.pipeline.stage_plan import read_stage_plan
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.profile import ModelShape
 
@@ -53,11 +54,13 @@ def test_uniform_plan_file_command_and_plot(tmp_path, capsys):
                         ("--micro-batch-size", b), ("--global-batch-size", 512),
                         ("--pipeline-schedule", plan["schedule"]), ("--num-layers", 24)):
         assert f"{flag} {value} " in plan["command"] + " "
-    chunks = len(plan["stages"])
+    assert plan["schedule"] != "interleaved"  # interleaved plans list model chunks instead of stages
     layers = [stage["layers"] for stage in plan["stages"]]
-    assert layers[0][0] == 0 and layers[-1][1] == 24 and all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
-    assert all(stage["replicas"] == d for stage in plan["stages"]) and chunks % p == 0
+    assert len(layers) == p and all(stage["replicas"] == d for stage in plan["stages"])
     assert plan["pipeline_stages"] == ",".join(f"{a}:{b}x{d}" for a, b in layers)
+    stage_plan = read_stage_plan(str(plan_path))  # what --pipeline-stages reads
+    stage_plan.validate(24, world_size=64, tensor=t)
+    assert stage_plan.layer_ranges == [tuple(pair) for pair in layers]
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.count("\n") > 5 and "samples/s" in out
 
@@ -78,6 +81,22 @@ def test_pipedream_plan_has_uneven_replicated_stages(tmp_path, capsys):
     flag = ",".join(f"{s['layers'][0]}:{s['layers'][1]}x{s['replicas']}" for s in plan["stages"])
     assert f"--pipeline-stages {flag} " in plan["command"] and plan["pipeline_stages"] == flag
     assert plan["command"].startswith("torchrun --nnodes 1 --nproc_per_node 4 ")
+    stage_plan = read_stage_plan(str(plan_path))
+    stage_plan.validate(8, world_size=4)
+    assert stage_plan.replicas == tuple(replicas)
+
+
+def test_an_interleaved_plan_lists_model_chunks_and_runs_by_its_command(tmp_path, capsys):
+    plan_path = tmp_path / "interleaved.json"
+    code, _, _ = run(["--model", "gpt-1.3b", "--cluster", "a100-80gb-1x8", "--global-batch-size", 64,
+                      "--schedules", "interleaved", "--plan-out", plan_path], capsys)
+    assert code == 0
+    plan = json.loads(plan_path.read_text())
+    p, per = plan["pipeline_model_parallel_size"], plan["num_layers_per_virtual_pipeline_stage"]
+    assert "stages" not in plan and f"--num-layers-per-virtual-pipeline-stage {per}" in plan["command"]
+    chunks = plan["model_chunks"]
+    assert [c["layers"] for c in chunks] == [[k * per, (k + 1) * per] for k in range(24 // per)]
+    assert [c["rank"] for c in chunks] == [k % p for k in range(len(chunks))]
 
 
 def test_a_cluster_with_zero_gpus_is_one_sentence(tmp_path, capsys):

@@ -2,10 +2,12 @@
 
 The plan file holds ``{"stages": [{"layers": [start, end], "replicas": r}, ...]}`` (transformer
 layers, end exclusive; the first stage also runs the embedding, the last the head) plus the
-settings that go with it. A uniform layout lists its p stages with d replicas each (with
-interleaving, its p v model chunks in pipeline order); a PipeDream partition lists its stages
-with their own replication factors, as ``--pipeline-stages 0:12x2,12:24x1`` does. 2BW and
-PipeDream pipelines get ``--untie-embeddings-and-output-weights`` (``unties_embeddings``).
+settings that go with it, as ``--pipeline-stages`` reads it. A uniform layout lists its p
+stages with d replicas each; a PipeDream partition lists its stages with their own replication
+factors, as ``--pipeline-stages 0:12x2,12:24x1`` does. An interleaved layout cannot be written
+as stages (a rank holds v separate layer ranges), so its file lists ``model_chunks`` instead and
+is run by its command. 2BW and PipeDream pipelines get ``--untie-embeddings-and-output-weights``
+(``unties_embeddings``).
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def uniform_stages(estimate: Estimate, shape: ModelShape) -> list[tuple[int, int
 def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> dict:
     layout = estimate.layout
     stages = uniform_stages(estimate, shape)
+    listed = [{"layers": [a, b], "replicas": r} for a, b, r in stages]
     document = {
-        "stages": [{"layers": [a, b], "replicas": r} for a, b, r in stages],
         "schedule": layout.schedule,
         "micro_batch_size": layout.micro_batch_size,
         "global_batch_size": global_batch_size,
@@ -100,11 +102,14 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
                       "model_flops_per_device": estimate.flops_per_gpu},
         "model": asdict(shape),
         "cluster": cluster.to_dict(),
-        "pipeline_stages": pipeline_stages_flag(stages),
         "command": torchrun_command(estimate, shape, cluster, global_batch_size),
     }
     if layout.virtual > 1:
+        document["model_chunks"] = [dict(chunk, rank=k % layout.pipeline) for k, chunk in enumerate(listed)]
         document["num_layers_per_virtual_pipeline_stage"] = shape.num_layers // (layout.pipeline * layout.virtual)
+    else:
+        document["stages"] = listed
+        document["pipeline_stages"] = pipeline_stages_flag(stages)
     return document
 
 
