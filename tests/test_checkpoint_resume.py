@@ -9,7 +9,8 @@ Dropout stays on, so the losses only match if the random states of every rank (d
 generator and the tensor-parallel tracker) come back with the weights, the Adam moments, the
 learning-rate schedule and the data position. The new Trainer in the same process re-seeds everything at
 construction, so nothing carries over except through the files. One case saves with
---async-save, whose background write must produce the same checkpoint.
+--async-save, whose background write must produce the same checkpoint; an fp16 run of one
+process also needs its fp32 master weights and dynamic loss scaler back.
 
 Resharding: a checkpoint saved at (2, 2, 1) loads at (1, 4, 1), (4, 1, 1), (1, 1, 4) and
 (1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``. Every layout trains
@@ -85,7 +86,11 @@ def _four_rank_world(rank, world_size, root, cache):
 def _one_rank_world(rank, world_size, root, cache):
     direct = train(NO_DROPOUT + ["--load", os.path.join(root, "reshard", "t2p2d1", "iter_0000002")], cache)[1]
     converted = train(NO_DROPOUT + ["--load", os.path.join(root, "converted")], cache)[1]
-    return direct, converted
+    fp16 = os.path.join(root, "fp16")  # fp32 masters and the dynamic loss scaler come back too
+    flags = ["--fp16", "--initial-loss-scale", "1024", "--train-iters", "4"]
+    uninterrupted = train(flags + ["--save", fp16, "--save-interval", "2"], cache)[1]
+    resumed = train(flags + ["--load", os.path.join(fp16, "iter_0000002")], cache)[1]
+    return direct, converted, (uninterrupted, resumed)
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +99,17 @@ def runs(tmp_path_factory):
     four = run_distributed(4, _four_rank_world, root, cache, timeout=900)
     conversion = reshard(os.path.join(root, "reshard", "t2p2d1", "iter_0000002"), os.path.join(root, "converted"),
                          Layout(1, 1, 1))
-    direct, converted = run_distributed(1, _one_rank_world, root, cache, timeout=300)[0]
-    resumed = [resume for resume, _ in four]
+    direct, converted, fp16 = run_distributed(1, _one_rank_world, root, cache, timeout=600)[0]
+    resumed = {name: [resume[name] for resume, _ in four] for name in four[0][0]}  # case -> per-rank results
+    resumed["fp16"] = [fp16 + (True,)]
     by_layout = {name: [r[name] for _, r in four if r[name] is not None] for name in four[0][1]}
     by_layout["t1p1d1"] = [direct]
     return resumed, by_layout, converted, conversion
 
 
-@pytest.mark.parametrize("name", [name for name, _ in resume_cases()])
+@pytest.mark.parametrize("name", [name for name, _ in resume_cases()] + ["fp16"])
 def test_resumed_steps_repeat_the_uninterrupted_run_bit_for_bit(runs, name):
-    for rank, results in enumerate(runs[0]):
-        uninterrupted, resumed, last_stage = results[name]
+    for rank, (uninterrupted, resumed, last_stage) in enumerate(runs[0][name]):
         assert len(uninterrupted) == 4 and len(resumed) == 2
         assert resumed == uninterrupted[2:], f"rank {rank}"
         if last_stage:
