@@ -1,7 +1,12 @@
 """megapipe's flush schedules against torch.distributed.pipelining, and measured against simulated bubbles.
 
-    python benchmarks/bench_pipeline.py            # p = 2 and 4; ~2 min on an idle 2-core machine
+    python benchmarks/bench_pipeline.py            # p = 2 and 4, 6 timed steps per system and row
     python benchmarks/bench_pipeline.py --quick    # 2 timed steps per row, a smoke test
+    python benchmarks/bench_pipeline.py --rounds 20 --json out.json   # tighter ratios, raw pairs kept
+
+The default run makes 96 training steps in two worlds; on a 2-core machine shared with other
+work (load average 10-40) it took about 7 minutes, at the ~0.6 s/step of an idle machine it
+needs about 2.
 
 For each pipeline size p and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
 rank) one world of p processes (gloo, one thread each) builds the same GPT twice from the
@@ -13,11 +18,12 @@ same update). The two systems then alternate step by step, the order flipping ev
 and every step sitting between two barriers, so that a noisy machine slows both alike. The
 ratio reported is the median of the per-round ratios megapipe / PyTorch.
 
-The bubble table reads megapipe's recorded ``Timeline`` of the same timed steps: per rank,
-the idle share of the forward/backward phase (from the first F to the last B over all
-ranks; the optimizer step, whose all-reduces synchronise the ranks, is left out), next to
-the simulator's prediction for that schedule fed with the mean forward and backward time
-of every stage measured on the same timeline.
+The bubble table reads the timelines of the same timed steps (megapipe's executor records
+one; PyTorch's stages are timed the same way here): per rank, the idle share of the
+forward/backward phase, from the first F to the last B over all ranks (the optimizer step,
+whose all-reduces synchronise megapipe's ranks, is left out). Next to them, the simulator's
+prediction for megapipe's schedule fed with the median forward and backward time of every
+stage measured on megapipe's timeline.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from megapipe.models.gpt import masked_mean  # noqa: E402
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
 from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.actions import ActionKind  # noqa: E402
+from megapipe.pipeline.actions import Action, ActionKind  # noqa: E402
 from megapipe.pipeline.engine import PipelineEngine  # noqa: E402
 from megapipe.pipeline.schedules import build_schedule  # noqa: E402
 from megapipe.pipeline.simulate import CostModel, simulate  # noqa: E402
@@ -141,15 +147,22 @@ class MegapipeRunner:
 
 
 class TorchRunner:
-    """One training step with torch.distributed.pipelining over the same stage modules."""
+    """One training step with torch.distributed.pipelining over the same stage modules.
+
+    Its stages' forward and backward passes are timed into ``timeline`` like megapipe's
+    executor does; the last stage's forward includes the loss, as megapipe's does.
+    """
 
     def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
+        self.rank, self.timeline, self._pending_forward = ps.pp_rank, Timeline(), None
         num_stages = ps.pp_size * len(chunks)
         stages = [PipelineStage(TensorStage(chunk), c * ps.pp_size + ps.pp_rank, num_stages, torch.device("cpu"),
                                 group=ps.pp_group) for c, chunk in enumerate(chunks)]
-        m, loss_fn = settings.num_microbatches, make_loss_fn(ps)
+        for stage in stages:
+            self._time_passes(stage)
+        m, loss_fn = settings.num_microbatches, self._timed_loss(make_loss_fn(ps))
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
         else:
@@ -160,6 +173,38 @@ class TorchRunner:
                                                   torch.device("cpu"))
         self.first = any(stage.is_first for stage in stages)
         self.last = any(stage.is_last for stage in stages)
+
+    def _time_passes(self, stage) -> None:
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def timed_forward(microbatch, *args, **kwargs):
+            start = time.time()
+            output = forward(microbatch, *args, **kwargs)
+            if stage.is_last:  # the schedule computes the loss right after; it ends this F
+                self._pending_forward = (stage.stage_index, microbatch, start)
+            else:
+                self._record(ActionKind.F, stage.stage_index, microbatch, start)
+            return output
+
+        def timed_backward(microbatch, *args, **kwargs):
+            start = time.time()
+            result = backward(microbatch, *args, **kwargs)
+            self._record(ActionKind.B, stage.stage_index, microbatch, start)
+            return result
+
+        stage.forward_one_chunk, stage.backward_one_chunk = timed_forward, timed_backward
+
+    def _timed_loss(self, loss_fn):
+        def timed(logits, labels):
+            loss = loss_fn(logits, labels)
+            if self._pending_forward is not None:  # None when PyTorch infers shapes at the first step
+                self._record(ActionKind.F, *self._pending_forward)
+                self._pending_forward = None
+            return loss
+        return timed
+
+    def _record(self, kind: ActionKind, stage: int, microbatch: int, start: float) -> None:
+        self.timeline.record(self.rank, Action(kind, stage, microbatch), start, time.time())
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[float]:
         losses: list = []
@@ -182,7 +227,7 @@ def timed_step(runner, tokens, labels) -> tuple[float, float, list[float]]:
 
 
 def compare_schedule(settings: Settings, schedule: str, v: int) -> dict:
-    """Run both systems on this rank for one schedule; return times, losses and megapipe's timelines."""
+    """Run both systems on this rank for one schedule; return times, losses and both timelines."""
     ps = ParallelState.initialize(pipeline=dist.get_world_size(), virtual_pipeline=v)
     config = settings.model_config()
     mine, theirs = build_model_chunks("gpt", config, ps), build_model_chunks("gpt", config, ps)
@@ -196,17 +241,15 @@ def compare_schedule(settings: Settings, schedule: str, v: int) -> dict:
         tokens, labels = batch(settings, step)
         check_losses.append(tuple(timed_step(runners[name], tokens, labels)[2] for name in SYSTEMS))
 
-    wall, cpu = {name: [] for name in SYSTEMS}, {name: [] for name in SYSTEMS}
-    timelines = []  # megapipe's, one per timed step
+    wall, cpu, timelines = ({name: [] for name in SYSTEMS} for _ in range(3))  # timelines: one per timed step
     for r in range(settings.rounds):
         tokens, labels = batch(settings, settings.warmup_steps + r)
         for name in SYSTEMS if r % 2 == 0 else reversed(SYSTEMS):
-            recorded = len(runners["megapipe"].timeline.events)
+            recorded = len(runners[name].timeline.events)
             seconds, cpu_seconds, _ = timed_step(runners[name], tokens, labels)
             wall[name].append(seconds)
             cpu[name].append(cpu_seconds)
-            if name == "megapipe":
-                timelines.append(Timeline(runners["megapipe"].timeline.events[recorded:]).to_dict())
+            timelines[name].append(Timeline(runners[name].timeline.events[recorded:]).to_dict())
     return {"schedule": schedule, "v": v, "wall": wall, "cpu": cpu,
             "check_losses": check_losses if ps.is_last_stage else None, "timelines": timelines}
 
@@ -233,29 +276,33 @@ def speed_row(p: int, per_rank: list[dict]) -> dict:
             "first_loss": losses[0][0][0], "loss_diff": max(diffs)}
 
 
-def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
-    """Measured idle per rank (mean over the timed steps) and the simulator's prediction from measured costs."""
-    measured = {rank: [] for rank in range(p)}
+def measured_bubble(p: int, per_rank: list[dict], system: str) -> dict:
+    """Idle share per rank of the F/B phase (mean over timed steps) and median F and B time per stage."""
+    idle = {rank: [] for rank in range(p)}
     spans, durations = [], {}
-    for step in range(len(per_rank[0]["timelines"])):
-        merged = Timeline.merge(Timeline.from_dict(r["timelines"][step]) for r in per_rank)
+    for step in range(len(per_rank[0]["timelines"][system])):
+        merged = Timeline.merge(Timeline.from_dict(r["timelines"][system][step]) for r in per_rank)
         compute = Timeline(e for e in merged.events if e.action.kind.is_compute)  # F and B, no STEP
         window = (min(e.start for e in compute.events), max(e.end for e in compute.events))
         spans.append(window[1] - window[0])
-        for rank, idle in compute.idle_fraction(window).items():
-            measured[rank].append(idle)
+        for rank, fraction in compute.idle_fraction(window).items():
+            idle[rank].append(fraction)
         for e in compute.events:
             durations.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
+    stages = range(p * per_rank[0]["v"])
+    return {"idle": [statistics.mean(idle[rank]) for rank in range(p)], "span": statistics.median(spans),
+            "forward": [statistics.median(durations[(ActionKind.F, s)]) for s in stages],
+            "backward": [statistics.median(durations[(ActionKind.B, s)]) for s in stages]}
+
+
+def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
+    """Both systems' measured bubbles and the simulator's prediction from megapipe's measured costs."""
     schedule, v = per_rank[0]["schedule"], per_rank[0]["v"]
-    forward = [statistics.mean(durations[(ActionKind.F, s)]) for s in range(p * v)]
-    backward = [statistics.mean(durations[(ActionKind.B, s)]) for s in range(p * v)]
-    predicted = simulate(build_schedule(schedule, p, settings.num_microbatches, v),
-                         CostModel(forward=forward, backward=backward, step=0))
-    return {"p": p, "schedule": schedule, "v": v,
-            "measured": [statistics.mean(measured[rank]) for rank in range(p)],
-            "predicted": [float(x) for x in predicted.idle_fraction],
-            "measured_span": statistics.median(spans), "predicted_span": float(predicted.makespan),
-            "forward_ms": 1e3 * statistics.mean(forward), "backward_ms": 1e3 * statistics.mean(backward)}
+    measured = {system: measured_bubble(p, per_rank, system) for system in SYSTEMS}
+    costs = CostModel(forward=measured["megapipe"]["forward"], backward=measured["megapipe"]["backward"], step=0)
+    predicted = simulate(build_schedule(schedule, p, settings.num_microbatches, v), costs)
+    return {"p": p, "schedule": schedule, "v": v, "measured": measured,
+            "predicted": [float(x) for x in predicted.idle_fraction], "predicted_span": float(predicted.makespan)}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -278,17 +325,27 @@ def print_speed(rows: list[dict]) -> None:
 
 
 def print_bubble(rows: list[dict]) -> None:
-    print("\nmegapipe's bubble: idle share of the forward/backward phase per pipeline rank, measured on the "
-          "timeline vs simulated with the measured per-stage F and B times (optimizer step excluded)")
-    print("| p | schedule | measured idle, rank 0.. | simulated idle | mean measured / simulated "
-          "| F/B phase s: measured / simulated | mean F / B per stage, ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\nBubble: idle share of the forward/backward phase per pipeline rank (first F to last B over all ranks, "
+          "optimizer step excluded), measured on timelines of the timed steps; simulated = megapipe's schedule "
+          "in the simulator with megapipe's median F and B time of every stage")
+    print("| p | schedule | megapipe, rank 0.. | simulated | PyTorch | mean: megapipe / simulated / PyTorch "
+          "| F/B phase s: megapipe / simulated / PyTorch | F, B ms per stage: megapipe / PyTorch |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['p']} | {label(r['schedule'], r['v'])} | {' '.join(f'{x:.2f}' for x in r['measured'])} | "
-              f"{' '.join(f'{x:.2f}' for x in r['predicted'])} | "
-              f"{statistics.mean(r['measured']):.2f} / {statistics.mean(r['predicted']):.2f} | "
-              f"{r['measured_span']:.3f} / {r['predicted_span']:.3f} | "
-              f"{r['forward_ms']:.0f} / {r['backward_ms']:.0f} |")
+        mine, theirs = r["measured"]["megapipe"], r["measured"]["torch"]
+        means = " / ".join(f"{statistics.mean(idle):.2f}" for idle in (mine["idle"], r["predicted"], theirs["idle"]))
+        print(f"| {r['p']} | {label(r['schedule'], r['v'])} | {_values(mine['idle'])} | {_values(r['predicted'])} | "
+              f"{_values(theirs['idle'])} | {means} | {mine['span']:.3f} / {r['predicted_span']:.3f} / "
+              f"{theirs['span']:.3f} | {_pass_ms(mine)} / {_pass_ms(theirs)} |")
+
+
+def _values(values: list[float]) -> str:
+    return " ".join(f"{x:.2f}" for x in values)
+
+
+def _pass_ms(measured: dict) -> str:
+    """Mean over stages of the median forward and backward time, in milliseconds."""
+    return f"{1e3 * statistics.mean(measured['forward']):.0f}, {1e3 * statistics.mean(measured['backward']):.0f}"
 
 
 def main(argv=None) -> int:
