@@ -173,7 +173,8 @@ def test_convert_tool_prints_what_it_did_and_errors_in_one_line(round_trip, tmp_
     models["gpt"].save_pretrained(tmp_path / "gpt2")
     assert tool.main(["import-hf", str(tmp_path / "gpt2"), str(tmp_path / "ckpt"),
                       "--pipeline-model-parallel-size", "2"]) == 0
-    assert tool.main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "t2"), "--tensor-model-parallel-size", "2"]) == 0
+    assert tool.main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "t2"),
+                      "--tensor-model-parallel-size", "2"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[-4] == f"source:  {tmp_path / 'ckpt' / 'iter_0000000'} ((t, p, d) = (1, 2, 1))"
     assert printed[-3] == f"target:  {tmp_path / 't2' / 'iter_0000000'} ((t, p, d) = (2, 1, 1))"

@@ -85,7 +85,8 @@ def import_hf(hf_dir: str) -> tuple[str, ModelConfig, dict[str, torch.Tensor]]:
         model, info = getattr(transformers, arch.hf_class).from_pretrained(hf_dir, output_loading_info=True,
                                                                            dtype=torch.float32)
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{hf_dir}: the weights cannot be read ({str(error).splitlines()[0].rstrip('.')}).") from None
+        reason = str(error).splitlines()[0].rstrip(".")
+        raise CheckpointError(f"{hf_dir}: the weights cannot be read ({reason}).") from None
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise CheckpointError(f"{hf_dir} lacks {len(missing)} weights a {arch.hf_class} needs (first: {missing[0]}); "
@@ -98,7 +99,8 @@ def hf_config_of(kind: str, config: ModelConfig):
     import transformers
 
     if config.normalization != "LayerNorm":
-        raise CheckpointError(f"cannot export a {config.normalization} model: Hugging Face GPT-2 and BERT use LayerNorm.")
+        raise CheckpointError(f"cannot export a {config.normalization} model: Hugging Face GPT-2 and BERT use "
+                              "LayerNorm.")
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[config.activation]
     if kind == "gpt":
         if config.post_layernorm:

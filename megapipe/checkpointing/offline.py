@@ -20,7 +20,7 @@ from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.paths import find_checkpoint, prepare_staging, publish
 from megapipe.checkpointing.planners import ShardSavePlanner
 from megapipe.checkpointing.shards import Shard, cut
-from megapipe.checkpointing.state import model_key, optimizer_key
+from megapipe.checkpointing.state import model_key
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
