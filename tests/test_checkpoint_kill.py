@@ -95,7 +95,8 @@ def _loss(line: str) -> str:
     return re.search(r"lm loss: (\S+)", line).group(1)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds torchrun's workers through /proc")
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="finds torchrun's workers through /proc/<pid>/task/<pid>/children (Linux)")
 def test_a_killed_rank_stops_the_job_and_the_same_command_resumes(tmp_path, tmp_path_factory):
     command = _command(str(tmp_path), session_cache(tmp_path_factory))
     job = Job(command)
