@@ -178,8 +178,10 @@ class Trainer:
                 if t.save:
                     self.save(t.save)
                     self.wait_for_save()
+                self.engine.drain()
                 self.logger.print(f"exiting on SIGTERM at iteration {self.state.iteration}")
                 return
+        self.engine.drain()  # an asynchronous pipeline finishes its microbatches in flight before the end
         if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
             self.save(t.save)
         if self.state.iteration % t.eval_interval:
