@@ -32,6 +32,7 @@ each system is built, timed and freed in turn, and its peak memory is shown.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import gc
@@ -120,17 +121,19 @@ def make_batch(shape: Shape, device: torch.device, seed: int) -> dict:
 
 # ---- the systems ---------------------------------------------------------------------------------
 
-class System:
+class System(abc.ABC):
     """A model with its optimizer; ``build()`` may raise (the row then says why), ``step(batch)`` trains once."""
 
     name = ""
     precision = ""
 
+    @abc.abstractmethod
     def build(self) -> None:
-        raise NotImplementedError
+        """Create the model and optimizer."""
 
+    @abc.abstractmethod
     def step(self, batch: dict) -> torch.Tensor:
-        raise NotImplementedError
+        """One training step; returns the loss."""
 
     def free(self) -> None:
         """Drop the model and optimizer (sequential mode on CUDA)."""

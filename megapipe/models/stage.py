@@ -7,6 +7,8 @@ stages of all ranks merge into the state dict of the whole model, whatever the s
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
@@ -35,7 +37,7 @@ class OutputEmbedding(nn.Module):
         self.weight.shared_embedding = tied
 
 
-class LanguageModelStage(nn.Module):
+class LanguageModelStage(nn.Module, abc.ABC):
     """Runs ``hidden -> hidden`` for its layers; the first stage starts from token ids.
 
     ``forward(hidden, batch)`` takes the previous stage's output (ignored on the first
@@ -93,5 +95,6 @@ class LanguageModelStage(nn.Module):
             return hidden
         return run
 
+    @abc.abstractmethod
     def head(self, hidden: torch.Tensor, batch: dict):
-        raise NotImplementedError
+        """The last stage's task head: the loss, or the logits without labels."""
