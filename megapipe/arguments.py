@@ -59,6 +59,9 @@ def _parallel_flags(g) -> None:
                    help="1f1b (default), gpipe, interleaved (default with virtual stages), pipedream, 2bw")
     g.add_argument("--pipedream-vertical-sync", action="store_true",
                    help="pipedream: every stage uses the weight version chosen at the input stage")
+    g.add_argument("--pipeline-stages", default=None,
+                   help="a stage plan instead of equal stages: layers [start, end) times replicas per stage, "
+                        "e.g. 0:12x2,12:24x1, or the JSON file tools/plan.py writes")
 
 
 def _optimizer_flags(g) -> None:
@@ -166,7 +169,8 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
     parallel = ParallelConfig(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
                               virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
                               scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
-                              pipeline_schedule=schedule, pipedream_vertical_sync=args.pipedream_vertical_sync)
+                              pipeline_schedule=schedule, pipedream_vertical_sync=args.pipedream_vertical_sync,
+                              pipeline_stages=args.pipeline_stages)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -198,12 +202,21 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
 def validate_config(config: Config, world_size: int) -> int:
     """Check everything knowable before process groups exist; returns the data-parallel size."""
     from megapipe.parallel_state import RankLayout
+    from megapipe.pipeline.plan_layout import PlanLayout
     from megapipe.pipeline.schedules import build_schedule
 
     par, train = config.parallel, config.training
-    layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
-    par.validate()
-    config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+    plan = par.stage_plan()
+    if plan is None:
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
+        par.validate()
+        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+        data, pipeline, replicas = layout.data, par.pipeline, None
+    else:
+        par.validate(world_size, config.model.num_layers)
+        config.model.validate(par.tensor)  # stages need not hold equal numbers of layers
+        layout = PlanLayout(plan, par.tensor)
+        data, pipeline, replicas = layout.data_size, layout.pipeline_size, layout.stage_replicas
     config.optimizer.validate()
     for flag, value in (("--micro-batch-size", train.micro_batch_size), ("--train-iters", train.train_iters),
                         ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
@@ -214,9 +227,11 @@ def validate_config(config: Config, world_size: int) -> int:
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
-    m = train.num_microbatches(layout.data)
-    build_schedule(par.pipeline_schedule, par.pipeline, m, par.virtual_pipeline)  # m vs p rules, unknown names
-    return layout.data
+    m = train.num_microbatches(data)
+    # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
+    build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
+                   vertical_sync=par.pipedream_vertical_sync)
+    return data
 
 
 def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1) -> Config:

@@ -176,6 +176,15 @@ class ParallelState:
         return len(self.members["data"])
 
     @property
+    def batch_slice(self) -> tuple[int, int]:
+        """(index, count): which of the equal slices of every global batch this rank trains on.
+
+        Its data-parallel rank among its stage's replicas; under 1F1B-RR (unequal replication)
+        every rank sees the whole batch, since the schedule itself routes the microbatches.
+        """
+        return (0, 1) if self.stage_replicas is not None else (self.dp_rank, self.dp_size)
+
+    @property
     def tp_rank(self) -> int:
         return self.members["tensor"].index(self.rank)
 

@@ -30,10 +30,11 @@ from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.distributed import DEFAULT_TIMEOUT, init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
-from megapipe.models import build_model_chunks
+from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.engine import PipelineEngine
+from megapipe.pipeline.plan_layout import initialize_plan_state
 from megapipe.train_logger import IterationStats, TrainLogger
 
 
@@ -110,16 +111,22 @@ class Trainer:
         self.kind, self.config = kind, config
         self.device = init_distributed(DEFAULT_TIMEOUT)
         par, t = config.parallel, config.training
-        self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
-                                           timeout=DEFAULT_TIMEOUT)
+        plan = par.stage_plan()
+        if plan is None:
+            self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
+                                               timeout=DEFAULT_TIMEOUT)
+        else:
+            self.ps = initialize_plan_state(plan, par.tensor, timeout=DEFAULT_TIMEOUT)
         self.tokenizer, self.data_path = _data(kind, config, self.ps)
         config.model.vocab_size = self.tokenizer.vocab_size
-        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
         self.ps.seed(t.seed, self.device)
         self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
-        self.m = t.num_microbatches(self.ps.dp_size)
-        self.chunks = build_model_chunks(kind, config.model, self.ps, seed=t.seed,
-                                         sequence_parallel=par.sequence_parallel, device=self.device)
+        self.m = t.num_microbatches(self.ps.batch_slice[1])
+        model_options = dict(seed=t.seed, sequence_parallel=par.sequence_parallel, device=self.device)
+        if plan is None:
+            self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
+        else:
+            self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
         seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
         self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, par.pipeline_schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
@@ -149,7 +156,7 @@ class Trainer:
                           f"{unigram_entropy(self.data_path[0]):.4f} nats/token | fusion backend "
                           f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
         loader = iter(build_pretraining_data_loader(self.train_ds, self.state.consumed_samples, t.micro_batch_size,
-                                                    self.ps.dp_rank, self.ps.dp_size))
+                                                    *self.ps.batch_slice))
         sigterm = SigtermFlag()
         window_losses, window_start, window_iters, nan_iterations = [], time.time(), 0, 0
         while self.state.iteration < t.train_iters:
@@ -236,7 +243,7 @@ class Trainer:
         if dataset is None:
             return None
         t = self.config.training
-        loader = iter(build_pretraining_data_loader(dataset, 0, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size))
+        loader = iter(build_pretraining_data_loader(dataset, 0, t.micro_batch_size, *self.ps.batch_slice))
         losses = []
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
             losses.extend(self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device)))

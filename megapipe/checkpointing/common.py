@@ -26,24 +26,36 @@ VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The parallel layout a checkpoint was written with; per-rank random states only fit the same one."""
+    """The parallel layout a checkpoint was written with; per-rank random states only fit the same one.
+
+    A run with ``--pipeline-stages`` records its plan too: ``pipeline`` then counts the ranks
+    of a pipeline group (every worker under 1F1B-RR) and ``data`` the slices of a batch.
+    """
 
     tensor: int
     pipeline: int
     data: int
     virtual_pipeline: int = 1
+    stages: Optional[str] = None  # the stage plan, e.g. "0:2x2,2:4x1"
 
     def __str__(self) -> str:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
-        return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}"
+        stages = f", stages {self.stages}" if self.stages else ""
+        return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}{stages}"
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline * self.data
 
     @staticmethod
-    def of(ps) -> "Layout":
-        return Layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.virtual_pipeline)
+    def of(ps, stages: Optional[str] = None) -> "Layout":
+        """The layout of a run's ParallelState (and its stage plan, written as ``StagePlan.to_text``)."""
+        return Layout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages)
+
+    @staticmethod
+    def of_trainer(trainer) -> "Layout":
+        plan = trainer.config.parallel.stage_plan()
+        return Layout.of(trainer.ps, plan.to_text() if plan is not None else None)
 
 
 def optimizer_family(name: str) -> str:

@@ -68,7 +68,7 @@ def load_checkpoint(directory: str, trainer) -> None:
         return
     path, common, saved = _open(directory, trainer.kind)
     with_optimizer = not (t.finetune or t.no_load_optim)
-    layout = Layout.of(trainer.ps)
+    layout = Layout.of_trainer(trainer)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
     targets = _targets(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng)

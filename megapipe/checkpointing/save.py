@@ -79,7 +79,7 @@ def _common(trainer, with_optimizer: bool) -> Common:
     scaler = precision_optimizers(trainer.engine.optimizer)[0].loss_scaler  # one scale for all chunks
     return Common(kind=trainer.kind, iteration=trainer.state.iteration,
                   consumed_samples=trainer.state.consumed_samples,
-                  skipped_iterations=trainer.state.skipped_iterations, layout=Layout.of(trainer.ps),
+                  skipped_iterations=trainer.state.skipped_iterations, layout=Layout.of_trainer(trainer),
                   config=plain(trainer.config), scheduler=trainer.scheduler.state_dict(),
                   loss_scaler=scaler.state_dict() if scaler is not None else None,
                   has_optimizer=with_optimizer, has_rng=True)

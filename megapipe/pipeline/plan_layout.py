@@ -34,6 +34,22 @@ class PlanLayout:
     def world_size(self) -> int:
         return self.plan.workers * self.tensor
 
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline group: one per stage, or every worker when replication is unequal (1F1B-RR)."""
+        return self.plan.num_stages if self.plan.equal_replication is not None else self.plan.workers
+
+    @property
+    def data_size(self) -> int:
+        """Slices a global batch is cut into: one per parallel pipeline. Under 1F1B-RR every worker
+        sees the whole batch and the schedule routes microbatch i to replica i % R of each stage."""
+        return self.plan.equal_replication or 1
+
+    @property
+    def stage_replicas(self) -> Optional[tuple[int, ...]]:
+        """Workers per stage when the pipeline group holds replicated stages, else None."""
+        return None if self.plan.equal_replication is not None else self.plan.replicas
+
     def worker(self, stage: int, replica: int) -> int:
         return sum(self.plan.replicas[:stage]) + replica
 
@@ -74,8 +90,7 @@ def initialize_plan_state(plan: StagePlan, tensor: int = 1,
     if layout.world_size != dist.get_world_size():
         plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
     rank = dist.get_rank()
-    replicas = None if plan.equal_replication is not None else plan.replicas
-    state = ParallelState(layout, rank, stage_replicas=replicas)
+    state = ParallelState(layout, rank, stage_replicas=layout.stage_replicas)
     state.groups["embedding"], state.members["embedding"] = None, []
     all_groups = {"tensor": layout.tensor_groups(), "data": layout.data_groups(),
                   "pipeline": layout.pipeline_groups(), "model_parallel": layout.model_parallel_groups(),
