@@ -75,7 +75,8 @@ def train(rank: int, world_size: int, batches: int) -> dict:
             losses += engine.train_batch([microbatch(train_data, batch * M + j) for j in range(M)]).losses
         losses += engine.drain().losses
         valid = [microbatch(valid_data, i) for i in range(VALID_MICROBATCHES)]
-        held = [loss for start in range(0, VALID_MICROBATCHES, M) for loss in engine.evaluate(valid[start:start + M])]
+        held = [loss for start in range(0, VALID_MICROBATCHES, M)
+                for loss in engine.evaluate(valid[start:start + M]).losses]
         curves[(lr, name)] = losses
         held_out[(lr, name)] = float(np.mean(held)) if held else None
     return {"curves": curves, "held_out": held_out} if ps.is_last_stage else None

@@ -100,14 +100,20 @@ class TrainLogger:
         print(stats.line(), flush=True)
         self._scalars(stats.scalars(), stats.iteration, prefix="train/")
 
-    def log_evaluation(self, split: str, iteration: int, loss: float, name: str = "lm loss") -> None:
+    def log_evaluation(self, split: str, iteration: int, losses: dict[str, float]) -> None:
+        """Megatron's evaluation block: each loss (``lm loss``, BERT's ``sop loss``) with its perplexity."""
         if not self.enabled:
             return
-        ppl = math.exp(min(20.0, loss))
-        text = f" {split} loss at iteration {iteration} | {name} value: {loss:.6E} | {name} PPL: {ppl:.6E} |"
+        scalars, parts = {}, []
+        for name, loss in losses.items():
+            ppl = math.exp(min(20.0, loss))
+            parts.append(f"{name} value: {loss:.6E} | {name} PPL: {ppl:.6E}")
+            key = f"{split}-{name.replace(' ', '-')}"
+            scalars.update({key: loss, f"{key}-ppl": ppl})
+        text = f" {split} loss at iteration {iteration} | " + " | ".join(parts) + " |"
         bar = "-" * len(text)
         print(f"{bar}\n{text}\n{bar}", flush=True)
-        self._scalars({f"{split}-loss": loss, f"{split}-ppl": ppl}, iteration, prefix="eval/")
+        self._scalars(scalars, iteration, prefix="eval/")
 
     def _scalars(self, values: dict, step: int, prefix: str) -> None:
         if self.wandb is not None:

@@ -136,7 +136,8 @@ class Trainer:
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save
-        self.loss_name = "lm loss" if kind == "gpt" or not config.model.bert_binary_head else "lm + sop loss"
+        # BERT with its binary head trains on the sum and logs each part, as Megatron does
+        self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
         self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.train_ds, self.valid_ds, self.test_ds = _datasets(kind, config, self.tokenizer, self.data_path)
@@ -158,7 +159,7 @@ class Trainer:
         loader = iter(build_pretraining_data_loader(self.train_ds, self.state.consumed_samples, t.micro_batch_size,
                                                     *self.ps.batch_slice))
         sigterm = SigtermFlag()
-        window_losses, window_start, window_iters, nan_iterations = [], time.time(), 0, 0
+        window_losses, window_start, window_iters, nan_iterations = self._no_losses(), time.time(), 0, 0
         while self.state.iteration < t.train_iters:
             result = self.engine.train_batch(_microbatches(loader, self.m, self.kind, self.device))
             self.state.iteration += 1
@@ -172,11 +173,11 @@ class Trainer:
             if result.step is not None and result.step.grad_norm is not None \
                     and not math.isfinite(float(result.step.grad_norm)):
                 nan_iterations += 1
-            window_losses.extend(result.losses)
+            self._add_losses(window_losses, result.losses, result.loss_parts)
             window_iters += 1
             if self.state.iteration % t.log_interval == 0:
                 self._log(window_losses, time.time() - window_start, window_iters, result, nan_iterations)
-                window_losses, window_start, window_iters = [], time.time(), 0
+                window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
             if self.state.iteration % t.eval_interval == 0:
                 self.evaluate("validation", self.valid_ds)
             if t.save and t.save_interval and self.state.iteration % t.save_interval == 0:
@@ -214,42 +215,55 @@ class Trainer:
 
         checkpointing.load_checkpoint(directory, self)
 
-    def _data_parallel_mean(self, losses: list[float]) -> float:
-        """Mean over this step window's microbatch losses of all data-parallel ranks (last stage)."""
-        total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=self.device)
+    def _no_losses(self) -> dict[str, list[float]]:
+        return {name: [] for name in self.loss_names}
+
+    def _add_losses(self, named: dict[str, list[float]], losses: list[float], parts: list[dict]) -> None:
+        """Add a call's microbatch losses under their names: the parts the model reports, or the loss itself."""
+        if parts:
+            for name in self.loss_names:
+                named[name].extend(p[name] for p in parts)
+        else:
+            named[self.loss_names[0]].extend(losses)
+
+    def _data_parallel_means(self, named: dict[str, list[float]]) -> dict[str, float]:
+        """Per name, the mean over this window's microbatch losses of all data-parallel ranks (last stage)."""
+        totals = torch.tensor([[sum(values), len(values)] for values in named.values()], dtype=torch.float64,
+                              device=self.device)
         if self.ps.is_last_stage and self.ps.dp_size > 1:
-            dist.all_reduce(total, group=self.ps.dp_group)
-        return (total[0] / total[1].clamp(min=1)).item()
+            dist.all_reduce(totals, group=self.ps.dp_group)
+        means = totals[:, 0] / totals[:, 1].clamp(min=1)
+        return dict(zip(named, means.tolist()))
 
     def _log(self, losses, elapsed, iters, result, nan_iterations) -> None:
         t = self.config.training
-        loss = self._data_parallel_mean(losses)
+        losses = self._data_parallel_means(losses)
         seconds = elapsed / iters
         tflops = self.flops / seconds / self.ps.world_size / 1e12
         step = result.step
-        name = self.loss_name
         self.logger.log(IterationStats(
             iteration=self.state.iteration, train_iters=t.train_iters, consumed_samples=self.state.consumed_samples,
             ms_per_iteration=1000 * seconds, learning_rate=self.scheduler.lr, global_batch_size=t.global_batch_size,
-            losses={name: loss}, loss_scale=self.engine.optimizer.loss_scale,
+            losses=losses, loss_scale=self.engine.optimizer.loss_scale,
             grad_norm=None if step is None or step.grad_norm is None else float(step.grad_norm),
             skipped_iterations=self.state.skipped_iterations, nan_iterations=nan_iterations,
             tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             memory_gib=peak_memory_gib(self.device)))
 
-    def evaluate(self, split: str, dataset) -> Optional[float]:
-        """Mean loss over ``--eval-iters`` global batches of ``dataset``; logged with perplexity."""
+    def evaluate(self, split: str, dataset) -> Optional[dict[str, float]]:
+        """Mean losses (by name) over ``--eval-iters`` global batches of ``dataset``; logged with perplexity."""
         if dataset is None:
             return None
         t = self.config.training
         loader = iter(build_pretraining_data_loader(dataset, 0, t.micro_batch_size, *self.ps.batch_slice))
-        losses = []
+        named = self._no_losses()
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
-            losses.extend(self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device)))
-        loss = self._data_parallel_mean(losses)
-        self.logger.log_evaluation(split, self.state.iteration, loss, name=self.loss_name)
-        return loss
+            result = self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device))
+            self._add_losses(named, result.losses, result.parts)
+        losses = self._data_parallel_means(named)
+        self.logger.log_evaluation(split, self.state.iteration, losses)
+        return losses
 
 
 def _plain(config: Config) -> dict:

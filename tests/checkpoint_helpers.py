@@ -37,9 +37,19 @@ def build(argv: list[str], cache: str) -> Trainer:
     return Trainer("gpt", config)
 
 
-def train(argv: list[str], cache: str) -> tuple[Trainer, list[list[float]]]:
-    """Run ``pretrain_gpt.py TINY_GPT + argv`` in this world; the per-microbatch losses of every training call."""
+def train(argv: list[str], cache: str, after_load=None) -> tuple[Trainer, list[list[float]]]:
+    """Run ``pretrain_gpt.py TINY_GPT + argv`` in this world; the per-microbatch losses of every training call.
+
+    ``after_load(trainer)``, if given, is called right after ``--load`` has restored the checkpoint.
+    """
     trainer = build(argv, cache)
+    if after_load is not None:
+        load = trainer.load
+
+        def loading(directory):
+            load(directory)
+            after_load(trainer)
+        trainer.load = loading
     losses = []
     train_batch = trainer.engine.train_batch
 

@@ -3,8 +3,9 @@
 Exact resume: train 2 steps, save, start a new Trainer from the checkpoint, train 2 more.
 The resumed steps must repeat the original run's steps 3 and 4 bit for bit, per microbatch
 loss, for every pipeline schedule at (t, p, d) = (2, 2, 1) and (1, 2, 2). PipeDream and 2BW
-drain the pipeline before saving, so their saving run and the resumed one both continue from
-an empty pipeline with one weight version per stage (and untie the embedding, as they must).
+never drain: the checkpoint holds what their pipeline has in flight (forwards awaiting their
+backwards, stashed weight versions, accumulated gradients), the resumed run replays those
+forwards, and both the saving run and the resumed one must equal a run that never saved.
 Dropout stays on, so the losses only match if the random states of every rank (default
 generator and the tensor-parallel tracker) come back with the weights, the Adam moments, the
 learning-rate schedule and the data position. The new Trainer in the same process re-seeds everything at
@@ -52,15 +53,30 @@ def resume_cases():
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
 
 
+ASYNCHRONOUS = ("pipedream", "2bw")
+
+
 def _resume(root, cache):
     results = {}
     for name, flags in resume_cases():
         directory = os.path.join(root, name)
-        _, uninterrupted = train(flags + ["--train-iters", "4", "--save", directory, "--save-interval", "2"], cache)
+        _, saving = train(flags + ["--train-iters", "4", "--save", directory, "--save-interval", "2"], cache)
+        loaded = []
         trainer, resumed = train(flags + ["--train-iters", "4", "--load", os.path.join(directory, "iter_0000002")],
-                                 cache)
-        results[name] = (uninterrupted, resumed, trainer.ps.is_last_stage)
+                                 cache, after_load=lambda t: loaded.append(len(t.engine.executor.state.saved)))
+        never_saved = train(flags + ["--train-iters", "4"], cache)[1] if name.endswith(ASYNCHRONOUS) else saving
+        results[name] = (never_saved, saving, resumed, trainer.ps.is_last_stage, loaded[0])
     return results
+
+
+def _dropped_in_flight(root, cache):
+    """A PipeDream checkpoint loaded with another global batch: its in-flight microbatches cannot
+    continue, so the pipeline starts empty (and says so) and training goes on."""
+    loaded = []
+    flags = layout_flags(1, 2, "pipedream") + ["--train-iters", "4", "--global-batch-size", "16"]
+    _, losses = train(flags + ["--load", os.path.join(root, "t1p2d2-pipedream", "iter_0000002")], cache,
+                      after_load=lambda t: loaded.append(t.engine.executor.calls))
+    return loaded[0], losses
 
 
 def _logged(trainer, losses):
@@ -80,7 +96,9 @@ def _reshard(root, cache):
 
 
 def _four_rank_world(rank, world_size, root, cache):
-    return _resume(os.path.join(root, "resume"), cache), _reshard(os.path.join(root, "reshard"), cache)
+    resumed = _resume(os.path.join(root, "resume"), cache)
+    return resumed, _reshard(os.path.join(root, "reshard"), cache), _dropped_in_flight(os.path.join(root, "resume"),
+                                                                                       cache)
 
 
 def _one_rank_world(rank, world_size, root, cache):
@@ -90,7 +108,7 @@ def _one_rank_world(rank, world_size, root, cache):
     flags = ["--fp16", "--initial-loss-scale", "1024", "--train-iters", "4"]
     uninterrupted = train(flags + ["--save", fp16, "--save-interval", "2"], cache)[1]
     resumed = train(flags + ["--load", os.path.join(fp16, "iter_0000002")], cache)[1]
-    return direct, converted, (uninterrupted, resumed)
+    return direct, converted, (uninterrupted, uninterrupted, resumed)
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +118,35 @@ def runs(tmp_path_factory):
     conversion = reshard(os.path.join(root, "reshard", "t2p2d1", "iter_0000002"), os.path.join(root, "converted"),
                          Layout(1, 1, 1))
     direct, converted, fp16 = run_distributed(1, _one_rank_world, root, cache, timeout=600)[0]
-    resumed = {name: [resume[name] for resume, _ in four] for name in four[0][0]}  # case -> per-rank results
-    resumed["fp16"] = [fp16 + (True,)]
-    by_layout = {name: [r[name] for _, r in four if r[name] is not None] for name in four[0][1]}
+    resumed = {name: [resume[name] for resume, _, _ in four] for name in four[0][0]}  # case -> per-rank results
+    resumed["fp16"] = [fp16 + (True, 0)]
+    by_layout = {name: [r[name] for _, r, _ in four if r[name] is not None] for name in four[0][1]}
     by_layout["t1p1d1"] = [direct]
-    return resumed, by_layout, converted, conversion
+    dropped = [d for _, _, d in four]
+    return resumed, by_layout, converted, conversion, dropped
 
 
 @pytest.mark.parametrize("name", [name for name, _ in resume_cases()] + ["fp16"])
 def test_resumed_steps_repeat_the_uninterrupted_run_bit_for_bit(runs, name):
-    for rank, (uninterrupted, resumed, last_stage) in enumerate(runs[0][name]):
-        assert len(uninterrupted) == 4 and len(resumed) == 2
-        assert resumed == uninterrupted[2:], f"rank {rank}"
+    for rank, (never_saved, saving, resumed, last_stage, _) in enumerate(runs[0][name]):
+        assert len(never_saved) == 4 and len(resumed) == 2
+        assert saving == never_saved, f"rank {rank}: saving a checkpoint changed the run"
+        assert resumed == never_saved[2:], f"rank {rank}"
         if last_stage:
             assert all(resumed), f"rank {rank} is a last stage but recorded no losses"
+
+
+@pytest.mark.parametrize("name", [name for name, _ in resume_cases() if name.endswith(ASYNCHRONOUS)])
+def test_asynchronous_checkpoints_resume_with_forwards_in_flight(runs, name):
+    # a first stage holds forwards whose backwards come in the next batch; they were replayed
+    in_flight = [loaded for _, _, _, _, loaded in runs[0][name]]
+    assert max(in_flight) > 0, in_flight
+
+
+def test_in_flight_microbatches_of_another_batch_split_are_dropped_and_training_goes_on(runs):
+    for calls_after_load, losses in runs[4]:
+        assert calls_after_load == 0  # the pipeline starts empty
+        assert len(losses) == 2
 
 
 def _step_means(rank_losses):
@@ -130,7 +163,7 @@ def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs
 
 
 def test_offline_reshard_loads_to_the_same_run(runs):
-    _, by_layout, converted, conversion = runs
+    _, by_layout, converted, conversion, _ = runs
     assert converted == by_layout["t1p1d1"][0]  # same values, same layout: bit for bit
     assert conversion.source_layout == Layout(2, 2, 1) and conversion.target_layout == Layout(1, 1, 1)
     assert conversion.tensors > 0 and conversion.bytes > 0

@@ -17,9 +17,12 @@ other. Modules: ``shards`` (where a rank's block sits), ``planners`` (DCP glue),
 ``offline`` (whole-model access without processes), ``hf`` (Hugging Face GPT-2 and BERT) and
 ``convert`` (what ``tools/convert_checkpoint.py`` runs).
 
-Asynchronous schedules (PipeDream, 2BW) are drained before a save, so a checkpoint always
-holds one weight version per stage; a run resumed from it continues exactly as the run that
-saved it.
+Asynchronous schedules (PipeDream, 2BW) are not drained for a save: each rank also stores
+what its pipeline holds in flight (``megapipe.pipeline.in_flight``: stashed weight versions,
+forwards awaiting their backwards with their inputs and random states, accumulated
+gradients), and a run resumed in the same layout replays those forwards, so it continues the
+trajectory of a run that never stopped. Another layout, schedule or batch split starts with
+an empty pipeline and says that the in-flight microbatches were dropped.
 """
 
 from megapipe.checkpointing.load import load_checkpoint, load_weights

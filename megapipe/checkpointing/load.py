@@ -9,8 +9,12 @@ into the model, the optimizer, the schedule and the random generators.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-from megapipe.checkpointing.common import Common, Layout, optimizer_family
+import torch
+import torch.distributed as dist
+
+from megapipe.checkpointing.common import Common, Layout, optimizer_family, plain
 from megapipe.checkpointing.paths import LATEST, find_checkpoint
 from megapipe.checkpointing.state import (LoadTargets, apply_optimizer, apply_rng, apply_weights, load_targets,
                                           param_entries, precision_optimizers)
@@ -19,6 +23,7 @@ from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import LRSchedule
+from megapipe.pipeline.in_flight import InFlight
 from megapipe.parallel_state import ParallelState
 
 
@@ -39,9 +44,9 @@ def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
 
 
 def _targets(path: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
-             with_optimizer: bool, with_rng: bool) -> LoadTargets:
+             with_optimizer: bool, with_rng: bool, with_in_flight: bool = False) -> LoadTargets:
     """This rank's buffers to read into, once every rank agreed that the checkpoint fits (collective)."""
-    targets = load_targets(entries, saved, ps, config, with_optimizer, with_rng)
+    targets = load_targets(entries, saved, ps, config, with_optimizer, with_rng, with_in_flight)
     agree_on_fit(path, targets.shards, [entry.key(ps, config) for entry in entries], saved, common.model_config,
                  config)
     return targets
@@ -70,8 +75,11 @@ def load_checkpoint(directory: str, trainer) -> None:
     with_optimizer = not (t.finetune or t.no_load_optim)
     layout = Layout.of_trainer(trainer)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
+    has_in_flight = any(key.startswith("inflight/") for key in saved)
+    drop_reason = _in_flight_mismatch(common, trainer, layout) if has_in_flight else None
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    targets = _targets(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng)
+    targets = _targets(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng,
+                       with_in_flight=has_in_flight and drop_reason is None)
     if with_optimizer:
         _check_optimizer_fits(path, common, trainer)
     read_shards(targets.shards, path)
@@ -90,10 +98,35 @@ def load_checkpoint(directory: str, trainer) -> None:
             trainer.scheduler.load_state_dict(common.scheduler)
         else:
             trainer.scheduler.step(common.iteration - trainer.scheduler.iteration)
+    if targets.in_flight:  # replayed before the random states come back
+        snapshot = InFlight.from_tensors(targets.in_flight, trainer.device)
+        trainer.engine.restore_in_flight(snapshot)
+        passes = torch.tensor([len(snapshot.forwards)], device=trainer.device)
+        dist.all_reduce(passes)
+        trainer.logger.print(f"> continuing the pipeline as it was saved: {int(passes.item())} forward passes in "
+                             "flight across the ranks, replayed on their weight versions")
+    elif drop_reason is not None:
+        trainer.logger.print(f"> the microbatches in flight at the save are dropped ({drop_reason}): the pipeline "
+                             "starts empty, without their updates")
     _restore_or_reseed_rng(trainer, targets.rng, common, layout, restore_rng)
     what = "weights and optimizer state" if with_optimizer else "weights only"
     trainer.logger.print(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
                          f"{common.iteration}; continuing at iteration {trainer.state.iteration} with {layout}")
+
+
+def _in_flight_mismatch(common: Common, trainer, layout: Layout) -> Optional[str]:
+    """Why this run cannot continue the checkpoint's in-flight microbatches (they belong to one
+    layout, schedule and batch split), or None when it can."""
+    if trainer.config.training.finetune:
+        return "--finetune"
+    if common.layout != layout:
+        return f"they belong to the layout {common.layout}, not {layout}"
+    ours, theirs = plain(trainer.config), common.config
+    for section, name in (("parallel", "pipeline_schedule"), ("parallel", "pipedream_vertical_sync"),
+                          ("training", "micro_batch_size"), ("training", "global_batch_size")):
+        if theirs[section][name] != ours[section][name]:
+            return f"they belong to {section} {name} {theirs[section][name]}, not {ours[section][name]}"
+    return None
 
 
 def _check_optimizer_fits(path: str, common: Common, trainer) -> None:

@@ -27,11 +27,12 @@ from megapipe.errors import CheckpointError
 def save_checkpoint(directory: str, trainer) -> None:
     """Write the state of ``trainer`` as ``directory/iter_<iteration>`` (collective over all ranks)."""
     wait_for_save(trainer)  # one save in flight at a time, and its failure surfaces here
-    _drain(trainer.engine)
     t = trainer.config.training
     started = time.perf_counter()
+    in_flight = trainer.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    shards = save_shards(entries, trainer.ps, trainer.config.model, trainer.device, with_optimizer=not t.no_save_optim)
+    shards = save_shards(entries, trainer.ps, trainer.config.model, trainer.device, with_optimizer=not t.no_save_optim,
+                         in_flight=None if in_flight is None else in_flight.to_tensors())
     common = _common(trainer, with_optimizer=not t.no_save_optim)
     iteration = trainer.state.iteration
     staging = staging_dir(directory, iteration)
@@ -53,20 +54,6 @@ def save_checkpoint(directory: str, trainer) -> None:
     write_shards(shards, staging)
     if trainer.ps.rank == 0:
         finish()
-
-
-def _drain(engine) -> None:
-    """Empty an asynchronous pipeline (PipeDream, 2BW) so a checkpoint holds one weight version per stage.
-
-    The microbatches in flight finish their backwards and updates first; that is part of the
-    trajectory both of the run that saves and of every run resumed from the checkpoint. A
-    flush schedule is empty after every batch, so this does nothing there.
-    """
-    engine.drain()
-    held = [store.versions for store in engine.stores if store.num_versions > 1]
-    if held:
-        raise RuntimeError(f"the pipeline still holds weight versions {held} after draining; a checkpoint "
-                           "would lose them")
 
 
 def wait_for_save(trainer) -> None:

@@ -7,6 +7,8 @@ Keys (canonical parameter names, global shapes; see ``shards.place``)::
     optimizer/<name>/<state>          optimizer state of the same shape (exp_avg, exp_avg_sq,
                                       momentum_buffer) split like the weight, or a scalar (step)
     rng/rank_<r>/{cpu,device,tracker/<stream>}   random generator states of global rank r
+    inflight/rank_<r>/...             what rank r's asynchronous pipeline held between two
+                                      batches (``megapipe.pipeline.in_flight``; PipeDream, 2BW)
 
 Saving lists this rank's pieces (``save_shards``); loading lists the blocks this rank needs,
 read into fresh buffers (``LoadTargets``), so nothing touches the model until every read
@@ -22,8 +24,8 @@ import torch
 
 from megapipe.checkpointing.shards import Shard, place
 from megapipe.config import ModelConfig
-from megapipe.distributed import rng_state, set_rng_state
 from megapipe.parallel_state import ParallelState
+from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 MASTER = "master"
 
@@ -38,6 +40,10 @@ def optimizer_key(name: str, state: str) -> str:
 
 def rng_prefix(rank: int) -> str:
     return f"rng/rank_{rank}/"
+
+
+def in_flight_prefix(rank: int) -> str:
+    return f"inflight/rank_{rank}/"
 
 
 def precision_optimizers(optimizer) -> list:
@@ -79,9 +85,10 @@ def param_entries(chunks, optimizer=None) -> list[ParamEntry]:
 
 
 def save_shards(entries: list[ParamEntry], ps: ParallelState, config: ModelConfig, device: torch.device,
-                with_optimizer: bool) -> dict[str, Shard]:
-    """This rank's pieces of the weights, (optionally) the optimizer state, and its random states."""
-    out = {}
+                with_optimizer: bool, in_flight: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Shard]:
+    """This rank's pieces of the weights, (optionally) the optimizer state, its random states and
+    what its pipeline holds in flight (``InFlight.to_tensors()``)."""
+    out = {in_flight_prefix(ps.rank) + name: Shard.whole(t) for name, t in (in_flight or {}).items()}
 
     def add(key: str, shard: Optional[Shard]) -> None:
         if shard is not None:
@@ -103,12 +110,7 @@ def save_shards(entries: list[ParamEntry], ps: ParallelState, config: ModelConfi
 def rng_shards(ps: ParallelState, device: torch.device) -> dict[str, Shard]:
     """The default generators and the tensor-parallel tracker's streams of this rank."""
     prefix = rng_prefix(ps.rank)
-    states = {"cpu": torch.get_rng_state()}
-    if device.type != "cpu":
-        states["device"] = rng_state(device).cpu()
-    if ps.rng_tracker is not None:
-        states.update({f"tracker/{name}": state for name, state in ps.rng_tracker.get_states().items()})
-    return {prefix + name: Shard.whole(state) for name, state in states.items()}
+    return {prefix + name: Shard.whole(state) for name, state in capture_rng(ps.rng_tracker, device).items()}
 
 
 @dataclass
@@ -119,10 +121,11 @@ class LoadTargets:
     weights: list[tuple[ParamEntry, torch.Tensor]] = field(default_factory=list)  # fp32 value of each param
     optimizer: list[tuple[ParamEntry, dict[str, torch.Tensor]]] = field(default_factory=list)
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_flight: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def load_targets(entries: list[ParamEntry], saved: dict, ps: ParallelState, config: ModelConfig,
-                 with_optimizer: bool, with_rng: bool) -> LoadTargets:
+                 with_optimizer: bool, with_rng: bool, with_in_flight: bool = False) -> LoadTargets:
     """What this rank reads; ``saved`` is the checkpoint's key -> TensorStorageMetadata."""
     targets = LoadTargets()
     buffers: dict[str, torch.Tensor] = {}
@@ -151,12 +154,20 @@ def load_targets(entries: list[ParamEntry], saved: dict, ps: ParallelState, conf
                                entry.main if len(md.size) else entry.main.new_zeros(()), md.properties.dtype)
                 for state, md in saved_states.get(key, {}).items()}))
     if with_rng:
-        prefix = rng_prefix(ps.rank)
-        for key, md in saved.items():
-            if key.startswith(prefix):
-                targets.rng[key[len(prefix):]] = torch.zeros(md.size, dtype=md.properties.dtype)
-                targets.shards[key] = Shard.whole(targets.rng[key[len(prefix):]])
+        targets.rng = _rank_tensors(saved, rng_prefix(ps.rank), targets.shards)
+    if with_in_flight:
+        targets.in_flight = _rank_tensors(saved, in_flight_prefix(ps.rank), targets.shards)
     return targets
+
+
+def _rank_tensors(saved: dict, prefix: str, shards: dict[str, Shard]) -> dict[str, torch.Tensor]:
+    """Buffers for the whole tensors one rank saved under ``prefix``, by name after it (CPU)."""
+    out = {}
+    for key, md in saved.items():
+        if key.startswith(prefix):
+            out[key[len(prefix):]] = torch.zeros(md.size, dtype=md.properties.dtype)
+            shards[key] = Shard.whole(out[key[len(prefix):]])
+    return out
 
 
 @torch.no_grad()
@@ -179,9 +190,4 @@ def apply_optimizer(targets: LoadTargets, optimizer) -> None:
 
 
 def apply_rng(rng: dict[str, torch.Tensor], ps: ParallelState, device: torch.device) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if "device" in rng:
-        set_rng_state(rng["device"], device)
-    tracker = {name.removeprefix("tracker/"): state for name, state in rng.items() if name.startswith("tracker/")}
-    if tracker:
-        ps.rng_tracker.set_states(tracker)
+    restore_rng(rng, ps.rng_tracker, device)

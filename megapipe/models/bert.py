@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.loss_parts import with_parts
 from megapipe.models.common import build_norm, replicated_linear
 from megapipe.models.gpt import masked_mean
 from megapipe.models.stage import LanguageModelStage
@@ -22,7 +23,8 @@ class BERTStage(LanguageModelStage):
     """Batch keys: ``tokens``, ``types``, ``padding_mask`` (1 = real token) [b, s]; on the last
     stage ``labels`` (-1 where not predicted), ``loss_mask`` [b, s] and ``is_random`` [b].
 
-    The last stage returns LM loss + binary loss, or without labels the pair
+    The last stage returns LM loss + binary loss (each attached as a part for logging, see
+    ``megapipe.loss_parts``), or without labels the pair
     (LM logits ``[b, s, V/t]``, binary logits ``[b, 2]``).
     """
 
@@ -66,7 +68,8 @@ class BERTStage(LanguageModelStage):
         labels = batch["labels"].clamp(min=0).transpose(0, 1)
         vocab_start = self.ps.tp_rank * lm_logits.shape[-1]
         losses = vocab_parallel_cross_entropy(lm_logits, labels, self.ps.tp_group, vocab_start).transpose(0, 1)
-        loss = masked_mean(losses, batch["loss_mask"])
-        if binary_logits is not None:
-            loss = loss + F.cross_entropy(binary_logits.float(), batch["is_random"])
-        return loss
+        lm_loss = masked_mean(losses, batch["loss_mask"])
+        if binary_logits is None:
+            return lm_loss
+        sop_loss = F.cross_entropy(binary_logits.float(), batch["is_random"])
+        return with_parts(lm_loss + sop_loss, lm_loss=lm_loss, sop_loss=sop_loss)

@@ -6,9 +6,9 @@ average, tied embedding, sequence parallel) and updates the weights. With an asy
 schedule (PipeDream, 2BW) every chunk is a stage with its own optimizer, which each UPDATE
 steps on its own: gradients are averaged over the stage's replicas and the norm and overflow
 check cover the stage only, since meeting the other stages would be a flush. The pipeline
-then stays full between calls; ``drain()`` empties it (before a checkpoint, at the end of
-training; ``evaluate`` drains first). The training loop, the benchmarks and the tests all
-drive training through this one class.
+then stays full between calls; ``drain()`` empties it (at the end of training; ``evaluate``
+drains first), and a checkpoint records what is in flight instead (``in_flight``). The
+training loop, the benchmarks and the tests all drive training through this one class.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.finalize import is_tied_embedding_copy
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor import BatchResult, PipelineExecutor
+from megapipe.pipeline.in_flight import InFlight
 from megapipe.pipeline.optimizer_group import OptimizerGroup
 from megapipe.pipeline.program import FlushProgram, PeriodicProgram
 from megapipe.pipeline.schedules import build_schedule, schedule_spec
@@ -39,6 +40,7 @@ class TrainStepResult:
     step: Optional[StepResult]  # the last optimizer step of this call on this rank, if any
     peak_in_flight: int
     updates: list[StepResult] = field(default_factory=list)  # every step of this call (one per UPDATE)
+    loss_parts: list[dict[str, float]] = field(default_factory=list)  # per loss, its named parts (BERT)
 
 
 @lru_cache(maxsize=32)
@@ -103,7 +105,7 @@ class PipelineEngine:
 
     def _result(self, batch) -> TrainStepResult:
         steps, self._steps = self._steps, []
-        return TrainStepResult(batch.losses, steps[-1] if steps else None, batch.peak_in_flight, steps)
+        return TrainStepResult(batch.losses, steps[-1] if steps else None, batch.peak_in_flight, steps, batch.parts)
 
     def train_batch(self, microbatches: list[dict]) -> TrainStepResult:
         for chunk in self.chunks:
@@ -114,9 +116,27 @@ class PipelineEngine:
         """Finish the microbatches still in flight (asynchronous schedules; nothing to do after a flush)."""
         return self._result(self.executor.drain())
 
+    def in_flight(self) -> Optional[InFlight]:
+        """This rank's share of an asynchronous pipeline's state between batches (a checkpoint
+        holds it, so a resumed run continues the same trajectory); None when the pipeline is empty.
+        Collective over the pipeline ranks."""
+        snapshot = self.executor.in_flight()
+        if snapshot is not None:
+            snapshot.grads = [grads.buffer.detach().clone() for grads in self.grads]
+        return snapshot
+
+    def restore_in_flight(self, snapshot: InFlight) -> None:
+        """Continue from ``in_flight``'s record (after the weights and optimizer state are loaded)."""
+        for chunk in self.chunks:
+            chunk.train()
+        with torch.no_grad():
+            for grads, saved in zip(self.grads, snapshot.grads):
+                grads.buffer.copy_(saved)
+        self.executor.restore_in_flight(snapshot)
+
     @torch.no_grad()
-    def evaluate(self, microbatches: list[dict]) -> list[float]:
-        """Per-microbatch losses (last stage; empty elsewhere) without dropout or gradients.
+    def evaluate(self, microbatches: list[dict]) -> BatchResult:
+        """Per-microbatch losses and their parts (last stage; empty elsewhere) without dropout or gradients.
 
         An asynchronous pipeline is drained first, so evaluation sees every update applied and
         no training message is in flight between the ranks.
@@ -126,7 +146,7 @@ class PipelineEngine:
                 self.drain()
         for chunk in self.chunks:
             chunk.eval()
-        return self.eval_executor.run(microbatches).losses
+        return self.eval_executor.run(microbatches)
 
 
 def _check_asynchronous_training(name: str, chunks: list[torch.nn.Module], ps: ParallelState,

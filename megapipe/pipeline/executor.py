@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
 from torch.func import functional_call
 
+from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.lookahead import Lookahead
 from megapipe.pipeline.p2p import StageP2P, Transfer
 from megapipe.pipeline.program import FlushProgram
+from megapipe.pipeline.replay import input_producer
 from megapipe.pipeline.timeline import Timeline
-from megapipe.pipeline.weights import WeightVersionStore
+from megapipe.pipeline.weights import VersionUse, WeightVersionStore
+from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 
 @dataclass
@@ -39,6 +43,7 @@ class BatchResult:
 
     losses: list[float]
     peak_in_flight: int  # most microbatch activations held at once, summed over this rank's chunks
+    parts: list[dict[str, float]] = field(default_factory=list)  # named components of each loss, if any
 
 
 class PipelineExecutor:
@@ -97,6 +102,81 @@ class PipelineExecutor:
         self._finish(check_empty=True)
         return result
 
+    # ---- checkpoints between calls --------------------------------------------------------------
+    def in_flight(self) -> Optional[InFlight]:
+        """What this rank holds between two calls, for a checkpoint; None when the pipeline is empty.
+
+        Collective over the pipeline: every rank first receives the messages of its coming
+        calls that earlier calls already sent, and completes its own sends, so nothing is in
+        transit. Training then goes on exactly as without the checkpoint.
+        """
+        if self.calls == 0:
+            return None
+        state = self.state
+        self._receive_early(state)
+        for transfer in state.sends:
+            self.p2p.wait(transfer)
+        state.sends = []
+        unsent = [name for name in ("outputs_to_send", "input_grads", "recvs") if getattr(state, name)]
+        if unsent:
+            raise RuntimeError(f"rank {self.ps.rank}: {unsent} hold messages between two calls; the schedule's "
+                               "segments should post every send in the call that computes it")
+        forwards = [ForwardRecord(stage, microbatch, None if saved.use is None else saved.use.version,
+                                  saved.use is not None and saved.use.weights is not None,
+                                  None if saved.inp is None else saved.inp.detach(), saved.batch, saved.rng)
+                    for (stage, microbatch), saved in state.saved.items()]
+        return InFlight(self.calls, list(self._base_versions), [store.checkpoint_state() for store in self.stores],
+                        forwards, dict(state.local_outputs), dict(state.local_grads),
+                        {(kind.value, stage, mb): t for (kind, stage, mb), t in state.prereceived.items()})
+
+    def _receive_early(self, state: "_State") -> None:
+        """Receive now, in the order the coming calls would, every message of those calls whose
+        sender computed it in an earlier call (it is in transit between the two)."""
+        rank, calls = self.ps.pp_rank, range(self.calls, self.calls + self.lookahead.calls_ahead)
+        coming = [a for call in calls for a in self.program.segment(rank, call)]
+        producers_to_come: dict[int, set] = {}
+        early = []
+        for action in coming:
+            if action.kind not in (ActionKind.RECV_F, ActionKind.RECV_B):
+                continue
+            key = (action.kind, action.stage, action.microbatch)
+            if key in state.prereceived or key in state.recvs:
+                continue
+            producer = input_producer(self.schedule, Action(ActionKind.F if action.kind is ActionKind.RECV_F
+                                                            else ActionKind.B, action.stage, action.microbatch))
+            peer = self.schedule.rank_of(producer.stage, producer.microbatch)
+            if peer not in producers_to_come:
+                producers_to_come[peer] = {(a.kind, a.stage, a.microbatch) for call in calls
+                                           for a in self.program.segment(peer, call) if a.kind.is_compute}
+            if (producer.kind, producer.stage, producer.microbatch) not in producers_to_come[peer]:
+                early.append(action)
+        if not early:
+            return
+        for transfer in self.p2p.post([(action, None) for action in early]):
+            action = transfer.action
+            state.prereceived[(action.kind, action.stage, action.microbatch)] = self.p2p.received(transfer)
+
+    def restore_in_flight(self, snapshot: InFlight) -> None:
+        """Rebuild what ``in_flight`` recorded (on an empty pipeline, with the live weights loaded):
+        each in-flight forward runs again on its version, input, data and random states."""
+        if self.calls:
+            raise RuntimeError("restore_in_flight needs an empty pipeline; drain it first")
+        state = _State()
+        state.local_outputs, state.local_grads = dict(snapshot.local_outputs), dict(snapshot.local_grads)
+        state.prereceived = {(ActionKind(kind), stage, mb): t for (kind, stage, mb), t in snapshot.prereceived.items()}
+        for store, saved in zip(self.stores or (), snapshot.stores):
+            store.start_replay(saved)
+        for record in snapshot.forwards:
+            use = None
+            if self.stores is not None:
+                use = self.stores[self.schedule.chunk_of_stage(record.stage)].forward(record.version, record.on_alias)
+            inp = None if record.inp is None else record.inp.detach().clone().requires_grad_(True)
+            restore_rng(record.rng, self.ps.rng_tracker, self.p2p.device)
+            self._run_forward(record.stage, record.microbatch, inp, record.batch, use, record.rng, state)
+        for store in self.stores or ():
+            store.finish_replay()
+        self.state, self.calls, self._base_versions = state, snapshot.calls, list(snapshot.base_versions)
+
     def _finish(self, check_empty: bool) -> None:
         """Complete this rank's sends and start the next call from an empty pipeline."""
         for transfer in self.state.sends:
@@ -108,7 +188,7 @@ class PipelineExecutor:
 
     def _execute(self, actions: tuple[Action, ...], call: Optional[int], data) -> BatchResult:
         state = self.state
-        state.losses, state.peak_in_flight = [], len(state.saved)
+        state.losses, state.loss_parts, state.peak_in_flight = [], [], len(state.saved)
         i = 0
         while i < len(actions):
             if actions[i].kind.is_communication:
@@ -125,7 +205,9 @@ class PipelineExecutor:
                 self.timeline.record(self.ps.pp_rank, actions[i], start, time.time())
             i += 1
         state.sends = [t for t in state.sends if not _completed(t)]
-        return BatchResult([loss.item() for loss in state.losses], state.peak_in_flight)
+        parts = [{name: value.item() for name, value in named.items()} for named in state.loss_parts]
+        return BatchResult([loss.item() for loss in state.losses], state.peak_in_flight,
+                           parts if any(parts) else [])
 
     # ---- communication --------------------------------------------------------------------------
     def _post(self, actions: list[Action], state: "_State") -> None:
@@ -136,8 +218,10 @@ class PipelineExecutor:
                 items.append((action, state.outputs_to_send.pop(key)))
             elif action.kind is ActionKind.SEND_B:
                 items.append((action, state.input_grads.pop(key)))
-            else:
+            elif (action.kind, action.stage, action.microbatch) not in state.prereceived:
                 items.append((action, None))
+        if not items:
+            return
         for transfer in self.p2p.post(items):
             if transfer.action.kind.is_send:
                 state.sends.append(transfer)
@@ -161,6 +245,9 @@ class PipelineExecutor:
             self.p2p.wait(transfer)
 
     def _received(self, kind: ActionKind, stage: int, microbatch: int, state: "_State") -> Optional[torch.Tensor]:
+        early = state.prereceived.pop((kind, stage, microbatch), None)
+        if early is not None:
+            return early
         transfer = state.recvs.pop((kind, stage, microbatch), None)
         return None if transfer is None else self.p2p.received(transfer)
 
@@ -190,7 +277,6 @@ class PipelineExecutor:
         stage, microbatch = action.stage, action.microbatch
         key = (stage, microbatch)
         chunk_index = self.schedule.chunk_of_stage(stage)
-        chunk = self.chunks[chunk_index]
         if stage == 0:
             inp = None
         else:
@@ -203,21 +289,36 @@ class PipelineExecutor:
                                                                                             microbatch)
             use = self.stores[chunk_index].forward(self._store_version(chunk_index, action.version), survives)
             self._record(ActionKind.F, stage, microbatch, use.version)
-        out = chunk(inp, batch) if use is None or use.weights is None else functional_call(chunk, use.weights,
-                                                                                           (inp, batch))
+        # an asynchronous pipeline keeps forwards across calls; a checkpoint taken between calls
+        # replays them from their input, data and random state (see ``in_flight.py``)
+        rng = capture_rng(self.ps.rng_tracker, self.p2p.device) if self.program.asynchronous else None
+        out = self._run_forward(stage, microbatch, inp, batch, use, rng, state)
         if stage == self.schedule.num_stages - 1:
             state.losses.append(out.detach())
-            out = self.scale_loss(out / self.program.loss_divisor)
+            state.loss_parts.append(parts_of(out))
         elif self.schedule.rank_of(stage + 1, microbatch) == self.ps.pp_rank:
             state.local_outputs[(stage + 1, microbatch)] = out.detach()
         else:
             state.outputs_to_send[key] = out
-        state.saved[key] = (inp, out, use)
+
+    def _run_forward(self, stage: int, microbatch: int, inp: Optional[torch.Tensor], batch: dict,
+                     use: Optional[VersionUse], rng: Optional[dict], state: "_State") -> torch.Tensor:
+        """Run F stage.microbatch and keep what its backward needs; returns the stage's output (the loss
+        on the last stage, before scaling)."""
+        chunk = self.chunks[self.schedule.chunk_of_stage(stage)]
+        out = chunk(inp, batch) if use is None or use.weights is None else functional_call(chunk, use.weights,
+                                                                                           (inp, batch))
+        graph_end = out
+        if stage == self.schedule.num_stages - 1:
+            graph_end = self.scale_loss(out / self.program.loss_divisor)
+        state.saved[(stage, microbatch)] = SavedForward(inp, graph_end, use, batch, rng)
         state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
+        return out
 
     def _backward(self, stage: int, microbatch: int, state: "_State") -> None:
         key = (stage, microbatch)
-        inp, out, use = state.saved.pop(key)
+        saved = state.saved.pop(key)
+        inp, out, use = saved.inp, saved.out, saved.use
         if stage == self.schedule.num_stages - 1:
             torch.autograd.backward(out)
         else:
@@ -247,11 +348,23 @@ def _completed(transfer: Transfer) -> bool:
     return transfer.done
 
 
+@dataclass
+class SavedForward:
+    """What a forward keeps for its backward, and what replaying it needs (asynchronous schedules)."""
+
+    inp: Optional[torch.Tensor]  # the received boundary tensor (a leaf); None on the first stage
+    out: torch.Tensor  # the output (scaled loss on the last stage) to differentiate
+    use: Optional[VersionUse]  # the weight version it ran on
+    batch: dict  # the microbatch's data
+    rng: Optional[dict]  # random states before it ran (asynchronous schedules only)
+
+
 class _State:
     """Tensors in flight, keyed by (stage, microbatch); carried across calls until the pipeline is empty."""
 
     def __init__(self):
-        self.saved: dict = {}  # (input, output, version use) kept for the backward
+        self.saved: dict[tuple[int, int], SavedForward] = {}  # kept for the backward, in forward order
+        self.prereceived: dict = {}  # (RECV kind, stage, microbatch) -> tensor received before its call
         self.outputs_to_send: dict = {}
         self.input_grads: dict = {}
         self.local_outputs: dict = {}  # handed to the next stage on this same rank
@@ -259,4 +372,5 @@ class _State:
         self.recvs: dict = {}
         self.sends: list[Transfer] = []
         self.losses: list = []
+        self.loss_parts: list[dict] = []
         self.peak_in_flight = 0

@@ -67,11 +67,13 @@ def _accumulate_into(param: torch.Tensor, alias: torch.Tensor) -> None:
     alias.grad = None
 
 
-def _alias(param: torch.nn.Parameter) -> torch.Tensor:
-    """A leaf tensor on ``param``'s current storage, with its own autograd identity and version counter."""
+def _alias(param: torch.nn.Parameter, value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A leaf tensor on ``param``'s current storage (or ``value``'s), with its own autograd identity
+    and version counter, whose gradient goes to ``param``."""
+    source = param if value is None else value
     alias = torch.empty(0, dtype=param.dtype, device=param.device)
     with torch.no_grad():
-        alias.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+        alias.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
     alias.requires_grad_(True)
     alias.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, param))
     return alias
@@ -90,6 +92,7 @@ class WeightVersionStore:
         self._pinned: set[int] = set()
         self._in_flight: Counter = Counter()  # forwards on aliases not yet backwarded, per version
         self._on_live_params = 0  # forwards on the live parameters not yet backwarded
+        self._replaying = False  # restoring a checkpoint's in-flight forwards: release nothing yet
         self.peak_versions = 1
 
     # ---- what tests and logs read -------------------------------------------------------------
@@ -185,6 +188,32 @@ class WeightVersionStore:
         self._pinned.clear()
         self._release()
 
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint needs to rebuild this store between two calls of a schedule: the live
+        version's number, the stashed versions (their values) and the pinned version numbers.
+        The in-flight counts come back when the in-flight forwards are replayed."""
+        return dict(live_version=self.live_version, pinned=sorted(self._pinned),
+                    stashed={version: {name: t.detach() for name, t in weights.items()}
+                             for version, weights in self._stashed.items()})
+
+    def start_replay(self, state: dict) -> None:
+        """Take back ``checkpoint_state``'s versions (the live values are the module's, loaded
+        with the model); then replay the in-flight forwards and call ``finish_replay``."""
+        if self._stashed or self._in_flight or self._on_live_params:
+            raise RuntimeError("a weight store can take back a checkpoint's versions only while nothing is in flight")
+        self.live_version, self._pinned = state["live_version"], set(state["pinned"])
+        self._stashed = {version: {name: _alias(self.params[name], value.clone()) for name, value in weights.items()}
+                         for version, weights in state["stashed"].items()}
+        self._replaying = True
+
+    def finish_replay(self) -> None:
+        self._replaying = False
+        self._release()
+        self.peak_versions = max(self.peak_versions, self.num_versions)
+
     def _release(self) -> None:
+        if self._replaying:
+            return
         for version in [v for v in self._stashed if v not in self._pinned and not self._in_flight[v]]:
             del self._stashed[version]

@@ -60,3 +60,24 @@ def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int, device: torch.devic
     tracker = RNGTracker(device)
     tracker.add("model-parallel", base + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     return tracker
+
+
+def capture_rng(tracker: "RNGTracker | None", device: torch.device) -> dict[str, torch.Tensor]:
+    """Every random state dropout on ``device`` draws from: the CPU and device generators and the
+    tracker's streams, as ``{"cpu", "device", "tracker/<stream>"}`` (no "device" on a CPU)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states["device"] = rng_state(device).cpu()
+    if tracker is not None:
+        states.update({f"tracker/{name}": state for name, state in tracker.get_states().items()})
+    return states
+
+
+def restore_rng(states: dict[str, torch.Tensor], tracker: "RNGTracker | None", device: torch.device) -> None:
+    """Put back what ``capture_rng`` returned."""
+    torch.set_rng_state(states["cpu"])
+    if "device" in states:
+        set_rng_state(states["device"], device)
+    streams = {name.removeprefix("tracker/"): state for name, state in states.items() if name.startswith("tracker/")}
+    if streams:
+        tracker.set_states(streams)
