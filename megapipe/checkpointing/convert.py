@@ -15,7 +15,7 @@ import torch
 from megapipe.checkpointing.common import Common, Layout, plain
 from megapipe.checkpointing.hf import export_hf, import_hf
 from megapipe.checkpointing.offline import read_checkpoint, write_checkpoint
-from megapipe.checkpointing.state import MASTER, model_key, optimizer_key
+from megapipe.checkpointing.state import MASTER, is_rank_local, model_key, optimizer_key
 from megapipe.config import Config
 
 
@@ -27,14 +27,19 @@ class Conversion:
     target_layout: Optional[Layout]
     tensors: int
     bytes: int
+    dropped_in_flight: bool = False  # the source held an asynchronous pipeline's in-flight state
 
     def lines(self) -> list[str]:
         def where(path, layout):
             return f"{path} ({layout})" if layout is not None else f"{path} (Hugging Face)"
-        return [f"source:  {where(self.source, self.source_layout)}",
-                f"target:  {where(self.target, self.target_layout)}",
-                f"tensors: {self.tensors}",
-                f"bytes:   {self.bytes} ({self.bytes / 2 ** 20:.1f} MiB)"]
+        lines = [f"source:  {where(self.source, self.source_layout)}",
+                 f"target:  {where(self.target, self.target_layout)}",
+                 f"tensors: {self.tensors}",
+                 f"bytes:   {self.bytes} ({self.bytes / 2 ** 20:.1f} MiB)"]
+        if self.dropped_in_flight:
+            lines.append("dropped: the microbatches the source's PipeDream/2BW pipeline had in flight (they belong to "
+                         "its layout); a run from the target starts with an empty pipeline")
+        return lines
 
 
 def _size(tensors: dict[str, torch.Tensor]) -> int:
@@ -42,16 +47,17 @@ def _size(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _written(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What a checkpoint written from ``tensors`` holds: random states are dropped."""
-    return {key: value for key, value in tensors.items() if not key.startswith("rng/")}
+    """What a checkpoint written from ``tensors`` holds: random states and in-flight pipeline state are dropped."""
+    return {key: value for key, value in tensors.items() if not is_rank_local(key)}
 
 
 def reshard(source: str, target: str, layout: Layout) -> Conversion:
     """Rewrite a checkpoint (weights, optimizer state, schedule) as ``layout``'s ranks would save it."""
     path, common, tensors = read_checkpoint(source)
+    in_flight = any(key.startswith("inflight/") for key in tensors)
     tensors = _written(tensors)
     written = write_checkpoint(target, common, tensors, layout)
-    return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors))
+    return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors), in_flight)
 
 
 def import_hf_checkpoint(hf_dir: str, target: str, layout: Layout) -> Conversion:

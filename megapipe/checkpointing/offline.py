@@ -20,7 +20,7 @@ from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.paths import find_checkpoint, prepare_staging, publish
 from megapipe.checkpointing.planners import ShardSavePlanner
 from megapipe.checkpointing.shards import Shard, cut
-from megapipe.checkpointing.state import model_key
+from megapipe.checkpointing.state import is_rank_local, model_key
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
@@ -108,9 +108,10 @@ def write_as_ranks(pieces: list[dict[str, Shard]], directory: str) -> None:
 def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor], layout: Layout) -> str:
     """Write ``tensors`` (whole) under ``root`` as ``layout`` would have saved them; returns the directory.
 
-    Random states are dropped (they belong to the ranks of the layout that made them).
+    Random states and in-flight pipeline state are dropped (they belong to the ranks of the
+    layout that made them).
     """
-    tensors = {key: value for key, value in tensors.items() if not key.startswith("rng/")}
+    tensors = {key: value for key, value in tensors.items() if not is_rank_local(key)}
     parallel = dict(common.config.get("parallel", {}), tensor=layout.tensor, pipeline=layout.pipeline,
                     data=layout.data, virtual_pipeline=layout.virtual_pipeline)
     common = dataclasses.replace(common, layout=layout, has_rng=False, config=dict(common.config, parallel=parallel))

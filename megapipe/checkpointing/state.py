@@ -46,6 +46,11 @@ def in_flight_prefix(rank: int) -> str:
     return f"inflight/rank_{rank}/"
 
 
+def is_rank_local(key: str) -> bool:
+    """Random states and in-flight pipeline state: they belong to the ranks of the layout that wrote them."""
+    return key.startswith(("rng/", "inflight/"))
+
+
 def precision_optimizers(optimizer) -> list:
     """The PrecisionOptimizers behind the engine's optimizer (one, or one per chunk in an OptimizerGroup)."""
     return list(getattr(optimizer, "optimizers", [optimizer]))
