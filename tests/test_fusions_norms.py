@@ -92,11 +92,11 @@ def _sharded_cross_entropy(logits, target, shards):
     for piece, start, end in zip(slices, starts, starts[1:]):
         shifted = ce.max_shifted_logits(piece, logits_max)
         index, in_shard = ce.shard_target(target, start, end)
-        parts.append((shifted, index, in_shard, ce.target_logit(shifted, index, in_shard), *ce.exp_and_sum(shifted)))
+        parts.append((shifted, index, in_shard, ce.target_logit(shifted, index, in_shard), *ce.exp_and_sum_(shifted)))
     predicted = sum(part[3] for part in parts)  # all-reduce SUM
     sum_exp = sum(part[5] for part in parts)  # all-reduce SUM
     loss = ce.loss_from_sums(sum_exp, predicted)
-    softmaxes = [ce.normalize_exp(part[4], sum_exp) for part in parts]
+    softmaxes = [ce.normalize_exp_(part[4], sum_exp) for part in parts]
     return loss, softmaxes, parts
 
 
@@ -112,7 +112,7 @@ def test_cross_entropy_parts_match_pytorch(family, shards):
     expected = F.cross_entropy(logits, target, reduction="none")
     # log-sum-exp over 50 terms in fp32: a few ULP of the loss.
     assert_fp32_close(loss, expected.detach())
-    grad_shards = [ce.softmax_minus_onehot(sm, part[1], part[2], grad_loss) for sm, part in zip(softmaxes, parts)]
+    grad_shards = [ce.softmax_minus_onehot_(sm, part[1], part[2], grad_loss) for sm, part in zip(softmaxes, parts)]
     (want,) = grads(expected, grad_loss, logits)
     assert_fp32_close(torch.cat(grad_shards, dim=-1), want)
 

@@ -8,14 +8,18 @@ Vocab-parallel cross-entropy (Megatron) splits the logits [..., V] into vocabula
     shifted    = max_shifted_logits(logits, logits_max)
     index, in_shard = shard_target(target, vocab_start, vocab_end)
     predicted  = target_logit(shifted, index, in_shard)      -> all-reduce SUM
-    exp_logits, sum_exp = exp_and_sum(shifted)               -> all-reduce SUM on sum_exp
+    exp_logits, sum_exp = exp_and_sum_(shifted)              -> all-reduce SUM on sum_exp
     loss       = loss_from_sums(sum_exp, predicted)
-    softmax    = normalize_exp(exp_logits, sum_exp)          (saved for backward)
+    softmax    = normalize_exp_(exp_logits, sum_exp)         (saved for backward)
   backward:
-    grad_logits = softmax_minus_onehot(softmax, index, in_shard, grad_loss)
+    grad_logits = softmax_minus_onehot_(softmax, index, in_shard, grad_loss)
 
-All results are fp32 (the logits may be bf16). No collective happens in here, so each function
-can be compiled into one kernel: under the torch.compile backend they are.
+All results are fp32 (the logits may be bf16). Functions ending in ``_`` write over their
+first argument, as Megatron does: the shifted logits become their exponentials, then the
+softmax, then the gradient, so one [tokens, V/t] fp32 buffer serves forward and backward
+(at GPT-2's vocabulary that buffer is the largest activation of the model). No collective
+happens in here, so each function can be compiled into one kernel: under the torch.compile
+backend they are.
 """
 
 from __future__ import annotations
@@ -59,9 +63,9 @@ def target_logit(shifted: torch.Tensor, index: torch.Tensor, in_shard: torch.Ten
 
 
 @_fusable
-def exp_and_sum(shifted: torch.Tensor):
-    """(exp of the shifted logits, their sum over this shard's vocabulary)."""
-    exp_logits = shifted.exp()
+def exp_and_sum_(shifted: torch.Tensor):
+    """(exp of the shifted logits, written over them; their sum over this shard's vocabulary)."""
+    exp_logits = shifted.exp_()
     return exp_logits, exp_logits.sum(-1)
 
 
@@ -72,14 +76,14 @@ def loss_from_sums(sum_exp: torch.Tensor, predicted: torch.Tensor) -> torch.Tens
 
 
 @_fusable
-def normalize_exp(exp_logits: torch.Tensor, sum_exp: torch.Tensor) -> torch.Tensor:
-    """This shard's slice of the softmax over the full vocabulary."""
-    return exp_logits / sum_exp.unsqueeze(-1)
+def normalize_exp_(exp_logits: torch.Tensor, sum_exp: torch.Tensor) -> torch.Tensor:
+    """This shard's slice of the softmax over the full vocabulary, written over ``exp_logits``."""
+    return exp_logits.div_(sum_exp.unsqueeze(-1))
 
 
 @_fusable
-def softmax_minus_onehot(softmax: torch.Tensor, index: torch.Tensor, in_shard: torch.Tensor,
-                         grad_loss: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(logits) on this shard: ``(softmax - onehot(target)) * grad_loss``."""
-    onehot = torch.zeros_like(softmax).scatter_(-1, index.unsqueeze(-1), in_shard.unsqueeze(-1).to(softmax.dtype))
-    return (softmax - onehot) * grad_loss.float().unsqueeze(-1)
+def softmax_minus_onehot_(softmax: torch.Tensor, index: torch.Tensor, in_shard: torch.Tensor,
+                          grad_loss: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(logits) on this shard, ``(softmax - onehot(target)) * grad_loss``, written over ``softmax``."""
+    softmax.scatter_add_(-1, index.unsqueeze(-1), -in_shard.unsqueeze(-1).to(softmax.dtype))
+    return softmax.mul_(grad_loss.float().unsqueeze(-1))

@@ -25,21 +25,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start):
         ctx.dtype = logits.dtype
-        logits_max = logits.float().max(dim=-1).values
+        logits_max = logits.max(dim=-1).values.float()  # exact in any dtype; no fp32 copy of the logits
         _all_reduce(logits_max, dist.ReduceOp.MAX, group)
         shifted = parts.max_shifted_logits(logits, logits_max)
         index, in_shard = parts.shard_target(target, vocab_start, vocab_start + logits.shape[-1])
         predicted = parts.target_logit(shifted, index, in_shard)
         _all_reduce(predicted, dist.ReduceOp.SUM, group)
-        exp_logits, sum_exp = parts.exp_and_sum(shifted)
+        exp_logits, sum_exp = parts.exp_and_sum_(shifted)
         _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(parts.normalize_exp(exp_logits, sum_exp), index, in_shard)
+        ctx.save_for_backward(parts.normalize_exp_(exp_logits, sum_exp), index, in_shard)
         return parts.loss_from_sums(sum_exp, predicted)
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, index, in_shard = ctx.saved_tensors
-        return parts.softmax_minus_onehot(softmax, index, in_shard, grad_loss).to(ctx.dtype), None, None, None
+        # the saved softmax becomes the gradient: a second backward through this graph is not supported
+        return parts.softmax_minus_onehot_(softmax, index, in_shard, grad_loss).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int) -> torch.Tensor:

@@ -140,7 +140,6 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, ps: 
     logits = F.linear(hidden, word_embeddings, bias)
     per_rank = word_embeddings.shape[0]
     first_padded = vocab_size - ps.tp_rank * per_rank
-    if first_padded < per_rank:
-        logits = logits.clone()
+    if first_padded < per_rank:  # in place: the matmul's backward does not need its output
         logits[..., max(first_padded, 0):] = float("-inf")
     return logits
