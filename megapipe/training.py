@@ -168,8 +168,10 @@ class Trainer:
             ok = result.step is None or result.step.ok
             if not ok:
                 self.state.skipped_iterations += 1
-                self.logger.print(f"skipped iteration {self.state.iteration}: loss scale reduced to "
-                                  f"{self.engine.optimizer.loss_scale}")
+                scale = self.engine.optimizer.loss_scale
+                self.logger.print(f"skipped iteration {self.state.iteration}: " + (
+                    f"gradient overflow, loss scale now {scale}" if scale is not None else
+                    f"non-finite gradient (grad norm {result.step.grad_norm})"))
             if result.step is not None and result.step.grad_norm is not None \
                     and not math.isfinite(float(result.step.grad_norm)):
                 nan_iterations += 1

@@ -1,6 +1,7 @@
 """Single-process optimizer checks: gradient buffers, weight-decay groups, fp32/bf16/fp16 steps, resume."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -208,7 +209,7 @@ def test_nan_grad_without_loss_scaling_skips_the_step():
         next(model.parameters()).main_grad[0, 0] = float("nan")
 
     result, = run_steps(model, opt, LRScheduler(opt, cfg, 10), grads, batches(2, torch.bfloat16), inject=poison)
-    assert not result.ok and result.grad_norm is None
+    assert not result.ok and math.isnan(result.grad_norm)  # reported, so the log counts a nan iteration
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 

@@ -31,14 +31,19 @@ def _counted_grads(params: list[torch.Tensor], ps: ParallelState) -> list[torch.
 def global_grad_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
     """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
 
-    Inf or NaN in any gradient on any model-parallel rank makes the result inf or NaN everywhere.
+    Inf or NaN in any gradient on any model-parallel rank makes the result inf or NaN everywhere,
+    including the copies the norm does not count (they add 0 x their norm, which is NaN only
+    when they are not finite): without loss scaling this is the overflow check, and no rank can
+    step on a copy that went bad while its counted twin did not.
     """
-    grads = _counted_grads(params, ps)
-    device = grads[0].device if grads else (params[0].device if params else None)
+    with_grad = [p for p in params if p.grad is not None]
+    device = with_grad[0].device if with_grad else (params[0].device if params else None)
     squared = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        norms = torch._foreach_norm([g.float() for g in grads])
-        squared += torch.stack(norms).square().sum()
+    for counted in (True, False):
+        grads = [p.grad.float() for p in with_grad if counts_in_norm(p, ps.tp_rank) == counted]
+        if grads:
+            part = torch.stack(torch._foreach_norm(grads)).square().sum()
+            squared += part if counted else 0.0 * part
     all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
     return squared.sqrt()
 

@@ -87,11 +87,11 @@ class PrecisionOptimizer:
         """Update the parameters from the finalized main gradients, or skip on overflow."""
         self._attach_main_grads()
         try:
-            overflow = self._unscale_and_find_overflow()
-            if self.loss_scaler is not None:
+            if self.loss_scaler is not None:  # without one, any non-finite gradient makes the norm below so
+                overflow = self._unscale_and_find_overflow()
                 self.loss_scaler.update(overflow)
-            if overflow:
-                return StepResult(False, None, None)
+                if overflow:
+                    return StepResult(False, None, None)
             grad_norm = global_grad_norm(self.main_params, self.ps)
             if not torch.isfinite(grad_norm):
                 return StepResult(False, grad_norm.item(), None)
@@ -119,8 +119,7 @@ class PrecisionOptimizer:
         grads = [main.grad for main in self.main_params]
         device = self.grads.buffer.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inverse_scale = torch.full((1,), 1.0 / self.loss_scale if self.loss_scaler is not None else 1.0,
-                                   dtype=torch.float32, device=device)
+        inverse_scale = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
         all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
         return bool(found.item())
