@@ -10,6 +10,8 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
+from megapipe.models import build_model_chunks
+from megapipe.parallel_state import ParallelState
 from megapipe.planner.analytic import analytic_gpt_profile, block_params, block_stash_bytes
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.presets import MODELS, parameter_count
@@ -108,6 +110,16 @@ def test_analytic_profile_follows_eq_4_2_and_the_activation_count():
     assert block_stash_bytes(shape, 1, 2)[0] == s * h * (34 + 5 * a * s / h)
     total = sum(layer.params for layer in profile.layers)
     assert total == parameter_count(shape) + 2 * h  # eq. 4.3 leaves out the final norm
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_analytic_parameters_are_the_models(tied):
+    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
+                         untie_embeddings_and_output_weights=not tied)
+    model = build_model_chunks("gpt", config, ParallelState.single())[0]
+    profile = analytic_gpt_profile(ModelShape.from_config("gpt", config), 1e12, micro_batch_sizes=(1,))
+    assert sum(layer.params for layer in profile.layers) == sum(p.numel() for p in model.parameters())
+    assert profile.layers[-1].split_params == (0 if tied else 256 * 64)  # the output weight splits over t
 
 
 def test_preset_shapes_have_the_named_sizes():

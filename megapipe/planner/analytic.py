@@ -80,7 +80,9 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
                          split_stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e)[1]))
     head_forward = seconds(lambda b: head_forward_flops(shape, b))
     logits = per_size(lambda b: LOGITS_BYTES * s * b * v)
-    head = LayerProfile("head", "head", params=2 * h, split_params=0, forward_s=head_forward,
+    output_weight = 0 if shape.tied_embeddings else v * h  # an untied head owns its output weight
+    head = LayerProfile("head", "head", params=2 * h + output_weight, split_params=output_weight,
+                        forward_s=head_forward,
                         backward_s=tuple(2 * t for t in head_forward), recompute_backward_s=tuple(2 * t for t in head_forward),
                         output_bytes=per_size(lambda b: 4.0),
                         stash_bytes=tuple(2 * a + l for a, l in zip(activation, logits)), split_stash_bytes=logits)
