@@ -4,9 +4,10 @@ The executor knows nothing about which schedule it runs; the list says everythin
 ``actions.py`` for each kind's meaning and the posting contract). It runs a *program*
 (``program.py``): a flush schedule's whole list every call, or one segment of an
 asynchronous schedule per call, with what is in flight (activations, posted sends, weight
-versions) carried over to the next call until ``drain``. Activations are released as soon as
-the schedule allows: a sent output after its send completes, a stage's saved input and output
-after its backward.
+versions) carried over to the next call until ``drain``; ``in_flight`` records that state for a
+checkpoint and ``restore_in_flight`` rebuilds it (``in_flight.py``). Activations are released
+as soon as the schedule allows: a sent output after its send completes, a stage's saved input
+and output after its backward.
 
 Weight versions: with weight stores (``weights.py``, one per chunk) every forward runs against
 the version its action names, and its backward, through the saved autograd graph, against the
