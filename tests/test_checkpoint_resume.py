@@ -8,10 +8,11 @@ backwards, stashed weight versions, accumulated gradients), the resumed run repl
 forwards, and both the saving run and the resumed one must equal a run that never saved.
 Dropout stays on, so the losses only match if the random states of every rank (default
 generator and the tensor-parallel tracker) come back with the weights, the Adam moments, the
-learning-rate schedule and the data position. The new Trainer in the same process re-seeds everything at
-construction, so nothing carries over except through the files. One case saves with
---async-save, whose background write must produce the same checkpoint; an fp16 run of one
-process also needs its fp32 master weights and dynamic loss scaler back.
+learning-rate schedule and the data position. The new Trainer in the same process re-seeds
+everything at construction, so nothing carries over except through the files. Two cases (a
+flush and a 2BW one) save with --async-save, whose background write must produce the same
+checkpoint; an fp16 run of one process also needs its fp32 master weights and dynamic loss
+scaler back.
 
 Resharding: a checkpoint saved at (2, 2, 1) loads at (1, 4, 1), (4, 1, 1), (1, 1, 4) and
 (1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``. Every layout trains
@@ -49,7 +50,7 @@ RESHARD_TARGETS = {"t1p4d1": (1, 4), "t4p1d1": (4, 1), "t1p1d4": (1, 1)}
 def resume_cases():
     for layout, (t, p) in LAYOUTS.items():
         for schedule in SCHEDULES:
-            extra = ["--async-save"] if (layout, schedule) == ("t1p2d2", "1f1b") else []
+            extra = ["--async-save"] if (layout, schedule) in (("t1p2d2", "1f1b"), ("t2p2d1", "2bw")) else []
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
 
 
