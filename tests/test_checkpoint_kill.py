@@ -1,8 +1,9 @@
 """A rank killed with SIGKILL in mid-training: the job stops, names the lost rank, and the same
 command started again resumes from the last complete checkpoint.
 
-The real entry point under torchrun (2 pipeline stages, a checkpoint every 2 iterations,
-``--save`` and ``--load`` the same directory, as a job script would have it). Rank 0 is killed
+The real entry point under torchrun (2 pipeline stages under 1F1B and under PipeDream, a
+checkpoint every 2 iterations, ``--save`` and ``--load`` the same directory, as a job script
+would have it). Rank 0 is killed
 once iteration 5 is logged; torchrun tears the others down and reports rank 0 as the root
 cause. The relaunch loads iteration 4 and logs iteration 5 again with the same loss, to all
 7 printed digits (dropout on: the random states come back too).
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from checkpoint_helpers import TINY_GPT, session_cache
+from checkpoint_helpers import TINY_GPT, layout_flags, session_cache
 
 # two torchrun launches: minutes on a busy 2-core machine, beyond the suite's 300 s default
 pytestmark = pytest.mark.timeout(600)
@@ -29,10 +30,10 @@ STOP_SECONDS = 60
 RUN_SECONDS = 300
 
 
-def _command(root: str, cache: str) -> list[str]:
+def _command(root: str, cache: str, schedule: str) -> list[str]:
     directory = os.path.join(root, "ckpt")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, "--pipeline-model-parallel-size", "2",
+            os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule),
             "--train-iters", "8", "--save", directory, "--load", directory, "--save-interval", "2",
             "--data-cache-path", cache]
 
@@ -97,8 +98,9 @@ def _loss(line: str) -> str:
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="finds torchrun's workers through /proc/<pid>/task/<pid>/children (Linux)")
-def test_a_killed_rank_stops_the_job_and_the_same_command_resumes(tmp_path, tmp_path_factory):
-    command = _command(str(tmp_path), session_cache(tmp_path_factory))
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])  # PipeDream resumes with microbatches in flight
+def test_a_killed_rank_stops_the_job_and_the_same_command_resumes(tmp_path, tmp_path_factory, schedule):
+    command = _command(str(tmp_path), session_cache(tmp_path_factory), schedule)
     job = Job(command)
     try:
         fifth = job.wait_for(r"iteration\s+5/", RUN_SECONDS)
