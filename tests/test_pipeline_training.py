@@ -22,8 +22,6 @@ from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
-import torch.distributed as dist
-
 RTOL = 1e-5
 SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]

@@ -23,8 +23,8 @@ from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import LRSchedule
-from megapipe.pipeline.in_flight import InFlight
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.in_flight import InFlight
 
 
 def _same_path(a: str, b) -> bool:
