@@ -34,17 +34,21 @@ META = "meta"
 
 @dataclass
 class ForwardRecord:
+    """A forward whose backward is still to come, as replaying it needs it."""
+
     stage: int
     microbatch: int
     version: Optional[int]  # None: the schedule keeps one weight version (no store)
     on_alias: bool  # ran on an alias of its version (outlives an update), not the live parameters
-    inp: Optional[torch.Tensor]
-    batch: dict[str, torch.Tensor]
-    rng: dict[str, torch.Tensor]
+    inp: Optional[torch.Tensor]  # the boundary tensor it received; None on the first stage
+    batch: dict[str, torch.Tensor]  # the microbatch's data
+    rng: dict[str, torch.Tensor]  # random states before it ran (``capture_rng``)
 
 
 @dataclass
 class InFlight:
+    """One rank's asynchronous pipeline between two calls (see the module docstring)."""
+
     calls: int
     base_versions: list[int]
     stores: list[dict]  # WeightVersionStore.checkpoint_state() per chunk
