@@ -21,6 +21,7 @@ from typing import Optional
 import pytest
 import torch
 
+from batch_helpers import random_microbatch
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
@@ -91,17 +92,7 @@ def reference_optimizer(case: Case):
 
 
 def microbatch(kind: str, config: ModelConfig, index: int) -> dict:
-    g = torch.Generator().manual_seed(7919 * index + 1)
-    batch = {"tokens": torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g),
-             "labels": torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g),
-             "loss_mask": (torch.rand(MICRO, SEQ, generator=g) > 0.1).float()}
-    if kind == "bert":
-        padding = torch.ones(MICRO, SEQ, dtype=torch.long)
-        padding[0, SEQ - 1:] = 0
-        batch.update(types=torch.randint(0, 2, (MICRO, SEQ), generator=g), padding_mask=padding,
-                     is_random=torch.randint(0, 2, (MICRO,), generator=g))
-        batch["loss_mask"] = batch["loss_mask"] * padding
-    return batch
+    return random_microbatch(kind, config.vocab_size, MICRO, SEQ, seed=7919 * index + 1)
 
 
 # ---------------------------------------------------------------------------------- the rules

@@ -14,6 +14,7 @@ import datetime
 import pytest
 import torch
 
+from batch_helpers import random_microbatch
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
@@ -40,17 +41,7 @@ def optimizer_config() -> OptimizerConfig:
 
 
 def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + index)
-    tokens = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g)
-    batch = {"tokens": tokens, "labels": torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=g),
-             "loss_mask": (torch.rand(MICRO, SEQ, generator=g) > 0.1).float()}
-    if kind == "bert":
-        padding = torch.ones(MICRO, SEQ, dtype=torch.long)
-        padding[0, SEQ - 2:] = 0
-        batch.update(types=torch.randint(0, 2, (MICRO, SEQ), generator=g), padding_mask=padding,
-                     is_random=torch.randint(0, 2, (MICRO,), generator=g))
-        batch["loss_mask"] = batch["loss_mask"] * padding
-    return batch
+    return random_microbatch(kind, config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
 def reference_run(kind: str, d: int):
