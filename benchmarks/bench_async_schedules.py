@@ -39,10 +39,10 @@ from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.engine import PipelineEngine  # noqa: E402
-from megapipe.pipeline.schedules import build_schedule  # noqa: E402
-from megapipe.pipeline.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.timeline import Timeline  # noqa: E402
+from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
+from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
+from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
+from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "pipedream", "2bw")

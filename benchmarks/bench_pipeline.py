@@ -49,11 +49,11 @@ from megapipe.models.gpt import masked_mean  # noqa: E402
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
 from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.actions import Action, ActionKind  # noqa: E402
-from megapipe.pipeline.engine import PipelineEngine  # noqa: E402
-from megapipe.pipeline.schedules import build_schedule  # noqa: E402
-from megapipe.pipeline.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.timeline import Timeline  # noqa: E402
+from megapipe.pipeline.ir.actions import Action, ActionKind  # noqa: E402
+from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
+from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
+from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
+from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 

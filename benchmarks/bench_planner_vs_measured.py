@@ -41,7 +41,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.engine import PipelineEngine
+from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan

@@ -202,8 +202,8 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
 def validate_config(config: Config, world_size: int) -> int:
     """Check everything knowable before process groups exist; returns the data-parallel size."""
     from megapipe.parallel_state import RankLayout
-    from megapipe.pipeline.plan_layout import PlanLayout
-    from megapipe.pipeline.schedules import build_schedule
+    from megapipe.plan_layout import PlanLayout
+    from megapipe.pipeline.ir.schedules import build_schedule
 
     par, train = config.parallel, config.training
     plan = par.stage_plan()

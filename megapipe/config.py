@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.stage_plan import StagePlan, read_stage_plan
+from megapipe.stage_plan import StagePlan, read_stage_plan
 from megapipe.optim.config import OptimizerConfig
 
 

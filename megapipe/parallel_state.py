@@ -7,7 +7,7 @@ holds the groups built from it and answers every rank/stage query the rest of th
 needs. Library code receives a ``ParallelState``; there are no module globals.
 
 Sizes and indices come from the member lists of the groups, so a state built from another
-layout (a stage plan with replicated stages, ``megapipe.pipeline.plan_layout``) or a view of
+layout (a stage plan with replicated stages, ``megapipe.plan_layout``) or a view of
 one stage (``stage_view``) answers the same queries.
 """
 

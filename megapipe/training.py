@@ -33,8 +33,8 @@ from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.engine import PipelineEngine
-from megapipe.pipeline.plan_layout import initialize_plan_state
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.plan_layout import initialize_plan_state
 from megapipe.train_logger import IterationStats, TrainLogger
 
 

@@ -10,12 +10,12 @@ from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.pipeline.engine import PipelineEngine
-from megapipe.pipeline.actions import ActionKind
-from megapipe.pipeline.program import PeriodicProgram
-from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.schedules.round_robin import noam
-from megapipe.pipeline.simulate import CostModel, simulate
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.pipeline.ir.program import PeriodicProgram
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.ir.schedules.round_robin import noam
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
 
 # F = 1, B = 2 per stage (as in the papers' figures); "2-1" of Fig 2.7: the replicated stage takes twice as long.
 FIG_2_7 = CostModel(forward=[2, 1], backward=[4, 2])

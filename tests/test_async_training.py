@@ -27,10 +27,10 @@ from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.engine import PipelineEngine
-from megapipe.pipeline.plan_layout import initialize_plan_state
-from megapipe.pipeline.schedules.round_robin import warmup_forwards
-from megapipe.pipeline.stage_plan import StagePlan
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.plan_layout import initialize_plan_state
+from megapipe.pipeline.ir.schedules.round_robin import warmup_forwards
+from megapipe.stage_plan import StagePlan
 from megapipe.testing import run_distributed
 from pipedream_emulator import emulate, stashing, two_bw, vertical_sync
 

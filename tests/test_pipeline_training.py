@@ -20,7 +20,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.engine import PipelineEngine
+from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
 RTOL = 1e-5

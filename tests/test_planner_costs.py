@@ -5,8 +5,8 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.simulate import CostModel as SimulatorCosts, simulate
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.analysis.simulate import CostModel as SimulatorCosts, simulate
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape

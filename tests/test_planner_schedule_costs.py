@@ -1,4 +1,4 @@
-"""The planner's schedule formulas (seed 002 Table 7.1, per rank) against megapipe.pipeline.simulate,
+"""The planner's schedule formulas (seed 002 Table 7.1, per rank) against megapipe.pipeline.analysis.simulate,
 and its weight-version counts against the versions the PipeDream and 2BW schedules actually use
 (and against the seeds' closed-form version rules)."""
 
@@ -7,9 +7,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from megapipe.pipeline.actions import ActionKind
-from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.simulate import CostModel, peak_activations, simulate
+from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
 from megapipe.planner.schedule_costs import (bubble_fraction, in_flight, microbatch_problem, pipeline_time,
                                              weight_versions)
 

@@ -11,7 +11,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.gpt import GPTStage
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.engine import PipelineEngine
+from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
 VARIANTS = [dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

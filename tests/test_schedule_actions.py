@@ -3,7 +3,7 @@
 import pytest
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
 
 
 @pytest.mark.parametrize("action", [

@@ -5,11 +5,11 @@ from collections import defaultdict
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.pipeline.communication import add_communication
-from megapipe.pipeline.schedule_file import load_schedule, save_schedule
-from megapipe.pipeline.schedules import build_schedule, register_schedule, schedule_names
-from megapipe.pipeline.validate import validate_schedule
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.pipeline.ir.communication import add_communication
+from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
+from megapipe.pipeline.ir.schedules import build_schedule, register_schedule, schedule_names
+from megapipe.pipeline.ir.validate import validate_schedule
 
 
 def lists_from_text(text):

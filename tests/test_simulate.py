@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.actions import ActionKind
-from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.simulate import CostModel, simulate
+from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
 
 PS = range(1, 9)
 

@@ -6,8 +6,8 @@ import pytest
 
 from megapipe.errors import ConfigError
 from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.pipeline.plan_layout import PlanLayout
-from megapipe.pipeline.stage_plan import PlannedStage, StagePlan, read_stage_plan
+from megapipe.plan_layout import PlanLayout
+from megapipe.stage_plan import PlannedStage, StagePlan, read_stage_plan
 
 
 def test_flag_and_json_forms_read_the_same_plan(tmp_path):

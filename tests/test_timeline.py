@@ -5,10 +5,10 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.actions import Action, ActionKind, parse_action
-from megapipe.pipeline.schedules import build_schedule
-from megapipe.pipeline.simulate import simulate
-from megapipe.pipeline.timeline import Timeline
+from megapipe.pipeline.ir.actions import Action, ActionKind, parse_action
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.analysis.simulate import simulate
+from megapipe.pipeline.analysis.timeline import Timeline
 
 
 def hand_made():

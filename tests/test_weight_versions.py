@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megapipe.pipeline.weights import WeightPolicy, WeightVersionStore
+from megapipe.pipeline.runtime.weights import WeightPolicy, WeightVersionStore
 
 BYTES = 6 * 4  # a 2x3 fp32 weight
 

@@ -19,11 +19,11 @@ from fractions import Fraction
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, ScheduleError  # noqa: E402
-from megapipe.pipeline.plot import draw_simulation, draw_timeline  # noqa: E402
-from megapipe.pipeline.schedule_file import load_schedule  # noqa: E402
-from megapipe.pipeline.schedules import build_schedule, schedule_names  # noqa: E402
-from megapipe.pipeline.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.timeline import Timeline  # noqa: E402
+from megapipe.pipeline.analysis.plot import draw_simulation, draw_timeline  # noqa: E402
+from megapipe.pipeline.ir.schedule_file import load_schedule  # noqa: E402
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
+from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
+from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import LRSchedule
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.in_flight import InFlight
+from megapipe.pipeline.runtime.in_flight import InFlight
 
 
 def _same_path(a: str, b) -> bool:

@@ -1,0 +1,2 @@
+"""Pipeline parallelism: the schedule IR (``ir``), its execution (``runtime``) and its analysis
+(``analysis``)."""

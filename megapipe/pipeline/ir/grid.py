@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from megapipe.pipeline.actions import Schedule
+from megapipe.pipeline.ir.actions import Schedule
 
 
 def format_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> str:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megapipe.errors import ConfigError
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.stage_plan import StagePlan
+from megapipe.stage_plan import StagePlan
 
 
 @dataclass(frozen=True)

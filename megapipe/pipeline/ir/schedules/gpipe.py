@@ -5,7 +5,7 @@ Bubble (p-1)/m of the ideal time; activations of all m microbatches are held at 
 
 from __future__ import annotations
 
-from megapipe.pipeline.actions import Action, ActionKind
+from megapipe.pipeline.ir.actions import Action, ActionKind
 
 
 def gpipe(p: int, m: int) -> list[list[Action]]:

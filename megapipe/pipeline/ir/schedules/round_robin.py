@@ -14,7 +14,7 @@ backwards left.
 from __future__ import annotations
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.actions import Action, ActionKind
+from megapipe.pipeline.ir.actions import Action, ActionKind
 
 
 def warmup_forwards(replicas: tuple[int, ...], stage: int) -> int:

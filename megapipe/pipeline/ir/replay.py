@@ -29,8 +29,8 @@ from numbers import Real
 from typing import Callable, NamedTuple, Optional
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.grid import format_grid
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.grid import format_grid
 
 Message = tuple[ActionKind, int, int]
 """Identity of a tensor sent between ranks: (F or B, stage that made it, microbatch)."""

@@ -24,10 +24,10 @@ from dataclasses import replace
 from typing import Optional
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.replay import message_of
-from megapipe.pipeline.schedules import build_segmented
-from megapipe.pipeline.segments import split_segments
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.replay import message_of
+from megapipe.pipeline.ir.schedules import build_segmented
+from megapipe.pipeline.ir.segments import split_segments
 
 Actions = tuple[Action, ...]
 

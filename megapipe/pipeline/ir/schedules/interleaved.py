@@ -12,7 +12,7 @@ messages and ``p + (p-1)/v`` stages' worth of activations on the first rank.
 from __future__ import annotations
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.actions import Action, ActionKind
+from megapipe.pipeline.ir.actions import Action, ActionKind
 
 
 def interleaved(p: int, m: int, v: int) -> list[list[Action]]:

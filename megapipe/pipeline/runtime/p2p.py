@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megapipe.errors import PipelineTimeout
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.actions import Action
+from megapipe.pipeline.ir.actions import Action
 from megapipe.tensor_parallel.mappings import _gather_first
 
 

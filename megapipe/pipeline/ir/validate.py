@@ -18,10 +18,10 @@ from collections import Counter, defaultdict
 from typing import NoReturn, Optional
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.grid import format_grid
-from megapipe.pipeline.replay import input_producer, message_of, outgoing_messages, replay
-from megapipe.pipeline.validate_updates import check_updates_and_versions, is_asynchronous
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.grid import format_grid
+from megapipe.pipeline.ir.replay import input_producer, message_of, outgoing_messages, replay
+from megapipe.pipeline.ir.validate_updates import check_updates_and_versions, is_asynchronous
 
 __all__ = ["validate_schedule", "format_grid"]
 

@@ -32,8 +32,8 @@ from collections import defaultdict
 from numbers import Real
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.replay import Duration, Message, Transfer, outgoing_messages, replay
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.replay import Duration, Message, Transfer, outgoing_messages, replay
 
 
 def unit_duration(rank: int, action: Action) -> Real:

@@ -9,7 +9,7 @@ microbatches are in flight on rank r instead of m.
 from __future__ import annotations
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.actions import Action, ActionKind
+from megapipe.pipeline.ir.actions import Action, ActionKind
 
 
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:

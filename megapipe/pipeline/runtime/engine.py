@@ -24,14 +24,14 @@ from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.finalize import is_tied_embedding_copy
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.executor import BatchResult, PipelineExecutor
-from megapipe.pipeline.in_flight import InFlight
-from megapipe.pipeline.optimizer_group import OptimizerGroup
-from megapipe.pipeline.program import FlushProgram, PeriodicProgram
-from megapipe.pipeline.schedules import build_schedule, schedule_spec
-from megapipe.pipeline.schedules.forward_only import forward_only_schedule
-from megapipe.pipeline.timeline import Timeline
-from megapipe.pipeline.weights import WeightVersionStore
+from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
+from megapipe.pipeline.runtime.in_flight import InFlight
+from megapipe.pipeline.runtime.optimizer_group import OptimizerGroup
+from megapipe.pipeline.ir.program import FlushProgram, PeriodicProgram
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
+from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
+from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.pipeline.runtime.weights import WeightVersionStore
 
 
 @dataclass

@@ -15,9 +15,9 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from megapipe.pipeline.actions import ActionKind
-from megapipe.pipeline.simulate import SimulationResult
-from megapipe.pipeline.timeline import Event, Timeline
+from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.pipeline.analysis.simulate import SimulationResult
+from megapipe.pipeline.analysis.timeline import Event, Timeline
 
 FORWARD_COLOR = "#2f6db5"
 BACKWARD_COLOR = "#3a9a4a"

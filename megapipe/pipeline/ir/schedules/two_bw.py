@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Optional
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.actions import Action, ActionKind
-from megapipe.pipeline.schedules.interleaved import interleaved
-from megapipe.pipeline.schedules.round_robin import check_batch_fits_replicas, one_f_one_b_round_robin
+from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.interleaved import interleaved
+from megapipe.pipeline.ir.schedules.round_robin import check_batch_fits_replicas, one_f_one_b_round_robin
 
 
 def two_bw_version(microbatch: int, m: int) -> int:

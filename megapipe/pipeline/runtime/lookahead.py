@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from megapipe.pipeline.actions import Action, ActionKind
+from megapipe.pipeline.ir.actions import Action, ActionKind
 
 
 class Lookahead:

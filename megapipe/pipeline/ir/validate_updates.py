@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from megapipe.pipeline.actions import ActionKind, Schedule
+from megapipe.pipeline.ir.actions import ActionKind, Schedule
 
 Fail = Callable[..., None]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.pipeline.schedules import lower_schedule
-from megapipe.pipeline.validate import validate_schedule
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.pipeline.ir.schedules import lower_schedule
+from megapipe.pipeline.ir.validate import validate_schedule
 
 _CSV_HEADER = ["rank", "kind", "stage", "microbatch", "peer"]
 

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.actions import Action, Schedule
-from megapipe.pipeline.communication import add_communication
-from megapipe.pipeline.schedules.gpipe import gpipe
-from megapipe.pipeline.schedules.interleaved import interleaved
-from megapipe.pipeline.schedules.one_f_one_b import one_f_one_b
-from megapipe.pipeline.schedules.pipedream import pipedream
-from megapipe.pipeline.schedules.two_bw import two_bw
-from megapipe.pipeline.segments import Cuts, check_calls_are_independent, confine_receives, segment_cuts
-from megapipe.pipeline.validate import validate_schedule
-from megapipe.pipeline.weights import WeightPolicy
+from megapipe.pipeline.ir.actions import Action, Schedule
+from megapipe.pipeline.ir.communication import add_communication
+from megapipe.pipeline.ir.schedules.gpipe import gpipe
+from megapipe.pipeline.ir.schedules.interleaved import interleaved
+from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
+from megapipe.pipeline.ir.schedules.pipedream import pipedream
+from megapipe.pipeline.ir.schedules.two_bw import two_bw
+from megapipe.pipeline.ir.segments import Cuts, check_calls_are_independent, confine_receives, segment_cuts
+from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.pipeline.runtime.weights import WeightPolicy
 
 UNROLLED_BATCHES = 4
 """Batches in the unrolled form ``build_schedule`` returns for an asynchronous schedule."""

@@ -15,7 +15,7 @@ from fractions import Fraction
 from numbers import Rational, Real
 from typing import Iterable, Optional
 
-from megapipe.pipeline.actions import Action, parse_action
+from megapipe.pipeline.ir.actions import Action, parse_action
 
 _FORMAT = "megapipe-timeline"
 

@@ -23,8 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.replay import message_of
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.replay import message_of
 
 Cuts = tuple[tuple[int, ...], ...]
 """Per rank, compute indices (positions among non-communication actions) where segments

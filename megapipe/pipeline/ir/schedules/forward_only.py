@@ -7,8 +7,8 @@ other list.
 
 from __future__ import annotations
 
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.communication import add_communication
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.communication import add_communication
 
 
 def forward_only_schedule(p: int, m: int, v: int = 1, replicas=None) -> Schedule:

@@ -15,10 +15,10 @@ from fractions import Fraction
 from numbers import Real
 from typing import Callable, Optional, Sequence, Union
 
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.communication import add_communication
-from megapipe.pipeline.replay import Message, message_of, replay
-from megapipe.pipeline.timeline import Timeline, ratio
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.communication import add_communication
+from megapipe.pipeline.ir.replay import Message, message_of, replay
+from megapipe.pipeline.analysis.timeline import Timeline, ratio
 
 StageCost = Union[Real, Sequence[Real], Callable[[int], Real]]
 """A time per virtual stage: one number for all, a sequence indexed by stage, or stage -> time."""

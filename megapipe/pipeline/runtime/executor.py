@@ -27,14 +27,14 @@ from torch.func import functional_call
 
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.in_flight import ForwardRecord, InFlight
-from megapipe.pipeline.lookahead import Lookahead
-from megapipe.pipeline.p2p import StageP2P, Transfer
-from megapipe.pipeline.program import FlushProgram
-from megapipe.pipeline.replay import input_producer
-from megapipe.pipeline.timeline import Timeline
-from megapipe.pipeline.weights import VersionUse, WeightVersionStore
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
+from megapipe.pipeline.runtime.lookahead import Lookahead
+from megapipe.pipeline.runtime.p2p import StageP2P, Transfer
+from megapipe.pipeline.ir.program import FlushProgram
+from megapipe.pipeline.ir.replay import input_producer
+from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.pipeline.runtime.weights import VersionUse, WeightVersionStore
 from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 

@@ -1,0 +1,2 @@
+"""What a schedule costs: the discrete-event simulator, timelines (simulated or recorded) and
+their pictures."""
