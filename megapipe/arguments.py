@@ -57,6 +57,9 @@ def _parallel_flags(g) -> None:
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help="1f1b (default), gpipe, interleaved (default with virtual stages), pipedream, 2bw")
+    g.add_argument("--schedule-file", default=None,
+                   help="run a flush schedule written as text or CSV (see tools/plot_schedule.py) instead of "
+                        "--pipeline-schedule; checked deadlock-free under gloo and NCCL before anything runs")
     g.add_argument("--pipedream-vertical-sync", action="store_true",
                    help="pipedream: every stage uses the weight version chosen at the input stage")
     g.add_argument("--pipeline-stages", default=None,
@@ -170,7 +173,7 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
                               virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
                               scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
                               pipeline_schedule=schedule, pipedream_vertical_sync=args.pipedream_vertical_sync,
-                              pipeline_stages=args.pipeline_stages)
+                              pipeline_stages=args.pipeline_stages, schedule_file=args.schedule_file)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,

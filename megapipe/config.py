@@ -131,7 +131,8 @@ class ParallelConfig:
     scatter_gather_tensors_in_pipeline: bool = True
     pipeline_schedule: str = "1f1b"
     pipedream_vertical_sync: bool = False  # PipeDream: every stage uses the version tagged at the input stage
-    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (pipeline/stage_plan.py)
+    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (stage_plan.py)
+    schedule_file: Optional[str] = None  # a flush schedule file run instead of pipeline_schedule
 
     def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""

@@ -33,6 +33,7 @@ from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.ir.schedule_file import load_training_schedule
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.plan_layout import initialize_plan_state
 from megapipe.train_logger import IterationStats, TrainLogger
@@ -128,7 +129,9 @@ class Trainer:
         else:
             self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
         seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
-        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, par.pipeline_schedule, self.m,
+        schedule = par.pipeline_schedule if par.schedule_file is None else \
+            load_training_schedule(par.schedule_file, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
+        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,

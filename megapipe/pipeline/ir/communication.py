@@ -28,39 +28,62 @@ to rank 0, and the gradient goes back the same way.
 from __future__ import annotations
 
 from bisect import bisect_right
+from fractions import Fraction
 from collections import defaultdict
 from numbers import Real
+from typing import Optional
 
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.segments import Cuts
 from megapipe.pipeline.ir.replay import Duration, Message, Transfer, outgoing_messages, replay
 
 
 def unit_duration(rank: int, action: Action) -> Real:
-    """Placement costs: F = 1 and B = 2 per stage (the ratio of the papers' figures), STEP = 0."""
-    return {ActionKind.F: 1, ActionKind.B: 2}.get(action.kind, 0)
+    """Placement costs: F = 1 and B = 2 per stage (the ratio of the papers' figures); STEP and
+    UPDATE a small positive time, so no two actions of a rank end at once (``transport.py``)."""
+    return {ActionKind.F: 1, ActionKind.B: 2}.get(action.kind, Fraction(1, 64))
 
 
 def _free(message: Message) -> Real:
     return 0
 
 
-def add_communication(schedule: Schedule, duration: Duration = unit_duration, transfer: Transfer = _free) -> Schedule:
+def add_communication(schedule: Schedule, duration: Duration = unit_duration, transfer: Transfer = _free,
+                      calls: Optional[Cuts] = None) -> Schedule:
     """Return compute-only ``schedule`` with its sends and receives inserted by the rule above.
 
     ``duration`` and ``transfer`` are the costs the placement of receives is tuned for (see
-    ``simulate.CostModel``); any costs give a correct, deadlock-free schedule.
+    ``simulate.CostModel``); any costs give a correct, deadlock-free schedule. ``calls`` (per
+    rank, the compute indices where calls 1, 2, ... start) lowers an asynchronous schedule
+    call by call: see ``lower_calls``.
+    """
+    return lower_calls(schedule, calls, duration, transfer)[0]
+
+
+def lower_calls(schedule: Schedule, calls: Optional[Cuts], duration: Duration = unit_duration,
+                transfer: Transfer = _free) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
+    """Insert communication into compute-only ``schedule`` whose lists are cut into calls.
+
+    The placement replay puts a collective between calls (``replay``'s barriers, which the
+    training loop's agreements are), so a call of one rank never overlaps another rank's
+    other calls, and every message is received in the call it is sent in: before the
+    receiver's compute running when it is sent, or at the end of the receiver's call when
+    that rank has finished it. Nothing is ever in transit between two calls. Returns the
+    lowered schedule and, per rank, the list positions where calls 1, 2, ... start.
     """
     if schedule.has_communication:
         raise ScheduleError(f"schedule {schedule.name!r} already has SEND/RECV actions; pass its compute_only() "
                             "form to add_communication.")
-    steps = replay(schedule, duration, transfer)
+    cuts = tuple(tuple(c) for c in calls) if calls is not None else tuple(() for _ in range(schedule.p))
+    steps = replay(schedule, duration, transfer, barriers=[list(c) for c in cuts])
     compute_ends = [[step.end for step in sorted((s for s in steps if s.rank == rank), key=lambda s: s.index)]
                     for rank in range(schedule.p)]
+    bounds = [(0,) + rank_cuts + (len(actions),) for rank_cuts, actions in zip(cuts, schedule.actions)]
     position = {(rank, _identity(action)): index for rank, actions in enumerate(schedule.actions)
                 for index, action in enumerate(actions)}
     sends: dict[tuple[int, int], Action] = {}
-    receives: defaultdict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)  # by (sender, receiver)
+    receives: defaultdict[tuple[int, int], list[tuple[tuple[int, int], Action]]] = defaultdict(list)
     for step in sorted(steps, key=lambda s: (s.rank, s.index)):
         messages = outgoing_messages(schedule, step.action)
         if messages is None:
@@ -68,22 +91,37 @@ def add_communication(schedule: Schedule, duration: Duration = unit_duration, tr
         send, recv = messages
         receiver = send.peer
         sends[(step.rank, step.index)] = send
+        call = _call_of(bounds[step.rank], step.index)
+        low, high = bounds[receiver][call], bounds[receiver][call + 1]
         consumer = position[(receiver, _identity(_consumer(recv)))]
-        running = bisect_right(compute_ends[receiver], step.end)  # first action still running after the send
-        receives[(step.rank, receiver)].append((min(running, consumer), recv))
-    before: defaultdict[tuple[int, int], list[Action]] = defaultdict(list)
+        slot = min(bisect_right(compute_ends[receiver], step.end), consumer, high)
+        if slot < low or consumer < low:
+            raise ScheduleError(f"schedule {schedule.name!r}: {recv} on rank {receiver} falls before that rank's "
+                                f"call {call}, in which its sender sends it; the calls are not aligned.")
+        receives[(step.rank, receiver)].append(((call, slot), recv))
+    before: defaultdict[tuple[int, int, int], list[Action]] = defaultdict(list)  # (rank, call, slot)
     for (_, receiver), queue in sorted(receives.items()):
-        for slot, recv in _keep_sender_order(queue):
-            before[(receiver, slot)].append(recv)
-    lists = []
+        for (call, slot), recv in _keep_sender_order(queue):
+            before[(receiver, call, slot)].append(recv)
+    lists, starts = [], []
     for rank, actions in enumerate(schedule.actions):
-        lowered = []
-        for index, action in enumerate(actions):
-            lowered += before[(rank, index)] + [action]
-            if (rank, index) in sends:
-                lowered.append(sends[(rank, index)])
+        lowered, rank_starts = [], []
+        for call in range(len(bounds[rank]) - 1):
+            if call:
+                rank_starts.append(len(lowered))
+            low, high = bounds[rank][call], bounds[rank][call + 1]
+            for index in range(low, high):
+                lowered += before[(rank, call, index)] + [actions[index]]
+                if (rank, index) in sends:
+                    lowered.append(sends[(rank, index)])
+            lowered += before[(rank, call, high)]  # received after this rank's last compute of the call
         lists.append(lowered)
-    return schedule.with_actions(lists)  # keeps the placement (replicas) and batches
+        starts.append(tuple(rank_starts))
+    return schedule.with_actions(lists), tuple(starts)  # keeps the placement (replicas) and batches
+
+
+def _call_of(bounds: tuple[int, ...], index: int) -> int:
+    return bisect_right(bounds, index) - 1
 
 
 def _identity(action: Action) -> tuple:
@@ -95,7 +133,7 @@ def _consumer(recv: Action) -> Action:
     return Action(kind, recv.stage, recv.microbatch)
 
 
-def _keep_sender_order(queue: list[tuple[int, Action]]) -> list[tuple[int, Action]]:
+def _keep_sender_order(queue: list[tuple[tuple, Action]]) -> list[tuple[tuple, Action]]:
     """Slots of one sender's receives, in send order, lowered where needed to be non-decreasing."""
     kept, lowest = [], None
     for slot, recv in reversed(queue):

@@ -68,7 +68,7 @@ class PeriodicProgram:
         # than any microbatch stays in flight (at most p v / m + 1).
         horizon = self.horizon = 3 + 2 * math.ceil(p * v / m)
         self.schedule = self._unrolled(horizon)
-        pieces = split_segments(self.schedule, self._cuts(horizon))
+        pieces = split_segments(self.schedule, self._starts(horizon))
         self._warmup, self._steps = _find_period(self.schedule, pieces, m)
         self._segments = [segments[:self._warmup + 1] for segments, _ in pieces]
         self._late_drains = [drain for _, drain in pieces]
@@ -105,13 +105,13 @@ class PeriodicProgram:
     def _unrolled(self, batches: int) -> Schedule:
         return self._built(batches).schedule
 
-    def _cuts(self, batches: int):
-        return self._built(batches).cuts
+    def _starts(self, batches: int):
+        return self._built(batches).starts
 
     def _check_run(self, batches: int) -> list[Actions]:
         """The drains of the unrolled form over ``batches`` batches, after checking that its
         segments are the ones this program runs."""
-        pieces = split_segments(self._unrolled(batches), self._cuts(batches))
+        pieces = split_segments(self._unrolled(batches), self._starts(batches))
         for rank, (segments, _) in enumerate(pieces):
             for call, segment in enumerate(segments):
                 if segment != self.segment(rank, call):

@@ -20,6 +20,20 @@ Waiting rules, under the executor contract of ``actions.py``:
   order already guarantees it).
 
 Actions of one rank run in list order; sends and receives take no compute time.
+
+Transport (``transport.py``). Under ``Transport.GLOO`` a message arrives ``transfer`` after
+both of its ends are posted, and a compute waits for that arrival. Under ``Transport.NCCL`` a
+rank's consecutive sends and receives form one group; a group becomes active when it is
+posted and the rank's previous group has completed, a message moves once the groups holding
+both ends are active, a group completes when all its messages have arrived, and a compute
+waits for the completion of the whole group holding its receive. Every group must complete
+by the end of the lists.
+
+Barriers. ``barriers[r]`` lists positions of rank r's list before which a collective sits
+(the training loop's agreements between two calls of an asynchronous schedule): it completes
+once every rank has run everything before its own barrier position, and nothing after it
+starts earlier. Such a collective runs on another communicator than the pipeline messages,
+so it never waits for a pending group, only for the computes before it.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from typing import Callable, NamedTuple, Optional
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.grid import format_grid
+from megapipe.pipeline.ir.transport import Transport, group_ids
 
 Message = tuple[ActionKind, int, int]
 """Identity of a tensor sent between ranks: (F or B, stage that made it, microbatch)."""
@@ -142,81 +157,255 @@ def _no_time(*_) -> int:
     return 0
 
 
-def replay(schedule: Schedule, duration: Duration = _no_time, transfer: Transfer = _no_time) -> list[ReplayedAction]:
+Barriers = Optional[list[list[int]]]
+
+
+def replay(schedule: Schedule, duration: Duration = _no_time, transfer: Transfer = _no_time,
+           transport: Transport = Transport.GLOO, barriers: Barriers = None) -> list[ReplayedAction]:
     """Run all ranks' lists in lock-step rounds and return every action with its times.
 
     Each round, every rank whose next action's waits were met before the round runs that one
     action, so the result is in an order a real run could produce. ``duration(rank, action)``
-    is the compute time of F, B and STEP; ``transfer(message)`` the time a message takes once
-    both ends are posted. Raises ScheduleError naming the blocked actions on a deadlock.
+    is the compute time of F, B, STEP and UPDATE; ``transfer(message)`` the time a message
+    takes once it can move (module docstring, for each ``transport``). Raises ScheduleError
+    with the marked grid and the cycle of waits on a deadlock.
     """
-    explicit = schedule.has_communication
-    clock = [0] * schedule.p
-    position = [0] * schedule.p
-    ended: dict[tuple, Real] = {}
-    sent: dict[Message, Real] = {}
-    posted: dict[Message, Real] = {}
-    replayed: list[ReplayedAction] = []
+    return _Replay(schedule, duration, transfer, Transport(transport), barriers).run()
 
-    def arrival(message: Message) -> Optional[Real]:
-        if explicit:
-            if message not in sent or message not in posted:
-                return None
-            return max(sent[message], posted[message]) + transfer(message)
-        producer_end = ended.get(message)
-        return None if producer_end is None else producer_end + transfer(message)
 
-    def wait_end(wait: Wait) -> Optional[Real]:
-        return arrival(wait.key) if wait.message else ended.get(wait.key)
+class _Replay:
+    """The state of one replay; see ``replay``."""
 
-    waits = [[waits_of(schedule, rank, action) for action in actions] for rank, actions in enumerate(schedule.actions)]
+    def __init__(self, schedule: Schedule, duration: Duration, transfer: Transfer, transport: Transport,
+                 barriers: Barriers):
+        self.schedule, self.duration, self.transfer, self.transport = schedule, duration, transfer, transport
+        self.explicit = schedule.has_communication
+        p = schedule.p
+        self.clock, self.position = [0] * p, [0] * p
+        self.ended: dict[tuple, Real] = {}
+        self.sent: dict[Message, Real] = {}
+        self.posted: dict[Message, Real] = {}
+        self.waits = [[waits_of(schedule, rank, a) for a in actions] for rank, actions in enumerate(schedule.actions)]
+        self.barriers = [list(b) for b in barriers] if barriers else [[] for _ in range(p)]
+        if len({len(b) for b in self.barriers}) > 1 or len(self.barriers) != p:
+            raise ValueError("every rank needs the same number of barrier positions")
+        self.barrier_arrival: list[Optional[Real]] = [None] * p
+        self.barriers_passed = 0
+        # NCCL groups: per rank, group id of every action, members, post times and the head group
+        self.groups = [group_ids(actions, tuple(b)) for actions, b in zip(schedule.actions, self.barriers)]
+        self.members: list[dict[int, list[Message]]] = [{} for _ in range(p)]
+        self.group_posted: list[dict[int, Real]] = [{} for _ in range(p)]
+        self.group_size = [self._sizes(ids) for ids in self.groups]
+        self.group_done: list[dict[int, Real]] = [{} for _ in range(p)]
+        self.head = [0] * p  # first group of the rank that has not completed
+        self.end_of: dict[tuple[int, Message], int] = {}  # (rank, message) -> group holding that end
+        self.moved: dict[Message, Real] = {}
 
-    def ready_time(rank: int) -> Optional[Real]:
+    @staticmethod
+    def _sizes(ids: list[int]) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for gid in ids:
+            if gid >= 0:
+                sizes[gid] = sizes.get(gid, 0) + 1
+        return sizes
+
+    # ---- when things happen ---------------------------------------------------------------------
+    def arrival(self, message: Message) -> Optional[Real]:
+        """When ``message`` has arrived at its receiver (None: not yet)."""
+        if not self.explicit:
+            producer_end = self.ended.get(message)
+            return None if producer_end is None else producer_end + self.transfer(message)
+        if self.transport is Transport.NCCL:
+            return self.moved.get(message)
+        if message not in self.sent or message not in self.posted:
+            return None
+        return max(self.sent[message], self.posted[message]) + self.transfer(message)
+
+    def wait_end(self, rank: int, wait: Wait) -> Optional[Real]:
+        if not wait.message:
+            return self.ended.get(wait.key)
+        if self.transport is Transport.NCCL and self.explicit:
+            group = self.end_of.get((rank, wait.key))
+            return None if group is None else self.group_done[rank].get(group)
+        return self.arrival(wait.key)
+
+    def ready_time(self, rank: int) -> Optional[Real]:
         """When rank's next action can start, or None while it must wait."""
-        start = clock[rank]
-        for wait in waits[rank][position[rank]]:
-            end = wait_end(wait)
+        start = self.clock[rank]
+        for wait in self.waits[rank][self.position[rank]]:
+            end = self.wait_end(rank, wait)
             if end is None:
                 return None
             start = max(start, end)
         return start
 
-    while any(position[r] < len(schedule.actions[r]) for r in range(schedule.p)):
-        runnable = []
-        for rank in range(schedule.p):
-            if position[rank] < len(schedule.actions[rank]):
-                action = schedule.actions[rank][position[rank]]
-                start = ready_time(rank)
-                if start is not None:
-                    runnable.append((rank, action, start))
-        if not runnable:
-            raise _deadlock(schedule, position, wait_end)
-        for rank, action, start in runnable:
-            end = start + (duration(rank, action) if not action.kind.is_communication else 0)
-            clock[rank] = end
-            if action.kind.is_send:
-                sent[message_of(action)] = start
-            elif action.kind.is_recv:
-                posted[message_of(action)] = start
-            else:
-                ended[_key(action)] = end
-            replayed.append(ReplayedAction(rank, position[rank], action, start, end))
-            position[rank] += 1
-    return [_with_arrival(step, arrival) if step.action.kind.is_communication else step for step in replayed]
+    def _active(self, rank: int, group: int) -> Optional[Real]:
+        """When ``group`` of ``rank`` became active, if it is the rank's head group and fully posted."""
+        size = self.group_size[rank].get(group)
+        if group != self.head[rank] or size is None or len(self.members[rank].get(group, ())) != size:
+            return None
+        previous = self.group_done[rank].get(group - 1, 0)
+        return max(self.group_posted[rank][group], previous)
+
+    def settle(self) -> None:
+        """NCCL: move every message whose two groups are active; complete groups whose messages all moved."""
+        changed = True
+        while changed:
+            changed = False
+            for rank in range(self.schedule.p):
+                group = self.head[rank]
+                active = self._active(rank, group)
+                if active is None:
+                    continue
+                for message in self.members[rank][group]:
+                    if message in self.moved:
+                        continue
+                    peer = self._peer(rank, message)
+                    peer_group = self.end_of.get((peer, message))
+                    peer_active = None if peer_group is None else self._active(peer, peer_group)
+                    if peer_active is not None:
+                        self.moved[message] = max(active, peer_active) + self.transfer(message)
+                if all(message in self.moved for message in self.members[rank][group]):
+                    self.group_done[rank][group] = max(self.moved[m] for m in self.members[rank][group])
+                    self.head[rank] += 1
+                    changed = True
+
+    def _peer(self, rank: int, message: Message) -> int:
+        kind, stage, microbatch = message
+        consumer_stage = stage + 1 if kind is ActionKind.F else stage - 1
+        producer = self.schedule.rank_of(stage, microbatch)
+        return self.schedule.rank_of(consumer_stage, microbatch) if producer == rank else producer
+
+    # ---- the lock-step loop ---------------------------------------------------------------------
+    def at_barrier(self, rank: int) -> bool:
+        barriers = self.barriers[rank]
+        return self.barriers_passed < len(barriers) and self.position[rank] == barriers[self.barriers_passed]
+
+    def run(self) -> list[ReplayedAction]:
+        schedule, replayed = self.schedule, []
+        while any(self.position[r] < len(schedule.actions[r]) or self.at_barrier(r) for r in range(schedule.p)):
+            if self.transport is Transport.NCCL:
+                self.settle()
+            if self._pass_barrier():
+                continue
+            runnable = []
+            for rank in range(schedule.p):
+                if self.position[rank] < len(schedule.actions[rank]) and not self.at_barrier(rank):
+                    start = self.ready_time(rank)
+                    if start is not None:
+                        runnable.append((rank, schedule.actions[rank][self.position[rank]], start))
+            if not runnable:
+                raise self._deadlock()
+            for rank, action, start in runnable:
+                replayed.append(self._run(rank, action, start))
+        if self.transport is Transport.NCCL and self.explicit:
+            self.settle()
+            pending = [r for r in range(schedule.p) if self.head[r] < len(self.group_size[r])]
+            if pending:
+                raise self._deadlock(finished=True)
+        return [self._with_arrival(step) if step.action.kind.is_communication else step for step in replayed]
+
+    def _pass_barrier(self) -> bool:
+        """Record ranks arriving at the current barrier; pass it once all have. True if it passed."""
+        p = self.schedule.p
+        for rank in range(p):
+            if self.at_barrier(rank) and self.barrier_arrival[rank] is None:
+                self.barrier_arrival[rank] = self.clock[rank]
+        if any(arrived is None for arrived in self.barrier_arrival):
+            return False
+        done = max(self.barrier_arrival)
+        self.clock = [max(c, done) for c in self.clock]
+        self.barrier_arrival = [None] * p
+        self.barriers_passed += 1
+        return True
+
+    def _run(self, rank: int, action: Action, start: Real) -> ReplayedAction:
+        index = self.position[rank]
+        end = start + (self.duration(rank, action) if not action.kind.is_communication else 0)
+        self.clock[rank] = end
+        if action.kind.is_communication:
+            message = message_of(action)
+            (self.sent if action.kind.is_send else self.posted)[message] = start
+            group = self.groups[rank][index]
+            self.group_posted[rank].setdefault(group, start)
+            self.members[rank].setdefault(group, []).append(message)
+            self.end_of[(rank, message)] = group
+        else:
+            self.ended[_key(action)] = end
+        self.position[rank] += 1
+        return ReplayedAction(rank, index, action, start, end)
+
+    def _with_arrival(self, step: ReplayedAction) -> ReplayedAction:
+        """A send or receive ends when its message arrives (never, if its partner is missing)."""
+        arrived = self.arrival(message_of(step.action))
+        return ReplayedAction(step.rank, step.index, step.action, step.start,
+                              step.start if arrived is None else arrived)
+
+    # ---- explaining a deadlock ------------------------------------------------------------------
+    def _deadlock(self, finished: bool = False) -> ScheduleError:
+        schedule = self.schedule
+        stuck = [r for r in range(schedule.p) if self.position[r] < len(schedule.actions[r]) or self.at_barrier(r)
+                 or (finished and self.head[r] < len(self.group_size[r]))]
+        marks = [(r, min(self.position[r], len(schedule.actions[r]) - 1)) for r in stuck]
+        edges = {r: self._blocker(r) for r in stuck}
+        cycle = _cycle(stuck[0], edges)
+        lines = [f"  rank {r} {edges[r][1]}" for r in cycle] if cycle else [f"  rank {r} {edges[r][1]}" for r in stuck]
+        rank = stuck[0]
+        where = ("after its last action" if self.position[rank] >= len(schedule.actions[rank])
+                 else f"at {schedule.actions[rank][self.position[rank]]} (position {self.position[rank]})")
+        return ScheduleError(
+            f"deadlock under the {self.transport.value} transport: every unfinished rank is blocked, first rank "
+            f"{rank} {where}; {'the cycle of waits' if cycle else 'the waits'}:\n" + "\n".join(lines) +
+            "\nreorder the lists (or their sends and receives) so every input is produced and posted before it is "
+            f"needed.\n{format_grid(schedule, marks=marks)}")
+
+    def _blocker(self, rank: int) -> tuple[Optional[int], str]:
+        """(the rank that ``rank`` waits for, a sentence saying why)."""
+        schedule = self.schedule
+        if self.at_barrier(rank):
+            missing = [r for r in range(schedule.p) if self.barrier_arrival[r] is None and not self.at_barrier(r)]
+            return (missing[0] if missing else None,
+                    f"waits at a collective between calls for ranks {missing} to reach it")
+        if self.position[rank] < len(schedule.actions[rank]):
+            action = schedule.actions[rank][self.position[rank]]
+            for wait in self.waits[rank][self.position[rank]]:
+                if self.wait_end(rank, wait) is not None:
+                    continue
+                if not wait.message:
+                    producer = self._rank_of_key(wait.key)
+                    return producer, f"at {action} waits for {wait.describe()} on rank {producer}"
+                if self.transport is Transport.NCCL and self.explicit:
+                    group = self.end_of.get((rank, wait.key))
+                    if group is not None:
+                        return self._group_blocker(rank, self.head[rank], f"at {action} waits for its receive's group")
+                sender = self._rank_of_key(wait.key)
+                return sender, f"at {action} waits for {wait.describe()} on rank {sender}, not yet sent"
+        return self._group_blocker(rank, self.head[rank], "has finished its list")
+
+    def _group_blocker(self, rank: int, group: int, prefix: str) -> tuple[Optional[int], str]:
+        """Why head ``group`` of ``rank`` has not completed: the first of its messages that cannot move."""
+        for message in self.members[rank].get(group, ()):
+            if message in self.moved:
+                continue
+            peer = self._peer(rank, message)
+            peer_group = self.end_of.get((peer, message))
+            what = f"{message[0].value}{message[1]}.{message[2]}"
+            if peer_group is None:
+                return peer, (f"{prefix}; its pending group holds the message of {what}, whose other end rank "
+                              f"{peer} has not posted")
+            return peer, (f"{prefix}; its pending group holds the message of {what}, whose other end on rank "
+                          f"{peer} sits in a group queued behind that rank's unfinished group")
+        return None, f"{prefix}; its group is not fully posted"
+
+    def _rank_of_key(self, key: Message) -> int:
+        kind, stage, microbatch = key
+        return self.schedule.rank_of(stage, microbatch)
 
 
-def _with_arrival(step: ReplayedAction, arrival: Callable[[Message], Optional[Real]]) -> ReplayedAction:
-    """A send or receive ends when its message arrives (never, if its partner is missing)."""
-    arrived = arrival(message_of(step.action))
-    return ReplayedAction(step.rank, step.index, step.action, step.start, step.start if arrived is None else arrived)
-
-
-def _deadlock(schedule: Schedule, position: list[int], wait_end: Callable[[Wait], Optional[Real]]) -> ScheduleError:
-    blocked = [(r, position[r]) for r in range(schedule.p) if position[r] < len(schedule.actions[r])]
-    rank, index = blocked[0]
-    action = schedule.actions[rank][index]
-    missing = [w.describe() for w in waits_of(schedule, rank, action) if wait_end(w) is None]
-    return ScheduleError(
-        f"deadlock: every unfinished rank is blocked, first rank {rank} at {action} (position {index}), which waits "
-        f"for {' and '.join(missing)}; reorder the lists so every input is produced and posted before it is "
-        f"needed.\n{format_grid(schedule, marks=blocked)}")
+def _cycle(start: int, edges: dict[int, tuple[Optional[int], str]]) -> list[int]:
+    """The ranks of the cycle reached by following each rank's blocker from ``start`` (empty if none)."""
+    seen, rank = [], start
+    while rank is not None and rank in edges and rank not in seen:
+        seen.append(rank)
+        rank = edges[rank][0]
+    return seen[seen.index(rank):] if rank in seen else []

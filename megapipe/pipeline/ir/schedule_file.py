@@ -21,10 +21,11 @@ import csv
 from pathlib import Path
 from typing import Optional
 
-from megapipe.errors import ScheduleError
+from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
 from megapipe.pipeline.ir.schedules import lower_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.pipeline.ir.validate_updates import is_asynchronous
 
 _CSV_HEADER = ["rank", "kind", "stage", "microbatch", "peer"]
 
@@ -40,6 +41,19 @@ def load_schedule(path, name: Optional[str] = None) -> Schedule:
         validate_schedule(schedule)
         return schedule
     return lower_schedule(schedule)
+
+
+def load_training_schedule(path, p: int, m: int, v: int) -> Schedule:
+    """``--schedule-file`` of the training scripts: a flush schedule for exactly this run's p, m and v."""
+    schedule = load_schedule(path)
+    if is_asynchronous(schedule):
+        raise ConfigError(f"--schedule-file {path} updates with UPDATE actions; the training scripts run flush "
+                          "schedules from files (one STEP per rank); use --pipeline-schedule pipedream or 2bw.")
+    if (schedule.p, schedule.m, schedule.v) != (p, m, v):
+        raise ConfigError(f"--schedule-file {path} is written for p={schedule.p}, m={schedule.m}, v={schedule.v}, but "
+                          f"this run has p={p} (--pipeline-model-parallel-size), m={m} microbatches (--global-batch-size"
+                          f" / (--micro-batch-size x data-parallel size)) and v={v}; write the file for these sizes.")
+    return schedule
 
 
 def save_schedule(schedule: Schedule, path) -> None:

@@ -7,24 +7,22 @@ from the generator's list for n + 1 batches, whose prefix must equal this one. E
 after segment n - 1 is the drain. Call w of the executor runs segment w, so it needs the data
 of batch w only; the drain runs the backwards still in flight when training stops.
 
-Sends stay right after the compute that makes their tensor. ``confine_receives`` moves
-every receive that the communication pass posted in an earlier segment than its consumer
-to the start of the consumer's segment, keeping each sender's order, so a call never posts a
-receive for a later call's message. ``check_calls_are_independent`` then proves that a
-rank never waits, in call w, for something another rank does in a later call: every
-message's sender runs it in a segment no later than its consumer, and the replicas of a
-stage run each UPDATE (a collective) in the same segment. A training loop may therefore
-put any collective between calls.
+The communication pass lowers the unrolled form call by call (``communication.lower_calls``):
+every message is sent and received in the same call, so nothing is in transit between two
+calls and the lists are deadlock-free with a collective between every two calls, under every
+transport (``transport.py``). ``check_calls_are_independent`` proves that a rank never waits,
+in call w, for something another rank does in a later call: every message's sender runs it
+in a segment no later than its consumer, and the replicas of a stage run each UPDATE (a
+collective) in the same segment. A training loop may therefore put any collective between
+calls.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.ir.replay import message_of
 
 Cuts = tuple[tuple[int, ...], ...]
 """Per rank, compute indices (positions among non-communication actions) where segments
@@ -54,76 +52,16 @@ def segment_of(cuts: tuple[int, ...], compute_index: int) -> int:
     return sum(1 for cut in cuts if cut <= compute_index)
 
 
-@dataclass
-class _Slots:
-    """A lowered rank list taken apart: receives posted before each compute, sends after it."""
-
-    computes: list[Action]
-    before: list[list[Action]]
-    after: list[list[Action]]
-
-    @classmethod
-    def of(cls, actions) -> "_Slots":
-        slots = cls([], [[]], [])
-        for action in actions:
-            if action.kind.is_recv:
-                slots.before[-1].append(action)
-            elif action.kind.is_send:
-                slots.after[-1].append(action)
-            else:
-                slots.computes.append(action)
-                slots.before.append([])
-                slots.after.append([])
-        if slots.before[-1]:
-            raise ScheduleError(f"receives {slots.before[-1]} come after the last compute of their rank.")
-        return slots
-
-    def actions(self, start: int, end: int) -> tuple[Action, ...]:
-        out = []
-        for c in range(start, end):
-            out += self.before[c] + [self.computes[c]] + self.after[c]
-        return tuple(out)
+Starts = tuple[tuple[int, ...], ...]
+"""Per rank, list positions of the lowered form where calls 1 .. n - 1 and the drain start."""
 
 
-def confine_receives(schedule: Schedule, cuts: Cuts) -> Schedule:
-    """Move receives posted before their consumer's segment to its start, keeping sender order."""
-    slots = [_Slots.of(actions) for actions in schedule.actions]
-    where = [{(a.kind, a.stage, a.microbatch): c for c, a in enumerate(s.computes)} for s in slots]
-    send_order = {}
-    for sender, s in enumerate(slots):
-        count: defaultdict[int, int] = defaultdict(int)
-        for sends in s.after:
-            for send in sends:
-                send_order[(send.peer, message_of(send))] = (sender, count[send.peer])
-                count[send.peer] += 1
-    placed = []  # (receiver, slot, sender, k, recv)
-    for receiver, s in enumerate(slots):
-        for slot, recvs in enumerate(s.before):
-            for recv in recvs:
-                consumer = where[receiver][(ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B,
-                                            recv.stage, recv.microbatch)]
-                segment = segment_of(cuts[receiver], consumer)
-                earliest = cuts[receiver][segment - 1] if segment > 0 else 0
-                sender, k = send_order[(receiver, message_of(recv))]
-                placed.append([receiver, max(slot, earliest), sender, k, recv])
-    placed.sort(key=lambda item: (item[0], item[2], item[3]))
-    for previous, item in zip(placed, placed[1:]):  # a sender's receives never go back in its order
-        if previous[0] == item[0] and previous[2] == item[2]:
-            item[1] = max(item[1], previous[1])
-    for s in slots:
-        s.before = [[] for _ in s.before]
-    for receiver, slot, _, _, recv in sorted(placed, key=lambda item: (item[0], item[1], item[2], item[3])):
-        slots[receiver].before[slot].append(recv)
-    return schedule.with_actions([s.actions(0, len(s.computes)) for s in slots])
-
-
-def split_segments(schedule: Schedule, cuts: Cuts) -> list[tuple[list[tuple[Action, ...]], tuple[Action, ...]]]:
+def split_segments(schedule: Schedule, starts: Starts) -> list[tuple[list[tuple[Action, ...]], tuple[Action, ...]]]:
     """Per rank, (its n segments, its drain)."""
     out = []
-    for actions, rank_cuts in zip(schedule.actions, cuts):
-        slots = _Slots.of(actions)
-        bounds = (0,) + rank_cuts + (len(slots.computes),)
-        pieces = [slots.actions(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+    for actions, rank_starts in zip(schedule.actions, starts):
+        bounds = (0,) + tuple(rank_starts) + (len(actions),)
+        pieces = [tuple(actions[bounds[k]:bounds[k + 1]]) for k in range(len(bounds) - 1)]
         out.append((pieces[:-1], pieces[-1]))
     return out
 

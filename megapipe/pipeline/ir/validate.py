@@ -8,26 +8,33 @@ F comes before its B, a send after the compute that makes its tensor, STEP after
 rank's B; if the schedule has SEND/RECV actions,
 every tensor crossing ranks has exactly one send and one receive, the receive comes before
 its consumer, and between two ranks receives are posted in the order the sender sends;
-finally a replay of all lists (``replay.replay``) finds no deadlock, which also covers F of
-stage s+1 running before F of stage s could have arrived.
+finally a replay of all lists (``replay.replay``) finds no deadlock under each transport model
+(``transport.py``: gloo and NCCL), which also covers F of stage s+1 running before F of stage s
+could have arrived.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import NoReturn, Optional
+from typing import Iterable, NoReturn, Optional, Sequence
 
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.grid import format_grid
+from megapipe.pipeline.ir.transport import ALL_TRANSPORTS, Transport
 from megapipe.pipeline.ir.replay import input_producer, message_of, outgoing_messages, replay
 from megapipe.pipeline.ir.validate_updates import check_updates_and_versions, is_asynchronous
 
 __all__ = ["validate_schedule", "format_grid"]
 
 
-def validate_schedule(schedule: Schedule) -> None:
-    """Raise ScheduleError naming the first bad action of ``schedule``; return if it is sound."""
+def validate_schedule(schedule: Schedule, transports: Iterable[Transport] = ALL_TRANSPORTS,
+                      barriers: Optional[Sequence[Sequence[int]]] = None) -> None:
+    """Raise ScheduleError naming the first bad action of ``schedule``; return if it is sound.
+
+    ``barriers``: per rank, list positions where a collective sits between two calls (the
+    segments of an asynchronous schedule); the lists must be deadlock-free with them too.
+    """
     _check_placement(schedule)
     _check_counts(schedule)
     _check_rank_order(schedule)
@@ -35,7 +42,10 @@ def validate_schedule(schedule: Schedule) -> None:
         check_updates_and_versions(schedule, _fail)
     if schedule.has_communication:
         _check_messages(schedule)
-    replay(schedule)
+    for transport in transports:
+        replay(schedule, transport=transport)
+        if barriers is not None:
+            replay(schedule, transport=transport, barriers=[list(b) for b in barriers])
 
 
 def _fail(schedule: Schedule, rank: Optional[int], index: Optional[int], sentence: str) -> NoReturn:

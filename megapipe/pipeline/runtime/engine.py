@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.finalize import is_tied_embedding_copy
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
 from megapipe.pipeline.runtime.in_flight import InFlight
 from megapipe.pipeline.runtime.optimizer_group import OptimizerGroup
@@ -59,15 +60,18 @@ class PipelineEngine:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
-                 schedule: str, num_microbatches: int, boundary_shape: tuple[int, ...],
+                 schedule: Union[str, Schedule], num_microbatches: int, boundary_shape: tuple[int, ...],
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
                  versions_used: Optional[dict] = None):
         self.chunks, self.ps = chunks, ps
-        spec = schedule_spec(schedule)
+        spec = schedule_spec(schedule if isinstance(schedule, str) else "1f1b")  # a Schedule from a file flushes
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
-        if spec.asynchronous:
+        if isinstance(schedule, Schedule):
+            self.program = FlushProgram(schedule)
+            self._groups = [(chunks, ps)]
+        elif spec.asynchronous:
             _check_asynchronous_training(schedule, chunks, ps, optimizer_config)
             self.program = periodic_program(schedule, *sizes, ps.stage_replicas, vertical_sync)
             stage_ps = ps.stage_view()

@@ -32,7 +32,6 @@ from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
 from megapipe.pipeline.runtime.p2p import StageP2P, Transfer
 from megapipe.pipeline.ir.program import FlushProgram
-from megapipe.pipeline.ir.replay import input_producer
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.weights import VersionUse, WeightVersionStore
 from megapipe.tensor_parallel.random import capture_rng, restore_rng
@@ -107,18 +106,21 @@ class PipelineExecutor:
     def in_flight(self) -> Optional[InFlight]:
         """What this rank holds between two calls, for a checkpoint; None when the pipeline is empty.
 
-        Collective over the pipeline: every rank first receives the messages of its coming
-        calls that earlier calls already sent, and completes its own sends, so nothing is in
-        transit. Training then goes on exactly as without the checkpoint.
+        Every message is sent and received within one call (``communication.lower_calls``), so
+        between calls nothing is in transit: receives posted for a later call's compute are
+        completed and kept, sends are completed. Training then goes on exactly as without the
+        checkpoint.
         """
         if self.calls == 0:
             return None
         state = self.state
-        self._receive_early(state)
+        for (kind, stage, microbatch), transfer in list(state.recvs.items()):  # received for a later call
+            state.prereceived[(kind, stage, microbatch)] = self.p2p.received(transfer)
+        state.recvs = {}
         for transfer in state.sends:
             self.p2p.wait(transfer)
         state.sends = []
-        unsent = [name for name in ("outputs_to_send", "input_grads", "recvs") if getattr(state, name)]
+        unsent = [name for name in ("outputs_to_send", "input_grads") if getattr(state, name)]
         if unsent:
             raise RuntimeError(f"rank {self.ps.rank}: {unsent} hold messages between two calls; the schedule's "
                                "segments should post every send in the call that computes it")
@@ -129,33 +131,6 @@ class PipelineExecutor:
         return InFlight(self.calls, list(self._base_versions), [store.checkpoint_state() for store in self.stores],
                         forwards, dict(state.local_outputs), dict(state.local_grads),
                         {(kind.value, stage, mb): t for (kind, stage, mb), t in state.prereceived.items()})
-
-    def _receive_early(self, state: "_State") -> None:
-        """Receive now, in the order the coming calls would, every message of those calls whose
-        sender computed it in an earlier call (it is in transit between the two)."""
-        rank, calls = self.ps.pp_rank, range(self.calls, self.calls + self.lookahead.calls_ahead)
-        coming = [a for call in calls for a in self.program.segment(rank, call)]
-        producers_to_come: dict[int, set] = {}
-        early = []
-        for action in coming:
-            if action.kind not in (ActionKind.RECV_F, ActionKind.RECV_B):
-                continue
-            key = (action.kind, action.stage, action.microbatch)
-            if key in state.prereceived or key in state.recvs:
-                continue
-            producer = input_producer(self.schedule, Action(ActionKind.F if action.kind is ActionKind.RECV_F
-                                                            else ActionKind.B, action.stage, action.microbatch))
-            peer = self.schedule.rank_of(producer.stage, producer.microbatch)
-            if peer not in producers_to_come:
-                producers_to_come[peer] = {(a.kind, a.stage, a.microbatch) for call in calls
-                                           for a in self.program.segment(peer, call) if a.kind.is_compute}
-            if (producer.kind, producer.stage, producer.microbatch) not in producers_to_come[peer]:
-                early.append(action)
-        if not early:
-            return
-        for transfer in self.p2p.post([(action, None) for action in early]):
-            action = transfer.action
-            state.prereceived[(action.kind, action.stage, action.microbatch)] = self.p2p.received(transfer)
 
     def restore_in_flight(self, snapshot: InFlight) -> None:
         """Rebuild what ``in_flight`` recorded (on an empty pipeline, with the live weights loaded):

@@ -1,9 +1,17 @@
 """Point-to-point transfers between pipeline stages, with the scatter/gather optimisation.
 
 Consecutive SEND/RECV actions of a rank's list are posted together with
-``batch_isend_irecv``; a compute action later waits only on the handles of the receive it
-consumes (gloo returns one handle per operation; a backend that returns one handle for the
-whole batch makes every operation of the batch share it).
+``batch_isend_irecv`` on the pipeline group's own communicator, so no collective of the
+training loop queues behind a pending group. How posted groups progress is the transport
+model of ``ir/transport.py``: on gloo a compute waits only on the handle of the receive it
+consumes; on NCCL the whole group completes as one unit and the groups of a rank run in
+issue order, and waiting only orders the device streams (NCCL's own watchdog enforces the
+process group's timeout, so there is no host-side timed wait).
+
+Strict transport (``MEGAPIPE_STRICT_TRANSPORT=1``, for CPU tests): gloo held to NCCL's rules.
+A group is posted only once every earlier group of the rank has completed, and waiting for a
+receive waits for its whole group, so a list that would hang under NCCL hangs here too and
+fails with the timeout's sentence instead of passing on gloo's more forgiving progress.
 
 Scatter/gather (seed 002 4.4.1): a stage boundary tensor is replicated across the tensor
 group, so instead of t identical copies each tensor rank sends only its 1/t slice to its
@@ -13,6 +21,7 @@ peer in the next stage, and the receivers all-gather the slices over the tensor 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,6 +31,7 @@ import torch.distributed as dist
 from megapipe.errors import PipelineTimeout
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.actions import Action
+from megapipe.pipeline.ir.transport import Transport
 from megapipe.tensor_parallel.mappings import _gather_first
 
 
@@ -33,6 +43,12 @@ class Transfer:
     buffer: torch.Tensor
     works: list = field(default_factory=list)
     done: bool = False
+    group: list = field(default_factory=list)  # transfers completed by the same handles (grouped transports)
+
+
+def strict_transport_requested() -> bool:
+    """True when ``MEGAPIPE_STRICT_TRANSPORT`` asks gloo to follow NCCL's rules (see the module docstring)."""
+    return os.environ.get("MEGAPIPE_STRICT_TRANSPORT", "0") not in ("", "0")
 
 
 class StageP2P:
@@ -48,24 +64,36 @@ class StageP2P:
         self.message_numel = numel // ps.tp_size if self.scatter_gather else numel
         self.bytes_sent = 0
         self.messages_sent = 0
+        self.transport = Transport.of_backend(dist.get_backend(ps.pp_group))
+        self.strict = self.transport is Transport.GLOO and strict_transport_requested()
+        self.grouped = self.strict or self.transport is Transport.NCCL  # one completion per group
+        self._pending: list[list[Transfer]] = []  # strict: posted groups, in issue order
 
     def post(self, items: list[tuple[Action, Optional[torch.Tensor]]]) -> list[Transfer]:
         """Post sends (with their tensors) and receives (tensor ``None``) as one batch."""
+        if self.strict:  # NCCL starts a group only when the rank's previous group has completed
+            for group in self._pending:
+                for transfer in group:
+                    self.wait(transfer)
+            self._pending = []
         ops, transfers = [], []
         for action, tensor in items:
             peer = self.ps.stage_rank(action.peer)
             if action.kind.is_send:
                 buffer = self._outgoing(tensor)
-                ops.append(dist.P2POp(dist.isend, buffer, peer))
+                ops.append(dist.P2POp(dist.isend, buffer, peer, self.ps.pp_group))
                 self.bytes_sent += buffer.numel() * buffer.element_size()
                 self.messages_sent += 1
             else:
                 buffer = torch.empty(self.message_numel, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, peer))
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, self.ps.pp_group))
             transfers.append(Transfer(action, buffer))
         works = dist.batch_isend_irecv(ops)
         for i, transfer in enumerate(transfers):
-            transfer.works = [works[i]] if len(works) == len(transfers) else list(works)
+            transfer.works = [works[i]] if len(works) == len(transfers) and not self.grouped else list(works)
+            transfer.group = transfers if self.grouped else [transfer]
+        if self.strict:
+            self._pending.append(transfers)
         return transfers
 
     def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -82,6 +110,9 @@ class StageP2P:
         if transfer.done:
             return
         for work in transfer.works:
+            if self.transport is Transport.NCCL:
+                work.wait()  # orders the streams; the host does not block
+                continue
             try:
                 work.wait(self.timeout)
             except RuntimeError as error:
@@ -92,7 +123,8 @@ class StageP2P:
                     f"{self.timeout.total_seconds():.0f} s on {action} with global rank {peer} (pipeline stage "
                     f"{action.peer}), which never answered; check that rank's log for an error or raise "
                     f"MEGAPIPE_TIMEOUT. ({error})") from error
-        transfer.done = True
+        for member in transfer.group or [transfer]:  # a handle is waited on once (gloo's would block again)
+            member.done = True
 
     def received(self, transfer: Transfer) -> torch.Tensor:
         """Wait for a receive and return the full boundary tensor (all-gathered if scattered)."""

@@ -20,13 +20,13 @@ from typing import Callable, Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, Schedule
-from megapipe.pipeline.ir.communication import add_communication
+from megapipe.pipeline.ir.communication import add_communication, lower_calls
 from megapipe.pipeline.ir.schedules.gpipe import gpipe
 from megapipe.pipeline.ir.schedules.interleaved import interleaved
 from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
 from megapipe.pipeline.ir.schedules.pipedream import pipedream
 from megapipe.pipeline.ir.schedules.two_bw import two_bw
-from megapipe.pipeline.ir.segments import Cuts, check_calls_are_independent, confine_receives, segment_cuts
+from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.runtime.weights import WeightPolicy
 
@@ -53,10 +53,12 @@ class ScheduleSpec:
 
 @dataclass(frozen=True)
 class SegmentedSchedule:
-    """An asynchronous schedule's unrolled, lowered form and where each call's segment starts."""
+    """An asynchronous schedule's unrolled, lowered form and where each call's segment starts
+    (``cuts``: compute indices; ``starts``: positions in the lowered lists)."""
 
     schedule: Schedule
     cuts: Cuts
+    starts: Starts
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}
@@ -131,10 +133,10 @@ def build_segmented(name: str, p: int, m: int, v: int, batches: int, replicas: O
     compute = unrolled(batches)
     cuts = segment_cuts(compute, unrolled(batches + 1))
     validate_schedule(compute)
-    lowered = confine_receives(compute.with_actions(add_communication(compute).actions), cuts)
-    validate_schedule(lowered)
+    lowered, starts = lower_calls(compute, cuts)
+    validate_schedule(lowered, barriers=starts)
     check_calls_are_independent(lowered, cuts)
-    return SegmentedSchedule(lowered, cuts)
+    return SegmentedSchedule(lowered, cuts, starts)
 
 
 def _check_sizes(spec: ScheduleSpec, p: int, m: int, v: int) -> None:
