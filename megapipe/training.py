@@ -178,7 +178,7 @@ class Trainer:
             if result.step is not None and result.step.grad_norm is not None \
                     and not math.isfinite(float(result.step.grad_norm)):
                 nan_iterations += 1
-            self._add_losses(window_losses, result.losses, result.loss_parts)
+            self._add_losses(window_losses, result.batch)
             window_iters += 1
             if self.state.iteration % t.log_interval == 0:
                 self._log(window_losses, time.time() - window_start, window_iters, result, nan_iterations)
@@ -220,21 +220,26 @@ class Trainer:
 
         checkpointing.load_checkpoint(directory, self)
 
-    def _no_losses(self) -> dict[str, list[float]]:
-        return {name: [] for name in self.loss_names}
+    def _no_losses(self) -> dict[str, list]:
+        """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""
+        return {name: [torch.zeros((), dtype=torch.float64, device=self.device), 0] for name in self.loss_names}
 
-    def _add_losses(self, named: dict[str, list[float]], losses: list[float], parts: list[dict]) -> None:
+    def _add_losses(self, named: dict[str, list], batch) -> None:
         """Add a call's microbatch losses under their names: the parts the model reports, or the loss itself."""
-        if parts:
+        if batch.part_tensors:
             for name in self.loss_names:
-                named[name].extend(p[name] for p in parts)
-        else:
-            named[self.loss_names[0]].extend(losses)
+                values = [parts[name] for parts in batch.part_tensors]
+                named[name][0] += torch.stack(values).double().sum()
+                named[name][1] += len(values)
+        elif batch.loss_tensors:
+            named[self.loss_names[0]][0] += torch.stack(batch.loss_tensors).double().sum()
+            named[self.loss_names[0]][1] += len(batch.loss_tensors)
 
-    def _data_parallel_means(self, named: dict[str, list[float]]) -> dict[str, float]:
+    def _data_parallel_means(self, named: dict[str, list]) -> dict[str, float]:
         """Per name, the mean over this window's microbatch losses of all data-parallel ranks (last stage)."""
-        totals = torch.tensor([[sum(values), len(values)] for values in named.values()], dtype=torch.float64,
-                              device=self.device)
+        totals = torch.stack([torch.stack([total, torch.tensor(float(count), dtype=torch.float64,
+                                                               device=self.device)])
+                              for total, count in named.values()])
         if self.ps.is_last_stage and self.ps.dp_size > 1:
             dist.all_reduce(totals, group=self.ps.dp_group)
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
@@ -265,7 +270,7 @@ class Trainer:
         named = self._no_losses()
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
             result = self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device))
-            self._add_losses(named, result.losses, result.parts)
+            self._add_losses(named, result)
         losses = self._data_parallel_means(named)
         self.logger.log_evaluation(split, self.state.iteration, losses)
         return losses
