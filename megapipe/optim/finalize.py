@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from megapipe.optim.collectives import all_reduce_coalesced
+from megapipe.collectives import all_reduce_coalesced
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
 from megapipe.parallel_state import ParallelState
 

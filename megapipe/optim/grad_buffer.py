@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from megapipe.optim.collectives import all_reduce
+from megapipe.collectives import all_reduce
 from megapipe.parallel_state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel all-reduce, Megatron's default

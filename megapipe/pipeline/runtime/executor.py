@@ -20,7 +20,6 @@ in-place optimizer update.
 from __future__ import annotations
 
 import datetime
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -28,6 +27,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch.func import functional_call
 
+from megapipe.distributed import DeviceClock
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
@@ -97,6 +97,7 @@ class PipelineExecutor:
         self.keeps_graphs = self.program.asynchronous or any(a.kind is ActionKind.B for actions in self.schedule.actions
                                                              for a in actions)
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
+        self.clock = DeviceClock(device) if timeline is not None else None
         self.lookahead = Lookahead(self.program, ps.pp_rank)
         self.calls = 0  # calls run since the pipeline was last empty
         self.state = _State()
@@ -190,6 +191,7 @@ class PipelineExecutor:
     def _execute(self, actions: tuple[Action, ...], call: Optional[int], data) -> BatchResult:
         state = self.state
         state.losses, state.loss_parts, state.peak_in_flight = [], [], len(state.saved)
+        marks = []  # (action, start, end) on the device clock, when recording a timeline
         i = 0
         while i < len(actions):
             if actions[i].kind.is_communication:
@@ -200,11 +202,15 @@ class PipelineExecutor:
                 i = j
                 continue
             self._wait_for_inputs(actions[i], state)
-            start = time.time()
+            start = self.clock.mark() if self.timeline is not None else None
             self._compute(actions[i], call, i, data, state)
             if self.timeline is not None:
-                self.timeline.record(self.ps.pp_rank, actions[i], start, time.time())
+                marks.append((actions[i], start, self.clock.mark()))
             i += 1
+        if marks:  # read once per call, after the device has run it
+            times = self.clock.seconds([mark for _, start, end in marks for mark in (start, end)])
+            for k, (action, _, _) in enumerate(marks):
+                self.timeline.record(self.ps.pp_rank, action, times[2 * k], times[2 * k + 1])
         state.sends = [t for t in state.sends if not _completed(t)]
         parts = state.loss_parts if any(state.loss_parts) else []
         return BatchResult(state.losses, state.peak_in_flight, parts)
@@ -218,7 +224,7 @@ class PipelineExecutor:
                 items.append((action, state.outputs_to_send.pop(key)))
             elif action.kind is ActionKind.SEND_B:
                 items.append((action, state.input_grads.pop(key)))
-            elif (action.kind, action.stage, action.microbatch) not in state.prereceived:
+            else:
                 items.append((action, None))
         if not items:
             return
