@@ -68,7 +68,7 @@ def init_normal_(out: torch.Tensor, full_shape: tuple[int, ...], std: float, see
             piece = values[lo - start:hi - start]
             if partition_dim not in (None, 0):
                 piece = piece.chunk(world, dim=partition_dim)[rank]
-            out[lo - first:hi - first].copy_(piece)
+            out[lo - first:hi - first].copy_(piece.to(out.device))
     return out
 
 
