@@ -65,10 +65,12 @@ def load_checkpoint(directory: str, trainer) -> None:
     """Load ``directory`` (``--load``) into ``trainer``, honouring --finetune / --no-load-optim / --no-load-rng.
 
     A directory that is also ``--save`` and holds no checkpoint yet starts the run from
-    scratch, so one command line both starts and resumes a job.
+    scratch, so one command line both starts and resumes a job (not with ``--skip-train``,
+    which needs a checkpoint to evaluate).
     """
     t = trainer.config.training
-    if _same_path(directory, t.save) and (not os.path.isdir(directory) or find_checkpoint(directory) is None):
+    if _same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
+                                                               or find_checkpoint(directory) is None):
         trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
     path, common, saved = _open(directory, trainer.kind)
