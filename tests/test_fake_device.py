@@ -2,8 +2,11 @@
 step through the pipeline engine on fake accelerator tensors, where a tensor made on the host by
 mistake (a mask, an arange, a scale, a random state) fails as it would on a GPU."""
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from megapipe import fusions
@@ -12,7 +15,7 @@ from megapipe.config import ModelConfig
 from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel_state import ParallelState, RankLayout
 from megapipe.pipeline.runtime.engine import PipelineEngine
 
 B, S, H, V = 2, 16, 32, 100
@@ -38,8 +41,8 @@ CASES = {
 def model_config(kind: str, precision: str = "fp32", **options) -> ModelConfig:
     bert = kind == "bert"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=V,
-                       params_dtype=dtype, num_tokentypes=2 if bert else 0, post_layernorm=bert,
+    options = dict(dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=V), **options)
+    return ModelConfig(params_dtype=dtype, num_tokentypes=2 if bert else 0, post_layernorm=bert,
                        activation="gelu" if bert else "gelu_tanh", **options)
 
 
@@ -88,6 +91,56 @@ def test_middle_and_last_stages_run_from_a_received_hidden_state(kind):
             out = stage(hidden, microbatch(kind, FAKE_DEVICE))
             (out if post else out.sum()).backward()
             assert hidden.grad.device == FAKE_DEVICE
+
+
+class _Done:
+    """The handle of a stubbed send, receive or collective: already complete."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _Group:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _pipeline_rank(rank: int, pipeline: int, virtual: int) -> ParallelState:
+    """Pipeline rank ``rank`` of a t = d = 1 layout, with stand-in groups (the transport is stubbed)."""
+    members = {"tensor": [rank], "data": [rank], "pipeline": list(range(pipeline)),
+               "model_parallel": list(range(pipeline)), "embedding": [0, pipeline - 1]}
+    groups = {name: None if len(ranks) == 1 else _Group(len(ranks)) for name, ranks in members.items()}
+    return ParallelState(RankLayout(1, pipeline, 1), rank, virtual, groups, members)
+
+
+@pytest.mark.parametrize("kind, schedule, pipeline, virtual", [
+    ("gpt", "1f1b", 3, 1), ("bert", "1f1b", 3, 1), ("gpt", "interleaved", 2, 2)])
+def test_each_pipeline_rank_trains_through_the_executor_with_the_transport_stubbed(kind, schedule, pipeline, virtual):
+    """Every rank of a pipeline, one at a time: its chunks' forwards and backwards in schedule order,
+    receives answered with fresh device buffers, sends and collectives completing at once."""
+    m = 2 * pipeline
+    for rank in range(pipeline):
+        ps = _pipeline_rank(rank, pipeline, virtual)
+        with fake_accelerator(), mock.patch.object(dist, "P2POp", lambda *args, **kwargs: None), \
+                mock.patch.object(dist, "batch_isend_irecv", lambda ops: [_Done() for _ in ops]), \
+                mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: _Done()):
+            config = model_config(kind, num_layers=2 * pipeline * virtual)
+            ps.seed(1234, FAKE_DEVICE)
+            chunks = build_model_chunks(kind, config, ps, device=FAKE_DEVICE)
+            engine = PipelineEngine(chunks, ps, OptimizerConfig(lr=1e-3), schedule, m, (S, B, H), device=FAKE_DEVICE)
+            result = engine.train_batch([microbatch(kind, FAKE_DEVICE) for _ in range(m)])
+            engine.evaluate([microbatch(kind, FAKE_DEVICE) for _ in range(m)])
+        assert result.step.ok and len(result.losses) == (m if rank == pipeline - 1 else 0)
+        # every chunk sends each microbatch's activation forward and its gradient back, but not
+        # past the ends of the pipeline
+        ends = (rank == 0) + (rank == pipeline - 1)
+        assert engine.executor.p2p.messages_sent == m * (2 * virtual - ends)
 
 
 class HostMask(torch.nn.Module):
