@@ -2,6 +2,7 @@
 step through the pipeline engine on fake accelerator tensors, where a tensor made on the host by
 mistake (a mask, an arange, a scale, a random state) fails as it would on a GPU."""
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -10,9 +11,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from megapipe import fusions
-from megapipe.fusions.backend import BACKENDS
 from megapipe.config import ModelConfig
 from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.fusions.backend import BACKENDS
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState, RankLayout
@@ -56,6 +57,35 @@ def microbatch(kind: str, device: torch.device) -> dict:
     return batch
 
 
+class _Done:
+    """The handle of a stubbed send, receive or collective: already complete."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _Group:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@contextlib.contextmanager
+def stubbed_transport():
+    """Pipeline messages and collectives of a process with no process group: an NCCL-like backend
+    whose sends, receives and all-reduces complete at once (receives keep their fresh buffers)."""
+    with mock.patch.object(dist, "get_backend", lambda group=None: "nccl"), \
+            mock.patch.object(dist, "P2POp", lambda *args, **kwargs: None), \
+            mock.patch.object(dist, "batch_isend_irecv", lambda ops: [_Done() for _ in ops]), \
+            mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: _Done()):
+        yield
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_training_step_and_evaluation_run_on_the_device_only(case):
     """Forward and backward of every microbatch through the executor, the gradient finalisation,
@@ -63,7 +93,7 @@ def test_one_training_step_and_evaluation_run_on_the_device_only(case):
     kind, options = CASES[case]
     precision = options.get("precision", "fp32")
     ps = ParallelState.single()
-    with fake_accelerator() as reads:
+    with fake_accelerator() as reads, stubbed_transport():
         fusions.select_backend(options.get("backend", "eager"), FAKE_DEVICE)
         config = model_config(kind, precision, **options.get("model", {}))
         ps.seed(1234, FAKE_DEVICE)
@@ -93,24 +123,6 @@ def test_middle_and_last_stages_run_from_a_received_hidden_state(kind):
             assert hidden.grad.device == FAKE_DEVICE
 
 
-class _Done:
-    """The handle of a stubbed send, receive or collective: already complete."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-class _Group:
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
 def _pipeline_rank(rank: int, pipeline: int, virtual: int) -> ParallelState:
     """Pipeline rank ``rank`` of a t = d = 1 layout, with stand-in groups (the transport is stubbed)."""
     members = {"tensor": [rank], "data": [rank], "pipeline": list(range(pipeline)),
@@ -127,9 +139,7 @@ def test_each_pipeline_rank_trains_through_the_executor_with_the_transport_stubb
     m = 2 * pipeline
     for rank in range(pipeline):
         ps = _pipeline_rank(rank, pipeline, virtual)
-        with fake_accelerator(), mock.patch.object(dist, "P2POp", lambda *args, **kwargs: None), \
-                mock.patch.object(dist, "batch_isend_irecv", lambda ops: [_Done() for _ in ops]), \
-                mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: _Done()):
+        with fake_accelerator(), stubbed_transport():
             config = model_config(kind, num_layers=2 * pipeline * virtual)
             ps.seed(1234, FAKE_DEVICE)
             chunks = build_model_chunks(kind, config, ps, device=FAKE_DEVICE)
