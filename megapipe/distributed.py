@@ -119,3 +119,11 @@ class DeviceClock:
         if marks:
             marks[-1].synchronize()
         return [self._base_seconds + self._base.elapsed_time(event) / 1000 for event in marks]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: through pinned memory and without blocking the host
+    when ``device`` is an accelerator, so the copy overlaps the work already queued."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -123,7 +123,7 @@ class StageP2P:
                     f"rank {self.ps.rank} (pipeline stage {self.ps.pp_rank}) waited more than "
                     f"{self.timeout.total_seconds():.0f} s on {action} with global rank {peer} (pipeline stage "
                     f"{action.peer}), which never answered; check that rank's log for an error or raise "
-                    f"MEGAPIPE_TIMEOUT. ({error})") from error
+                    f"--distributed-timeout-minutes. ({error})") from error
         for member in transfer.group or [transfer]:  # a handle is waited on once (gloo's would block again)
             member.done = True
 
