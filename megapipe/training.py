@@ -10,7 +10,6 @@ live on the last pipeline stage, which logs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Optional
@@ -32,6 +31,7 @@ from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.schedule_file import load_training_schedule
 from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.step_counters import StepCounters, skip_reason
 from megapipe.plan_layout import initialize_plan_state
 from megapipe.train_logger import IterationStats, TrainLogger
 
@@ -83,6 +83,7 @@ class Trainer:
                                      timeout=timeout, vertical_sync=par.pipedream_vertical_sync)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
+        self.counters, self.nan_iterations = StepCounters(self.device), 0
         self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
@@ -112,26 +113,17 @@ class Trainer:
             self.logger.close()
             return
         batches = self.batches.batches("train", self.state.consumed_samples)
-        window_losses, window_start, window_iters, nan_iterations = self._no_losses(), time.time(), 0, 0
+        window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
         while self.state.iteration < t.train_iters:
             result = self.engine.train_batch(next(batches))
             self.state.iteration += 1
             self.state.consumed_samples += t.global_batch_size
             self.scheduler.step()
-            ok = result.step is None or result.step.ok
-            if not ok:
-                self.state.skipped_iterations += 1
-                scale = self.engine.optimizer.loss_scale
-                self.logger.print(f"skipped iteration {self.state.iteration}: " + (
-                    f"gradient overflow, loss scale now {scale}" if scale is not None else
-                    f"non-finite gradient (grad norm {result.step.grad_norm})"))
-            if result.step is not None and result.step.grad_norm is not None \
-                    and not math.isfinite(float(result.step.grad_norm)):
-                nan_iterations += 1
+            self.counters.add(result.step)  # on the device: this loop reads nothing back until it logs
             self._add_losses(window_losses, result.batch)
             window_iters += 1
             if self.state.iteration % t.log_interval == 0:
-                self._log(window_losses, time.time() - window_start, window_iters, result, nan_iterations)
+                self._log(window_losses, time.time() - window_start, window_iters, result)
                 window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
             if self.state.iteration % t.eval_interval == 0:
                 self.evaluate("validation")
@@ -149,6 +141,7 @@ class Trainer:
                 self.logger.close()
                 return
         self.engine.drain()  # an asynchronous pipeline finishes its microbatches in flight before the end
+        self._count_steps()
         if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
             self.save(t.save)
         if self.state.iteration % t.eval_interval:
@@ -160,6 +153,8 @@ class Trainer:
 
     def save(self, directory: str) -> None:
         from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
+
+        self._count_steps()  # the checkpoint's train state counts every skipped iteration so far
 
         checkpointing.save_checkpoint(directory, self)
 
@@ -199,8 +194,18 @@ class Trainer:
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
         return dict(zip(named, means.tolist()))
 
-    def _log(self, losses, elapsed, iters, result, nan_iterations) -> None:
+    def _count_steps(self, last_step=None) -> None:
+        """Read the device counters of skipped and NaN iterations into the train state."""
+        skipped, nan = self.counters.read()
+        self.state.skipped_iterations += skipped
+        self.nan_iterations += nan
+        if skipped and last_step is not None:
+            self.logger.print(f"skipped {skipped} iteration(s) up to iteration {self.state.iteration}: "
+                              f"{skip_reason(last_step, self.engine.optimizer.loss_scale)}")
+
+    def _log(self, losses, elapsed, iters, result) -> None:
         t = self.config.training
+        self._count_steps(result.step)
         losses = self._data_parallel_means(losses)
         seconds = elapsed / iters
         tflops = self.flops / seconds / self.ps.world_size / 1e12
@@ -210,7 +215,7 @@ class Trainer:
             ms_per_iteration=1000 * seconds, learning_rate=self.scheduler.lr, global_batch_size=t.global_batch_size,
             losses=losses, loss_scale=self.engine.optimizer.loss_scale,
             grad_norm=None if step is None or step.grad_norm is None else float(step.grad_norm),
-            skipped_iterations=self.state.skipped_iterations, nan_iterations=nan_iterations,
+            skipped_iterations=self.state.skipped_iterations, nan_iterations=self.nan_iterations,
             tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             memory_gib=peak_memory_gib(self.device)))

@@ -49,17 +49,22 @@ def global_grad_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Ten
 
 
 def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (Megatron's rule)."""
-    coefficient = max_norm / (total_norm + CLIP_EPSILON)
-    if coefficient < 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
+    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (Megatron's rule).
+
+    The coefficient stays on the device (times 1 exactly when there is nothing to clip), so
+    clipping never waits for the norm to reach the host.
+    """
+    coefficient = (max_norm / (total_norm + CLIP_EPSILON)).clamp(max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
 
 
-def count_zero_grads(params: list[torch.Tensor], ps: ParallelState) -> int:
+def count_zero_grads(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
     """Number of exactly-zero gradient elements in the whole model, counted like the norm."""
     zeros = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
     for grad in _counted_grads(params, ps):
         zeros += grad.numel() - torch.count_nonzero(grad)
     all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
-    return int(zeros.item())
+    return zeros
 

@@ -11,56 +11,82 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from megapipe.optim.config import OptimizerConfig
 
 
-class ConstantLossScaler:
+class _DeviceScale:
+    """The scale as a tensor on the device the loss lives on (moved there at first use), so
+    scaling, unscaling and updating never read it back to the host."""
+
+    scale: torch.Tensor
+
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        if self.scale.device != device:
+            self._move(device)
+        return self.scale
+
+    def _move(self, device: torch.device) -> None:
+        self.scale = self.scale.to(device)
+
+
+class ConstantLossScaler(_DeviceScale):
     """A fixed scale (``--loss-scale``): overflowing steps are still skipped, the scale never moves."""
 
     def __init__(self, scale: float):
-        self.scale = float(scale)
+        self.scale = torch.tensor(float(scale), dtype=torch.float32)
 
-    def update(self, found_overflow: bool) -> None:
+    def update(self, found_overflow: torch.Tensor) -> None:
         pass
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale}
+        return {"scale": float(self.scale)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.scale = torch.tensor(float(state["scale"]), dtype=torch.float32, device=self.scale.device)
 
 
-class DynamicLossScaler:
-    """Megatron's dynamic scale: halve after ``hysteresis`` overflows, double after ``window`` clean steps."""
+class DynamicLossScaler(_DeviceScale):
+    """Megatron's dynamic scale: halve after ``hysteresis`` overflows, double after ``window`` clean steps.
+
+    The counters live on the device next to the scale and ``update`` takes the overflow flag as a
+    device tensor: the rule is applied with ``torch.where``, never by reading the flag.
+    """
 
     def __init__(self, initial_scale: float, min_scale: float, window: int, hysteresis: int):
-        self.scale = float(initial_scale)
+        self.scale = torch.tensor(float(initial_scale), dtype=torch.float32)
         self.min_scale = float(min_scale)
         self.window = window
         self.hysteresis = hysteresis
-        self.clean_steps = 0
-        self.hysteresis_left = hysteresis
+        self.clean_steps = torch.tensor(0, dtype=torch.int64)
+        self.hysteresis_left = torch.tensor(hysteresis, dtype=torch.int64)
 
-    def update(self, found_overflow: bool) -> None:
-        if found_overflow:
-            self.clean_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
-                self.scale = max(self.scale / 2.0, self.min_scale)
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.window:
-            self.clean_steps = 0
-            self.hysteresis_left = self.hysteresis
-            self.scale *= 2.0
+    def _move(self, device: torch.device) -> None:
+        self.scale, self.clean_steps, self.hysteresis_left = (
+            self.scale.to(device), self.clean_steps.to(device), self.hysteresis_left.to(device))
+
+    def update(self, found_overflow: torch.Tensor) -> None:
+        overflow = torch.as_tensor(found_overflow)
+        self.scale_on(overflow.device)
+        overflow = overflow.to(torch.bool)
+        hysteresis_left = torch.where(overflow, self.hysteresis_left - 1, self.hysteresis_left)
+        clean_steps = torch.where(overflow, 0, self.clean_steps + 1)
+        scale = torch.where(overflow & (hysteresis_left <= 0), (self.scale / 2).clamp(min=self.min_scale), self.scale)
+        grow = ~overflow & (clean_steps == self.window)
+        self.scale = torch.where(grow, scale * 2, scale)
+        self.clean_steps = torch.where(grow, 0, clean_steps)
+        self.hysteresis_left = torch.where(grow, self.hysteresis, hysteresis_left)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left}
+        return {"scale": float(self.scale), "clean_steps": int(self.clean_steps),
+                "hysteresis_left": int(self.hysteresis_left)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
-        self.hysteresis_left = int(state["hysteresis_left"])
+        device = self.scale.device
+        self.scale = torch.tensor(float(state["scale"]), dtype=torch.float32, device=device)
+        self.clean_steps = torch.tensor(int(state["clean_steps"]), dtype=torch.int64, device=device)
+        self.hysteresis_left = torch.tensor(int(state["hysteresis_left"]), dtype=torch.int64, device=device)
 
 
 LossScaler = ConstantLossScaler | DynamicLossScaler

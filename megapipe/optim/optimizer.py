@@ -76,6 +76,7 @@ def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerCo
     precisions = sorted({str(p.dtype).removeprefix("torch.") for p in model_params})
     logger.info("optimizer: %s on %s params%s, %s", kernel, "/".join(precisions),
                 " with fp32 masters" if any(p is not m for p, m in zip(model_params, main_params)) else "",
-                f"loss scale {scaler.scale:g} ({type(scaler).__name__})" if scaler else "no loss scaling")
+                f"loss scale {config.loss_scale or config.initial_loss_scale:g} ({type(scaler).__name__})" if scaler
+                else "no loss scaling")
     return PrecisionOptimizer(inner, model_params, main_params, grads, ps, config.clip_grad, scaler,
                               config.log_num_zeros_in_grad)

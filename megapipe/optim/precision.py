@@ -37,11 +37,26 @@ def make_main_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
 
 
 class StepResult(NamedTuple):
-    """What one optimizer step did: ``ok`` is False when the update was skipped."""
+    """What one optimizer step did, as device tensors (reading them would stall the device queue,
+    so the training loop reads them once per log interval); the properties read them now."""
 
-    ok: bool
-    grad_norm: Optional[float]  # None when an inf/NaN gradient skipped the step; inf if only the norm overflowed
-    num_zeros: Optional[int]  # only with OptimizerConfig.log_num_zeros_in_grad
+    skipped_flag: torch.Tensor  # bool: the update was skipped (inf/NaN gradient)
+    norm: torch.Tensor  # the global gradient norm (inf/NaN when the gradients were)
+    overflow_flag: torch.Tensor  # bool: fp16 loss scaling found an overflow (the norm means nothing then)
+    zeros: Optional[torch.Tensor] = None  # only with OptimizerConfig.log_num_zeros_in_grad
+
+    @property
+    def ok(self) -> bool:
+        return not bool(self.skipped_flag)
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """None when an fp16 overflow skipped the step; inf or NaN if only the norm went bad."""
+        return None if bool(self.overflow_flag) else float(self.norm)
+
+    @property
+    def num_zeros(self) -> Optional[int]:
+        return None if self.zeros is None else int(self.zeros)
 
 
 class PrecisionOptimizer:
@@ -71,12 +86,12 @@ class PrecisionOptimizer:
 
     @property
     def loss_scale(self) -> Optional[float]:
-        """The current fp16 loss scale, or None when the loss is not scaled."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else None
+        """The current fp16 loss scale (read from the device), or None when the loss is not scaled."""
+        return float(self.loss_scaler.scale) if self.loss_scaler is not None else None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor to call ``backward()`` on: the loss times the loss scale (fp16 only)."""
-        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        return loss * self.loss_scaler.scale_on(loss.device) if self.loss_scaler is not None else loss
 
     def zero_grad(self) -> None:
         """Clear the main gradients before the next batch."""
@@ -87,30 +102,39 @@ class PrecisionOptimizer:
         """Update the parameters from the finalized main gradients, or skip on overflow."""
         self._attach_main_grads()
         try:
+            device = self.grads.buffer.device
+            overflow = torch.zeros((), dtype=torch.bool, device=device)
             if self.loss_scaler is not None:  # without one, any non-finite gradient makes the norm below so
                 overflow = self._unscale_and_find_overflow()
                 self.loss_scaler.update(overflow)
-                if overflow:
-                    return StepResult(False, None, None)
             grad_norm = global_grad_norm(self.main_params, self.ps)
-            if not torch.isfinite(grad_norm):
-                return StepResult(False, grad_norm.item(), None)
+            skip = overflow | ~torch.isfinite(grad_norm)
             if self.clip_grad > 0:
                 clip_grads_by_total_norm(self.main_params, self.clip_grad, grad_norm)
             num_zeros = count_zero_grads(self.main_params, self.ps) if self.log_num_zeros_in_grad else None
-            self.inner.step()
-            self._copy_masters_to_model()
-            return StepResult(True, grad_norm.item(), num_zeros)
+            self._inner_step(skip)
+            self._copy_masters_to_model()  # a skipped update left the masters as they were
+            return StepResult(skip, grad_norm, overflow, num_zeros)
         finally:
             # main.grad aliases the buffer for fp32 params; never let autograd accumulate into it.
             for main in self.main_params:
                 main.grad = None
 
+    def _inner_step(self, skip: torch.Tensor) -> None:
+        """Update unless ``skip``: torch's fused kernels take the flag on the device (``found_inf``,
+        as its gradient scaler passes it), so no step reads it; other kernels need it on the host."""
+        if self.inner.defaults.get("fused"):
+            self.inner.found_inf = skip.float()
+            self.inner.grad_scale = None
+            self.inner.step()
+        elif not bool(skip):
+            self.inner.step()
+
     def _attach_main_grads(self) -> None:
         for model, main in zip(self.model_params, self.main_params):
             main.grad = model.main_grad if model.main_grad.dtype == main.dtype else model.main_grad.to(main.dtype)
 
-    def _unscale_and_find_overflow(self) -> bool:
+    def _unscale_and_find_overflow(self) -> torch.Tensor:
         """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN.
 
         Every gradient is checked, including copies the norm leaves out (tensor-parallel
@@ -119,10 +143,10 @@ class PrecisionOptimizer:
         grads = [main.grad for main in self.main_params]
         device = self.grads.buffer.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inverse_scale = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=device)
+        inverse_scale = self.loss_scaler.scale_on(device).reciprocal().reshape(1)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
         all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+        return found[0] > 0
 
     def _copy_masters_to_model(self) -> None:
         if self._master_pairs:
