@@ -60,7 +60,9 @@ def _reads_per_step(m: int) -> int:
 
 
 def test_host_reads_per_step_do_not_grow_with_microbatches():
-    assert _reads_per_step(2) == _reads_per_step(8)
+    # none at all here: losses stay on the device and torch's fused AdamW (CPU and CUDA) takes the
+    # skip flag on the device; a kernel without that support would read the flag once per step
+    assert _reads_per_step(2) == _reads_per_step(8) == 0
 
 
 def held_bytes_run(rank, world_size, deallocate: bool):
