@@ -174,3 +174,25 @@ def test_device_memory_counts_live_storages_and_the_peak():
         assert memory.current == 4 * (256 * 256 + 2 * 4 * 256)
         del x, y
         assert memory.current == 4 * 256 * 256 and memory.peak == 4 * (256 * 256 + 2 * 4 * 256)
+
+
+def _evaluation_peak_bytes(m: int) -> tuple[int, int]:
+    """Peak device bytes of one evaluation call on the middle rank of a 3-stage GPT pipeline, and the
+    bytes of one received boundary tensor."""
+    ps = _pipeline_rank(1, 3, 1)
+    with fake_accelerator(), stubbed_transport():
+        config = model_config("gpt", num_layers=3)
+        ps.seed(1234, FAKE_DEVICE)
+        chunks = build_model_chunks("gpt", config, ps, device=FAKE_DEVICE)
+        engine = PipelineEngine(chunks, ps, OptimizerConfig(lr=1e-3), "1f1b", m, (S, B, H), device=FAKE_DEVICE)
+        batches = [microbatch("gpt", FAKE_DEVICE) for _ in range(m)]
+        memory = DeviceMemory()
+        with memory:
+            engine.evaluate(batches)
+    return memory.peak, S * B * H * 4
+
+
+def test_evaluation_memory_does_not_grow_with_its_microbatches():
+    # each microbatch's received input and output are let go once its output is sent on
+    (peak_few, boundary), (peak_many, _) = _evaluation_peak_bytes(3), _evaluation_peak_bytes(12)
+    assert peak_few == peak_many and peak_few >= boundary
