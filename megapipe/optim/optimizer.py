@@ -2,9 +2,10 @@
 
 Biases and normalization weights (every parameter with fewer than two dimensions) get no
 weight decay, as in Megatron. Adam is always AdamW (decoupled decay), which is what Megatron's
-``--optimizer adam`` runs. The kernel is NVIDIA apex ``FusedAdam`` when it is installed and the
-parameters live on CUDA, else torch's fused implementation where torch has one for the device
-(CPU and CUDA in torch 2.13), else torch's foreach implementation.
+``--optimizer adam`` runs. The kernel is torch's fused implementation where torch has one for the
+device (CPU and CUDA), else its foreach implementation. apex's ``FusedAdam`` is not used even when
+installed: torch's fused kernels are as fast and take the skip flag of an overflowing step on the
+device (``found_inf``), so a step never waits for the host; apex's would have to read it.
 """
 
 from __future__ import annotations
@@ -38,26 +39,15 @@ def weight_decay_groups(model_params: list[torch.nn.Parameter], main_params: lis
     return [group for group in groups if group["params"]]
 
 
-def _apex_fused_adam():
-    try:
-        from apex.optimizers import FusedAdam  # optional, CUDA only
-    except ImportError:
-        return None
-    return FusedAdam
-
-
 def build_inner_optimizer(groups: list[dict], config: OptimizerConfig,
                           device: torch.device) -> tuple[torch.optim.Optimizer, str]:
-    """The torch (or apex) optimizer over ``groups`` and a short name of the kernel chosen."""
+    """The torch optimizer over ``groups`` and a short name of the kernel chosen."""
     kernel = {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {"foreach": True}
     kernel_name = next(iter(kernel))
     if config.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, **kernel)
         return optimizer, f"torch SGD ({kernel_name})"
     betas = (config.adam_beta1, config.adam_beta2)
-    apex_adam = _apex_fused_adam() if device.type == "cuda" else None
-    if apex_adam is not None:
-        return apex_adam(groups, lr=config.lr, betas=betas, eps=config.adam_eps, adam_w_mode=True), "apex FusedAdam"
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, **kernel)
     return optimizer, f"torch AdamW ({kernel_name})"
 
