@@ -18,6 +18,8 @@ the overlap from the host-clock record of when each bucket's reduction was issue
 from __future__ import annotations
 
 import datetime
+import itertools
+import os
 
 import pytest
 import torch
@@ -137,10 +139,26 @@ SUITE = {
 }
 
 
-@pytest.mark.timeout(600)
-def test_sharding_levels_and_overlap_match_no_shard():
-    results = run_distributed(4, check_parity, SUITE[4], ALL_VARIANTS, timeout=600)
-    expected = sum(len(ALL_VARIANTS) - (2 if case[3] in ("2bw", "pipedream") else 0) for case in SUITE[4])
+def full_matrix() -> dict[int, list[tuple]]:
+    """Every (t, p, d) with t, p in {1, 2}, d in {2, 4} and t p d <= 8, under every schedule that
+    p allows, grouped by world size (MEGAPIPE_FULL_DP_MATRIX=1 runs it; minutes on 2 cores)."""
+    cases: dict[int, list[tuple]] = {}
+    for t, p, d in itertools.product((1, 2), (1, 2), (2, 4)):
+        if t * p * d > 8:
+            continue
+        schedules = [("1f1b", 1, 2)] + ([("interleaved", 2, 4), ("2bw", 1, 2), ("pipedream", 1, 2)] if p > 1 else [])
+        cases.setdefault(t * p * d, []).extend((t, p, d, name, v, m) for name, v, m in schedules)
+    return cases
+
+
+CASES = full_matrix() if os.environ.get("MEGAPIPE_FULL_DP_MATRIX") == "1" else SUITE
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_sharding_levels_and_overlap_match_no_shard(world):
+    results = run_distributed(world, check_parity, CASES[world], ALL_VARIANTS, timeout=3600)
+    expected = sum(len(ALL_VARIANTS) - (2 if case[3] in ("2bw", "pipedream") else 0) for case in CASES[world])
     assert len(results[0]) == expected
 
 
