@@ -79,7 +79,7 @@ def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerCo
     scaler = build_loss_scaler(config)
     precisions = sorted({str(p.dtype).removeprefix("torch.") for p in model_params})
     logger.info("optimizer: %s on %s params%s, %s, data-parallel sharding %s", kernel, "/".join(precisions),
-                " with fp32 masters" if any(p is not m for p, m in zip(model_params, main_params)) else "",
+                " with fp32 masters" if any(p.dtype != torch.float32 for p in model_params) else "",
                 f"loss scale {scaler.scale:g} ({type(scaler).__name__})" if scaler else "no loss scaling",
                 grads.level.strategy)
     return PrecisionOptimizer(inner, model_params, main_params, grads, ps, config.clip_grad, scaler,
