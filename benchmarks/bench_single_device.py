@@ -36,6 +36,7 @@ import abc
 import argparse
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -395,8 +396,11 @@ def run_sequential(systems, batches, args, device):
     return results
 
 
-def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: float, device: torch.device):
+def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: float,
+                device: torch.device) -> list[dict]:
+    """Print the shape's table; return its rows as plain values (for ``--json``)."""
     tokens = shape.micro_batch * shape.seq_length
+    rows = []
     baseline = next((r for r in results if isinstance(r.system, HuggingFace) and r.error is None), None)
     show_memory = any(r.peak_gib is not None for r in results)
     header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
@@ -406,9 +410,14 @@ def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: 
     for r in results:
         if r.error is not None:
             print(f"{r.system.name:44s} not run: {r.error}")
+            rows.append({"system": r.system.name, "error": r.error})
             continue
         achieved = flops / r.seconds / 1e12
         ratio = f"{baseline.seconds / r.seconds:6.2f}" if baseline is not None else f"{'-':>6s}"
+        rows.append({"system": r.system.name, "precision": r.system.precision, "ms_per_step": r.seconds * 1e3,
+                     "tokens_per_s": tokens / r.seconds, "tflops": achieved, "mfu": achieved / peak_tflops,
+                     "vs_hf": baseline.seconds / r.seconds if baseline is not None else None,
+                     "peak_gib": r.peak_gib})
         row = (f"{r.system.name:44s} {r.system.precision:36s} {r.seconds * 1e3:9.1f} {tokens / r.seconds:10.0f} "
                f"{achieved:8.3f} {achieved / peak_tflops:6.1%} {ratio}")
         if show_memory:
@@ -418,6 +427,7 @@ def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: 
     for r in results:
         if isinstance(r.system, MegatronCore) and r.error is None and r.system.detail:
             print(f"megatron-core: {r.system.detail}")
+    return rows
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -447,6 +457,7 @@ def parse_args(device: torch.device):
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default 1 on CPU: a shared machine oversubscribed by several threads "
                              "per process stalls them at every barrier)")
+    parser.add_argument("--json", default=None, help="also write every table's rows to this JSON file")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default=None,
                         help="wall: elapsed time; cpu: CPU time of the one compute thread, so load from other "
                              "processes does not count (default: cpu with one CPU thread, else wall)")
@@ -496,6 +507,7 @@ def main() -> None:
                      + f"; {args.clock} clock")
     print(f"device {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"megapipe fusion backend {backend.name} ({backend.reason})")
+    report = {"device": name, "torch": torch.__version__, "fusion_backend": backend.name, "shapes": {}}
 
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
@@ -521,7 +533,7 @@ def main() -> None:
             results, measured = run_interleaved(systems, batches, args, device, peak_probe)
         peak_tflops = max(peak, measured or 0.0)
         print(f"\nMFU = model FLOPs per second / {peak_tflops:.3f} TFLOP/s: {peak_note}")
-        print_table(results, shape, flops, peak_tflops, device)
+        report["shapes"][shape_name] = print_table(results, shape, flops, peak_tflops, device)
         for r in results:
             if r.error is None and not math.isfinite(r.final_loss):
                 print(f"warning: {r.system.name} ended with loss {r.final_loss}")
@@ -529,6 +541,9 @@ def main() -> None:
             system.free()
     print("\nvs HF = Hugging Face step time / this system's step time (> 1: faster than Hugging Face). "
           "Model FLOPs exclude recomputation.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megapipe.errors import ConfigError
+from megapipe.operations import validate_operations
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 
 
@@ -125,6 +126,17 @@ def _training_flags(g) -> None:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--device-peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device, for model FLOPs utilisation")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="how long a collective waits for a peer before failing")
+    g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit every N iterations")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit once training has run this long")
+    g.add_argument("--skip-train", action="store_true",
+                   help="evaluate the --load checkpoint on the validation and test sets without training")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on resume, take the learning-rate schedule from the flags, not the checkpoint")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                   help="on resume, take the learning-rate schedule from the checkpoint, not the flags")
 
 
 def _data_flags(g) -> None:
@@ -139,6 +151,8 @@ def _data_flags(g) -> None:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--mask-prob", type=float, default=0.15)
     g.add_argument("--short-seq-prob", type=float, default=0.1)
+    g.add_argument("--mock-data", action="store_true", help="GPT: synthetic random tokens instead of --data-path")
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of --mock-data")
 
 
 def _kernel_flags(g) -> None:
@@ -206,7 +220,7 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
     data = DataConfig(data_path=list(args.data_path), split=split, tokenizer_type=args.tokenizer_type,
                       vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       data_cache_path=args.data_cache_path, mask_prob=args.mask_prob,
-                      short_seq_prob=args.short_seq_prob)
+                      short_seq_prob=args.short_seq_prob, mock_data=args.mock_data, vocab_size=args.vocab_size)
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
@@ -215,11 +229,14 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         no_load_rng=args.no_load_rng, finetune=args.finetune, async_save=args.async_save,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
         tensorboard_dir=args.tensorboard_dir, device_peak_tflops=args.device_peak_tflops,
-        fusion_backend=args.fusion_backend)
+        fusion_backend=args.fusion_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        skip_train=args.skip_train, override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
     return Config(model=model, parallel=parallel, data=data, training=training, optimizer=optimizer)
 
 
-def validate_config(config: Config, world_size: int) -> int:
+def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     """Check everything knowable before process groups exist; returns the data-parallel size."""
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
@@ -247,6 +264,7 @@ def validate_config(config: Config, world_size: int) -> int:
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    validate_operations(kind, config)
     m = train.num_microbatches(data)
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
     build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
@@ -258,5 +276,5 @@ def validate_config(config: Config, world_size: int) -> int:
 def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1) -> Config:
     args = build_parser(kind).parse_args(argv)
     config = config_from_args(kind, args)
-    validate_config(config, world_size)
+    validate_config(config, world_size, kind)
     return config

@@ -1,4 +1,5 @@
-"""Entry point shared by pretrain_gpt.py and pretrain_bert.py: a user mistake is one line, not a traceback."""
+"""Entry point shared by pretrain_gpt.py and pretrain_bert.py: a user mistake is one line, printed once per
+job (not per rank), not a traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import torch.distributed as dist
 
 from megapipe.errors import CheckpointError, ConfigError, DataError, PipelineTimeout
+from megapipe.operations import report_user_error
 
 
 def main(kind: str) -> None:
@@ -15,7 +17,7 @@ def main(kind: str) -> None:
     try:
         pretrain(kind, sys.argv[1:])
     except (ConfigError, DataError, CheckpointError, PipelineTimeout) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        report_user_error(error)
         sys.exit(2)
     finally:
         if dist.is_initialized():

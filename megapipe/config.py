@@ -176,6 +176,8 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    mock_data: bool = False  # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
+    vocab_size: Optional[int] = None  # of --mock-data
 
 
 @dataclass
@@ -204,6 +206,13 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     device_peak_tflops: Optional[float] = None  # for model FLOPs utilisation; known GPUs are looked up
     fusion_backend: str = "auto"
+    # operations (megapipe/operations.py)
+    distributed_timeout_minutes: float = 10.0  # every collective's timeout, as Megatron's default
+    exit_interval: Optional[int] = None  # save and exit every N iterations
+    exit_duration_in_mins: Optional[float] = None  # save and exit after this long
+    skip_train: bool = False  # evaluate the --load checkpoint only
+    override_opt_param_scheduler: bool = False  # resume with the flags' learning-rate schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # resume with the checkpoint's learning-rate schedule
 
     def num_microbatches(self, data_parallel: int) -> int:
         """m = global batch / (micro batch x d), as in Megatron."""

@@ -83,3 +83,47 @@ def peak_memory_gib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux reports KiB
+
+
+class DeviceClock:
+    """Marks in the device's own order of work, read later as seconds on the host clock.
+
+    On an accelerator a host timestamp only says when work was queued, so a mark is a device
+    event and ``seconds`` converts it (elapsed time from a base event recorded together with a
+    host timestamp). On the CPU work finishes before the call returns and a mark is the host
+    clock itself. Either way the times of all ranks share ``time.time()``'s origin, so recorded
+    timelines merge and the bubble means the same on both devices.
+    """
+
+    def __init__(self, device: torch.device):
+        import time
+
+        self.device, self._time = device, time.time
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self._base = torch.cuda.Event(enable_timing=True)
+            self._base.record()
+        self._base_seconds = self._time()
+
+    def mark(self):
+        if self.device.type != "cuda":
+            return self._time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, marks: list) -> list[float]:
+        """Host-clock seconds of ``marks`` (waits for the device to reach them)."""
+        if self.device.type != "cuda":
+            return list(marks)
+        if marks:
+            marks[-1].synchronize()
+        return [self._base_seconds + self._base.elapsed_time(event) / 1000 for event in marks]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: through pinned memory and without blocking the host
+    when ``device`` is an accelerator, so the copy overlaps the work already queued."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.stage_replicas import stage_of_worker
 from megapipe.tensor_parallel.random import RNGTracker, seed_parallel_rng
 
 
@@ -129,8 +130,15 @@ class ParallelState:
             raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
         if virtual_pipeline > 1 and pipeline == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
+        return ParallelState.build(layout, virtual_pipeline, timeout=timeout)
+
+    @staticmethod
+    def build(layout, virtual_pipeline: int = 1, stage_replicas: Optional[tuple[int, ...]] = None,
+              timeout: Optional[datetime.timedelta] = None) -> "ParallelState":
+        """This process's state under ``layout`` (a ``RankLayout`` or a stage plan's ``PlanLayout``):
+        creates every group the layout lists, in the same order on all ranks (collective)."""
         rank = dist.get_rank()
-        state = ParallelState(layout, rank, virtual_pipeline)
+        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas)
         state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
         all_groups = {
             "tensor": layout.tensor_groups(),
@@ -222,12 +230,7 @@ class ParallelState:
         """The stage this rank runs (its pipeline rank unless stages are replicated)."""
         if self.stage_replicas is None:
             return self.pp_rank
-        first = 0
-        for stage, count in enumerate(self.stage_replicas):
-            if self.pp_rank < first + count:
-                return stage
-            first += count
-        raise ValueError(f"pipeline rank {self.pp_rank} is outside the stage replicas {self.stage_replicas}")
+        return stage_of_worker(self.stage_replicas, self.pp_rank)
 
     @property
     def is_first_stage(self) -> bool:

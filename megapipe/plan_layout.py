@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megapipe.errors import ConfigError
 from megapipe.parallel_state import ParallelState
 from megapipe.stage_plan import StagePlan
+from megapipe.stage_replicas import first_worker
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class PlanLayout:
         return None if self.plan.equal_replication is not None else self.plan.replicas
 
     def worker(self, stage: int, replica: int) -> int:
-        return sum(self.plan.replicas[:stage]) + replica
+        return first_worker(self.plan.replicas, stage) + replica
 
     def rank(self, worker: int, tensor_index: int) -> int:
         return worker * self.tensor + tensor_index
@@ -89,15 +90,4 @@ def initialize_plan_state(plan: StagePlan, tensor: int = 1,
     layout = PlanLayout(plan, tensor)
     if layout.world_size != dist.get_world_size():
         plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
-    rank = dist.get_rank()
-    state = ParallelState(layout, rank, stage_replicas=layout.stage_replicas)
-    state.groups["embedding"], state.members["embedding"] = None, []
-    all_groups = {"tensor": layout.tensor_groups(), "data": layout.data_groups(),
-                  "pipeline": layout.pipeline_groups(), "model_parallel": layout.model_parallel_groups(),
-                  "embedding": layout.embedding_groups()}
-    for name, groups in all_groups.items():
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                state.groups[name], state.members[name] = group, list(ranks)
-    return state
+    return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout)

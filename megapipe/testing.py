@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -32,20 +31,15 @@ class DistributedFailure(RuntimeError):
     """A rank raised or the world did not finish in time."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, collective_timeout: float,
             fn: Callable, args: tuple, results: "mp.Queue") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including SystemExit from argparse
@@ -64,7 +58,10 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    # the parent holds the rendezvous store on a port the system picks, so no other process can
+    # take the port between choosing and binding it (ranks connect to it as clients)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:

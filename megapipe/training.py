@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,14 +22,12 @@ from tqdm import tqdm
 from megapipe import fusions
 from megapipe.arguments import parse_config
 from megapipe.config import Config
-from megapipe.errors import ConfigError
-from megapipe.data.builder import build_train_valid_test_datasets
-from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
-from megapipe.data.samplers import build_pretraining_data_loader
-from megapipe.data.tokenizer import build_tokenizer
-from megapipe.distributed import DEFAULT_TIMEOUT, init_distributed, peak_memory_gib
+from megapipe.data.rank_data import BatchSource, build_rank_data
+from megapipe.data.splits import SPLIT_NAMES
+from megapipe.distributed import init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.operations import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.schedule_file import load_training_schedule
@@ -48,77 +45,25 @@ class TrainState:
     skipped_iterations: int = 0
 
 
-def _data(kind: str, config: Config, ps: ParallelState):
-    """Tokenizer and dataset prefixes: the flags', or the embedded corpus built on first use."""
-    data = config.data
-    if data.data_path:
-        if data.tokenizer_type is None and kind == "bert":
-            raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
-                              "--vocab-file) matching the tokenizer the data was preprocessed with.")
-        tokenizer = build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file, merge_file=data.merge_file,
-                                    tokenizer_model=data.tokenizer_model)
-        return tokenizer, list(data.data_path)
-    build = default_gpt_data if kind == "gpt" else default_bert_data
-    if ps.rank == 0:  # one rank builds the cache; the others then read it
-        build(data.data_cache_path)
-    dist.barrier()
-    prefix, tokenizer = build(data.data_cache_path)
-    return tokenizer, [prefix]
-
-
-def _datasets(kind: str, config: Config, tokenizer, data_path: list[str]):
-    t = config.training
-    options = {} if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
-                                             short_seq_prob=config.data.short_seq_prob,
-                                             binary_head=config.model.bert_binary_head)
-    eval_samples = t.eval_iters * t.global_batch_size
-    return build_train_valid_test_datasets(kind, data_path, config.data.split, config.model.seq_length,
-                                           t.seed, (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
-                                           tokenizer, cache_dir=config.data.data_cache_path, **options)
-
-
-def _model_batch(kind: str, batch: dict, device: torch.device) -> dict:
-    """A loader batch in the names the model stages read."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    if kind == "bert":
-        batch["tokens"] = batch.pop("text")
-    return batch
-
-
-def _microbatches(loader_iter: Iterator, count: int, kind: str, device) -> list[dict]:
-    return [_model_batch(kind, next(loader_iter), device) for _ in range(count)]
-
-
-class SigtermFlag:
-    """Set by SIGTERM; all ranks agree on it at iteration boundaries so they stop together."""
-
-    def __init__(self):
-        self.received = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 class Trainer:
     """Owns one rank's engine, schedule, data iterators and logger for one run."""
 
     def __init__(self, kind: str, config: Config):
         self.kind, self.config = kind, config
-        self.device = init_distributed(DEFAULT_TIMEOUT)
+        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
+        timeout = distributed_timeout(config)
+        self.device = init_distributed(timeout)
         par, t = config.parallel, config.training
         plan = par.stage_plan()
         if plan is None:
             self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
-                                               timeout=DEFAULT_TIMEOUT)
+                                               timeout=timeout)
         else:
-            self.ps = initialize_plan_state(plan, par.tensor, timeout=DEFAULT_TIMEOUT)
-        self.tokenizer, self.data_path = _data(kind, config, self.ps)
+            self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
+        eval_samples = t.eval_iters * t.global_batch_size
+        self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
+                                                             eval_samples, eval_samples))
+        self.tokenizer = self.data.tokenizer
         config.model.vocab_size = self.tokenizer.vocab_size
         self.ps.seed(t.seed, self.device)
         self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
@@ -135,7 +80,7 @@ class Trainer:
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
-                                     timeout=DEFAULT_TIMEOUT, vertical_sync=par.pipedream_vertical_sync)
+                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save
@@ -143,7 +88,8 @@ class Trainer:
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
         self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
-        self.train_ds, self.valid_ds, self.test_ds = _datasets(kind, config, self.tokenizer, self.data_path)
+        self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
+                                   self.m)
         self.flops = flops_per_iteration(config.model, t.global_batch_size,
                                          recompute=config.model.recompute_granularity == "full")
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -154,17 +100,21 @@ class Trainer:
         t = self.config.training
         if t.load:
             self.load(t.load)
+        data = self.data.description() if self.logs_loss else ""  # a reader: it opens the dataset
         self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
                           f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
-                          f"vocabulary {self.tokenizer.vocab_size} | unigram entropy of the data "
-                          f"{unigram_entropy(self.data_path[0]):.4f} nats/token | fusion backend "
+                          f"vocabulary {self.tokenizer.vocab_size} | {data} | fusion backend "
                           f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
-        loader = iter(build_pretraining_data_loader(self.train_ds, self.state.consumed_samples, t.micro_batch_size,
-                                                    *self.ps.batch_slice))
-        sigterm = SigtermFlag()
+        if t.skip_train:
+            self.logger.print(f"> --skip-train: evaluating the checkpoint of iteration {self.state.iteration}")
+            self.evaluate("validation")
+            self.evaluate("test")
+            self.logger.close()
+            return
+        batches = self.batches.batches("train", self.state.consumed_samples)
         window_losses, window_start, window_iters, nan_iterations = self._no_losses(), time.time(), 0, 0
         while self.state.iteration < t.train_iters:
-            result = self.engine.train_batch(_microbatches(loader, self.m, self.kind, self.device))
+            result = self.engine.train_batch(next(batches))
             self.state.iteration += 1
             self.state.consumed_samples += t.global_batch_size
             self.scheduler.step()
@@ -178,28 +128,32 @@ class Trainer:
             if result.step is not None and result.step.grad_norm is not None \
                     and not math.isfinite(float(result.step.grad_norm)):
                 nan_iterations += 1
-            self._add_losses(window_losses, result.losses, result.loss_parts)
+            self._add_losses(window_losses, result.batch)
             window_iters += 1
             if self.state.iteration % t.log_interval == 0:
                 self._log(window_losses, time.time() - window_start, window_iters, result, nan_iterations)
                 window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
             if self.state.iteration % t.eval_interval == 0:
-                self.evaluate("validation", self.valid_ds)
-            if t.save and t.save_interval and self.state.iteration % t.save_interval == 0:
+                self.evaluate("validation")
+            saved = t.save and t.save_interval and self.state.iteration % t.save_interval == 0
+            if saved:
                 self.save(t.save)
-            if sigterm.agreed(self.device):
-                if t.save:
+            reason = self.exit_conditions.reason(self.state.iteration, self.device)
+            if reason is not None:
+                if t.save and not saved:
                     self.save(t.save)
+                if t.save:
                     self.wait_for_save()
                 self.engine.drain()
-                self.logger.print(f"exiting on SIGTERM at iteration {self.state.iteration}")
+                self.logger.print(f"exiting on {reason}")
+                self.logger.close()
                 return
         self.engine.drain()  # an asynchronous pipeline finishes its microbatches in flight before the end
         if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
             self.save(t.save)
         if self.state.iteration % t.eval_interval:
-            self.evaluate("validation", self.valid_ds)
-        self.evaluate("test", self.test_ds)
+            self.evaluate("validation")
+        self.evaluate("test")
         if t.save:
             self.wait_for_save()
         self.logger.close()
@@ -220,21 +174,26 @@ class Trainer:
 
         checkpointing.load_checkpoint(directory, self)
 
-    def _no_losses(self) -> dict[str, list[float]]:
-        return {name: [] for name in self.loss_names}
+    def _no_losses(self) -> dict[str, list]:
+        """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""
+        return {name: [torch.zeros((), dtype=torch.float64, device=self.device), 0] for name in self.loss_names}
 
-    def _add_losses(self, named: dict[str, list[float]], losses: list[float], parts: list[dict]) -> None:
+    def _add_losses(self, named: dict[str, list], batch) -> None:
         """Add a call's microbatch losses under their names: the parts the model reports, or the loss itself."""
-        if parts:
+        if batch.part_tensors:
             for name in self.loss_names:
-                named[name].extend(p[name] for p in parts)
-        else:
-            named[self.loss_names[0]].extend(losses)
+                values = [parts[name] for parts in batch.part_tensors]
+                named[name][0] += torch.stack(values).double().sum()
+                named[name][1] += len(values)
+        elif batch.loss_tensors:
+            named[self.loss_names[0]][0] += torch.stack(batch.loss_tensors).double().sum()
+            named[self.loss_names[0]][1] += len(batch.loss_tensors)
 
-    def _data_parallel_means(self, named: dict[str, list[float]]) -> dict[str, float]:
+    def _data_parallel_means(self, named: dict[str, list]) -> dict[str, float]:
         """Per name, the mean over this window's microbatch losses of all data-parallel ranks (last stage)."""
-        totals = torch.tensor([[sum(values), len(values)] for values in named.values()], dtype=torch.float64,
-                              device=self.device)
+        totals = torch.stack([torch.stack([total, torch.tensor(float(count), dtype=torch.float64,
+                                                               device=self.device)])
+                              for total, count in named.values()])
         if self.ps.is_last_stage and self.ps.dp_size > 1:
             dist.all_reduce(totals, group=self.ps.dp_group)
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
@@ -256,16 +215,18 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             memory_gib=peak_memory_gib(self.device)))
 
-    def evaluate(self, split: str, dataset) -> Optional[dict[str, float]]:
-        """Mean losses (by name) over ``--eval-iters`` global batches of ``dataset``; logged with perplexity."""
-        if dataset is None:
+    def evaluate(self, split: str) -> Optional[dict[str, float]]:
+        """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");
+        logged with perplexity. None when the split is empty."""
+        data_split = "valid" if split == "validation" else split
+        if not self.data.split_exists[SPLIT_NAMES.index(data_split)]:
             return None
         t = self.config.training
-        loader = iter(build_pretraining_data_loader(dataset, 0, t.micro_batch_size, *self.ps.batch_slice))
+        batches = self.batches.batches(data_split)
         named = self._no_losses()
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
-            result = self.engine.evaluate(_microbatches(loader, self.m, self.kind, self.device))
-            self._add_losses(named, result.losses, result.parts)
+            result = self.engine.evaluate(next(batches))
+            self._add_losses(named, result)
         losses = self._data_parallel_means(named)
         self.logger.log_evaluation(split, self.state.iteration, losses)
         return losses

@@ -35,14 +35,14 @@ def _command(root: str, cache: str, schedule: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule),
             "--train-iters", "8", "--save", directory, "--load", directory, "--save-interval", "2",
-            "--data-cache-path", cache]
+            "--data-cache-path", cache, "--distributed-timeout-minutes", "0.5"]
 
 
 class Job:
     """A launched command whose output lines are read with deadlines; killed as a group on exit."""
 
     def __init__(self, command: list[str]):
-        env = dict(os.environ, MEGAPIPE_TIMEOUT="30", OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, cwd=REPO, start_new_session=True)
         self.lines: list[str] = []

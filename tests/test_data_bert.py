@@ -162,3 +162,13 @@ def test_bad_bert_inputs(sentences, tmp_path):
         make(sentences, tmp_path, pair_task="mlm")
     with pytest.raises(ConfigError, match="--seq-length 4 is too short for BERT"):
         make(sentences, tmp_path, seq_length=4)
+
+
+def test_order_is_prefix_stable_so_longer_runs_extend_shorter_ones(sentences, tmp_path):
+    """A run asking for more samples (a larger --train-iters) serves the shorter run's samples first."""
+    short = BERTDataset(sentences, np.arange(sentences.num_documents), 20, 32, 7, str(tmp_path), TOK)
+    long = BERTDataset(sentences, np.arange(sentences.num_documents), 300, 32, 7, str(tmp_path), TOK)
+    assert len(short) == 20 and len(long) == 300
+    for i in range(20):
+        for key, value in short[i].items():
+            assert np.array_equal(value, long[i][key]), (i, key)

@@ -27,17 +27,19 @@ def indexed(tmp_path):
 
 
 def expected_windows(indexed, documents, num_samples, seq_length, seed):
-    """The specification, reimplemented: per-epoch permutations, then one permutation of the windows."""
-    rng = np.random.default_rng(seed)
-    stream, epochs = [], 0
+    """The specification, reimplemented: epoch e's documents in the order default_rng([seed, e])
+    permutes them; the windows that start in epoch e served in the order default_rng([seed, e, 1])
+    permutes them; epochs until num_samples windows have started."""
     total = sum(len(indexed.document(d)) for d in documents)
-    while epochs * total < num_samples * seq_length + 1:
-        epochs += 1
-    for _ in range(epochs):
-        for k in rng.permutation(len(documents)):
+    stream, served, epoch = [], [], 0
+    while len(served) < num_samples:
+        first, end = -(-epoch * total // seq_length), -(-(epoch + 1) * total // seq_length)
+        served += [first + k for k in np.random.default_rng([seed, epoch, 1]).permutation(end - first)]
+        epoch += 1
+    while len(stream) < (max(served) + 1) * seq_length + 1:
+        for k in np.random.default_rng([seed, len(stream) // total]).permutation(len(documents)):
             stream.extend(indexed.document(documents[k]).tolist())
-    served = rng.permutation(num_samples)
-    return [stream[j * seq_length:(j + 1) * seq_length + 1] for j in served]
+    return [stream[j * seq_length:(j + 1) * seq_length + 1] for j in served[:num_samples]]
 
 
 @pytest.mark.parametrize("num_samples, seq_length", [(7, 16), (120, 24), (1, 1)])
@@ -51,6 +53,17 @@ def test_samples_are_slices_of_the_shuffled_document_stream(indexed, tmp_path, n
         assert item["labels"].tolist() == window[1:]
         assert item["tokens"].dtype == item["labels"].dtype == np.int64
         assert item["loss_mask"].dtype == np.float32 and item["loss_mask"].tolist() == [1.0] * seq_length
+
+
+def test_order_is_prefix_stable_so_longer_runs_extend_shorter_ones(indexed, tmp_path):
+    """A run asking for more samples (a larger --train-iters) serves the shorter run's samples first,
+    across epoch boundaries, with its own cached index."""
+    cache = str(tmp_path / "cache")
+    short = GPTDataset(indexed, np.arange(40), 30, 16, seed=5, cache_dir=cache)
+    long = GPTDataset(indexed, np.arange(40), 400, 16, seed=5, cache_dir=cache)
+    assert len(short) == 30 and len(long) == 400 and len(os.listdir(cache)) == 2
+    for i in range(30):
+        assert np.array_equal(short[i]["tokens"], long[i]["tokens"])
 
 
 def test_eod_mask_loss_zeroes_positions_whose_input_is_eod(tmp_path):

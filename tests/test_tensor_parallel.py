@@ -14,7 +14,7 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.parallel_state import ParallelState
-from megapipe.tensor_parallel.mappings import group_size
+from megapipe.collectives import group_size
 from megapipe.testing import run_distributed
 
 import torch.distributed as dist

@@ -22,7 +22,7 @@ from megapipe.checkpointing.storage import read_metadata, read_shards, saved_ten
 from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
-from megapipe.optim.lr_schedule import LRSchedule
+from megapipe.optim.lr_schedule import schedule_source
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.in_flight import InFlight
 
@@ -65,10 +65,12 @@ def load_checkpoint(directory: str, trainer) -> None:
     """Load ``directory`` (``--load``) into ``trainer``, honouring --finetune / --no-load-optim / --no-load-rng.
 
     A directory that is also ``--save`` and holds no checkpoint yet starts the run from
-    scratch, so one command line both starts and resumes a job.
+    scratch, so one command line both starts and resumes a job (not with ``--skip-train``,
+    which needs a checkpoint to evaluate).
     """
     t = trainer.config.training
-    if _same_path(directory, t.save) and (not os.path.isdir(directory) or find_checkpoint(directory) is None):
+    if _same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
+                                                               or find_checkpoint(directory) is None):
         trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
     path, common, saved = _open(directory, trainer.kind)
@@ -101,7 +103,7 @@ def _load(path: str, common: Common, saved: dict, trainer) -> None:
         trainer.state.consumed_samples = common.consumed_samples
         trainer.state.skipped_iterations = common.skipped_iterations
         if with_optimizer:
-            trainer.scheduler.load_state_dict(common.scheduler)
+            trainer.scheduler.load_state_dict(common.scheduler, _schedule_source(t))
         else:
             trainer.scheduler.step(common.iteration - trainer.scheduler.iteration)
     if targets.in_flight:  # replayed before the random states come back
@@ -149,8 +151,12 @@ def _check_optimizer_fits(path: str, common: Common, trainer) -> None:
         raise CheckpointError(f"checkpoint {path} was written {'with' if common.loss_scaler else 'without'} fp16 "
                               f"loss scaling and this run is the other way; resume with the same --fp16/--bf16 "
                               f"setting or {fix}.")
-    if LRSchedule(**common.scheduler["schedule"]) != trainer.scheduler.schedule:
-        trainer.scheduler.load_state_dict(common.scheduler)  # raises, naming the flags that differ
+    if _schedule_source(trainer.config.training) == "match":  # raises, naming the flags that differ
+        trainer.scheduler.check_matches(common.scheduler)
+
+
+def _schedule_source(t) -> str:
+    return schedule_source(t.override_opt_param_scheduler, t.use_checkpoint_opt_param_scheduler)
 
 
 def _restore_or_reseed_rng(trainer, rng: dict, common: Common, layout: Layout, restore: bool) -> None:

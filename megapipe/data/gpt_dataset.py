@@ -1,11 +1,14 @@
 """GPT samples: windows of ``seq_length + 1`` tokens over a shuffled stream of documents.
 
 The documents of a split are concatenated in a fresh random order every epoch (epoch ``e``
-uses the ``e``-th permutation drawn from ``numpy.random.default_rng(seed)``), and sample ``j``
-of the stream is tokens ``[j*seq_length, (j+1)*seq_length + 1)``: windows cross document
-boundaries and consecutive windows share one token, so no token is wasted. After the
-epochs' permutations the same generator draws one more permutation, the order in which the
-samples are served. Enough epochs are taken to give the requested number of samples.
+permutes them with ``numpy.random.default_rng([seed, e])``), and sample ``j`` of the stream is
+tokens ``[j*seq_length, (j+1)*seq_length + 1)``: windows cross document boundaries and
+consecutive windows share one token, so no token is wasted. The windows that start in epoch
+``e`` are served together, shuffled by ``default_rng([seed, e, 1])``.
+
+Nothing here depends on how many samples are asked for: the order is a prefix-stable function
+of the seed and the data, so a run resumed with a larger ``--train-iters`` sees exactly the
+samples an uninterrupted longer run would. The cached index covers whole epochs.
 """
 
 from __future__ import annotations
@@ -19,31 +22,39 @@ from megapipe.data.index_cache import array_digest, load_or_build
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.errors import DataError
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+
+
+def windows_before(tokens: int, seq_length: int) -> int:
+    """How many windows start before stream position ``tokens``."""
+    return -(-tokens // seq_length)
 
 
 def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
-    """Epochs whose concatenation holds ``num_samples`` windows of ``seq_length + 1`` tokens."""
-    if num_samples == 0:
-        return 1
-    return math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
+    """The fewest epochs in which ``num_samples`` windows start (at least one): the smallest E
+    with ``ceil(E * tokens_per_epoch / seq_length) >= num_samples``."""
+    return max(1, (num_samples - 1) * seq_length // tokens_per_epoch + 1)
 
 
-def build_sample_index(document_lengths: np.ndarray, num_samples: int, seq_length: int,
+def build_sample_index(document_lengths: np.ndarray, num_epochs: int, seq_length: int,
                        seed: int) -> dict[str, np.ndarray]:
-    """Document order over all epochs, where each sample starts, and the order samples are served.
+    """Document order, where each window starts, and the serving order of the windows of ``num_epochs`` epochs.
 
-    ``sample_start[j] = (k, offset)``: sample ``j`` starts ``offset`` tokens into the ``k``-th
-    document of ``document_order`` (an index into ``document_lengths``).
+    ``sample_start[j] = (k, offset)``: window ``j`` starts ``offset`` tokens into the ``k``-th
+    document of ``document_order`` (an index into ``document_lengths``). The document order
+    runs past the last epoch far enough for its last window to end.
     """
-    num_epochs = num_epochs_needed(int(document_lengths.sum()), num_samples, seq_length)
-    rng = np.random.default_rng(seed)
-    document_order = np.concatenate([rng.permutation(len(document_lengths)) for _ in range(num_epochs)])
-    sample_order = rng.permutation(num_samples)
+    tokens_per_epoch = int(document_lengths.sum())
+    spill = math.ceil((seq_length + 1) / tokens_per_epoch) if tokens_per_epoch else 0  # epochs the last windows reach
+    document_order = np.concatenate([np.random.default_rng([seed, e]).permutation(len(document_lengths))
+                                     for e in range(num_epochs + spill)])
     stream_offsets = np.concatenate([[0], np.cumsum(document_lengths[document_order])])
-    starts = np.arange(num_samples, dtype=np.int64) * seq_length
+    bounds = [windows_before(e * tokens_per_epoch, seq_length) for e in range(num_epochs + 1)]
+    starts = np.arange(bounds[-1], dtype=np.int64) * seq_length
     position = np.searchsorted(stream_offsets, starts, side="right") - 1
     sample_start = np.stack([position, starts - stream_offsets[position]], axis=1)
+    sample_order = np.concatenate([bounds[e] + np.random.default_rng([seed, e, 1]).permutation(bounds[e + 1] - bounds[e])
+                                   for e in range(num_epochs)])
     return {"document_order": document_order, "sample_start": sample_start, "sample_order": sample_order}
 
 
@@ -65,14 +76,15 @@ class GPTDataset:
         if num_samples > 0 and lengths.sum() == 0:
             raise DataError(f"the {split_name} split of {indexed.prefix} has no tokens but {num_samples} samples "
                             "were asked for; give it more documents with --split or add data.")
+        num_epochs = num_epochs_needed(int(lengths.sum()), num_samples, seq_length) if num_samples else 1
         description = {"kind": "gpt", "version": INDEX_VERSION, "split": split_name, "seed": seed,
-                       "seq_length": seq_length, "num_samples": num_samples, "lengths": array_digest(lengths),
+                       "seq_length": seq_length, "num_epochs": num_epochs, "lengths": array_digest(lengths),
                        "num_documents": len(lengths)}
         index = load_or_build(cache_dir, description,
-                              lambda: build_sample_index(lengths, num_samples, seq_length, seed))
+                              lambda: build_sample_index(lengths, num_epochs, seq_length, seed))
         self.document_order = index["document_order"]
         self.sample_start = index["sample_start"]
-        self.sample_order = index["sample_order"]
+        self.sample_order = index["sample_order"][:num_samples]
 
     def __len__(self) -> int:
         return len(self.sample_order)

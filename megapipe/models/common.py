@@ -10,7 +10,7 @@ from torch import nn
 from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.tensor_parallel.utils import deterministic_normal
+from megapipe.tensor_parallel.utils import init_normal_
 
 
 def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False) -> nn.Module:
@@ -41,8 +41,7 @@ def replicated_linear(in_features: int, out_features: int, config: ModelConfig, 
                       device=None) -> nn.Linear:
     """An ``nn.Linear`` held whole by every tensor rank, initialised from its own stream."""
     layer = nn.Linear(in_features, out_features, device=device, dtype=config.params_dtype)
+    init_normal_(layer.weight, (out_features, in_features), config.init_method_std, seed, f"{name}.weight")
     with torch.no_grad():
-        layer.weight.copy_(deterministic_normal((out_features, in_features), config.init_method_std, seed,
-                                                f"{name}.weight"))
         layer.bias.zero_()
     return layer

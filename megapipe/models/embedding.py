@@ -11,13 +11,12 @@ from megapipe.models.common import build_norm
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.layers import VocabParallelEmbedding
-from megapipe.tensor_parallel.utils import deterministic_normal
+from megapipe.tensor_parallel.utils import init_normal_
 
 
 def _replicated_embedding(num: int, dim: int, config: ModelConfig, name: str, seed: int, device) -> nn.Embedding:
     emb = nn.Embedding(num, dim, device=device, dtype=config.params_dtype)
-    with torch.no_grad():
-        emb.weight.copy_(deterministic_normal((num, dim), config.init_method_std, seed, f"{name}.weight"))
+    init_normal_(emb.weight, (num, dim), config.init_method_std, seed, f"{name}.weight")
     return emb
 
 

@@ -20,22 +20,8 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import ModelConfig
-from megapipe.distributed import rng_state, set_rng_state
 from megapipe.parallel_state import ParallelState
-
-
-def _rng_snapshot(device: torch.device, ps: ParallelState):
-    tracker = ps.rng_tracker.get_states() if ps.rng_tracker is not None else None
-    return torch.get_rng_state(), rng_state(device) if device.type != "cpu" else None, tracker
-
-
-def _restore(snapshot, device: torch.device, ps: ParallelState) -> None:
-    cpu, accelerator, tracker = snapshot
-    torch.set_rng_state(cpu)
-    if accelerator is not None:
-        set_rng_state(accelerator, device)
-    if tracker is not None:
-        ps.rng_tracker.set_states(tracker)
+from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 
 class _Recompute(torch.autograd.Function):
@@ -44,7 +30,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, ps, *inputs):
         ctx.run, ctx.ps, ctx.device = run, ps, inputs[0].device
-        ctx.forward_rng = _rng_snapshot(ctx.device, ps)
+        ctx.forward_rng = capture_rng(ps.rng_tracker, ctx.device)
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
@@ -52,11 +38,11 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        now = _rng_snapshot(ctx.device, ctx.ps)
-        _restore(ctx.forward_rng, ctx.device, ctx.ps)  # the same dropout masks as the forward
+        now = capture_rng(ctx.ps.rng_tracker, ctx.device)
+        restore_rng(ctx.forward_rng, ctx.ps.rng_tracker, ctx.device)  # the same dropout masks as the forward
         with torch.enable_grad():
             output = ctx.run(*inputs)
-        _restore(now, ctx.device, ctx.ps)
+        restore_rng(now, ctx.ps.rng_tracker, ctx.device)
         torch.autograd.backward(output, grad_output)
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 

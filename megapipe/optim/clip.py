@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megapipe.optim.collectives import all_reduce
+from megapipe.collectives import all_reduce
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel.utils import is_tensor_parallel_duplicate
 

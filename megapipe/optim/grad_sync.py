@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.optim.collectives import all_reduce, all_reduce_coalesced
+from megapipe.collectives import all_reduce, all_reduce_coalesced
 from megapipe.optim.sharding import ShardingLevel
 from megapipe.parallel_state import ParallelState
 

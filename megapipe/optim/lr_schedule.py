@@ -82,13 +82,33 @@ class LRScheduler:
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "schedule": vars(self.schedule).copy()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at the saved iteration; the schedule flags must match the checkpoint's."""
+    def load_state_dict(self, state: dict, source: str = "match") -> None:
+        """Resume at the saved iteration with the schedule ``source`` picks, as Megatron does:
+        ``"match"`` (default) the flags' schedule, which must equal the checkpoint's; ``"flags"``
+        (--override-opt-param-scheduler) the flags' schedule; ``"checkpoint"``
+        (--use-checkpoint-opt-param-scheduler) the checkpoint's."""
+        if source == "checkpoint":
+            self.schedule = LRSchedule(**state["schedule"])
+        elif source == "match":
+            self.check_matches(state)
+        self.iteration = state["iteration"]
+        self._apply()
+
+    def check_matches(self, state: dict) -> None:
+        """Raise CheckpointError naming the flags when the checkpoint's schedule differs from the flags'."""
         saved = LRSchedule(**state["schedule"])
         if saved != self.schedule:
             changed = [f"{name} {getattr(saved, name)} -> {getattr(self.schedule, name)}"
                        for name in vars(saved) if getattr(saved, name) != getattr(self.schedule, name)]
             raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}); "
-                                  "resume with the checkpoint's --lr/--min-lr/--lr-decay-style/warm-up/decay flags.")
-        self.iteration = state["iteration"]
-        self._apply()
+                                  "resume with the checkpoint's --lr/--min-lr/--lr-decay-style/warm-up/decay flags "
+                                  "(--train-iters sets the decay unless --lr-decay-iters does), or pass "
+                                  "--override-opt-param-scheduler to follow the flags or "
+                                  "--use-checkpoint-opt-param-scheduler to follow the checkpoint.")
+
+
+def schedule_source(override_opt_param_scheduler: bool, use_checkpoint_opt_param_scheduler: bool) -> str:
+    """The ``source`` of :meth:`LRScheduler.load_state_dict` that Megatron's two flags choose."""
+    if override_opt_param_scheduler:
+        return "flags"
+    return "checkpoint" if use_checkpoint_opt_param_scheduler else "match"

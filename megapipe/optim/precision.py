@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megapipe.errors import CheckpointError
 from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, global_grad_norm
-from megapipe.optim.collectives import all_reduce
+from megapipe.collectives import all_reduce
 from megapipe.optim.grad_buffer import GradBuffers
 from megapipe.optim.grad_sync import piece_of
 from megapipe.optim.loss_scaler import LossScaler

@@ -13,12 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.fusions import cross_entropy as parts
-from megapipe.tensor_parallel.mappings import group_size
-
-
-def _all_reduce(x: torch.Tensor, op, group) -> None:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+from megapipe.collectives import all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -26,13 +21,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start):
         ctx.dtype = logits.dtype
         logits_max = logits.max(dim=-1).values.float()  # exact in any dtype; no fp32 copy of the logits
-        _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+        all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = parts.max_shifted_logits(logits, logits_max)
         index, in_shard = parts.shard_target(target, vocab_start, vocab_start + logits.shape[-1])
         predicted = parts.target_logit(shifted, index, in_shard)
-        _all_reduce(predicted, dist.ReduceOp.SUM, group)
+        all_reduce(predicted, group)
         exp_logits, sum_exp = parts.exp_and_sum_(shifted)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        all_reduce(sum_exp, group)
         ctx.save_for_backward(parts.normalize_exp_(exp_logits, sum_exp), index, in_shard)
         return parts.loss_from_sums(sum_exp, predicted)
 

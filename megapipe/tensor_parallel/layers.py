@@ -1,9 +1,9 @@
 """Linear layers and the embedding split across the tensor-parallel group (seed 002 4.2.3).
 
 ``ColumnParallelLinear`` splits the output features (weight rows), ``RowParallelLinear`` the
-input features (weight columns), ``VocabParallelEmbedding`` the vocabulary. Weights are
-initialised in full from a per-parameter stream and then sliced (see
-``utils.deterministic_normal``), so the model is the same function for every tensor size.
+input features (weight columns), ``VocabParallelEmbedding`` the vocabulary. Each rank fills
+its slice, on its device, from the blocks of a per-parameter stream that cover it (see
+``utils.init_normal_``), so the model is the same function for every tensor size.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from torch import nn
 
 from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel import mappings
-from megapipe.tensor_parallel.utils import deterministic_normal, divide, mark_tensor_parallel, shard
+from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
 
 
 def _init_weight(shape, std, seed, name, ps, partition_dim, dtype, device) -> nn.Parameter:
-    full = deterministic_normal(shape, std, seed, name, dtype)
-    local = shard(full, partition_dim, ps.tp_rank, ps.tp_size) if partition_dim is not None else full
-    return nn.Parameter(local.to(device))
+    """This tensor rank's slice of the (seed, name) weight, allocated and filled on ``device``."""
+    local = list(shape)
+    if partition_dim is not None:
+        local[partition_dim] = divide(local[partition_dim], ps.tp_size)
+    weight = torch.empty(local, dtype=dtype, device=device)
+    return nn.Parameter(init_normal_(weight, shape, std, seed, name, partition_dim, ps.tp_rank, ps.tp_size))
 
 
 class ColumnParallelLinear(nn.Module):

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megapipe.collectives import all_reduce, group_size
 
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     out = x.clone()
-    dist.all_reduce(out, group=group)
+    all_reduce(out, group)
     return out
 
 

@@ -46,10 +46,12 @@ class RNGTracker:
             set_rng_state(saved, self.device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
+        """The streams' states; each is a fresh host tensor that is replaced, never written in place,
+        so a snapshot needs no copy (and makes no device work)."""
+        return dict(self.states)
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {k: v.clone() for k, v in states.items()}
+        self.states = dict(states)
 
 
 def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> RNGTracker:

@@ -11,6 +11,8 @@ sequence parallelism, whose gradients must be summed over the tensor group.
 from __future__ import annotations
 
 import hashlib
+import math
+from typing import Optional
 
 import torch
 
@@ -35,16 +37,45 @@ def is_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     return not is_tensor_parallel(param) and tp_rank > 0
 
 
+INIT_BLOCK_ELEMENTS = 1 << 22  # values drawn on the host at a time (16 MiB of fp32)
+
+
+def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
+    key = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()[:8]
+    return torch.Generator().manual_seed(int.from_bytes(key, "little") & ((1 << 63) - 1))
+
+
+def init_normal_(out: torch.Tensor, full_shape: tuple[int, ...], std: float, seed: int, name: str,
+                 partition_dim: Optional[int] = None, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Fill ``out`` with its part of a full N(0, std^2) tensor of ``full_shape`` keyed by (seed, name).
+
+    ``out`` is the ``rank``-th of ``world`` equal slices along ``partition_dim`` (the whole tensor
+    when None), on any device and in any dtype. The full tensor is drawn in blocks of rows, each
+    from its own generator keyed by (seed, name, block), on the host one block at a time and
+    copied into ``out``: neither the host nor the device ever holds the full tensor, and a
+    parameter's values do not depend on how many tensor ranks split it, on which pipeline stage
+    builds it, on build order, on the device, or on padding rows appended to it.
+    """
+    rows, row_shape = full_shape[0], tuple(full_shape[1:])
+    block_rows = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
+    first, end = (rank * rows // world, (rank + 1) * rows // world) if partition_dim == 0 else (0, rows)
+    with torch.no_grad():
+        for block in range(first // block_rows, -(-end // block_rows)):
+            values = torch.empty((block_rows, *row_shape), dtype=torch.float32)
+            values.normal_(0.0, std, generator=_block_generator(seed, name, block))
+            start = block * block_rows
+            lo, hi = max(start, first), min(start + block_rows, end)
+            piece = values[lo - start:hi - start]
+            if partition_dim not in (None, 0):
+                piece = piece.chunk(world, dim=partition_dim)[rank]
+            out[lo - first:hi - first].copy_(piece.to(out.device))
+    return out
+
+
 def deterministic_normal(shape: tuple[int, ...], std: float, seed: int, name: str,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A full (unsplit) N(0, std^2) tensor drawn from a generator keyed by (seed, name).
-
-    Every parameter gets its own stream, so a layer's initial weights do not depend on
-    how many tensor ranks split it, on which pipeline stage builds it, or on build order.
-    """
-    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-    generator = torch.Generator().manual_seed(key)
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+    """The full (unsplit) tensor ``init_normal_`` draws for (seed, name), on the host."""
+    return init_normal_(torch.empty(shape, dtype=dtype), shape, std, seed, name)
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:

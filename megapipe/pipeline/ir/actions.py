@@ -60,6 +60,7 @@ from enum import Enum
 from typing import Optional
 
 from megapipe.errors import ScheduleError
+from megapipe.stage_replicas import first_worker, stage_of_worker
 
 
 class ActionKind(str, Enum):
@@ -208,13 +209,13 @@ class Schedule:
         """The rank that runs ``stage`` for ``microbatch`` (round robin over a replicated stage)."""
         if self.replicas is None:
             return stage % self.p
-        return sum(self.replicas[:stage]) + microbatch % self.replicas[stage]
+        return first_worker(self.replicas, stage) + microbatch % self.replicas[stage]
 
     def ranks_of_stage(self, stage: int) -> list[int]:
         """Every rank that holds ``stage`` (its replicas, in replica order)."""
         if self.replicas is None:
             return [stage % self.p]
-        first = sum(self.replicas[:stage])
+        first = first_worker(self.replicas, stage)
         return list(range(first, first + self.replicas[stage]))
 
     def rank_of_stage(self, stage: int) -> int:
@@ -230,7 +231,7 @@ class Schedule:
     def stages_on_rank(self, rank: int) -> list[int]:
         """The virtual stages rank ``rank`` holds, in chunk order."""
         if self.replicas is not None:
-            return [next(s for s in range(self.num_stages) if rank in self.ranks_of_stage(s))]
+            return [stage_of_worker(self.replicas, rank)]
         return [rank + chunk * self.p for chunk in range(self.v)]
 
     def microbatches_on(self, rank: int, stage: int) -> range:

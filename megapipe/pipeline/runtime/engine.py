@@ -39,11 +39,21 @@ from megapipe.pipeline.runtime.weights import WeightVersionStore
 
 @dataclass
 class TrainStepResult:
-    losses: list[float]  # per microbatch the last stage forwarded in this call; empty on other stages
+    """One call's losses (per microbatch the last stage forwarded; none on other stages), kept on
+    the device in ``batch`` and read as numbers through ``losses`` and ``loss_parts``."""
+
+    batch: BatchResult
     step: Optional[StepResult]  # the last optimizer step of this call on this rank, if any
     peak_in_flight: int
     updates: list[StepResult] = field(default_factory=list)  # every step of this call (one per UPDATE)
-    loss_parts: list[dict[str, float]] = field(default_factory=list)  # per loss, its named parts (BERT)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.batch.losses
+
+    @property
+    def loss_parts(self) -> list[dict[str, float]]:
+        return self.batch.parts
 
 
 @lru_cache(maxsize=32)
@@ -70,6 +80,8 @@ class PipelineEngine:
         self.chunks, self.ps = chunks, ps
         spec = schedule_spec(schedule if isinstance(schedule, str) else "1f1b")  # a Schedule from a file flushes
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
+        optimizer_config.check_pipeline_schedule(schedule if isinstance(schedule, str) else "from a file",
+                                                 spec.asynchronous)
         if isinstance(schedule, Schedule):
             self.program = FlushProgram(schedule)
             self._groups = [(chunks, ps)]
@@ -131,7 +143,7 @@ class PipelineEngine:
 
     def _result(self, batch) -> TrainStepResult:
         steps, self._steps = self._steps, []
-        return TrainStepResult(batch.losses, steps[-1] if steps else None, batch.peak_in_flight, steps, batch.parts)
+        return TrainStepResult(batch, steps[-1] if steps else None, batch.peak_in_flight, steps)
 
     def train_batch(self, microbatches: list[dict]) -> TrainStepResult:
         for chunk in self.chunks:

@@ -6,8 +6,10 @@ The executor knows nothing about which schedule it runs; the list says everythin
 asynchronous schedule per call, with what is in flight (activations, posted sends, weight
 versions) carried over to the next call until ``drain``; ``in_flight`` records that state for a
 checkpoint and ``restore_in_flight`` rebuilds it (``in_flight.py``). Activations are released
-as soon as the schedule allows: a sent output after its send completes, a stage's saved input
-and output after its backward.
+as soon as the schedule allows: a sent output's data once its send is posted (its autograd graph
+stays for the backward; the send holds the storage until it completes), a stage's saved input
+and graph after its backward, and everything of a forward at once when the list has no
+backward (evaluation).
 
 Weight versions: with weight stores (``weights.py``, one per chunk) every forward runs against
 the version its action names, and its backward, through the saved autograd graph, against the
@@ -18,13 +20,14 @@ in-place optimizer update.
 from __future__ import annotations
 
 import datetime
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
+from torch.autograd.variable import Variable
 from torch.func import functional_call
 
+from megapipe.distributed import DeviceClock
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
@@ -39,11 +42,28 @@ from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 @dataclass
 class BatchResult:
-    """What one call produced on this rank: losses of the microbatches its last stage forwarded."""
+    """What one call produced on this rank: losses of the microbatches its last stage forwarded.
 
-    losses: list[float]
+    The losses stay on the device (0-dim tensors, detached) so a call makes no host
+    synchronisation; ``losses`` and ``parts`` read them as numbers for code that wants them now.
+    """
+
+    loss_tensors: list[torch.Tensor]
     peak_in_flight: int  # most microbatch activations held at once, summed over this rank's chunks
-    parts: list[dict[str, float]] = field(default_factory=list)  # named components of each loss, if any
+    part_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)  # named components of each loss
+
+    @property
+    def losses(self) -> list[float]:
+        return _numbers(self.loss_tensors)
+
+    @property
+    def parts(self) -> list[dict[str, float]]:
+        return [dict(zip(named, _numbers(list(named.values())))) for named in self.part_tensors]
+
+
+def _numbers(tensors: list[torch.Tensor]) -> list[float]:
+    """Tensors as floats, read from the device at once (one synchronisation)."""
+    return torch.stack(tensors).double().tolist() if tensors else []
 
 
 class PipelineExecutor:
@@ -63,7 +83,7 @@ class PipelineExecutor:
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, stores: Optional[list[WeightVersionStore]] = None,
                  update: Optional[Callable[[int], object]] = None, versions_used: Optional[dict] = None,
-                 passes=None):
+                 deallocate_sent_outputs: bool = True, passes=None):
         self.program = FlushProgram(program) if isinstance(program, Schedule) else program
         self.schedule = self.program.schedule
         if self.schedule.p != ps.pp_size or self.schedule.v != len(chunks):
@@ -73,7 +93,12 @@ class PipelineExecutor:
         self.step, self.update, self.scale_loss, self.timeline = step, update, scale_loss, timeline
         self.stores, self.versions_used = stores, versions_used
         self.passes = passes  # data-parallel hooks around each pass (``optim/passes.py``), or None
+        self.deallocate_sent_outputs = deallocate_sent_outputs
+        # a list without backwards (evaluation) keeps nothing of a forward once its output is passed on
+        self.keeps_graphs = self.program.asynchronous or any(a.kind is ActionKind.B for actions in self.schedule.actions
+                                                             for a in actions)
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
+        self.clock = DeviceClock(device) if timeline is not None else None
         self.lookahead = Lookahead(self.program, ps.pp_rank)
         self.calls = 0  # calls run since the pipeline was last empty
         self.state = _State()
@@ -167,6 +192,7 @@ class PipelineExecutor:
     def _execute(self, actions: tuple[Action, ...], call: Optional[int], data) -> BatchResult:
         state = self.state
         state.losses, state.loss_parts, state.peak_in_flight = [], [], len(state.saved)
+        marks = []  # (action, start, end) on the device clock, when recording a timeline
         i = 0
         while i < len(actions):
             if actions[i].kind.is_communication:
@@ -177,15 +203,18 @@ class PipelineExecutor:
                 i = j
                 continue
             self._wait_for_inputs(actions[i], state)
-            start = time.time()
+            start = self.clock.mark() if self.timeline is not None else None
             self._compute(actions[i], call, i, data, state)
             if self.timeline is not None:
-                self.timeline.record(self.ps.pp_rank, actions[i], start, time.time())
+                marks.append((actions[i], start, self.clock.mark()))
             i += 1
+        if marks:  # read once per call, after the device has run it
+            times = self.clock.seconds([mark for _, start, end in marks for mark in (start, end)])
+            for k, (action, _, _) in enumerate(marks):
+                self.timeline.record(self.ps.pp_rank, action, times[2 * k], times[2 * k + 1])
         state.sends = [t for t in state.sends if not _completed(t)]
-        parts = [{name: value.item() for name, value in named.items()} for named in state.loss_parts]
-        return BatchResult([loss.item() for loss in state.losses], state.peak_in_flight,
-                           parts if any(parts) else [])
+        parts = state.loss_parts if any(state.loss_parts) else []
+        return BatchResult(state.losses, state.peak_in_flight, parts)
 
     # ---- communication --------------------------------------------------------------------------
     def _post(self, actions: list[Action], state: "_State") -> None:
@@ -196,11 +225,13 @@ class PipelineExecutor:
                 items.append((action, state.outputs_to_send.pop(key)))
             elif action.kind is ActionKind.SEND_B:
                 items.append((action, state.input_grads.pop(key)))
-            elif (action.kind, action.stage, action.microbatch) not in state.prereceived:
+            else:
                 items.append((action, None))
         if not items:
             return
         for transfer in self.p2p.post(items):
+            if transfer.action.kind is ActionKind.SEND_F and self.deallocate_sent_outputs:
+                _deallocate(dict(items)[transfer.action])
             if transfer.action.kind.is_send:
                 state.sends.append(transfer)
             else:
@@ -273,7 +304,7 @@ class PipelineExecutor:
         out = self._run_forward(stage, microbatch, inp, batch, use, rng, state)
         if stage == self.schedule.num_stages - 1:
             state.losses.append(out.detach())
-            state.loss_parts.append(parts_of(out))
+            state.loss_parts.append({name: value.detach() for name, value in parts_of(out).items()})
         elif self.schedule.rank_of(stage + 1, microbatch) == self.ps.pp_rank:
             state.local_outputs[(stage + 1, microbatch)] = out.detach()
         else:
@@ -294,7 +325,8 @@ class PipelineExecutor:
         graph_end = out
         if stage == self.schedule.num_stages - 1:
             graph_end = self.scale_loss(out / self.program.loss_divisor)
-        state.saved[(stage, microbatch)] = SavedForward(inp, graph_end, use, batch, rng)
+        if self.keeps_graphs:
+            state.saved[(stage, microbatch)] = SavedForward(inp, graph_end, use, batch, rng)
         state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
         return out
 
@@ -311,7 +343,7 @@ class PipelineExecutor:
             grad = self._received(ActionKind.RECV_B, stage, microbatch, state)
             if grad is None:
                 grad = state.local_grads.pop(key)
-            torch.autograd.backward(out, grad_tensors=grad)
+            _backward_from(out, grad)
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
         if use is not None:
@@ -327,6 +359,20 @@ class PipelineExecutor:
     def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
         if self.versions_used is not None:
             self.versions_used[(kind.value, stage, microbatch)] = version
+
+
+def _deallocate(output: torch.Tensor) -> None:
+    """Free a sent stage output's data but keep its autograd graph (Megatron's
+    ``deallocate_output_tensor``): the backward needs only the graph, and the posted send holds
+    its own reference to the storage until it completes."""
+    if output._base is None:  # a view shares storage another tensor keeps alive anyway
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from ``output`` with ``grad``, also when ``_deallocate`` shrank the output's data
+    (``torch.autograd.backward`` would refuse the shapes; the engine itself only needs the graph)."""
+    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
 
 
 def _completed(transfer: Transfer) -> bool:

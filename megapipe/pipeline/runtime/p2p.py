@@ -64,7 +64,8 @@ class StageP2P:
         self.message_numel = numel // ps.tp_size if self.scatter_gather else numel
         self.bytes_sent = 0
         self.messages_sent = 0
-        self.transport = Transport.of_backend(dist.get_backend(ps.pp_group))
+        # with one stage there are no messages (and maybe no process group at all)
+        self.transport = Transport.of_backend(dist.get_backend(ps.pp_group)) if ps.pp_size > 1 else Transport.GLOO
         self.strict = self.transport is Transport.GLOO and strict_transport_requested()
         self.grouped = self.strict or self.transport is Transport.NCCL  # one completion per group
         self._pending: list[list[Transfer]] = []  # strict: posted groups, in issue order
@@ -122,7 +123,7 @@ class StageP2P:
                     f"rank {self.ps.rank} (pipeline stage {self.ps.pp_rank}) waited more than "
                     f"{self.timeout.total_seconds():.0f} s on {action} with global rank {peer} (pipeline stage "
                     f"{action.peer}), which never answered; check that rank's log for an error or raise "
-                    f"MEGAPIPE_TIMEOUT. ({error})") from error
+                    f"--distributed-timeout-minutes. ({error})") from error
         for member in transfer.group or [transfer]:  # a handle is waited on once (gloo's would block again)
             member.done = True
 

@@ -1,0 +1,92 @@
+"""Peak device memory of a GPT training step without a GPU, next to the planner's memory model.
+
+The step is ``bench_single_device.py``'s megapipe system (bf16 weights, fp32 master weights and
+main gradients, Adam, gradient clipping; dropout on), run twice on fake accelerator tensors
+(``megapipe.fake_device``): no kernel runs, but every storage the step creates on the device is
+counted from its creation until its last user lets it go, so the peak is what the caching
+allocator would have to hold (before its rounding to blocks and its fragmentation). The second
+step counts Adam's moments, created by the first. Attention runs as on a CUDA device: the fake
+device's ``scaled_dot_product_attention`` would pick the math kernel, which holds the [s, s]
+scores, so the step calls the flash-attention operator a GPU picks for these bf16 shapes instead.
+The planner's MEMORY(.) for the same shape, micro-batch and schedule (one device, closed-form
+bf16 profile) stands beside it; it counts the [s, s] scores, dropout mask and probabilities of
+explicit attention (the paper's kernels), hence its larger figure without recomputation.
+
+    python benchmarks/bench_fake_memory.py                       # gpt-350m and gpt-1.3b at sequence 2048
+    python benchmarks/bench_fake_memory.py --shape gpt-1.3b --micro-batch-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from unittest import mock
+
+import torch
+
+from bench_single_device import SHAPES, Megapipe, make_batch
+from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.planner.analytic import analytic_gpt_profile
+from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.presets import cluster_preset
+from megapipe.planner.profile import ModelShape
+from megapipe.planner.units import GIB
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
+VARIANTS = {"no recomputation": {}, "full recomputation": dict(recompute_granularity="full",
+                                                              recompute_method="uniform", recompute_num_layers=1)}
+
+
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **options):
+    """``scaled_dot_product_attention`` as CUDA runs GPT's (no mask): the flash kernel."""
+    if attn_mask is not None:
+        return SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **options)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+
+def measured_peak(shape, overrides: dict) -> float:
+    """Peak bytes on the device over two training steps of megapipe on fake tensors."""
+    with fake_accelerator(), DeviceMemory() as memory, \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention):
+        system = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1, **overrides)
+        system.build()
+        for seed in range(2):
+            system.step(make_batch(shape, FAKE_DEVICE, seed))
+    return memory.peak
+
+
+def planned_peak(shape, recompute: bool) -> float:
+    """The planner's MEMORY(.) of the same model, micro-batch and schedule on one device."""
+    config = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1).config()
+    model = ModelShape("gpt", shape.num_layers, shape.hidden_size, shape.heads, shape.seq_length,
+                       config.padded_vocab_size(1), config.ffn_hidden_size)
+    profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
+                                   dtype="bfloat16")
+    costs = CostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
+    return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=recompute)).memory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="gpt-350m,gpt-1.3b", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the shape's")
+    args = parser.parse_args()
+    header = f"{'model':10s} {'micro-batch':>11s} {'variant':20s} {'fake device GiB':>15s} {'planner GiB':>11s} " \
+             f"{'planner/fake':>12s}"
+    print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py\n{header}\n"
+          + "-" * len(header))
+    for name in args.shape.split(","):
+        shape = SHAPES[name]
+        if args.micro_batch_size:
+            shape = replace(shape, micro_batch=args.micro_batch_size)
+        for variant, overrides in VARIANTS.items():
+            started = time.perf_counter()
+            fake = measured_peak(shape, overrides)
+            planned = planned_peak(shape, bool(overrides))
+            print(f"{name:10s} {shape.micro_batch:11d} {variant:20s} {fake / GIB:15.2f} {planned / GIB:11.2f} "
+                  f"{planned / fake:12.2f}   ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""``--mock-data``: synthetic GPT samples for benchmarks, as Megatron's mock GPT dataset.
+
+No file is read or written: sample ``i`` is ``seq_length + 1`` tokens drawn uniformly from
+``[0, vocab_size)`` by ``numpy.random.default_rng([seed, split, i])``, the same in every run and
+rank. The tokenizer is Megatron's null tokenizer: ``--vocab-size N`` ids plus an end-of-document id ``N``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megapipe.data.splits import SPLIT_NAMES
+from megapipe.data.tokenizer import Tokenizer
+
+
+class NullTokenizer(Tokenizer):
+    """Ids are written as decimal numbers separated by spaces; id ``vocab_size`` is eod."""
+
+    lossless = True
+
+    def __init__(self, vocab_size: int):
+        super().__init__("NullTokenizer", {"vocab_size": vocab_size}, {"eod": vocab_size})
+        self._size = vocab_size + 1
+
+    def __reduce__(self):
+        return NullTokenizer, (self._size - 1,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(word) for word in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class MockGPTDataset:
+    """``num_samples`` items in ``GPTDataset``'s format (``tokens``, ``labels``, ``loss_mask``) of random tokens."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split_name: str = "train"):
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.seed, self.split = seed, SPLIT_NAMES.index(split_name)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        window = np.random.default_rng([self.seed, self.split, int(i)]).integers(0, self.vocab_size,
+                                                                                self.seq_length + 1)
+        return {"tokens": window[:-1], "labels": window[1:], "loss_mask": np.ones(self.seq_length, np.float32)}

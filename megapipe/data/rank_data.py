@@ -1,0 +1,196 @@
+"""The data of one rank of a parallel job: only the ranks whose layers read samples open datasets.
+
+* Readers are tensor rank 0 of the first and of the last pipeline stage: they build (or find
+  cached) the sample indices and open the dataset files.
+* The other tensor ranks of those stages receive the same microbatches from their reader over
+  the tensor group (Megatron's ``broadcast_data``).
+* Middle stages receive only what their layers read: nothing for GPT; BERT's padding mask,
+  broadcast by the first stage's reader over the model-parallel group. They never open a dataset.
+* Indices are built once per node, by its lowest-numbered reader, behind a barrier; the other
+  readers then find them in the cache.
+
+Batches move to the device through pinned memory without blocking the host (``to_device``).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import Config
+from megapipe.data.builder import build_train_valid_test_datasets
+from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
+from megapipe.data.mock import MockGPTDataset, NullTokenizer
+from megapipe.data.samplers import build_pretraining_data_loader
+from megapipe.data.splits import SPLIT_NAMES, parse_split
+from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.distributed import to_device
+from megapipe.errors import ConfigError
+from megapipe.parallel_state import ParallelState
+
+# kind -> the role of a model chunk -> the batch keys its layers read
+FIELDS = {
+    "gpt": {"first": ("tokens",), "middle": (), "last": ("labels", "loss_mask")},
+    "bert": {"first": ("tokens", "types", "padding_mask"), "middle": ("padding_mask",),
+             "last": ("padding_mask", "labels", "loss_mask", "is_random")},
+}
+FLOAT_FIELDS = ("loss_mask",)
+PER_SAMPLE_FIELDS = ("is_random",)  # [b]; every other field is [b, s]
+
+
+def stage_roles(ps: ParallelState) -> frozenset:
+    """``first``, ``middle``, ``last``: the roles of the model chunks this rank holds."""
+    if ps.stage_replicas is not None:
+        stages, num_stages = [ps.pipeline_stage], len(ps.stage_replicas)
+    else:
+        stages = [c * ps.pp_size + ps.pp_rank for c in range(ps.virtual_pipeline)]
+        num_stages = ps.pp_size * ps.virtual_pipeline
+    roles = set()
+    for s in stages:
+        roles |= {"first"} if s == 0 else set()
+        roles |= {"last"} if s == num_stages - 1 else set()
+        roles |= {"middle"} if 0 < s < num_stages - 1 else set()
+    return frozenset(roles)
+
+
+def _has_middle_only_ranks(ps: ParallelState) -> bool:
+    """True when some pipeline rank holds neither the first nor the last stage."""
+    return (len(ps.stage_replicas) if ps.stage_replicas is not None else ps.pp_size) >= 3
+
+
+@dataclass
+class RankData:
+    """The tokenizer of a run and, on readers, its datasets (``None`` elsewhere)."""
+
+    kind: str
+    tokenizer: Tokenizer
+    reads: bool
+    datasets: tuple = (None, None, None)
+    data_path: Optional[str] = None  # the first dataset prefix (None for --mock-data)
+    split_exists: tuple = (True, True, True)  # the same on every rank, reader or not
+
+    def description(self) -> str:
+        """What the data is, for the log line of the rank that logs (a reader: it opens the dataset)."""
+        if self.data_path is None:
+            return f"mock data of {self.tokenizer.vocab_size - 1} random token ids"
+        return f"unigram entropy of the data {unigram_entropy(self.data_path):.4f} nats/token"
+
+
+def build_rank_data(kind: str, config: Config, ps: ParallelState, num_samples: tuple) -> RankData:
+    """Tokenizer everywhere, datasets on readers; collective over the world (one gather, one barrier)."""
+    reads = ps.tp_rank == 0 and bool(stage_roles(ps) & {"first", "last"})
+    builds = _first_reader_of_node(ps.rank, reads)
+    data = _read(kind, config, num_samples) if builds else None
+    if dist.is_initialized():
+        dist.barrier()
+    if data is None:
+        data = _read(kind, config, num_samples) if reads else _tokenizer_only(kind, config, num_samples)
+    return data
+
+
+def _first_reader_of_node(rank: int, reads: bool) -> bool:
+    """Whether this rank is the lowest-numbered reader on its host (the one that builds the indices)."""
+    if not dist.is_initialized():
+        return reads
+    roles = [None] * dist.get_world_size()
+    dist.all_gather_object(roles, (socket.gethostname(), reads))
+    host = roles[rank][0]
+    return reads and rank == min(r for r, (h, reader) in enumerate(roles) if h == host and reader)
+
+
+def _split_exists(config: Config, num_samples: tuple) -> tuple:
+    weights = [1.0] * 3 if config.data.mock_data else parse_split(config.data.split)
+    return tuple(w > 0 and n > 0 for w, n in zip(weights, num_samples))
+
+
+def _tokenizer_and_path(kind: str, config: Config) -> tuple[Tokenizer, list[str]]:
+    data = config.data
+    if data.mock_data:
+        return NullTokenizer(data.vocab_size), []
+    if data.data_path:
+        if data.tokenizer_type is None and kind == "bert":
+            raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
+                              "--vocab-file) matching the tokenizer the data was preprocessed with.")
+        tokenizer = build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file,
+                                    merge_file=data.merge_file, tokenizer_model=data.tokenizer_model)
+        return tokenizer, list(data.data_path)
+    prefix, tokenizer = (default_gpt_data if kind == "gpt" else default_bert_data)(data.data_cache_path)
+    return tokenizer, [prefix]
+
+
+def _tokenizer_only(kind: str, config: Config, num_samples: tuple) -> RankData:
+    tokenizer, _ = _tokenizer_and_path(kind, config)
+    return RankData(kind, tokenizer, False, split_exists=_split_exists(config, num_samples))
+
+
+def _read(kind: str, config: Config, num_samples: tuple) -> RankData:
+    tokenizer, data_path = _tokenizer_and_path(kind, config)
+    t, exists = config.training, _split_exists(config, num_samples)
+    if config.data.mock_data:
+        datasets = tuple(MockGPTDataset(n, config.model.seq_length, config.data.vocab_size, t.seed, name)
+                         if present else None for n, name, present in zip(num_samples, SPLIT_NAMES, exists))
+        return RankData(kind, tokenizer, True, datasets, None, exists)
+    options = {} if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
+                                             short_seq_prob=config.data.short_seq_prob,
+                                             binary_head=config.model.bert_binary_head)
+    datasets = build_train_valid_test_datasets(kind, data_path, config.data.split, config.model.seq_length, t.seed,
+                                               num_samples, tokenizer, cache_dir=config.data.data_cache_path,
+                                               **options)
+    return RankData(kind, tokenizer, True, datasets, data_path[0], exists)
+
+
+class BatchSource:
+    """Global batches for this rank: per call, the m microbatch dicts its model chunks read, on its device."""
+
+    def __init__(self, data: RankData, ps: ParallelState, device: torch.device, micro_batch_size: int,
+                 seq_length: int, num_microbatches: int):
+        self.data, self.ps, self.device = data, ps, device
+        self.shape = (num_microbatches, micro_batch_size, seq_length)
+        roles = stage_roles(ps)
+        fields = FIELDS[data.kind]
+        self.fields = sorted({key for role in roles for key in fields[role]})
+        self.tensor_fields = self.fields if ps.tp_size > 1 and roles & {"first", "last"} else []
+        self.middle_fields = list(fields["middle"]) if _has_middle_only_ranks(ps) else []
+
+    def batches(self, split: str, consumed_samples: int = 0) -> Iterator[list[dict]]:
+        """Endless iterator of global batches of ``split`` from ``consumed_samples`` on."""
+        loader = None
+        if self.data.reads:
+            dataset = self.data.datasets[SPLIT_NAMES.index(split)]
+            loader = iter(build_pretraining_data_loader(dataset, consumed_samples, self.shape[1],
+                                                        *self.ps.batch_slice))
+        while True:
+            yield self._next(loader)
+
+    def _next(self, loader) -> list[dict]:
+        stacked = self._read(loader) if loader is not None else {}
+        self._broadcast(stacked, self.tensor_fields, self.ps.tp_group, self.ps.members["tensor"])
+        self._broadcast(stacked, self.middle_fields, self.ps.mp_group, self.ps.members["model_parallel"])
+        return [{key: stacked[key][i] for key in self.fields} for i in range(self.shape[0])]
+
+    def _read(self, loader) -> dict[str, torch.Tensor]:
+        """The next m microbatches of the loader, each needed key stacked to ``[m, b, ...]``, on the device."""
+        microbatches = [next(loader) for _ in range(self.shape[0])]
+        if self.data.kind == "bert":
+            for batch in microbatches:
+                batch["tokens"] = batch.pop("text")
+        return {key: to_device(torch.stack([batch[key] for batch in microbatches]), self.device)
+                for key in self.fields}
+
+    def _broadcast(self, stacked: dict, keys: list, group, members: list) -> None:
+        """Fill ``stacked[key]`` for ``keys`` from ``members[0]`` (which holds them) over ``group``."""
+        if not keys or group is None or len(members) == 1:
+            return
+        for key in keys:
+            if self.ps.rank != members[0]:
+                dtype = torch.float32 if key in FLOAT_FIELDS else torch.int64
+                shape = self.shape[:2] if key in PER_SAMPLE_FIELDS else self.shape
+                received = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(received, members[0], group=group)
+                stacked.setdefault(key, received)
+            else:
+                dist.broadcast(stacked[key], members[0], group=group)

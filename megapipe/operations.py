@@ -1,0 +1,123 @@
+"""Running a job: when training stops early, how long peers wait, and how user errors are reported.
+
+* ``validate_operations``: the operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
+  ``--distributed-timeout-minutes``, ``--skip-train``, ``--load``, ``--mock-data``, the two
+  scheduler-on-resume flags), checked before any process group, one sentence per mistake.
+* ``ExitConditions``: Megatron's exits. ``--exit-interval`` is known on every rank; SIGTERM and
+  ``--exit-duration-in-mins`` are agreed on with one all-reduce so that all ranks stop together.
+* ``report_user_error``: under torchrun every rank usually finds the same mistake; only the first
+  rank to find it prints it, the others exit with the same code in silence.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import Config
+from megapipe.errors import ConfigError
+
+USER_ERROR_KEY = "megapipe/user-error-reported"
+
+
+def distributed_timeout(config: Config) -> datetime.timedelta:
+    """``--distributed-timeout-minutes`` as the timeout of every collective."""
+    return datetime.timedelta(minutes=config.training.distributed_timeout_minutes)
+
+
+def validate_operations(kind: str, config: Config) -> None:
+    """Raise ConfigError naming the flag for a bad operations flag or combination."""
+    t, data = config.training, config.data
+    if t.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {t.distributed_timeout_minutes:g} must be above 0: it is "
+                          "how long a collective waits for a peer before failing.")
+    if t.exit_interval is not None and t.exit_interval < 1:
+        raise ConfigError(f"--exit-interval {t.exit_interval} must be at least 1 (iterations between the save "
+                          "and the exit); drop the flag to train to --train-iters.")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins:g} must be above 0; drop the flag to "
+                          "train to --train-iters.")
+    if t.skip_train and not t.load:
+        raise ConfigError("--skip-train evaluates a checkpoint and needs --load DIR; pass the checkpoint directory.")
+    if t.load and not os.path.isdir(t.load) and (t.skip_train or not _same_path(t.load, t.save)):
+        raise ConfigError(f"--load {t.load} does not exist; pass a checkpoint directory (or the --save directory, "
+                          "to start a job that resumes itself).")
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler exclude each "
+                          "other; keep the one whose learning-rate schedule the resumed run should follow.")
+    if data.mock_data:
+        if kind != "gpt":
+            raise ConfigError(f"--mock-data makes GPT samples only; pretrain_{kind}.py needs --data-path or the "
+                              "embedded corpus.")
+        if data.data_path:
+            raise ConfigError("--mock-data replaces --data-path; drop one of them.")
+        if data.vocab_size is None or data.vocab_size < 2:
+            raise ConfigError(f"--mock-data needs --vocab-size N (at least 2, got {data.vocab_size}): the "
+                              "synthetic tokens are drawn from [0, N).")
+    elif data.vocab_size is not None:
+        raise ConfigError("--vocab-size sets the vocabulary of --mock-data only (real data takes it from the "
+                          "tokenizer); add --mock-data or drop --vocab-size.")
+
+
+def _same_path(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+class ExitConditions:
+    """Why training should stop before ``--train-iters``, or None.
+
+    SIGTERM may reach one rank only and the clock differs between hosts, so both are agreed on
+    with one all-reduce (MAX) at the iteration boundary; the exit interval needs no agreement.
+    """
+
+    def __init__(self, config: Config, start_time: Optional[float] = None):
+        t = config.training
+        self.exit_interval, self.exit_minutes = t.exit_interval, t.exit_duration_in_mins
+        self.start = time.time() if start_time is None else start_time
+        self.sigterm = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.sigterm = True
+
+    def reason(self, iteration: int, device: torch.device) -> Optional[str]:
+        """Collective over the world: the reason to stop after ``iteration``, the same on every rank."""
+        minutes = (time.time() - self.start) / 60
+        flags = torch.tensor([float(self.sigterm),
+                              float(self.exit_minutes is not None and minutes > self.exit_minutes)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        sigterm, out_of_time = flags.tolist()
+        if sigterm:
+            return f"SIGTERM at iteration {iteration}"
+        if out_of_time:
+            return f"--exit-duration-in-mins {self.exit_minutes:g} at iteration {iteration}"
+        if self.exit_interval and iteration % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval} at iteration {iteration}"
+        return None
+
+
+def report_user_error(error: Exception) -> None:
+    """Print ``error: ...`` on the first rank that reports it (one line per job, not per rank).
+
+    With a process group the ranks race on a counter in its store; without one (a flag checked
+    before any group exists, which every rank finds alike) rank 0 prints.
+    """
+    if _first_to_report():
+        print(f"error: {error}", file=sys.stderr, flush=True)
+
+
+def _first_to_report() -> bool:
+    if not dist.is_initialized():
+        return os.environ.get("RANK", "0") == "0"
+    try:
+        return dist.distributed_c10d._get_default_store().add(USER_ERROR_KEY, 1) == 1
+    except RuntimeError:  # the store went away with its host: better twice than never
+        return True

@@ -1,0 +1,176 @@
+"""GPU readiness checked on a CPU: every model family and piece a single process holds, trained one
+step through the pipeline engine on fake accelerator tensors, where a tensor made on the host by
+mistake (a mask, an arange, a scale, a random state) fails as it would on a GPU."""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+from megapipe import fusions
+from megapipe.config import ModelConfig
+from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.fusions.backend import BACKENDS
+from megapipe.models import MODEL_KINDS, build_model_chunks
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.pipeline.runtime.engine import PipelineEngine
+
+B, S, H, V = 2, 16, 32, 100
+RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+UNFUSED = dict(bias_gelu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
+CASES = {
+    # every fusion backend: on a device none of their kernels runs on, each op falls back to eager
+    **{f"gpt-{backend}": ("gpt", dict(backend=backend)) for backend in BACKENDS},
+    "bert-eager": ("bert", {}),
+    "gpt-unfused": ("gpt", dict(model=UNFUSED)),
+    "bert-unfused": ("bert", dict(model=UNFUSED)),
+    "gpt-rmsnorm-untied": ("gpt", dict(model=dict(normalization="RMSNorm", untie_embeddings_and_output_weights=True))),
+    "bert-no-binary-head": ("bert", dict(model=dict(bert_binary_head=False))),
+    "gpt-recompute-full": ("gpt", dict(model=RECOMPUTE_FULL)),
+    "gpt-recompute-selective": ("gpt", dict(model=dict(recompute_granularity="selective"))),
+    "bert-recompute-block": ("bert", dict(model=dict(RECOMPUTE_FULL, recompute_method="block"))),
+    "gpt-bf16": ("gpt", dict(precision="bf16")),
+    "gpt-fp16-loss-scaler": ("gpt", dict(precision="fp16")),
+    "bert-bf16": ("bert", dict(precision="bf16")),
+}
+
+
+def model_config(kind: str, precision: str = "fp32", **options) -> ModelConfig:
+    bert = kind == "bert"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    options = dict(dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=V), **options)
+    return ModelConfig(params_dtype=dtype, num_tokentypes=2 if bert else 0, post_layernorm=bert,
+                       activation="gelu" if bert else "gelu_tanh", **options)
+
+
+def microbatch(kind: str, device: torch.device) -> dict:
+    batch = {"tokens": torch.randint(0, V, (B, S), device=device), "labels": torch.randint(0, V, (B, S), device=device),
+             "loss_mask": torch.ones(B, S, device=device)}
+    if kind == "bert":
+        batch.update(types=torch.zeros(B, S, dtype=torch.long, device=device),
+                     padding_mask=torch.ones(B, S, dtype=torch.long, device=device),
+                     is_random=torch.zeros(B, dtype=torch.long, device=device))
+    return batch
+
+
+class _Done:
+    """The handle of a stubbed send, receive or collective: already complete."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _Group:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@contextlib.contextmanager
+def stubbed_transport():
+    """Pipeline messages and collectives of a process with no process group: an NCCL-like backend
+    whose sends, receives and all-reduces complete at once (receives keep their fresh buffers)."""
+    with mock.patch.object(dist, "get_backend", lambda group=None: "nccl"), \
+            mock.patch.object(dist, "P2POp", lambda *args, **kwargs: None), \
+            mock.patch.object(dist, "batch_isend_irecv", lambda ops: [_Done() for _ in ops]), \
+            mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: _Done()):
+        yield
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_training_step_and_evaluation_run_on_the_device_only(case):
+    """Forward and backward of every microbatch through the executor, the gradient finalisation,
+    (un)scaling, clipping and the optimizer step, then an evaluation call: all on fake device tensors."""
+    kind, options = CASES[case]
+    precision = options.get("precision", "fp32")
+    ps = ParallelState.single()
+    with fake_accelerator() as reads, stubbed_transport():
+        fusions.select_backend(options.get("backend", "eager"), FAKE_DEVICE)
+        config = model_config(kind, precision, **options.get("model", {}))
+        ps.seed(1234, FAKE_DEVICE)
+        chunks = build_model_chunks(kind, config, ps, device=FAKE_DEVICE)
+        engine = PipelineEngine(chunks, ps, OptimizerConfig(lr=1e-3, fp16=precision == "fp16",
+                                                            bf16=precision == "bf16"),
+                                "1f1b", 2, (S, B, H), dtype=config.params_dtype, device=FAKE_DEVICE)
+        result = engine.train_batch([microbatch(kind, FAKE_DEVICE) for _ in range(2)])
+        engine.evaluate([microbatch(kind, FAKE_DEVICE) for _ in range(2)])
+    assert result.step is not None and reads.count > 0
+    assert all(p.device == FAKE_DEVICE for chunk in chunks for p in chunk.parameters())
+    if precision != "fp16":  # the fake overflow flag reads as an overflow: fp16 skips its step
+        assert result.step.ok
+
+
+@pytest.mark.parametrize("kind", sorted(MODEL_KINDS))
+def test_middle_and_last_stages_run_from_a_received_hidden_state(kind):
+    """The stages of a pipeline that start from the previous stage's output, not from token ids."""
+    ps = ParallelState.single()
+    with fake_accelerator():
+        config = model_config(kind)
+        for pre, post in ((False, False), (False, True)):
+            stage = MODEL_KINDS[kind](config, ps, 0, 1, pre_process=pre, post_process=post, device=FAKE_DEVICE)
+            hidden = torch.randn(S, B, H, device=FAKE_DEVICE, requires_grad=True)
+            out = stage(hidden, microbatch(kind, FAKE_DEVICE))
+            (out if post else out.sum()).backward()
+            assert hidden.grad.device == FAKE_DEVICE
+
+
+def _pipeline_rank(rank: int, pipeline: int, virtual: int) -> ParallelState:
+    """Pipeline rank ``rank`` of a t = d = 1 layout, with stand-in groups (the transport is stubbed)."""
+    members = {"tensor": [rank], "data": [rank], "pipeline": list(range(pipeline)),
+               "model_parallel": list(range(pipeline)), "embedding": [0, pipeline - 1]}
+    groups = {name: None if len(ranks) == 1 else _Group(len(ranks)) for name, ranks in members.items()}
+    return ParallelState(RankLayout(1, pipeline, 1), rank, virtual, groups, members)
+
+
+@pytest.mark.parametrize("kind, schedule, pipeline, virtual", [
+    ("gpt", "1f1b", 3, 1), ("bert", "1f1b", 3, 1), ("gpt", "interleaved", 2, 2)])
+def test_each_pipeline_rank_trains_through_the_executor_with_the_transport_stubbed(kind, schedule, pipeline, virtual):
+    """Every rank of a pipeline, one at a time: its chunks' forwards and backwards in schedule order,
+    receives answered with fresh device buffers, sends and collectives completing at once."""
+    m = 2 * pipeline
+    for rank in range(pipeline):
+        ps = _pipeline_rank(rank, pipeline, virtual)
+        with fake_accelerator(), stubbed_transport():
+            config = model_config(kind, num_layers=2 * pipeline * virtual)
+            ps.seed(1234, FAKE_DEVICE)
+            chunks = build_model_chunks(kind, config, ps, device=FAKE_DEVICE)
+            engine = PipelineEngine(chunks, ps, OptimizerConfig(lr=1e-3), schedule, m, (S, B, H), device=FAKE_DEVICE)
+            result = engine.train_batch([microbatch(kind, FAKE_DEVICE) for _ in range(m)])
+            engine.evaluate([microbatch(kind, FAKE_DEVICE) for _ in range(m)])
+        assert result.step.ok
+        # every chunk sends each microbatch's activation forward and its gradient back, but not
+        # past the ends of the pipeline
+        ends = (rank == 0) + (rank == pipeline - 1)
+        assert engine.executor.p2p.messages_sent == m * (2 * virtual - ends)
+
+
+class HostMask(torch.nn.Module):
+    """The mistake the checks exist for: a mask made without ``device=``."""
+
+    def forward(self, x):
+        return x.masked_fill(torch.ones(x.shape, dtype=torch.bool).triu(1), 0.0)
+
+
+def test_a_tensor_made_on_the_host_by_mistake_fails():
+    with fake_accelerator(), pytest.raises(FakeTensorDeviceMismatchError):
+        HostMask()(torch.randn(4, 4, device=FAKE_DEVICE))
+
+
+def test_device_memory_counts_live_storages_and_the_peak():
+    """A [256, 256] fp32 weight (256 KiB) and two activations of 4 KiB: exact byte counts."""
+    with fake_accelerator(), DeviceMemory() as memory:
+        weight = torch.empty(256, 256, device=FAKE_DEVICE)
+        x = torch.empty(4, 256, device=FAKE_DEVICE)
+        y = x @ weight
+        assert memory.current == 4 * (256 * 256 + 2 * 4 * 256)
+        del x, y
+        assert memory.current == 4 * 256 * 256 and memory.peak == 4 * (256 * 256 + 2 * 4 * 256)
