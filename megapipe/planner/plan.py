@@ -141,12 +141,15 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
     if not fitting:
         raise _memory_error(min(estimates, key=lambda e: e.memory), cluster)
 
+    def order(e: Estimate) -> tuple[float, float]:  # fastest first; of equally fast ones (a sharding level
+        return -e.samples_per_second, e.memory       # that costs no time, say) the smallest
+
     best_by_data_pipeline: dict = {}
     for e in fitting:
         key = (e.layout.data, e.layout.pipeline)
-        if key not in best_by_data_pipeline or e.samples_per_second > best_by_data_pipeline[key].samples_per_second:
+        if key not in best_by_data_pipeline or order(e) < order(best_by_data_pipeline[key]):
             best_by_data_pipeline[key] = e
-    ranked = sorted(fitting, key=lambda e: (-e.samples_per_second, e.memory))
+    ranked = sorted(fitting, key=order)
     _, _, best = algorithm1(cluster.num_gpus, lambda d, p: best_by_data_pipeline.get((d, p)),
                             lambda d, p, e: e.samples_per_second, lambda d, p, e: e.memory, cluster.usable_memory)
     return PlanResult(best, ranked, best_by_data_pipeline, len(estimates))
