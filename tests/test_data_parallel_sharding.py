@@ -25,15 +25,18 @@ import pytest
 import torch
 
 from batch_helpers import random_microbatch
+from megapipe.arguments import parse_config
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.models import build_model_chunks
+from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
+from megapipe.plan_layout import initialize_plan_state
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.stage_plan import StagePlan
 from megapipe.testing import run_distributed
 
 RTOL = 1e-6
@@ -59,11 +62,17 @@ def optimizer_config(strategy: str = "no_shard", overlap: bool = False, bucket_s
 
 
 def build(case: tuple, strategy: str, overlap: bool, initial: dict, timeline=None):
-    t, p, d, schedule, v, m = case
+    """``case``: (t, p, d, schedule, v, m), or with a stage plan (replicated stages, 1F1B-RR) last."""
+    t, p, d, schedule, v, m = case[:6]
     asynchronous = schedule in ("2bw", "pipedream")
     config = model_config(untied=asynchronous)
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
-    chunks = build_model_chunks("gpt", config, ps, sequence_parallel=t > 1)
+    if len(case) > 6:
+        plan = StagePlan.parse(case[6])
+        ps = initialize_plan_state(plan, t)
+        chunks = build_planned_stage("gpt", config, ps, plan.layer_ranges)
+    else:
+        ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
+        chunks = build_model_chunks("gpt", config, ps, sequence_parallel=t > 1)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial[asynchronous], chunk, ps, config))
     engine = PipelineEngine(chunks, ps, optimizer_config(strategy, overlap), schedule, m,
@@ -77,7 +86,8 @@ def train(case: tuple, strategy: str, overlap: bool, initial: dict):
     config, ps, chunks, engine = build(case, strategy, overlap, initial)
     losses = []
     for step in range(STEPS):
-        batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=1000 * step + ps.dp_rank * m + i)
+        first = ps.batch_slice[0] * m  # 1F1B-RR: every rank sees the whole batch
+        batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=1000 * step + first + i)
                    for i in range(m)]
         losses.append(engine.train_batch(batches).losses)
     if case[3] in ("2bw", "pipedream"):
@@ -132,10 +142,12 @@ ALL_VARIANTS = [("no_shard", True)] + [(level, overlap) for level in LEVELS for 
 
 # (t, p, d, schedule, v, m): every level and overlap setting on each; together they cover
 # d in {2, 4}, p in {1, 2}, t in {1, 2} with sequence parallelism, the tied embedding across
-# stages, 1F1B, interleaved 1F1B and 2BW / PipeDream with replicated stages.
+# stages, 1F1B, interleaved 1F1B, 2BW and PipeDream on parallel pipelines (the replicas of a
+# stage are its data-parallel group), and PipeDream's 2-1 plan (one replicated stage, 1F1B-RR).
 SUITE = {
     4: [(1, 1, 4, "1f1b", 1, 2), (1, 2, 2, "interleaved", 2, 4), (2, 1, 2, "1f1b", 1, 2),
         (1, 2, 2, "2bw", 1, 2), (1, 2, 2, "pipedream", 1, 2)],
+    3: [(1, 2, 1, "pipedream", 1, 2, "0:2x2,2:4x1")],  # PipeDream's 2-1: stage 0 replicated (1F1B-RR)
 }
 
 
@@ -181,9 +193,19 @@ def check_memory(rank, world_size):
     return held
 
 
-def test_memory_per_rank_is_one_over_d():
+def two_replicas(rank, world_size):
+    return check_memory(rank, world_size), check_overlap_timeline(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_replica_runs():
+    """One world of d = 2 for the memory count and the overlap timeline."""
+    return run_distributed(2, two_replicas, timeout=300)
+
+
+def test_memory_per_rank_is_one_over_d(two_replica_runs):
     d = 2
-    held = run_distributed(d, check_memory, timeout=300)[0]
+    held = two_replica_runs[0][0]
     numel, padding = held["no_shard"]["numel"], held["optim"]["padding"]
     fp32 = 4
     # optimizer state: two fp32 moments of every element at no_shard, of one d-th (plus padding) when sharded
@@ -214,8 +236,8 @@ def check_overlap_timeline(rank, world_size):
         (last_backward.start, last_backward.end), len(engine.syncs[0].buckets)
 
 
-def test_overlap_starts_bucket_reductions_during_the_last_backward():
-    for reductions, (b_start, b_end), buckets in run_distributed(2, check_overlap_timeline, timeout=300):
+def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_runs):
+    for _, (reductions, (b_start, b_end), buckets) in two_replica_runs:
         assert buckets > 2 and len(reductions) == buckets
         during = [r for r in reductions if b_start <= r[1] < b_end]
         # every bucket but the late one (tied embedding) starts inside the last backward
@@ -245,3 +267,17 @@ def test_zero3_refuses_asynchronous_schedules():
 def test_use_distributed_optimizer_is_optim():
     assert OptimizerConfig(lr=1e-3, use_distributed_optimizer=True).sharding.strategy == "optim"
     assert OptimizerConfig(lr=1e-3).sharding.strategy == "no_shard"
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights",
+      "--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params cannot run --pipeline-schedule 2bw"),
+    (["--data-parallel-sharding-strategy", "zero3"], "--data-parallel-sharding-strategy zero3 is unknown"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs a sharded optimizer"),
+    (["--use-distributed-optimizer", "--ddp-bucket-size", "0"], "--ddp-bucket-size 0"),
+])
+def test_command_line_refuses_before_any_process_group(flags, words):
+    argv = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--micro-batch-size", "2"] + flags
+    with pytest.raises(ConfigError, match=words):
+        parse_config("gpt", argv, world_size=4)
+    assert not torch.distributed.is_initialized()
