@@ -281,3 +281,34 @@ def test_command_line_refuses_before_any_process_group(flags, words):
     with pytest.raises(ConfigError, match=words):
         parse_config("gpt", argv, world_size=4)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_sharded_masters_and_loss_scaling_match_no_shard_in_one_process(precision):
+    """bf16 and fp16 weights with fp32 masters (fp16: dynamic loss scaling, with a first step that
+    overflows and is skipped) step the same at every level on one process, where a sharded
+    optimizer steps pieces that cover whole parameters: equal to the bit (no clipping, whose
+    norm would sum in another order)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    config = model_config(untied=False)
+    config.params_dtype = dtype
+    results = {}
+    for strategy in ("no_shard",) + LEVELS:
+        ps = ParallelState.single()
+        chunks = build_model_chunks("gpt", config, ps)
+        optim = OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=0.0, data_parallel_sharding_strategy=strategy,
+                                ddp_bucket_size=3000, bf16=precision == "bf16", fp16=precision == "fp16",
+                                initial_loss_scale=2.0 ** 40, hysteresis=1)
+        engine = PipelineEngine(chunks, ps, optim, "1f1b", 2, (SEQ, MICRO, config.hidden_size), dtype=dtype)
+        skipped = []
+        for step in range(3):
+            batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=10 * step + i) for i in range(2)]
+            skipped.append(not engine.train_batch(batches).step.ok)
+        with engine.whole_weights():
+            results[strategy] = (skipped, [p.detach().clone() for p in chunks[0].parameters()])
+    reference_skipped, reference = results.pop("no_shard")
+    assert reference_skipped[0] == (precision == "fp16")  # 2^40 overflows fp16 gradients once
+    for strategy, (skipped, params) in results.items():
+        assert skipped == reference_skipped, strategy
+        for got, expected in zip(params, reference):
+            assert got.dtype == dtype and torch.equal(got, expected), strategy
