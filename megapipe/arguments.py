@@ -89,6 +89,19 @@ def _optimizer_flags(g) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   help="what is split over the data-parallel replicas: no_shard, optim (ZeRO-1), optim_grads "
+                        "(ZeRO-2) or optim_grads_params (ZeRO-3)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="the same as --data-parallel-sharding-strategy optim")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per data-parallel reduction (default: max(40M, 1M x data-parallel size))")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket's data-parallel reduction during the last backward before a step")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather the updated weight shards after the step; each chunk's next forward waits")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="fp16: accumulate and reduce gradients in fp32 (bf16 always does)")
 
 
 def _training_flags(g) -> None:
@@ -196,7 +209,11 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=args.lr_warmup_iters if args.lr_warmup_iters is not None else
         (0 if args.lr_warmup_fraction is not None else min(50, args.train_iters // 10)),
-        lr_warmup_fraction=args.lr_warmup_fraction, lr_decay_iters=args.lr_decay_iters)
+        lr_warmup_fraction=args.lr_warmup_fraction, lr_decay_iters=args.lr_decay_iters,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        use_distributed_optimizer=args.use_distributed_optimizer, ddp_bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32)
     # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
     # would leave its test split empty
     split = args.split or ("969,30,1" if args.data_path else "90,5,5")
@@ -223,7 +240,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     """Check everything knowable before process groups exist; returns the data-parallel size."""
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
-    from megapipe.pipeline.ir.schedules import build_schedule
+    from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
 
     par, train = config.parallel, config.training
     plan = par.stage_plan()
@@ -252,6 +269,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
     build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
                    vertical_sync=par.pipedream_vertical_sync)
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, schedule_spec(par.pipeline_schedule).asynchronous)
     return data
 
 

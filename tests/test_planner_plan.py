@@ -49,7 +49,8 @@ def test_algorithm1_returns_the_fastest_choice_that_fits():
 def valid_by_the_rules(shape, devices, batch, max_b, max_v):
     """Every layout written out from the rules: all devices used, the model and batch divided, and
     each schedule's needs (1F1B and 2BW at least p microbatches, PipeDream one per update,
-    interleaving m a multiple of p and v >= 2 chunks; one schedule when there is no pipeline)."""
+    interleaving m a multiple of p and v >= 2 chunks; one schedule when there is no pipeline; with
+    d > 1 every data-parallel sharding level, but parameters sharded only under a flush)."""
     found = set()
     for t, p, d in itertools.product(range(1, devices + 1), repeat=3):
         if t * p * d != devices or shape.num_attention_heads % t or shape.hidden_size % t or shape.ffn_hidden_size % t:
@@ -63,8 +64,10 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
                     continue
                 ok = {"gpipe": v == 1, "1f1b": v == 1 and m >= p, "2bw": v == 1 and m >= p,
                       "pipedream": v == 1 and m == 1, "interleaved": v >= 2 and p >= 2 and m % p == 0}[schedule]
+                levels = ["no_shard"] if d == 1 else ["no_shard", "optim", "optim_grads"] + (
+                    ["optim_grads_params"] if schedule in ("1f1b", "gpipe", "interleaved") else [])
                 if ok:
-                    found |= {Layout(t, p, d, b, schedule, v, r) for r in (False, True)}
+                    found |= {Layout(t, p, d, b, schedule, v, r, level) for r in (False, True) for level in levels}
     return found
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.optim.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
 from megapipe.planner.cost_model import Training  # noqa: E402
@@ -58,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     search.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of the schedules")
     search.add_argument("--max-micro-batch-size", type=int, default=64)
     search.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    search.add_argument("--data-parallel-sharding-strategies", default=",".join(SHARDING_STRATEGIES),
+                        help="comma-separated --data-parallel-sharding-strategy levels to consider when d > 1")
+    search.add_argument("--overlap-grad-reduce", action="store_true",
+                        help="plan with data-parallel reductions overlapped (the command then turns overlap on)")
     search.add_argument("--pipedream", action="store_true",
                         help="run PipeDream's partitioner (uneven stages, replication, weight stashing) instead")
     search.add_argument("--micro-batch-size", type=int, help="--pipedream: the micro-batch size to partition for")
@@ -105,6 +110,7 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
 def format_table(result, top: int) -> str:
     """The best layouts; the last five columns are seconds per batch on the slowest rank."""
     header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
+              f"{'dp sharding':<18} "
               f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
               f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
@@ -113,6 +119,7 @@ def format_table(result, top: int) -> str:
         recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
         rows.append(f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>3} {layout.virtual:>2} "
                     f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
+                    f"{layout.sharding:<18} "
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
                     f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
@@ -137,12 +144,23 @@ def run_pipedream(args, profile: ModelProfile, cluster: Cluster) -> None:
         print(f"plan written to {args.plan_out}")
 
 
+def _shardings(names: str) -> tuple[str, ...]:
+    chosen = tuple(name for name in names.split(",") if name)
+    unknown = [name for name in chosen if name not in SHARDING_STRATEGIES]
+    if unknown or not chosen:
+        raise ConfigError(f"--data-parallel-sharding-strategies {names} names {', '.join(unknown) or 'no level'}; "
+                          f"use a comma-separated subset of {', '.join(SHARDING_STRATEGIES)}.")
+    return chosen
+
+
 def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
     if not args.global_batch_size:
         raise ConfigError("--global-batch-size is required; it is the batch every layout must reach.")
     request = PlanRequest(args.global_batch_size, schedules=tuple(s for s in args.schedules.split(",") if s),
                           max_micro_batch_size=args.max_micro_batch_size,
-                          recompute=(False,) if args.no_recompute else (False, True))
+                          recompute=(False,) if args.no_recompute else (False, True),
+                          shardings=_shardings(args.data_parallel_sharding_strategies),
+                          training=Training(args.global_batch_size, overlap=args.overlap_grad_reduce))
     result = plan(profile, cluster, request)
     shape = profile.shape
     print(f"{shape.kind} with {shape.num_layers} layers, h={shape.hidden_size}, s={shape.seq_length} "
@@ -153,9 +171,10 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
     best = result.best
     print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")
-    print(torchrun_command(best, shape, cluster, args.global_batch_size))
+    print(torchrun_command(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce))
     if args.plan_out:
-        write_plan(uniform_plan(best, shape, cluster, args.global_batch_size), args.plan_out)
+        write_plan(uniform_plan(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce),
+                   args.plan_out)
         print(f"plan written to {args.plan_out}")
     if args.plot_out:
         from megapipe.planner.plot import plot_throughput

@@ -74,6 +74,12 @@ def load_checkpoint(directory: str, trainer) -> None:
         trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
     path, common, saved = _open(directory, trainer.kind)
+    with trainer.engine.whole_weights():  # optim_grads_params releases them between passes
+        _load(path, common, saved, trainer)
+
+
+def _load(path: str, common: Common, saved: dict, trainer) -> None:
+    t = trainer.config.training
     with_optimizer = not (t.finetune or t.no_load_optim)
     layout = Layout.of_trainer(trainer)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
@@ -86,7 +92,7 @@ def load_checkpoint(directory: str, trainer) -> None:
         _check_optimizer_fits(path, common, trainer)
     read_shards(targets.shards, path)
 
-    apply_weights(targets)
+    apply_weights(targets, trainer.engine.optimizer)
     if with_optimizer:
         apply_optimizer(targets, trainer.engine.optimizer)
         if common.loss_scaler is not None:

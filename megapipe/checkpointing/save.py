@@ -27,8 +27,13 @@ from megapipe.errors import CheckpointError
 def save_checkpoint(directory: str, trainer) -> None:
     """Write the state of ``trainer`` as ``directory/iter_<iteration>`` (collective over all ranks)."""
     wait_for_save(trainer)  # one save in flight at a time, and its failure surfaces here
-    t = trainer.config.training
     started = time.perf_counter()
+    with trainer.engine.whole_weights():  # optim_grads_params releases them between passes
+        _save(directory, trainer, started)
+
+
+def _save(directory: str, trainer, started: float) -> None:
+    t = trainer.config.training
     in_flight = trainer.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
     entries = param_entries(trainer.chunks, trainer.engine.optimizer)
     shards = save_shards(entries, trainer.ps, trainer.config.model, trainer.device, with_optimizer=not t.no_save_optim,

@@ -58,13 +58,15 @@ def precision_optimizers(optimizer) -> list:
 
 @dataclass
 class ParamEntry:
-    """A parameter of this rank: its chunk-local name, the parameter, the tensor the optimizer
-    steps and the PrecisionOptimizer that steps it."""
+    """A parameter of this rank: its chunk-local name, the parameter, its fp32 main weight and
+    optimizer state (whole, even when the optimizer holds only a data-parallel shard of them)
+    and the PrecisionOptimizer that steps it."""
 
     name: str
     param: torch.nn.Parameter
-    main: torch.Tensor  # the fp32 master, or the parameter itself in fp32 runs
+    main: torch.Tensor  # the fp32 master, or the parameter itself in fp32 runs without sharding
     optimizer: object
+    states: dict = field(default_factory=dict)  # optimizer state name -> tensor shaped like the parameter
 
     def key(self, ps: ParallelState, config: ModelConfig) -> str:
         return place(self.name, self.param, self.param, ps, config)[0]
@@ -77,15 +79,17 @@ class ParamEntry:
 
 
 def param_entries(chunks, optimizer=None) -> list[ParamEntry]:
-    """Every parameter of ``chunks`` once, with its main tensor and optimizer (none: weights only)."""
-    owner = {id(model): (main, opt) for opt in (precision_optimizers(optimizer) if optimizer else [])
-             for model, main in zip(opt.model_params, opt.main_params)}
+    """Every parameter of ``chunks`` once, with its main tensor, optimizer state and optimizer (none:
+    weights only). A sharded optimizer gathers whole tensors over the data-parallel group (collective)."""
+    owner = {key: (main, opt, states) for opt in (precision_optimizers(optimizer) if optimizer else [])
+             for key, (main, states) in opt.param_states().items()}
     entries, seen = [], set()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                entries.append(ParamEntry(name, param, *owner.get(id(param), (param, None))))
+                main, opt, states = owner.get(id(param), (param, None, {}))
+                entries.append(ParamEntry(name, param, main, opt, states))
     return entries
 
 
@@ -106,7 +110,7 @@ def save_shards(entries: list[ParamEntry], ps: ParallelState, config: ModelConfi
             continue
         if entry.main is not entry.param:
             add(optimizer_key(key, MASTER), entry.shard(entry.main.detach(), ps, config))
-        for state, value in entry.optimizer.inner.state.get(entry.main, {}).items():
+        for state, value in entry.states.items():
             add(optimizer_key(key, state), entry.shard(value, ps, config))
     out.update(rng_shards(ps, device))
     return out
@@ -176,22 +180,20 @@ def _rank_tensors(saved: dict, prefix: str, shards: dict[str, Shard]) -> dict[st
 
 
 @torch.no_grad()
-def apply_weights(targets: LoadTargets) -> None:
+def apply_weights(targets: LoadTargets, optimizer=None) -> None:
+    """Set the model weights, and the optimizer's fp32 main weights (or its shards of them), from the read values."""
     for entry, value in targets.weights:
         entry.param.copy_(value)
-        if entry.main is not entry.param:
-            entry.main.copy_(value)
+    for precision in precision_optimizers(optimizer) if optimizer is not None else ():
+        precision.load_main_weights({id(entry.param): value for entry, value in targets.weights
+                                     if entry.optimizer is precision})
 
 
 def apply_optimizer(targets: LoadTargets, optimizer) -> None:
-    """Hand the read state to each inner torch optimizer, which casts and places it as it needs."""
+    """Hand the read state (whole tensors) to each optimizer, which keeps its shard, casts and places it."""
     for precision in precision_optimizers(optimizer):
-        inner = precision.inner
-        index = {id(p): i for i, p in enumerate(p for group in inner.param_groups for p in group["params"])}
-        state = inner.state_dict()
-        state["state"] = {index[id(entry.main)]: values for entry, values in targets.optimizer
-                          if values and entry.optimizer is precision}
-        inner.load_state_dict(state)
+        precision.load_param_states({id(entry.param): values for entry, values in targets.optimizer
+                                     if values and entry.optimizer is precision})
 
 
 def apply_rng(rng: dict[str, torch.Tensor], ps: ParallelState, device: torch.device) -> None:

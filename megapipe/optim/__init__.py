@@ -2,7 +2,7 @@
 
 One training iteration on one rank::
 
-    grads = GradBuffers(model_chunks, ps)                  # fp32 param.main_grad for every param
+    grads = GradBuffers(model_chunks, ps)                  # one GradSync per chunk: param.main_grad, buckets
     opt = build_optimizer(model_chunks, opt_config, ps, grads)
     sched = LRScheduler(opt, opt_config, train_iters)
     for microbatch in ...:                                  # loss already divided by the microbatch count
@@ -22,6 +22,10 @@ overflowed (then ``grad_norm`` is inf). ``num_zeros`` needs ``log_num_zeros_in_g
 Checkpoints: ``opt.state_dict()`` / ``load_state_dict()`` (inner optimizer state, fp32 masters,
 loss scaler) and ``sched.state_dict()`` / ``load_state_dict()`` (iteration, schedule).
 
+``GradBuffers(..., level=ShardingLevel("optim"))`` shards the optimizer state over the
+data-parallel group (ZeRO-1; ``optim_grads`` and ``optim_grads_params`` also the gradients and
+the weights): the optimizer then steps this rank's pieces and all-gathers them (``grad_sync.py``).
+
 Parameter attributes read here (set by the model code): ``tensor_model_parallel`` (a shard:
 counted in the norm on every tensor rank), ``shared_embedding`` / ``tied_embedding`` (the last /
 first stage's copy of the tied word embedding: gradients summed over the embedding group, the
@@ -32,6 +36,8 @@ from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, coun
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 from megapipe.optim.finalize import finalize_model_grads
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
+from megapipe.optim.grad_sync import GradSync
+from megapipe.optim.sharding import SHARDING_STRATEGIES, ShardingLevel
 from megapipe.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 from megapipe.optim.lr_schedule import LRSchedule, LRScheduler
 from megapipe.optim.optimizer import build_optimizer, weight_decay_groups
@@ -39,7 +45,7 @@ from megapipe.optim.precision import PrecisionOptimizer, StepResult
 
 __all__ = [
     "OptimizerConfig", "OPTIMIZERS", "LR_DECAY_STYLES",
-    "GradBuffers", "trainable_params", "finalize_model_grads",
+    "GradBuffers", "GradSync", "ShardingLevel", "SHARDING_STRATEGIES", "trainable_params", "finalize_model_grads",
     "global_grad_norm", "clip_grads_by_total_norm", "count_zero_grads", "counts_in_norm",
     "ConstantLossScaler", "DynamicLossScaler", "build_loss_scaler",
     "build_optimizer", "weight_decay_groups", "PrecisionOptimizer", "StepResult",

@@ -5,7 +5,8 @@ counts its tensor-parallel shards, its replicated parameters only on tensor rank
 tensor ranks hold identical copies), and never the last stage's copy of the tied embedding
 (``shared_embedding``: the first stage already counts that gradient). The squared partial norms
 are then summed over the model-parallel group (all t x p ranks of one replica); data-parallel
-replicas hold identical gradients after the all-reduce and need no reduction.
+replicas hold identical gradients after the all-reduce and need no reduction, unless the
+optimizer is sharded and each replica holds only its piece.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def _counted_grads(params: list[torch.Tensor], ps: ParallelState) -> list[torch.
     return [p.grad for p in params if p.grad is not None and counts_in_norm(p, ps.tp_rank)]
 
 
-def global_grad_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
     """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
+
+    ``sharded``: each data-parallel rank holds a disjoint piece of the gradients (a sharded
+    optimizer), so the squares are also summed over the data-parallel group.
 
     Inf or NaN in any gradient on any model-parallel rank makes the result inf or NaN everywhere,
     including the copies the norm does not count (they add 0 x their norm, which is NaN only
@@ -45,6 +49,8 @@ def global_grad_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Ten
             part = torch.stack(torch._foreach_norm(grads)).square().sum()
             squared += part if counted else 0.0 * part
     all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
+    if sharded:
+        all_reduce(squared, ps.dp_group, ps.dp_size)
     return squared.sqrt()
 
 
@@ -60,11 +66,13 @@ def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_
         torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
 
 
-def count_zero_grads(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+def count_zero_grads(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
     """Number of exactly-zero gradient elements in the whole model, counted like the norm."""
     zeros = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
     for grad in _counted_grads(params, ps):
         zeros += grad.numel() - torch.count_nonzero(grad)
     all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
+    if sharded:
+        all_reduce(zeros, ps.dp_group, ps.dp_size)
     return zeros
 

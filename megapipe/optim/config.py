@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from megapipe.errors import ConfigError
+from megapipe.optim.sharding import SHARDING_STRATEGIES, ShardingLevel
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -47,12 +50,45 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_warmup_fraction: Optional[float] = None  # of the decay iterations
     lr_decay_iters: Optional[int] = None  # defaults to the number of training iterations
+    # data parallelism: sharding level, buckets and overlap (Megatron-core's flags)
+    data_parallel_sharding_strategy: str = "no_shard"
+    use_distributed_optimizer: bool = False  # the alias of --data-parallel-sharding-strategy optim
+    ddp_bucket_size: Optional[int] = None  # elements; None: Megatron's max(40M, 1M x d)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
+
+    @property
+    def sharding(self) -> ShardingLevel:
+        """The sharding level, ``--use-distributed-optimizer`` read as ``optim``."""
+        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
+            return ShardingLevel("optim")
+        return ShardingLevel(self.data_parallel_sharding_strategy)
+
+    def bucket_size(self, data_parallel_size: int) -> int:
+        """Elements per data-parallel reduction: ``--ddp-bucket-size``, or Megatron's default for d replicas."""
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
+
+    def grad_dtype(self, params_dtype: torch.dtype) -> torch.dtype:
+        """Main gradients are fp32 except for fp16 without ``--accumulate-allreduce-grads-in-fp32``
+        (bf16 always accumulates in fp32, as Megatron forces)."""
+        if params_dtype == torch.float16 and not self.accumulate_allreduce_grads_in_fp32:
+            return torch.float16
+        return torch.float32
 
     def validate(self) -> None:
         """Raise ConfigError (one sentence naming the flag and the fix) for a bad combination."""
         self._validate_optimizer()
         self._validate_precision()
         self._validate_schedule()
+        self._validate_data_parallel()
+
+    def check_pipeline_schedule(self, schedule: str, asynchronous: bool) -> None:
+        """Refuse a sharding level the named pipeline schedule cannot run."""
+        if self.sharding.shards_params and asynchronous:
+            raise ConfigError(f"--data-parallel-sharding-strategy optim_grads_params cannot run --pipeline-schedule "
+                              f"{schedule}: its weight versions are whole copies kept across passes; use optim_grads "
+                              "(sharded optimizer state and gradients) or a flush schedule.")
 
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -104,3 +140,15 @@ class OptimizerConfig:
             raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must not be negative.")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             raise ConfigError(f"--lr-decay-iters {self.lr_decay_iters} must be at least 1.")
+
+    def _validate_data_parallel(self) -> None:
+        strategy = self.data_parallel_sharding_strategy
+        if strategy not in SHARDING_STRATEGIES:
+            raise ConfigError(f"--data-parallel-sharding-strategy {strategy} is unknown; use one of "
+                              f"{', '.join(SHARDING_STRATEGIES)}.")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
+            raise ConfigError(f"--ddp-bucket-size {self.ddp_bucket_size} must be a positive number of elements; "
+                              "drop it for Megatron's default.")
+        if self.overlap_param_gather and not self.sharding.shards_optimizer:
+            raise ConfigError("--overlap-param-gather needs a sharded optimizer; add --use-distributed-optimizer "
+                              "(or --data-parallel-sharding-strategy optim, optim_grads or optim_grads_params).")

@@ -59,14 +59,19 @@ def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerCo
     if list(map(id, model_params)) != list(map(id, grads.params)):
         raise ValueError("build_optimizer got gradient buffers built on other model chunks; "
                          "pass the GradBuffers made from these chunks.")
-    main_params = [make_main_param(p) for p in model_params]
+    if grads.level.shards_optimizer:  # this rank's pieces of the parameters
+        model_params = [piece.param for piece in grads.pieces]
+        main_params = [make_main_param(piece.param, piece.weight) for piece in grads.pieces]
+    else:
+        main_params = [make_main_param(p) for p in model_params]
     groups = weight_decay_groups(model_params, main_params, config.weight_decay)
-    inner, kernel = build_inner_optimizer(groups, config, grads.buffer.device)
+    inner, kernel = build_inner_optimizer(groups, config, grads.device)
     scaler = build_loss_scaler(config)
     precisions = sorted({str(p.dtype).removeprefix("torch.") for p in model_params})
-    logger.info("optimizer: %s on %s params%s, %s", kernel, "/".join(precisions),
-                " with fp32 masters" if any(p is not m for p, m in zip(model_params, main_params)) else "",
+    logger.info("optimizer: %s on %s params%s, %s, data-parallel sharding %s", kernel, "/".join(precisions),
+                " with fp32 masters" if any(p.dtype != torch.float32 for p in model_params) else "",
                 f"loss scale {config.loss_scale or config.initial_loss_scale:g} ({type(scaler).__name__})" if scaler
-                else "no loss scaling")
+                else "no loss scaling",
+                grads.level.strategy)
     return PrecisionOptimizer(inner, model_params, main_params, grads, ps, config.clip_grad, scaler,
                               config.log_num_zeros_in_grad)

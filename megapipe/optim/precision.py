@@ -18,6 +18,7 @@ from megapipe.errors import CheckpointError
 from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, global_grad_norm
 from megapipe.collectives import all_reduce
 from megapipe.optim.grad_buffer import GradBuffers
+from megapipe.optim.grad_sync import piece_of
 from megapipe.optim.loss_scaler import LossScaler
 from megapipe.parallel_state import ParallelState
 
@@ -25,11 +26,14 @@ from megapipe.parallel_state import ParallelState
 NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
 
 
-def make_main_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    """``param`` itself when it is fp32, else a detached fp32 master copy with its parallel attributes."""
-    if param.dtype == torch.float32:
+def make_main_param(param: torch.nn.Parameter, weight: Optional[torch.Tensor] = None) -> torch.nn.Parameter:
+    """What the optimizer steps for ``weight`` (default: all of ``param``; else this rank's piece of it):
+    ``param`` itself when it is fp32, an fp32 piece stepped in place, else a detached fp32 master copy,
+    carrying ``param``'s parallel attributes."""
+    if weight is None and param.dtype == torch.float32:
         return param
-    master = torch.nn.Parameter(param.detach().float())
+    weight = param if weight is None else weight
+    master = torch.nn.Parameter(weight.detach() if weight.dtype == torch.float32 else weight.detach().float())
     for name in NORM_ATTRIBUTES:
         if hasattr(param, name):
             setattr(master, name, getattr(param, name))
@@ -65,6 +69,10 @@ class PrecisionOptimizer:
     ``step()`` unscales the gradients (fp16) and checks them for inf/NaN, skips the update if
     any model-parallel rank found one (in every precision: NaN never reaches the weights),
     computes the global norm, clips, updates, and copies masters into low-precision params.
+
+    With a sharded level (``grads.level``) the main params are this rank's pieces of the
+    parameters (``GradBuffers.pieces``): the norm and the overflow check also sum over the
+    data-parallel group, and the updated pieces are all-gathered by the gradient syncs.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, model_params: list[torch.nn.Parameter],
@@ -78,6 +86,15 @@ class PrecisionOptimizer:
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.sharded = grads.level.shards_optimizer
+        if self.sharded:
+            self._main_grads = [piece.grad for piece in grads.pieces]
+            targets = [piece.weight for piece in grads.pieces]
+        else:
+            self._main_grads = [model.main_grad for model in model_params]
+            targets = model_params
+        # (where the updated value goes, master) for every main param that is a copy
+        self._copy_back = [(target, main) for target, main in zip(targets, main_params) if main.dtype != target.dtype]
         self._master_pairs = [(model, main) for model, main in zip(model_params, main_params) if model is not main]
 
     @property
@@ -102,18 +119,20 @@ class PrecisionOptimizer:
         """Update the parameters from the finalized main gradients, or skip on overflow."""
         self._attach_main_grads()
         try:
-            device = self.grads.buffer.device
+            device = self.grads.device
             overflow = torch.zeros((), dtype=torch.bool, device=device)
             if self.loss_scaler is not None:  # without one, any non-finite gradient makes the norm below so
                 overflow = self._unscale_and_find_overflow()
                 self.loss_scaler.update(overflow)
-            grad_norm = global_grad_norm(self.main_params, self.ps)
+            grad_norm = global_grad_norm(self.main_params, self.ps, self.sharded)
             skip = overflow | ~torch.isfinite(grad_norm)
             if self.clip_grad > 0:
                 clip_grads_by_total_norm(self.main_params, self.clip_grad, grad_norm)
-            num_zeros = count_zero_grads(self.main_params, self.ps) if self.log_num_zeros_in_grad else None
+            num_zeros = (count_zero_grads(self.main_params, self.ps, self.sharded)
+                         if self.log_num_zeros_in_grad else None)
             self._inner_step(skip)
             self._copy_masters_to_model()  # a skipped update left the masters as they were
+            self.grads.publish_weights()
             return StepResult(skip, grad_norm, overflow, num_zeros)
         finally:
             # main.grad aliases the buffer for fp32 params; never let autograd accumulate into it.
@@ -131,8 +150,8 @@ class PrecisionOptimizer:
             self.inner.step()
 
     def _attach_main_grads(self) -> None:
-        for model, main in zip(self.model_params, self.main_params):
-            main.grad = model.main_grad if model.main_grad.dtype == main.dtype else model.main_grad.to(main.dtype)
+        for grad, main in zip(self._main_grads, self.main_params):
+            main.grad = grad if grad.dtype == main.dtype else grad.to(main.dtype)
 
     def _unscale_and_find_overflow(self) -> torch.Tensor:
         """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN.
@@ -141,17 +160,19 @@ class PrecisionOptimizer:
         duplicates, the last stage's embedding copy), so no rank can step on a bad gradient.
         """
         grads = [main.grad for main in self.main_params]
-        device = self.grads.buffer.device
+        device = self.grads.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         inverse_scale = self.loss_scaler.scale_on(device).reciprocal().reshape(1)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
         all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
+        if self.sharded:
+            all_reduce(found, self.ps.dp_group, self.ps.dp_size, op=dist.ReduceOp.MAX)
         return found[0] > 0
 
     def _copy_masters_to_model(self) -> None:
-        if self._master_pairs:
-            models, mains = zip(*self._master_pairs)
-            torch._foreach_copy_(list(models), list(mains))
+        if self._copy_back:
+            targets, mains = zip(*self._copy_back)
+            torch._foreach_copy_(list(targets), list(mains))
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -178,3 +199,52 @@ class PrecisionOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self._copy_masters_to_model()
+        self.grads.publish_weights()
+
+    # ---- whole-parameter view of the state (checkpoints in any layout) ----------------------------
+    def param_states(self) -> dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per model parameter (by ``id``): its fp32 main weight and optimizer state, each shaped like
+        the parameter. Collective over the data-parallel group when the optimizer is sharded."""
+        if not self.sharded:
+            return {id(model): (main, dict(self.inner.state.get(main, {})))
+                    for model, main in zip(self.model_params, self.main_params)}
+        whole_mains = self.grads.gather_full([main.detach() for main in self.main_params])
+        first = self.inner.state.get(self.main_params[0], {}) if self.main_params else {}
+        states: dict[int, dict[str, torch.Tensor]] = {key: {} for key in whole_mains}
+        for name, value in first.items():
+            if value.dim() == 0:  # a step count: the same for every piece and every rank
+                for key in states:
+                    states[key][name] = value
+                continue
+            whole = self.grads.gather_full([self.inner.state[main][name] for main in self.main_params])
+            for key, tensor in whole.items():
+                states[key][name] = tensor
+        return {key: (whole_mains[key], states[key]) for key in whole_mains}
+
+    @torch.no_grad()
+    def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restore optimizer state given whole per-parameter tensors (by ``id`` of the model param)."""
+        index = {id(p): i for i, p in enumerate(p for group in self.inner.param_groups for p in group["params"])}
+        pieces = self.grads.pieces if self.sharded else [None] * len(self.main_params)
+        saved = {}
+        for model, main, piece in zip(self.model_params, self.main_params, pieces):
+            values = states.get(id(model))
+            if values:
+                saved[index[id(main)]] = {name: value if piece is None or value.dim() == 0
+                                          else piece_of(piece, value).clone()
+                                          for name, value in values.items()}
+        state = self.inner.state_dict()
+        state["state"] = saved
+        self.inner.load_state_dict(state)
+
+    @torch.no_grad()
+    def load_main_weights(self, weights: dict[int, torch.Tensor]) -> None:
+        """Set the main weights (fp32 masters or pieces) from whole fp32 values by model-param ``id``;
+        the model's own weights must already hold them (or be gathered from them next)."""
+        pieces = self.grads.pieces if self.sharded else [None] * len(self.main_params)
+        for model, main, piece in zip(self.model_params, self.main_params, pieces):
+            if main is not model and id(model) in weights:
+                whole = weights[id(model)]
+                main.copy_(whole if piece is None else piece_of(piece, whole))
+        self._copy_masters_to_model()
+        self.grads.publish_weights()

@@ -10,7 +10,12 @@ rank's time (it is on the critical path):
     forward and the same backward, 2 |A| / bandwidth per neighbour as in THROUGHPUT(.);
   data parallelism: a ring all-reduce of each rank's gradients, 2 (d-1)/d |W| bytes, once per
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
-    PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)); the tied
+    PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)). A sharded
+    optimizer (``Layout.sharding``) reduce-scatters the gradients and all-gathers the updated
+    weights instead ((d-1)/d of each); optim_grads_params also all-gathers a chunk's weights
+    before every forward and backward, 2 m (d-1)/d |W| per batch, on the critical path. With
+    ``Training.overlap`` a flush hides the reduction behind the last microbatch's backward and
+    the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
     untie it instead: the last stage holds its own output embedding of the same size).
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
@@ -20,7 +25,10 @@ PipeDream runs in each stage's stream of backwards. When the devices are process
 fewer cores (``Cluster.shared_cores``), a batch also takes at least all their compute over the
 cores: a rank idle in a bubble lends its core to the others.
 MEMORY(.) per rank = weight versions x weights + (gradients + optimizer state) per parameter +
-in-flight microbatches x stashed activations; with recomputation a microbatch keeps only the
+in-flight microbatches x stashed activations; a sharded optimizer keeps 1/d of the optimizer
+state plus a 1/d shard of the reduced gradients and of the weights next to the full gradient
+buffer, which backward fills (optim_grads frees it only between steps, so its peak is
+optim's); optim_grads_params holds 1/d of the weights plus the one chunk gathered for a pass; with recomputation a microbatch keeps only the
 input of every k-th block, plus one segment of k blocks while it is recomputed (seed 002 section
 4.3.5: c checkpoints cost c A_input + (l / c) A_intermediate), with k chosen to use the least memory.
 The seeds' 2BW forms 2|W|/p + |A_total|/p + p |A_input| (recompute) and 2|W|/p + p |A_total|/p
@@ -52,11 +60,13 @@ class Layout:
     schedule: str
     virtual: int = 1
     recompute: bool = False
+    sharding: str = "no_shard"  # --data-parallel-sharding-strategy
 
     def describe(self) -> str:
         chunks = f", v={self.virtual}" if self.virtual > 1 else ""
+        sharded = f", {self.sharding}" if self.sharding != "no_shard" else ""
         return (f"t={self.tensor}, p={self.pipeline}, d={self.data}, b={self.micro_batch_size}{chunks}, "
-                f"{self.schedule}{' with recomputation' if self.recompute else ''}")
+                f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Training:
     grad_bytes_per_param: float = 4.0  # megapipe accumulates gradients in fp32 buffers
     optimizer_bytes_per_param: Optional[float] = None  # default: Adam's two fp32 moments, plus an fp32 master
     #                                                    copy when the weights are 16-bit
+    overlap: bool = False  # --overlap-grad-reduce (and --overlap-param-gather when sharded)
 
     def optimizer_bytes(self, element_bytes: int) -> float:
         if self.optimizer_bytes_per_param is not None:
@@ -94,6 +105,13 @@ def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
     if members <= 1 or nbytes == 0:
         return 0.0
     return 2 * (members - 1) / members * nbytes / link.reduce_bandwidth + 2 * (members - 1) * link.latency
+
+
+def ring_half_time(nbytes: float, members: int, link: Link) -> float:
+    """A ring reduce-scatter or all-gather: (n-1)/n x bytes over the link, n-1 steps of latency."""
+    if members <= 1 or nbytes == 0:
+        return 0.0
+    return (members - 1) / members * nbytes / link.reduce_bandwidth + (members - 1) * link.latency
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
@@ -178,12 +196,25 @@ class CostModel:
             loads.params[p - 1] += self.profile.output_weight_params / t  # the head's own output embedding
         return loads
 
-    def _data_parallel_times(self, layout: Layout, params: np.ndarray) -> np.ndarray:
-        """Per rank: the gradient all-reduce over the data-parallel group, and the tied embedding's sum."""
+    def _data_parallel_times(self, layout: Layout, loads: "_RankLoads", m: int) -> np.ndarray:
+        """Per rank, the data-parallel time the batch waits for: the gradient reduction (all-reduce, or
+        reduce-scatter and weight all-gather when sharded, minus what overlap hides), optim_grads_params'
+        gathers before every pass, and the tied embedding's sum."""
         t, p, d = layout.tensor, layout.pipeline, layout.data
         _, data_link, _, embedding_link = self.links(t, p, d)
-        grad_bytes = self.training.grad_bytes_per_param
-        times = np.array([ring_allreduce_time(count * grad_bytes, d, data_link) for count in params])
+        grad_bytes, params = self.training.grad_bytes_per_param, loads.params
+        overlap = self.training.overlap and layout.schedule in FLUSHING
+        if layout.sharding == "no_shard":
+            reduce = np.array([ring_allreduce_time(count * grad_bytes, d, data_link) for count in params])
+            gather = np.zeros(p)
+        else:
+            reduce = np.array([ring_half_time(count * grad_bytes, d, data_link) for count in params])
+            gather = np.array([ring_half_time(count * self.element_bytes, d, data_link) for count in params])
+        passes = 2 * m * gather if layout.sharding == "optim_grads_params" else 0.0  # before every F and B
+        if overlap:
+            reduce = np.maximum(reduce - loads.backward, 0.0)  # behind the last microbatch's backward
+            gather = np.maximum(gather - np.arange(p) * loads.forward, 0.0)  # behind the wait for the first input
+        times = reduce + gather + passes
         tied = self.profile.output_weight_params
         if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p):
             for r in {0, p - 1}:
@@ -193,9 +224,7 @@ class CostModel:
     def _memory(self, layout: Layout, loads: "_RankLoads", m: int) -> tuple[float, Optional[int]]:
         """Peak bytes over ranks, and the blocks per recomputation segment that minimise it."""
         p, v = layout.pipeline, layout.virtual
-        per_param = self.training.grad_bytes_per_param + self.optimizer_bytes
-        weights = np.array([loads.params[r] * (self.element_bytes * weight_versions(layout.schedule, p, r) + per_param)
-                            for r in range(p)])
+        weights = np.array([self._state_bytes(layout, loads.params[r], r) for r in range(p)])
         counts = np.array([float(in_flight(layout.schedule, p, m, v, r)) for r in range(p)])
         if not layout.recompute:
             return float((weights + counts * loads.stash).max()), None
@@ -208,13 +237,25 @@ class CostModel:
         best = min((k for k in range(1, per_chunk + 1) if per_chunk % k == 0), key=peak)
         return peak(best), best
 
+    def _state_bytes(self, layout: Layout, params: float, rank: int) -> float:
+        """Weights (all versions), gradients and optimizer state of ``params`` parameters at the layout's sharding."""
+        d, grads = layout.data, self.training.grad_bytes_per_param
+        versions = weight_versions(layout.schedule, layout.pipeline, rank)
+        if layout.sharding == "no_shard":
+            return params * (self.element_bytes * versions + grads + self.optimizer_bytes)
+        shard = params / d
+        weights = self.element_bytes * (versions * params + shard)
+        if layout.sharding == "optim_grads_params":
+            weights = self.element_bytes * (shard + params / layout.virtual)  # one chunk gathered for its pass
+        return weights + grads * (params + shard) + self.optimizer_bytes * shard
+
     def estimate(self, layout: Layout) -> Estimate:
         t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.virtual
         batch = self.training.global_batch_size
         m = batch // (d * layout.micro_batch_size)
         loads = self._rank_loads(layout)
         steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
-        data = float(self._data_parallel_times(layout, loads.params).max())
+        data = float(self._data_parallel_times(layout, loads, m).max())
         if layout.schedule in FLUSHING:  # all-reduce and step after the flush
             pipe = pipeline_time(layout.schedule, loads.forward, loads.backward, m, v)
             batch_time = pipe + data + float(steps.max())

@@ -61,18 +61,22 @@ def _script(shape: ModelShape) -> str:
     return f"pretrain_{shape.kind}.py"
 
 
-def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> str:
+def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int,
+                     overlap: bool = False) -> str:
+    """The training command of ``estimate``'s layout; ``overlap``: it was planned with overlapped reductions."""
     layout = estimate.layout
     untie = unties_embeddings(layout.schedule, layout.pipeline)
     words = torchrun_prefix(cluster) + [_script(shape)] + model_flags(shape, untie) + [
         "--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline),
         "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
-        "--pipeline-schedule", layout.schedule]
+        "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.virtual > 1:
         words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
     if layout.recompute:
         words += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", str(estimate.recompute_layers)]
+    if overlap:
+        words += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if layout.sharding != "no_shard" else [])
     return _join(words)
 
 
@@ -83,7 +87,8 @@ def uniform_stages(estimate: Estimate, shape: ModelShape) -> list[tuple[int, int
     return [(k * per, (k + 1) * per, layout.data) for k in range(chunks)]
 
 
-def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int) -> dict:
+def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int,
+                 overlap: bool = False) -> dict:
     layout = estimate.layout
     stages = uniform_stages(estimate, shape)
     listed = [{"layers": [a, b], "replicas": r} for a, b, r in stages]
@@ -94,6 +99,7 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
         "tensor_model_parallel_size": layout.tensor,
         "pipeline_model_parallel_size": layout.pipeline,
         "data_parallel_size": layout.data,
+        "data_parallel_sharding_strategy": layout.sharding,
         "microbatches_per_pipeline": estimate.microbatches,
         "recompute": ({"granularity": "full", "method": "uniform", "num_layers": estimate.recompute_layers}
                       if layout.recompute else None),
@@ -102,7 +108,7 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
                       "model_flops_per_device": estimate.flops_per_gpu},
         "model": asdict(shape),
         "cluster": cluster.to_dict(),
-        "command": torchrun_command(estimate, shape, cluster, global_batch_size),
+        "command": torchrun_command(estimate, shape, cluster, global_batch_size, overlap),
     }
     if layout.virtual > 1:
         document["model_chunks"] = [dict(chunk, rank=k % layout.pipeline) for k, chunk in enumerate(listed)]

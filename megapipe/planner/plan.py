@@ -16,7 +16,8 @@ from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
-from megapipe.planner.schedule_costs import SCHEDULES, microbatch_problem
+from megapipe.optim.sharding import SHARDING_STRATEGIES
+from megapipe.planner.schedule_costs import FLUSHING, SCHEDULES, microbatch_problem
 from megapipe.planner.units import human_bytes
 
 
@@ -27,6 +28,7 @@ class PlanRequest:
     micro_batch_sizes: Optional[Sequence[int]] = None  # default: every divisor of B / d up to the maximum
     max_micro_batch_size: int = 64
     recompute: Sequence[bool] = (False, True)
+    shardings: Sequence[str] = SHARDING_STRATEGIES  # --data-parallel-sharding-strategy levels tried when d > 1
     max_virtual: int = 8  # most chunks per rank tried for the interleaved schedule
     training: Optional[Training] = None  # default: Training(global_batch_size)
 
@@ -91,7 +93,15 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                 for v in chunks:
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
-                            yield Layout(t, p, d, b, schedule, v, recompute)
+                            for sharding in _shardings(request, d, schedule):
+                                yield Layout(t, p, d, b, schedule, v, recompute, sharding)
+
+
+def _shardings(request: PlanRequest, d: int, schedule: str) -> list[str]:
+    """Sharding levels worth estimating: none without replicas; no optim_grads_params for 2BW and PipeDream."""
+    if d == 1:
+        return ["no_shard"]
+    return [s for s in request.shardings if not (s == "optim_grads_params" and schedule not in FLUSHING)]
 
 
 def _no_layout_error(shape: ModelShape, devices: int, request: PlanRequest) -> ConfigError:
@@ -131,12 +141,15 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
     if not fitting:
         raise _memory_error(min(estimates, key=lambda e: e.memory), cluster)
 
+    def order(e: Estimate) -> tuple[float, float]:  # fastest first; of equally fast ones (a sharding level
+        return -e.samples_per_second, e.memory       # that costs no time, say) the smallest
+
     best_by_data_pipeline: dict = {}
     for e in fitting:
         key = (e.layout.data, e.layout.pipeline)
-        if key not in best_by_data_pipeline or e.samples_per_second > best_by_data_pipeline[key].samples_per_second:
+        if key not in best_by_data_pipeline or order(e) < order(best_by_data_pipeline[key]):
             best_by_data_pipeline[key] = e
-    ranked = sorted(fitting, key=lambda e: (-e.samples_per_second, e.memory))
+    ranked = sorted(fitting, key=order)
     _, _, best = algorithm1(cluster.num_gpus, lambda d, p: best_by_data_pipeline.get((d, p)),
                             lambda d, p, e: e.samples_per_second, lambda d, p, e: e.memory, cluster.usable_memory)
     return PlanResult(best, ranked, best_by_data_pipeline, len(estimates))

@@ -13,6 +13,7 @@ training loop, the benchmarks and the tests all drive training through this one 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,7 +23,8 @@ import torch
 
 from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
-from megapipe.optim.finalize import is_tied_embedding_copy
+from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
+from megapipe.optim.passes import SyncPasses
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
@@ -78,6 +80,8 @@ class PipelineEngine:
         self.chunks, self.ps = chunks, ps
         spec = schedule_spec(schedule if isinstance(schedule, str) else "1f1b")  # a Schedule from a file flushes
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
+        optimizer_config.check_pipeline_schedule(schedule if isinstance(schedule, str) else "from a file",
+                                                 spec.asynchronous)
         if isinstance(schedule, Schedule):
             self.program = FlushProgram(schedule)
             self._groups = [(chunks, ps)]
@@ -91,19 +95,38 @@ class PipelineEngine:
                                                        vertical_sync=vertical_sync))
             self._groups = [(chunks, ps)]
         self.schedule = self.program.schedule
-        self.grads = [GradBuffers(group, group_ps) for group, group_ps in self._groups]
+        params_dtype = next(p.dtype for chunk in chunks for p in chunk.parameters())
+        self.grads = [GradBuffers(group, group_ps, optimizer_config.grad_dtype(params_dtype),
+                                  optimizer_config.bucket_size(ps.dp_size), optimizer_config.sharding,
+                                  optimizer_config.overlap_grad_reduce, optimizer_config.overlap_param_gather)
+                      for group, group_ps in self._groups]
         self.optimizers = [build_optimizer(group, optimizer_config, group_ps, grads)
                            for (group, group_ps), grads in zip(self._groups, self.grads)]
         self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerGroup(self.optimizers)
         self.stores = [WeightVersionStore(chunk, spec.weight_policy) for chunk in chunks]
         self._steps: list[StepResult] = []
+        self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
         self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
                                          update=self._update, scale_loss=self.optimizer.scale_loss,
                                          scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
-                                         stores=self.stores, versions_used=versions_used)
+                                         stores=self.stores, versions_used=versions_used, passes=self.passes)
         self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas),
                                               boundary_shape, dtype, device, step=lambda: None,
-                                              scatter_gather=scatter_gather, timeout=timeout)
+                                              scatter_gather=scatter_gather, timeout=timeout, passes=self.passes)
+
+    def _sync_of(self, chunk: torch.nn.Module) -> Optional[GradSync]:
+        """The gradient sync that owns ``chunk``'s parameters (None when it trains none)."""
+        params = {id(p) for p in chunk.parameters()}
+        return next((sync for grads in self.grads for sync in grads.syncs if id(sync.params[0]) in params), None)
+
+    @property
+    def syncs(self) -> list[GradSync]:
+        """Every chunk's gradient sync on this rank."""
+        return [sync for grads in self.grads for sync in grads.syncs]
+
+    def whole_weights(self):
+        """A context in which every chunk's weights are whole (``optim_grads_params`` releases them between passes)."""
+        return _all_whole(self.grads)
 
     def _step(self) -> StepResult:
         return self._update(0)
@@ -114,6 +137,7 @@ class PipelineEngine:
         finalize_model_grads(chunks, group_ps, self.grads[group])
         result = self.optimizers[group].step()
         self.optimizers[group].zero_grad()
+        self.passes.updated([self.chunks.index(chunk) for chunk in chunks])
         self._steps.append(result)
         return result
 
@@ -136,16 +160,15 @@ class PipelineEngine:
         Collective over the pipeline ranks."""
         snapshot = self.executor.in_flight()
         if snapshot is not None:
-            snapshot.grads = [grads.buffer.detach().clone() for grads in self.grads]
+            snapshot.grads = [sync.grad_state() for sync in self.syncs]
         return snapshot
 
     def restore_in_flight(self, snapshot: InFlight) -> None:
         """Continue from ``in_flight``'s record (after the weights and optimizer state are loaded)."""
         for chunk in self.chunks:
             chunk.train()
-        with torch.no_grad():
-            for grads, saved in zip(self.grads, snapshot.grads):
-                grads.buffer.copy_(saved)
+        for sync, saved in zip(self.syncs, snapshot.grads):
+            sync.load_grad_state(saved)
         self.executor.restore_in_flight(snapshot)
 
     @torch.no_grad()
@@ -161,6 +184,14 @@ class PipelineEngine:
         for chunk in self.chunks:
             chunk.eval()
         return self.eval_executor.run(microbatches)
+
+
+@contextlib.contextmanager
+def _all_whole(grads: list[GradBuffers]):
+    with contextlib.ExitStack() as stack:
+        for buffers in grads:
+            stack.enter_context(buffers.whole_weights())
+        yield
 
 
 def _check_asynchronous_training(name: str, chunks: list[torch.nn.Module], ps: ParallelState,

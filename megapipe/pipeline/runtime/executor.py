@@ -83,7 +83,7 @@ class PipelineExecutor:
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, stores: Optional[list[WeightVersionStore]] = None,
                  update: Optional[Callable[[int], object]] = None, versions_used: Optional[dict] = None,
-                 deallocate_sent_outputs: bool = True):
+                 deallocate_sent_outputs: bool = True, passes=None):
         self.program = FlushProgram(program) if isinstance(program, Schedule) else program
         self.schedule = self.program.schedule
         if self.schedule.p != ps.pp_size or self.schedule.v != len(chunks):
@@ -92,6 +92,7 @@ class PipelineExecutor:
         self.chunks, self.ps = chunks, ps
         self.step, self.update, self.scale_loss, self.timeline = step, update, scale_loss, timeline
         self.stores, self.versions_used = stores, versions_used
+        self.passes = passes  # data-parallel hooks around each pass (``optim/passes.py``), or None
         self.deallocate_sent_outputs = deallocate_sent_outputs
         # a list without backwards (evaluation) keeps nothing of a forward once its output is passed on
         self.keeps_graphs = self.program.asynchronous or any(a.kind is ActionKind.B for actions in self.schedule.actions
@@ -313,9 +314,14 @@ class PipelineExecutor:
                      use: Optional[VersionUse], rng: Optional[dict], state: "_State") -> torch.Tensor:
         """Run F stage.microbatch and keep what its backward needs; returns the stage's output (the loss
         on the last stage, before scaling)."""
-        chunk = self.chunks[self.schedule.chunk_of_stage(stage)]
+        chunk_index = self.schedule.chunk_of_stage(stage)
+        chunk = self.chunks[chunk_index]
+        if self.passes is not None:
+            self.passes.before_pass(False, chunk_index)
         out = chunk(inp, batch) if use is None or use.weights is None else functional_call(chunk, use.weights,
                                                                                            (inp, batch))
+        if self.passes is not None:
+            self.passes.after_pass(False, chunk_index)
         graph_end = out
         if stage == self.schedule.num_stages - 1:
             graph_end = self.scale_loss(out / self.program.loss_divisor)
@@ -328,6 +334,9 @@ class PipelineExecutor:
         key = (stage, microbatch)
         saved = state.saved.pop(key)
         inp, out, use = saved.inp, saved.out, saved.use
+        chunk_index = self.schedule.chunk_of_stage(stage)
+        if self.passes is not None:
+            self.passes.before_pass(True, chunk_index)
         if stage == self.schedule.num_stages - 1:
             torch.autograd.backward(out)
         else:
@@ -335,6 +344,8 @@ class PipelineExecutor:
             if grad is None:
                 grad = state.local_grads.pop(key)
             _backward_from(out, grad)
+        if self.passes is not None:
+            self.passes.after_pass(True, chunk_index)
         if use is not None:
             self.stores[self.schedule.chunk_of_stage(stage)].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)

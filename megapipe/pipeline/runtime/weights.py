@@ -57,14 +57,29 @@ class VersionUse:
 
 def _accumulate_into(param: torch.Tensor, alias: torch.Tensor) -> None:
     """Post-accumulate hook of an alias: move its gradient to the live parameter it stands for."""
-    main = getattr(param, "main_grad", None)
-    if main is not None:
-        main.add_(alias.grad)
+    sync = getattr(param, "grad_sync", None)
+    if sync is not None:  # the chunk's gradient sync (``optim/grad_sync.py``) owns main_grad
+        sync.accumulate(param, alias.grad)
+    elif getattr(param, "main_grad", None) is not None:
+        param.main_grad.add_(alias.grad)
     elif param.grad is None:
         param.grad = alias.grad.detach().clone()
     else:
         param.grad.add_(alias.grad)
     alias.grad = None
+
+
+def _copy_on_write(params: list[torch.nn.Parameter]) -> None:
+    """Move the live parameters to fresh storage; the stash keeps the old. Parameters that are
+    views of a sharded gradient sync's weight buffer move with the whole buffer."""
+    syncs = {id(sync): sync for sync in (getattr(p, "grad_sync", None) for p in params)
+             if sync is not None and sync.level.shards_optimizer}
+    for sync in syncs.values():
+        sync.renew_weights()
+    with torch.no_grad():
+        for param in params:
+            if id(getattr(param, "grad_sync", None)) not in syncs:
+                param.data = param.detach().clone()
 
 
 def _alias(param: torch.nn.Parameter, value: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -169,9 +184,7 @@ class WeightVersionStore:
                 self._pinned.add(self.live_version)
         if self.live_version in self._pinned or self._in_flight[self.live_version]:
             self._stashed[self.live_version] = self._live_aliases or {n: _alias(p) for n, p in self.params.items()}
-            with torch.no_grad():
-                for param in self.params.values():  # copy-on-write: the stash keeps the old storage
-                    param.data = param.detach().clone()
+            _copy_on_write(list(self.params.values()))
         self._live_aliases = None
         result = step()
         self.live_version += 1

@@ -1,0 +1,376 @@
+"""One model chunk's gradients and weights across data-parallel replicas (DESIGN.md, idea 5).
+
+``GradSync`` owns the chunk's contiguous main-gradient buffer, its buckets, and every
+data-parallel collective on the chunk's gradients and weights; no other module calls one.
+
+* Gradients: each parameter's ``main_grad`` is a view into one flat buffer, filled by a
+  post-accumulate-grad hook (or, for a stashed weight version, by ``accumulate``). A bucket is
+  averaged over the data-parallel group (all-reduce, or reduce-scatter into this rank's shard
+  when the optimizer is sharded). With ``overlap_grad_reduce`` a bucket starts from the hook
+  of its last gradient during the final backward before a step (``begin_backward(final=True)``),
+  so reductions run while backward goes on; ``finish`` waits only for what is in flight.
+* Late parameters: the tied word embedding (first and last stage) and sequence-parallel
+  parameters are first summed over the embedding / tensor group, then reduced in a bucket of
+  their own at ``finish``; the sums are linear, so their order with the average is free.
+* Weights (sharded levels): parameters become views of one flat weight buffer laid out like
+  the gradients, each bucket padded to a multiple of d so that every rank owns an equal slice
+  of every bucket. The optimizer steps this rank's slices (``pieces``); ``publish_weights``
+  all-gathers them back, or, with ``overlap_param_gather``, starts that and the chunk's next
+  forward waits (``wait_for_weights``). At ``optim_grads_params`` the weight buffer is
+  released after each pass and gathered again before the next (``gather_weights``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megapipe.collectives import all_reduce, all_reduce_coalesced
+from megapipe.optim.sharding import ShardingLevel
+from megapipe.parallel_state import ParallelState
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel reduction, Megatron's --ddp-bucket-size
+
+
+def bucket_boundaries(sizes: list[int], bucket_size: int) -> list[tuple[int, int]]:
+    """Split consecutive tensors of ``sizes`` elements into ``[start, end)`` element ranges.
+
+    A bucket closes after the tensor that brings it to ``bucket_size`` elements or more, so no
+    tensor straddles two buckets and every bucket but the last holds at least ``bucket_size``.
+    """
+    bounds, start, end = [], 0, 0
+    for size in sizes:
+        end += size
+        if end - start >= bucket_size:
+            bounds.append((start, end))
+            start = end
+    if end > start or not bounds:
+        bounds.append((start, end))
+    return bounds
+
+
+def is_tied_embedding_copy(param: torch.Tensor) -> bool:
+    """The first stage's word embedding (``tied_embedding``) or the last stage's copy (``shared_embedding``)."""
+    return getattr(param, "tied_embedding", False) or getattr(param, "shared_embedding", False)
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced by one collective; ``[start, end)`` in the buffer, padded."""
+
+    index: int
+    start: int
+    end: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # each parameter's first element in the buffer
+    late: bool  # reduced at finish, after the embedding / sequence-parallel sums
+
+    def shard(self, rank: int, size: int) -> tuple[int, int]:
+        """The buffer range of ``rank``'s equal slice of this bucket."""
+        length = (self.end - self.start) // size
+        return self.start + rank * length, self.start + (rank + 1) * length
+
+
+@dataclass
+class ParamPiece:
+    """The part of a parameter inside this rank's shard: what a sharded optimizer steps."""
+
+    param: torch.nn.Parameter
+    offset: int  # first element of the piece in the flattened parameter
+    weight: torch.Tensor  # its block of this rank's weight shard (model dtype)
+    grad: torch.Tensor  # its block of this rank's reduced gradient shard
+    bucket: int
+    shard_offset: int  # first element of the piece in the bucket's shard
+
+
+def piece_of(piece: ParamPiece, whole: torch.Tensor) -> torch.Tensor:
+    """``piece``'s block of a whole tensor shaped like its parameter (a weight, a moment)."""
+    return whole.reshape(-1)[piece.offset:piece.offset + piece.weight.numel()]
+
+
+def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, pad_to: int, late) -> list[Bucket]:
+    """Buckets in reverse registration order (roughly the order backward finishes gradients), late ones last."""
+    buckets, offset = [], 0
+    for is_late in (False, True):
+        group = [p for p in reversed(params) if bool(late(p)) == is_late]
+        if not group:
+            continue
+        bounds = bucket_boundaries([p.numel() for p in group], bucket_size)
+        members: list[list] = [[] for _ in bounds]
+        index = 0
+        for param, end in zip(group, itertools.accumulate(p.numel() for p in group)):
+            while bounds[index][1] < end:
+                index += 1
+            members[index].append(param)
+        for (start, end), bucket_params in zip(bounds, members):
+            offsets = [offset + before for before in itertools.accumulate([p.numel() for p in bucket_params[:-1]],
+                                                                          initial=0)]
+            padded = -(-(end - start) // pad_to) * pad_to
+            buckets.append(Bucket(len(buckets), offset, offset + padded, bucket_params, offsets, is_late))
+            offset += padded
+    return buckets
+
+
+def _common(values: set, what: str):
+    if len(values) > 1:
+        raise ValueError(f"one model chunk holds parameters with several {what} {sorted(map(str, values))}; "
+                         f"move them to one before building its gradient sync.")
+    return values.pop() if values else None
+
+
+@dataclass
+class ReductionRecord:
+    """When a bucket's data-parallel reduction was issued and when its wait returned (host clock)."""
+
+    bucket: int
+    started: float
+    finished: Optional[float] = None
+
+
+class GradSync:
+    """Gradients and weights of one model chunk over the data-parallel group (see the module docstring)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], ps: ParallelState, level: ShardingLevel = ShardingLevel(),
+                 bucket_size: int = DEFAULT_BUCKET_SIZE, grad_dtype: torch.dtype = torch.float32,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+        self.params, self.ps, self.level = params, ps, level
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.dp = ps.dp_size
+        device = _common({p.device for p in params}, "devices")
+        self.param_dtype = _common({p.dtype for p in params}, "dtypes")
+        self.buckets = plan_buckets(params, bucket_size, self.dp if level.shards_optimizer else 1, self._is_late)
+        total = self.buckets[-1].end if self.buckets else 0
+        self.buffer = torch.zeros(total, dtype=grad_dtype, device=device)
+        self._bucket_of: dict[int, Bucket] = {}
+        for bucket in self.buckets:
+            for param, offset in zip(bucket.params, bucket.offsets):
+                param.main_grad = self.buffer[offset:offset + param.numel()].view_as(param)
+                param.grad_sync = self
+                self._bucket_of[id(param)] = bucket
+        self._grad_released = self._weights_released = False
+        self._final_backward = False
+        self._ready: dict[int, set] = {}
+        self._works: dict[int, Optional[dist.Work]] = {}
+        self._weight_works: list = []
+        self._all_started = False
+        self.reductions: Optional[list[ReductionRecord]] = None  # set to [] to record reduction times
+        self.pieces: list[ParamPiece] = []
+        if level.shards_optimizer:
+            self._shard_weights(total, device)
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._hook)
+
+    def _is_late(self, param: torch.Tensor) -> bool:
+        return ((self.ps.pp_size > 1 and is_tied_embedding_copy(param))
+                or (self.ps.tp_size > 1 and getattr(param, "sequence_parallel", False)))
+
+    def _shard_weights(self, total: int, device) -> None:
+        """Make the parameters views of one weight buffer and cut this rank's shards of weights and gradients."""
+        self.weights = torch.zeros(total, dtype=self.param_dtype, device=device)
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    view = self.weights[offset:offset + param.numel()]
+                    view.copy_(param.detach().reshape(-1))
+                    param.data = view.view_as(param)
+        sizes = [(b.end - b.start) // self.dp for b in self.buckets]
+        self.grad_shard = torch.zeros(total // self.dp, dtype=self.buffer.dtype, device=device)
+        grad_shards = self.grad_shard.split(sizes)
+        ranges = [b.shard(self.ps.dp_rank, self.dp) for b in self.buckets]
+        # the shard the optimizer writes lives apart from the weight buffer, which a weight version
+        # store may hand to a stashed version (``renew_weights``) and optim_grads_params releases
+        self.weight_shard = torch.cat([self.weights[s:e] for s, e in ranges]) if ranges else self.weights.clone()
+        weight_shards = list(self.weight_shard.split(sizes))
+        self._grad_shards, self._weight_shards = list(grad_shards), weight_shards
+        for bucket, (start, end) in zip(self.buckets, ranges):
+            for param, offset in zip(bucket.params, bucket.offsets):
+                low, high = max(start, offset), min(end, offset + param.numel())
+                if low < high:
+                    self.pieces.append(ParamPiece(param, low - offset, weight_shards[bucket.index][low - start:high - start],
+                                                  grad_shards[bucket.index][low - start:high - start],
+                                                  bucket.index, low - start))
+        if self.level.shards_params:
+            self.release_weights()
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def _hook(self, param: torch.Tensor) -> None:
+        self.accumulate(param, param.grad)
+        param.grad = None
+
+    def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one backward's gradient of ``param`` into its main gradient; start its bucket once complete."""
+        self._ensure_grad_buffer()
+        param.main_grad.add_(grad)
+        if not (self._final_backward and self.overlap_grad_reduce):
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.late:
+            return
+        if bucket.index in self._works:
+            raise RuntimeError(f"a gradient of a {tuple(param.shape)} parameter arrived after its bucket's "
+                               "data-parallel reduction started; more backwards ran before the step than the "
+                               "schedule announced")
+        ready = self._ready.setdefault(bucket.index, set())
+        ready.add(id(param))
+        if len(ready) == len(bucket.params):
+            self._start(bucket)
+
+    def begin_backward(self, final: bool) -> None:
+        """Announce the next backward of this chunk; ``final``: the last one before the step."""
+        self._final_backward = final
+
+    def _ensure_grad_buffer(self) -> None:
+        if self._grad_released:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+            self.buffer.zero_()
+            self._grad_released = False
+
+    def _start(self, bucket: Bucket) -> None:
+        grads = self.buffer[bucket.start:bucket.end]
+        if self.reductions is not None:
+            self.reductions.append(ReductionRecord(bucket.index, time.time()))
+        if self.dp > 1:
+            grads.mul_(1.0 / self.dp)  # divide before the sum, as Megatron does: keeps fp32 sums in range
+        if not self.level.shards_optimizer:
+            work = all_reduce(grads, self.ps.dp_group, self.dp, async_op=True)
+        elif self.dp == 1:
+            self._grad_shards[bucket.index].copy_(grads)
+            work = None
+        else:
+            work = dist.reduce_scatter_single(self._grad_shards[bucket.index], grads, group=self.ps.dp_group,
+                                              async_op=True)
+        self._works[bucket.index] = work
+
+    def start_grad_sync(self) -> None:
+        """Sum the late parameters over their groups and start every bucket not yet started (once per step)."""
+        if self._all_started:
+            return
+        self._all_started = True
+        self._ensure_grad_buffer()
+        late = [p for bucket in self.buckets if bucket.late for p in bucket.params]
+        tied = [p.main_grad for p in late if is_tied_embedding_copy(p)]
+        if tied:
+            all_reduce_coalesced(tied, self.ps.embedding_group, len(self.ps.members["embedding"]))
+        sliced = [p.main_grad for p in late if getattr(p, "sequence_parallel", False)]
+        all_reduce_coalesced(sliced, self.ps.tp_group, self.ps.tp_size)
+        for bucket in self.buckets:
+            if bucket.index not in self._works:
+                self._start(bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for this step's reductions (starting what is not yet started); at ``optim_grads`` and
+        above the full buffer is then released: only this rank's reduced shard is kept."""
+        self.start_grad_sync()
+        for index, work in self._works.items():
+            if work is not None:
+                work.wait()
+            if self.reductions is not None:
+                record = next(r for r in reversed(self.reductions) if r.bucket == index)
+                record.finished = record.finished or time.time()
+        self._works = {index: None for index in self._works}
+        if self.level.shards_grads and not self._grad_released:
+            self.buffer.untyped_storage().resize_(0)
+            self._grad_released = True
+
+    def zero(self) -> None:
+        """Clear the gradients before the next step's first microbatch."""
+        if any(work is not None for work in self._works.values()):
+            raise RuntimeError("zero() called while a data-parallel gradient reduction is in flight; "
+                               "call finish_grad_sync() first.")
+        if not self._grad_released:
+            self.buffer.zero_()  # a released buffer comes back zeroed at the next gradient
+        self._works, self._ready, self._all_started, self._final_backward = {}, {}, False, False
+
+    def grad_state(self) -> torch.Tensor:
+        """A copy of the unreduced gradients accumulated so far (an asynchronous pipeline's checkpoint)."""
+        self._ensure_grad_buffer()
+        return self.buffer.detach().clone()
+
+    def load_grad_state(self, saved: torch.Tensor) -> None:
+        self._ensure_grad_buffer()
+        with torch.no_grad():
+            self.buffer.copy_(saved)
+
+    # ---- weights (sharded levels) ---------------------------------------------------------------
+    def publish_weights(self) -> None:
+        """After the optimizer wrote this rank's shard: all-gather the updated weights into the model
+        (started now and awaited by the next forward with ``overlap_param_gather``)."""
+        if not self.level.shards_optimizer:
+            return
+        if self.level.shards_params and not self.overlap_param_gather:
+            return  # gathered before the next pass
+        self._start_weight_gather()
+        if not self.overlap_param_gather:
+            self.wait_for_weights()
+
+    def _start_weight_gather(self) -> None:
+        if self._weights_released:
+            self.weights.untyped_storage().resize_(self.weights.numel() * self.weights.element_size())
+            self._weights_released = False
+        for bucket, shard in zip(self.buckets, self._weight_shards):
+            full = self.weights[bucket.start:bucket.end]
+            if self.dp == 1:
+                full.copy_(shard)
+            else:
+                self._weight_works.append(dist.all_gather_single(full, shard, group=self.ps.dp_group, async_op=True))
+
+    def renew_weights(self) -> None:
+        """Move the parameters to a fresh copy of the weight buffer, leaving the old storage to a
+        stashed weight version (copy-on-write before an update of an asynchronous schedule)."""
+        self.wait_for_weights()
+        self.weights = self.weights.clone()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    param.data = self.weights[offset:offset + param.numel()].view_as(param)
+
+    def wait_for_weights(self) -> None:
+        """Block until the weights of this chunk are whole (a no-op when they already are)."""
+        for work in self._weight_works:
+            work.wait()
+        self._weight_works = []
+
+    def gather_weights(self) -> None:
+        """Make the chunk's weights whole before a pass (``optim_grads_params``; otherwise only waits)."""
+        if self._weights_released and not self._weight_works:
+            self._start_weight_gather()
+        self.wait_for_weights()
+
+    def release_weights(self) -> None:
+        """Free the full weights after a pass (``optim_grads_params``), keeping this rank's shard."""
+        if self.level.shards_params and not self._weights_released:
+            self.wait_for_weights()
+            self.weights.untyped_storage().resize_(0)
+            self._weights_released = True
+
+    # ---- whole tensors from shards (checkpoints) ------------------------------------------------
+    def gather_full(self, values: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each parameter's whole tensor assembled from every rank's ``values`` (one per piece, in
+        ``pieces`` order); collective over the data-parallel group. Keyed by ``id(param)``."""
+        dtype = values[0].dtype if values else torch.float32
+        shards = [torch.zeros((b.end - b.start) // self.dp, dtype=dtype, device=self.buffer.device)
+                  for b in self.buckets]
+        for piece, value in zip(self.pieces, values):
+            shards[piece.bucket][piece.shard_offset:piece.shard_offset + value.numel()].copy_(value.reshape(-1))
+        full = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+        for bucket, shard in zip(self.buckets, shards):
+            if self.dp == 1:
+                full[bucket.start:bucket.end].copy_(shard)
+            else:
+                dist.all_gather_single(full[bucket.start:bucket.end], shard, group=self.ps.dp_group)
+        return {id(param): full[offset:offset + param.numel()].view_as(param).clone()
+                for bucket in self.buckets for param, offset in zip(bucket.params, bucket.offsets)}
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this chunk holds now in gradients and weights, counted from the tensors themselves."""
+        def size(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+        if not self.level.shards_optimizer:
+            return {"grads": size(self.buffer), "weights": sum(p.numel() * p.element_size() for p in self.params)}
+        return {"grads": size(self.buffer) + size(self.grad_shard), "weights": size(self.weights) + size(self.weight_shard)}
+        return {"grads": grads, "weights": weights}
