@@ -36,14 +36,33 @@ from megapipe.tensor_parallel.mappings import _gather_first
 
 
 @dataclass
+class Completion:
+    """The handles that complete one or more transfers (all of a group's under grouped transports),
+    and whether they have been waited on: a handle is waited on once (gloo's would block again)."""
+
+    works: list
+    done: bool = False
+
+
+@dataclass
 class Transfer:
-    """One posted send or receive and the handles that complete it."""
+    """One posted send or receive and what completes it."""
 
     action: Action
     buffer: torch.Tensor
-    works: list = field(default_factory=list)
-    done: bool = False
-    group: list = field(default_factory=list)  # transfers completed by the same handles (grouped transports)
+    completion: Completion = field(default_factory=lambda: Completion([]))
+
+    @property
+    def works(self) -> list:
+        return self.completion.works
+
+    @property
+    def done(self) -> bool:
+        return self.completion.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self.completion.done = value
 
 
 def strict_transport_requested() -> bool:
@@ -90,9 +109,10 @@ class StageP2P:
                 ops.append(dist.P2POp(dist.irecv, buffer, peer, self.ps.pp_group))
             transfers.append(Transfer(action, buffer))
         works = dist.batch_isend_irecv(ops)
+        shared = Completion(list(works))
         for i, transfer in enumerate(transfers):
-            transfer.works = [works[i]] if len(works) == len(transfers) and not self.grouped else list(works)
-            transfer.group = transfers if self.grouped else [transfer]
+            one_each = len(works) == len(transfers) and not self.grouped
+            transfer.completion = Completion([works[i]]) if one_each else shared
         if self.strict:
             self._pending.append(transfers)
         return transfers
@@ -124,8 +144,7 @@ class StageP2P:
                     f"{self.timeout.total_seconds():.0f} s on {action} with global rank {peer} (pipeline stage "
                     f"{action.peer}), which never answered; check that rank's log for an error or raise "
                     f"--distributed-timeout-minutes. ({error})") from error
-        for member in transfer.group or [transfer]:  # a handle is waited on once (gloo's would block again)
-            member.done = True
+        transfer.done = True
 
     def received(self, transfer: Transfer) -> torch.Tensor:
         """Wait for a receive and return the full boundary tensor (all-gathered if scattered)."""
