@@ -373,4 +373,3 @@ class GradSync:
         if not self.level.shards_optimizer:
             return {"grads": size(self.buffer), "weights": sum(p.numel() * p.element_size() for p in self.params)}
         return {"grads": size(self.buffer) + size(self.grad_shard), "weights": size(self.weights) + size(self.weight_shard)}
-        return {"grads": grads, "weights": weights}

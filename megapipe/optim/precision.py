@@ -209,17 +209,26 @@ class PrecisionOptimizer:
             return {id(model): (main, dict(self.inner.state.get(main, {})))
                     for model, main in zip(self.model_params, self.main_params)}
         whole_mains = self.grads.gather_full([main.detach() for main in self.main_params])
-        first = self.inner.state.get(self.main_params[0], {}) if self.main_params else {}
         states: dict[int, dict[str, torch.Tensor]] = {key: {} for key in whole_mains}
-        for name, value in first.items():
-            if value.dim() == 0:  # a step count: the same for every piece and every rank
+        for name, step in self._state_names().items():
+            if step is not None:  # a step count: the same for every piece and every rank
                 for key in states:
-                    states[key][name] = value
+                    states[key][name] = torch.tensor(step, dtype=torch.float32)
                 continue
             whole = self.grads.gather_full([self.inner.state[main][name] for main in self.main_params])
             for key, tensor in whole.items():
                 states[key][name] = tensor
         return {key: (whole_mains[key], states[key]) for key in whole_mains}
+
+    def _state_names(self) -> dict[str, Optional[float]]:
+        """The optimizer state's names (a step count's value, None for a tensor per piece), agreed
+        over the data-parallel group: a rank whose shard holds only padding has no state of its own
+        and must still join every gather."""
+        first = self.inner.state.get(self.main_params[0], {}) if self.main_params else {}
+        mine = {name: float(value) if value.dim() == 0 else None for name, value in first.items()}
+        everyone: list = [None] * self.ps.dp_size
+        dist.all_gather_object(everyone, mine, group=self.ps.dp_group)
+        return next((names for names in everyone if names), {})
 
     @torch.no_grad()
     def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
