@@ -1,0 +1,145 @@
+"""The scheduling loop around the mechanism, written against an abstract clock and progress source.
+
+``Scheduler.run_round`` admits jobs, recomputes the allocation when jobs arrived or finished (at
+most every ``reallocation_seconds``, as the original system's simulator does), asks the mechanism
+for the round's placements, hands them to the ``ProgressSource`` and books what it reports. The
+simulator supplies a simulated clock and progress computed from the throughput table; a cluster
+service supplies the wall clock and the steps its workers report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from megapipe.cluster.cluster_spec import ClusterSpec
+from megapipe.cluster.jobs import Job
+from megapipe.cluster.mechanism import RoundMechanism, RoundPlan
+from megapipe.cluster.policies.base import Policy
+from megapipe.cluster.problem import build_problem
+from megapipe.cluster.throughputs import ThroughputTable
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the scheduler started."""
+
+    def wait_until(self, time: float) -> None:
+        """Return at ``time`` (a simulated clock jumps there)."""
+
+
+@dataclass
+class RunReport:
+    """What one combination did in a round: steps per job, seconds it ran, when it stopped."""
+
+    key: tuple
+    worker_type: str
+    steps: dict  # job id -> steps done
+    seconds: float
+    end_time: float
+
+
+class ProgressSource(Protocol):
+    def run_round(self, plan: RoundPlan, jobs: dict, remaining: dict, start: float) -> list[RunReport]:
+        """Run ``plan`` for one round from ``start`` and report what every combination did."""
+
+
+@dataclass
+class JobRecord:
+    job: Job
+    steps_done: int = 0
+    finish_time: float | None = None
+    cost: float = 0.0
+    isolated_duration: float | None = None  # steps / throughput(m, X^isolated) when it arrived
+
+
+@dataclass
+class Scheduler:
+    policy: Policy
+    table: ThroughputTable
+    cluster: ClusterSpec
+    round_seconds: float = 360.0
+    reallocation_seconds: float = 1920.0
+    seed: int = 0
+    prices: dict = field(default_factory=dict)
+    global_queue: bool = False
+
+    def __post_init__(self):
+        self.mechanism = RoundMechanism(self.cluster, self.round_seconds, self.seed + 5, self.global_queue)
+        self.records: dict[int, JobRecord] = {}
+        self.active: dict[int, Job] = {}
+        self.allocation: dict = {}
+        self.needs_allocation = False
+        self.last_reset: float | None = None
+        self.utilisation: list[tuple] = []  # (round start, round end, busy accelerators)
+        self.solve_seconds: list[float] = []
+
+    def add_job(self, job: Job, now: float) -> None:
+        self.active[job.job_id] = job
+        self.records[job.job_id] = JobRecord(job)
+        self.needs_allocation = True
+
+    def remaining(self) -> dict:
+        return {i: job.total_steps - self.records[i].steps_done for i, job in self.active.items()}
+
+    def maybe_reallocate(self, now: float) -> None:
+        due = self.last_reset is None or now - self.last_reset >= self.reallocation_seconds
+        if not (self.needs_allocation and due and self.active):
+            return
+        import time
+
+        jobs = list(self.active.values())
+        problem = build_problem(jobs, self.table, self.cluster, now,
+                                {i: r.steps_done for i, r in self.records.items()},
+                                space_sharing=self.policy.space_sharing,
+                                placement_sensitive=self.policy.placement_sensitive, prices=self.prices)
+        started = time.perf_counter()
+        x = self.policy.allocate(problem)
+        self.solve_seconds.append(time.perf_counter() - started)
+        self.allocation = problem.by_key(x)
+        self._note_isolated(problem)
+        self.mechanism.reset(self.allocation)
+        self.last_reset, self.needs_allocation = now, False
+
+    def _note_isolated(self, problem) -> None:
+        isolated = problem.throughput(problem.isolated_share())
+        for m, job in enumerate(problem.jobs):
+            record = self.records[job.job_id]
+            if record.isolated_duration is None and isolated[m] > 0:
+                record.isolated_duration = job.total_steps / isolated[m]
+
+    def runnable(self, key, worker_type) -> bool:
+        jobs = [self.active[i] for i in key]
+        if len(jobs) == 1:
+            return self.table.alone(jobs[0].job_type, jobs[0].scale_factor, worker_type) > 0
+        return min(self.table.colocated(jobs[0].key, jobs[1].key, worker_type)) > 0
+
+    def plan_round(self) -> RoundPlan:
+        allocation = {k: v for k, v in self.allocation.items() if all(i in self.active for i in k)}
+        scale_of = {k: self.active[k[0]].scale_factor for k in allocation}
+        return self.mechanism.schedule_round(allocation, scale_of, self.runnable,
+                                             shuffle_types=not self.policy.heterogeneity_aware,
+                                             skip_zero_priority=self.policy.skip_zero_priority)
+
+    def book(self, reports: list[RunReport], start: float) -> list[int]:
+        """Apply a round's reports; returns the ids of jobs that finished."""
+        finished, busy = [], 0
+        for report in reports:
+            self.mechanism.record(report.key, report.worker_type, report.seconds)
+            scale = self.active[report.key[0]].scale_factor
+            busy += scale
+            price = self.prices.get(report.worker_type, 0.0) * scale * report.seconds / 3600 / len(report.key)
+            for job_id, steps in report.steps.items():
+                record = self.records[job_id]
+                record.steps_done += steps
+                record.cost += price
+                if record.steps_done >= record.job.total_steps:
+                    record.finish_time = report.end_time
+                    finished.append(job_id)
+        end = max((r.end_time for r in reports), default=start)
+        self.utilisation.append((start, end, busy))
+        for job_id in finished:
+            del self.active[job_id]
+        if finished:
+            self.needs_allocation = True
+        return finished
