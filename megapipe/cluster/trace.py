@@ -2,7 +2,8 @@
 
 The generator follows seed 002 section 5.7.1: Poisson arrivals; durations on a V100 of 10^x
 minutes with x uniform in [1.5, 3] w.p. 0.8 and in [3, 4] w.p. 0.2, converted into steps with the
-job's V100 throughput; worker counts 1 (70%), 2-4 (25%), 8 (5%) in the multi-worker regime.
+job's V100 throughput; worker counts 1 (70%), 2-4 (25%: 2 or 4, the measured ones), 8 (5%)
+in the multi-worker regime.
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ def sample_duration_minutes(rng: random.Random) -> float:
 
 
 def sample_scale_factor(rng: random.Random) -> int:
+    """1 (70%), 2 (10%) or 4 (15%) for the chapter's 2-4 (the measured scale factors), 8 (5%)."""
     draw = rng.random()
     if draw < 0.70:
         return 1
+    if draw < 0.80:
+        return 2
     if draw < 0.95:
-        return rng.randint(2, 4)
+        return 4
     return 8
 
 
@@ -84,7 +88,7 @@ def generate_trace(throughputs: ThroughputTable, num_jobs: int, jobs_per_hour: f
                    reference_worker: str = "v100") -> list[Job]:
     """Jobs with Poisson arrivals at ``jobs_per_hour`` (0: all at time 0) and the chapter's durations.
 
-    Scale factors whose throughput is missing in the table are redrawn; job types are uniform over
+    A job type without a throughput at the drawn scale factor is redrawn; job types are uniform over
     ``job_types`` (default: every type the table has at scale factor 1 on the reference worker).
     """
     rng = random.Random(seed)
@@ -93,10 +97,10 @@ def generate_trace(throughputs: ThroughputTable, num_jobs: int, jobs_per_hour: f
     for job_id in range(num_jobs):
         if jobs_per_hour > 0 and job_id > 0:
             now += rng.expovariate(jobs_per_hour / 3600.0)
-        job_type = rng.choice(types)
         scale = sample_scale_factor(rng) if multi_worker else 1
+        job_type = rng.choice(types)
         while throughputs.alone(job_type, scale, reference_worker) <= 0:
-            scale = sample_scale_factor(rng)
+            job_type = rng.choice(types)
         steps = int(sample_duration_minutes(rng) * 60 * throughputs.alone(job_type, scale, reference_worker))
         jobs.append(Job(job_id=job_id, job_type=job_type, total_steps=max(steps, 1), scale_factor=scale,
                         arrival_time=round(now)))
