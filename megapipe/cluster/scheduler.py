@@ -118,7 +118,7 @@ class Scheduler:
         allocation = {k: v for k, v in self.allocation.items() if all(i in self.active for i in k)}
         scale_of = {k: self.active[k[0]].scale_factor for k in allocation}
         return self.mechanism.schedule_round(allocation, scale_of, self.runnable,
-                                             shuffle_types=not self.policy.heterogeneity_aware,
+                                             shuffle_types=not (self.policy.heterogeneity_aware or self.policy.space_sharing),
                                              skip_zero_priority=self.policy.skip_zero_priority)
 
     def book(self, reports: list[RunReport], start: float) -> list[int]:

@@ -13,9 +13,9 @@ from megapipe.cluster.problem import Problem
 class Policy(ABC):
     """``allocate(problem)`` returns X of shape (rows, columns) satisfying (5.1)-(5.3).
 
-    ``space_sharing``: the problem must carry pair rows. ``heterogeneity_aware``: the mechanism
-    keeps accelerator types in a fixed order (the agnostic ones are shuffled each round, as
-    the original system does, since they have no preference among types).
+    ``space_sharing``: the problem must carry pair rows. The mechanism visits accelerator types in
+    the cluster's order for heterogeneity-aware and space-sharing policies and in a shuffled order
+    each round for the others, which have no preference among types (the original system's rule).
     """
 
     name = ""
@@ -33,12 +33,22 @@ def variable(problem: Problem) -> cp.Variable:
     return cp.Variable(len(problem.combos) * len(problem.columns))
 
 
+SOLVER_NOISE = 1e-6  # entries of X below this are the solver's tolerance, not time to give
+
+
 def solve(problem: cp.Problem, x: cp.Variable, shape: tuple, solver: str = "CLARABEL") -> np.ndarray:
-    """Solve and return X clipped into [0, 1]; raises if the solver found no optimum."""
+    """Solve and return X clipped into [0, 1], solver noise set to 0; raises if there is no optimum.
+
+    The default is an interior-point solver, as in the original system (ECOS): where the optimum
+    is not unique (max-min fairness only fixes the minimum) it returns a central optimum, which
+    spreads leftover capacity over the jobs instead of leaving it at a vertex's arbitrary choice.
+    """
     problem.solve(solver=solver)
     if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or x.value is None:
         raise RuntimeError(f"the allocation problem is {problem.status}")
-    return np.clip(x.value, 0.0, 1.0).reshape(shape)
+    value = np.clip(x.value, 0.0, 1.0)
+    value[value < SOLVER_NOISE] = 0.0
+    return value.reshape(shape)
 
 
 def shape_of(problem: Problem) -> tuple[int, int]:

@@ -4,6 +4,9 @@ Effective cost is sum_j c_j X_mj. Maximising sum_m throughput(m, X) / cost(m, X)
 original system does, in its linear form sum_m sum_j (T_mj / c_j) X_mj (throughput per dollar on
 each type), with throughputs normalised per job by the fastest type so that no job dominates by
 its step size. The SLO form adds throughput(m, X) >= steps_m / SLO_m.
+
+These are policies for rented cloud instances: an accelerator the allocation does not ask for is
+not rented, so the mechanism never runs a job where its allocation is zero (``skip_zero_priority``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class MaxSumThroughput(Policy):
     """maximise sum_m throughput(m, X) / throughput(m, X^fastest)."""
 
     name = "max_sum_throughput_perf"
+    skip_zero_priority = True
 
     def allocate(self, problem):
         x = variable(problem)
@@ -36,6 +40,8 @@ def price_per_column(problem) -> np.ndarray:
 
 class MaxThroughputPerDollar(Policy):
     """maximise sum_m sum_j (T_mj / c_j) X_mj (normalised per job), optionally subject to SLOs."""
+
+    skip_zero_priority = True
 
     def __init__(self, slos: bool = False):
         self.slos = slos
