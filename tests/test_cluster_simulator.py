@@ -8,6 +8,7 @@ import pytest
 
 from megapipe.cluster.cluster_spec import ClusterSpec, parse_cluster
 from megapipe.cluster.estimator import complete, estimate_error
+from megapipe.cluster.jobs import Job as Job_
 from megapipe.cluster.metrics import completion_times, summarise
 from megapipe.cluster.policies import make_policy
 from megapipe.cluster.scheduler import Scheduler
@@ -130,3 +131,27 @@ def test_cli_refuses_bad_input_in_one_sentence(case, needle, capsys, tmp_path):
 def test_list_policies(capsys):
     code, out, _ = run_cli(["--list-policies"], capsys)
     assert code == 0 and "max_sum_throughput_normalized_by_cost_perf_SLOs" in out.split()
+
+
+def test_megapipe_job_gets_a_row_from_the_planner():
+    """A megapipe GPT's predicted steps/s on two accelerator kinds becomes a schedulable row of T."""
+    from megapipe.cluster.throughputs import planner_steps_per_second
+    from megapipe.planner.analytic import analytic_gpt_profile
+    from megapipe.planner.cluster import Cluster
+    from megapipe.planner.plan import PlanRequest, plan
+    from megapipe.planner.profile import ModelShape
+
+    profile = analytic_gpt_profile(ModelShape("gpt", 8, 64, 4, 32, 128, 256), 1e12, micro_batch_sizes=(1, 2, 4))
+    machines = {kind: Cluster(nodes=1, gpus_per_node=2, memory_per_gpu=64 * 2 ** 30, intra_node_bandwidth=5e10,
+                              inter_node_bandwidth=5e9, compute_speed=speed)
+                for kind, speed in (("fast", 1.0), ("slow", 0.25))}
+    request = PlanRequest(16, max_micro_batch_size=4)
+    rates = planner_steps_per_second(profile, machines, request)
+    assert rates["fast"] == pytest.approx(plan(profile, machines["fast"], request).best.samples_per_second / 16)
+    assert rates["fast"] > rates["slow"] > 0
+    table = ThroughputTable()
+    table.add_job_type("megapipe-gpt", 2, rates)
+    jobs = [Job_(0, "megapipe-gpt", 1000, 2)]
+    scheduler = Scheduler(make_policy("max_min_fairness_perf"), table, ClusterSpec({"fast": 2, "slow": 2}), 60.0)
+    simulate(scheduler, jobs)
+    assert completion_times(scheduler.records)[0] >= 1000 / rates["fast"]

@@ -6,6 +6,7 @@ Examples::
     python tools/cluster.py simulate --trace megapipe/cluster/data/max_min_fairness.trace \\
         --throughputs megapipe/cluster/data/simulation_throughputs.json \\
         --cluster v100:8,p100:16,k80:24 --policy max_min_fairness_perf
+    python tools/cluster.py estimate --throughputs megapipe/cluster/data/simulation_throughputs.json
     python tools/cluster.py generate-trace --throughputs megapipe/cluster/data/simulation_throughputs.json \\
         --num-jobs 200 --jobs-per-hour 3 --multi-worker --output generated.trace
 
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prices", help="TYPE:$/h,... for cost and cost policies")
     run.add_argument("--jcts-out", help="write {job id: JCT seconds} as JSON")
     run.add_argument("--plots-dir", help="write jct_cdf.png and utilisation.png here")
+    est = commands.add_parser("estimate", help="error of the co-location throughput estimator (matrix completion)")
+    est.add_argument("--throughputs", required=True)
+    est.add_argument("--worker-type", default="v100")
+    est.add_argument("--profiled-fractions", default="0.1,0.2,0.3,0.5")
+    est.add_argument("--seed", type=int, default=0)
     gen = commands.add_parser("generate-trace", help="generate a trace with the chapter's process")
     gen.add_argument("--throughputs", required=True)
     gen.add_argument("--num-jobs", type=int, required=True)
@@ -123,6 +129,18 @@ def run_simulation(args) -> None:
     print(f"makespan: {summary.makespan_hours:.2f} h")
 
 
+def report_estimator(args) -> None:
+    """Leave-one-out over the job types: mean relative error of the estimated co-location row."""
+    from megapipe.cluster.estimator import estimate_error
+
+    table = ThroughputTable.load(args.throughputs)
+    if args.worker_type not in table.isolated:
+        raise ConfigError(f"--worker-type {args.worker_type} is not in {args.throughputs}; use one of {', '.join(table.worker_types)}.")
+    for fraction in (float(f) for f in args.profiled_fractions.split(",")):
+        error = estimate_error(table, args.worker_type, fraction, args.seed)
+        print(f"profiled against {fraction:.0%} of the reference jobs: mean relative error {error:.1%}")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,6 +149,8 @@ def main(argv=None) -> int:
             print("\n".join(POLICY_NAMES))
         elif args.command == "simulate":
             run_simulation(args)
+        elif args.command == "estimate":
+            report_estimator(args)
         elif args.command == "generate-trace":
             if args.num_jobs < 1:
                 raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
