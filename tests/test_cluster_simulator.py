@@ -155,3 +155,24 @@ def test_megapipe_job_gets_a_row_from_the_planner():
     scheduler = Scheduler(make_policy("max_min_fairness_perf"), table, ClusterSpec({"fast": 2, "slow": 2}), 60.0)
     simulate(scheduler, jobs)
     assert completion_times(scheduler.records)[0] >= 1000 / rates["fast"]
+
+
+def test_estimated_table_and_learning_measured_pairs(table):
+    """Fully profiled, the estimates are the truth; partly profiled, pairs that run are learned exactly."""
+    from megapipe.cluster.estimator import estimated_table
+
+    full = estimated_table(table, 1.0)
+    assert full.pairs["v100"] == table.pairs["v100"]
+    estimates = estimated_table(table, 0.2, seed=1)
+    before = {w: dict(pairs) for w, pairs in estimates.pairs.items()}
+    assert estimates.pairs["v100"] != table.pairs["v100"]
+    scheduler = Scheduler(make_policy("max_min_fairness_packed"), table, parse_cluster("v100:2,p100:2,k80:2"),
+                          policy_table=estimates)
+    simulate(scheduler, read_trace(DATA + "small_test.trace", table))
+    assert len(completion_times(scheduler.records)) == 20
+    ran = [(w, k) for w, pairs in scheduler.policy_table.pairs.items() for k in pairs
+           if pairs[k] != before[w].get(k)]
+    assert ran, "no co-located pair ran"
+    for worker_type, key in ran:
+        truth = table.colocated(key[0], key[1], worker_type)
+        assert scheduler.policy_table.pairs[worker_type][key] == pytest.approx(truth, rel=0.02)

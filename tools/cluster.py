@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--window", type=int, nargs=2, metavar=("START", "END"))
     run.add_argument("--prices", help="TYPE:$/h,... for cost and cost policies")
+    run.add_argument("--estimate-throughputs", type=float, metavar="FRACTION",
+                     help="policies see co-location throughputs estimated from profiling against FRACTION of the reference jobs")
     run.add_argument("--jcts-out", help="write {job id: JCT seconds} as JSON")
     run.add_argument("--plots-dir", help="write jct_cdf.png and utilisation.png here")
     est = commands.add_parser("estimate", help="error of the co-location throughput estimator (matrix completion)")
@@ -105,8 +107,15 @@ def run_simulation(args) -> None:
     window = tuple(args.window) if args.window else default_window(len(jobs))
     if not 0 <= window[0] < window[1] <= len(jobs):
         raise ConfigError(f"--window {window[0]} {window[1]} must satisfy 0 <= START < END <= {len(jobs)} (jobs in the trace).")
+    policy_table = None
+    if args.estimate_throughputs is not None:
+        if not 0 < args.estimate_throughputs <= 1:
+            raise ConfigError(f"--estimate-throughputs {args.estimate_throughputs} must be a fraction in (0, 1].")
+        from megapipe.cluster.estimator import estimated_table
+
+        policy_table = estimated_table(table, args.estimate_throughputs, args.seed)
     scheduler = Scheduler(policy, table, cluster, args.round_seconds, args.reallocation_seconds, args.seed,
-                          parse_prices(args.prices))
+                          parse_prices(args.prices), policy_table=policy_table)
     with tqdm(total=len(jobs), unit="job", desc=args.policy, file=sys.stderr) as bar:
         simulate(scheduler, jobs, progress_bar=bar)
     summary = summarise(scheduler, window)

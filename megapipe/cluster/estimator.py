@@ -62,3 +62,37 @@ def estimate_error(table, worker_type: str = "v100", profiled_fraction: float = 
         positive = truth > 0
         errors.append(np.mean(np.abs(estimate[positive] - truth[positive]) / truth[positive]))
     return float(np.mean(errors))
+
+
+def estimated_table(table, profiled_fraction: float, seed: int = 0, rank: int = 3):
+    """A copy of ``table`` whose single-worker co-location entries are the estimator's.
+
+    Every job type in turn is the new job, profiled next to ``profiled_fraction`` of the others
+    (the reference jobs); its unprofiled pair entries come from its matched reference job's row,
+    scaled by its own throughput alone. Policies read this table; the simulator runs jobs at the
+    true throughputs, as a cluster would.
+    """
+    from megapipe.cluster.throughputs import UNCONSOLIDATED, ThroughputTable
+
+    rng = random.Random(seed)
+    estimated = ThroughputTable(isolated=table.isolated, pairs={w: dict(p) for w, p in table.pairs.items()})
+    for worker_type in (w for w in table.worker_types if not w.endswith(UNCONSOLIDATED)):
+        job_types = sorted(t for t in table.job_types() if table.alone(t, 1, worker_type) > 0)
+        if len(job_types) < 3:
+            continue
+        matrix = colocation_matrix(table, job_types, worker_type)
+        for new, job_type in enumerate(job_types):
+            others = [i for i in range(len(job_types)) if i != new]
+            known = np.zeros(len(others), dtype=bool)
+            known[rng.sample(range(len(others)), max(1, int(profiled_fraction * len(others))))] = True
+            reference = matrix[np.ix_(others, others)]
+            match = fingerprint_match(reference, np.where(known, matrix[new, others], 0.0), known, rank)
+            alone = table.alone(job_type, 1, worker_type)
+            for position, other in enumerate(others):
+                if known[position]:
+                    continue
+                key, other_key = (job_type, 1), (job_types[other], 1)
+                mine = reference[match, position] * alone
+                theirs = estimated.pairs[worker_type].get((other_key, key), (0.0, 0.0))[0]
+                estimated.pairs[worker_type][(key, other_key)] = (mine, theirs)
+    return estimated

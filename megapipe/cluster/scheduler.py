@@ -30,13 +30,18 @@ class Clock(Protocol):
 
 @dataclass
 class RunReport:
-    """What one combination did in a round: steps per job, seconds it ran, when it stopped."""
+    """What one combination did in a round: steps and seconds per job, when the last stopped."""
 
     key: tuple
     worker_type: str
     steps: dict  # job id -> steps done
-    seconds: float
+    job_seconds: dict  # job id -> seconds it ran
     end_time: float
+
+    @property
+    def seconds(self) -> float:
+        """How long the combination held its accelerators."""
+        return max(self.job_seconds.values())
 
 
 class ProgressSource(Protocol):
@@ -63,8 +68,10 @@ class Scheduler:
     seed: int = 0
     prices: dict = field(default_factory=dict)
     global_queue: bool = False
+    policy_table: ThroughputTable | None = None  # what policies see (estimates); None: the true table
 
     def __post_init__(self):
+        self.policy_table = self.policy_table or self.table
         self.mechanism = RoundMechanism(self.cluster, self.round_seconds, self.seed + 5, self.global_queue)
         self.records: dict[int, JobRecord] = {}
         self.active: dict[int, Job] = {}
@@ -89,7 +96,7 @@ class Scheduler:
         import time
 
         jobs = list(self.active.values())
-        problem = build_problem(jobs, self.table, self.cluster, now,
+        problem = build_problem(jobs, self.policy_table, self.cluster, now,
                                 {i: r.steps_done for i, r in self.records.items()},
                                 space_sharing=self.policy.space_sharing,
                                 placement_sensitive=self.policy.placement_sensitive, prices=self.prices)
@@ -112,7 +119,7 @@ class Scheduler:
         jobs = [self.active[i] for i in key]
         if len(jobs) == 1:
             return self.table.alone(jobs[0].job_type, jobs[0].scale_factor, worker_type) > 0
-        return min(self.table.colocated(jobs[0].key, jobs[1].key, worker_type)) > 0
+        return min(self.policy_table.colocated(jobs[0].key, jobs[1].key, worker_type)) > 0
 
     def plan_round(self) -> RoundPlan:
         allocation = {k: v for k, v in self.allocation.items() if all(i in self.active for i in k)}
@@ -121,11 +128,24 @@ class Scheduler:
                                              shuffle_types=not (self.policy.heterogeneity_aware or self.policy.space_sharing),
                                              skip_zero_priority=self.policy.skip_zero_priority)
 
+    def _learn(self, report: RunReport) -> None:
+        """A co-located pair that ran replaces its estimated throughputs by the measured ones."""
+        if len(report.key) != 2 or self.policy_table is self.table or report.seconds <= 0:
+            return
+        first, second = (self.active[i].key for i in report.key)
+        measured = tuple(report.steps[i] / report.job_seconds[i] if report.job_seconds[i] > 0 else 0.0
+                         for i in report.key)
+        pairs = self.policy_table.pairs.setdefault(report.worker_type, {})
+        pairs[(first, second)], pairs[(second, first)] = measured, measured[::-1]
+        if min(measured) <= 0 and self.allocation.get(report.key):
+            self.needs_allocation = True
+
     def book(self, reports: list[RunReport], start: float) -> list[int]:
         """Apply a round's reports; returns the ids of jobs that finished."""
         finished, busy = [], 0
         for report in reports:
             self.mechanism.record(report.key, report.worker_type, report.seconds)
+            self._learn(report)
             scale = self.active[report.key[0]].scale_factor
             busy += scale
             price = self.prices.get(report.worker_type, 0.0) * scale * report.seconds / 3600 / len(report.key)

@@ -47,11 +47,15 @@ class SimulatedProgress:
         reports = []
         for key, (worker_type, _) in plan.assignments.items():
             rates = self.throughputs([jobs[i] for i in key], worker_type, plan.consolidated[key])
-            steps, seconds = {}, 0.0
+            if min(rates) <= 0:  # an estimated pair that cannot share an accelerator: the round is lost
+                reports.append(RunReport(key, worker_type, {i: 0 for i in key}, {i: self.round_seconds for i in key},
+                                         start + self.round_seconds))
+                continue
+            steps, seconds = {}, {}
             for job_id, rate in zip(key, rates):
                 steps[job_id] = min(int(rate * self.round_seconds), remaining[job_id])
-                seconds = max(seconds, steps[job_id] / rate)
-            reports.append(RunReport(key, worker_type, steps, seconds, start + seconds))
+                seconds[job_id] = steps[job_id] / rate
+            reports.append(RunReport(key, worker_type, steps, seconds, start + max(seconds.values())))
         return reports
 
 
