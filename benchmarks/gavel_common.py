@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megapipe.cluster.cluster_spec import parse_cluster
 from megapipe.cluster.metrics import summarise
 from megapipe.cluster.policies import make_policy
 from megapipe.cluster.scheduler import Scheduler
 from megapipe.cluster.simulator import simulate
 
-DATA = "megapipe/cluster/data/"
+DATA = str(Path(__file__).resolve().parents[1] / "megapipe" / "cluster" / "data") + "/"
 
 
 def run_policy(policy: str, jobs, table, cluster: str, seed: int = 0, window=None, prices=None,

@@ -1,7 +1,20 @@
-"""Small throughput tables and jobs for the Gavel tests."""
+"""Small throughput tables and jobs for the Gavel tests, and tools/cluster.py loaded as a module."""
+
+import importlib.util
+from pathlib import Path
 
 from megapipe.cluster.jobs import Job
 from megapipe.cluster.throughputs import ThroughputTable
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = str(ROOT / "megapipe" / "cluster" / "data") + "/"
+
+
+def load_cluster_tool():
+    spec = importlib.util.spec_from_file_location("cluster_tool", ROOT / "tools" / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_table() -> ThroughputTable:

@@ -11,7 +11,7 @@ from megapipe.cluster.policies import POLICY_NAMES, make_policy
 from megapipe.cluster.policies.water_filling import WaterFilling
 from megapipe.cluster.problem import build_problem
 from megapipe.cluster.throughputs import ThroughputTable
-from tests.cluster_helpers import small_jobs, small_table
+from cluster_helpers import small_jobs, small_table
 
 PRICES = {"v100": 2.48, "p100": 1.46, "k80": 0.45}
 

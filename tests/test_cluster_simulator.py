@@ -1,7 +1,6 @@
 """The simulator, traces, estimator and tools/cluster.py (bad input refused in one sentence)."""
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -15,11 +14,9 @@ from megapipe.cluster.scheduler import Scheduler
 from megapipe.cluster.simulator import simulate
 from megapipe.cluster.throughputs import ThroughputTable
 from megapipe.cluster.trace import format_job, generate_trace, read_trace, write_trace
-from megapipe.errors import ConfigError
-from tests.cluster_helpers import small_jobs, small_table
-from tools import cluster as cli
+from cluster_helpers import DATA, load_cluster_tool, small_jobs, small_table
 
-DATA = "megapipe/cluster/data/"
+cli = load_cluster_tool()
 
 
 @pytest.fixture(scope="module")

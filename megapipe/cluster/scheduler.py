@@ -9,6 +9,7 @@ service supplies the wall clock and the steps its workers report.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,8 +94,6 @@ class Scheduler:
         due = self.last_reset is None or now - self.last_reset >= self.reallocation_seconds
         if not (self.needs_allocation and due and self.active):
             return
-        import time
-
         jobs = list(self.active.values())
         problem = build_problem(jobs, self.policy_table, self.cluster, now,
                                 {i: r.steps_done for i, r in self.records.items()},

@@ -63,7 +63,7 @@ def simulate(scheduler: Scheduler, jobs: list[Job], progress_bar=None, stop_when
     """Run ``jobs`` (sorted by arrival) to completion, or until ``stop_when(scheduler)`` holds."""
     clock = SimulatedClock(jobs[0].arrival_time)
     progress = SimulatedProgress(scheduler.table, scheduler.round_seconds)
-    pending, done = list(jobs), 0
+    pending = list(jobs)
     while pending or scheduler.active:
         now = clock.now()
         while pending and pending[0].arrival_time <= now:
@@ -84,7 +84,6 @@ def simulate(scheduler: Scheduler, jobs: list[Job], progress_bar=None, stop_when
         clock.wait_until(max(r.end_time for r in reports))
         if progress_bar is not None and finished:
             progress_bar.update(len(finished))
-        done += len(finished)
         if stop_when is not None and stop_when(scheduler):
             break
     return clock
