@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reallocation-seconds", type=float, default=1920.0,
                      help="least time between allocation recomputations (the original simulator's 1920 s)")
     run.add_argument("--gpus-per-server", type=int, default=8)
+    run.add_argument("--placement-sensitive", action="store_true",
+                     help="policies also see unconsolidated throughputs of multi-worker jobs spread over servers")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--window", type=int, nargs=2, metavar=("START", "END"))
     run.add_argument("--prices", help="TYPE:$/h,... for cost and cost policies")
@@ -97,6 +99,7 @@ def run_simulation(args) -> None:
     if args.round_seconds <= 0:
         raise ConfigError(f"--round-seconds {args.round_seconds} must be positive.")
     policy = make_policy(args.policy, args.seed)
+    policy.placement_sensitive = args.placement_sensitive
     table = ThroughputTable.load(args.throughputs)
     cluster = parse_cluster(args.cluster, args.gpus_per_server)
     unknown = [t for t in cluster.counts if t not in table.isolated]
