@@ -99,7 +99,7 @@ class Problem:
     def equal_share(self) -> np.ndarray:
         """Per job, throughput(m, X^equal): equal time on every accelerator of the cluster (section 5.4.1)."""
         share = np.array([0.0 if c.endswith(UNCONSOLIDATED) else self.counts[a]
-                          for c, a in zip(self.columns, self.accelerator_of)])
+                          for c, a in zip(self.columns, self.accelerator_of)], dtype=float)
         share /= share.sum() if share.sum() else 1.0
         singles = self.single_rows()
         return np.array([max(self.T[singles[m], :, 0] @ share, 1e-12) for m in range(len(self.jobs))])
