@@ -12,8 +12,9 @@ middle 30% of job ids; input rates scaled by the cluster size. One seed per poin
   JCT of the aware policy, and the ratio of the two sustainable loads is reported (chapter: the
   aware policy sustains higher load; JCT 3.5x better at high load).
 - ftf: continuous-multiple trace, finish-time fairness agnostic vs aware (chapter: JCT 3x, FTF 2.8x).
-- makespan: a static multi-worker trace, makespan policy agnostic / aware / FIFO / Gandiva
-  (chapter: 2.5x better than FIFO, 1.4x than Gandiva).
+- makespan: static single- and multi-worker traces, makespan policy agnostic / aware / FIFO /
+  Gandiva (chapter: 2.5x better than FIFO, 1.4x than Gandiva); the multi-worker trace also with
+  the mechanism's single priority queue across types (--global-queue).
 - cost: ResNet-50 and A3C jobs of 0.5-8 days (on a V100) arriving hourly, with SLOs of
   1.2x/2x/10x that duration, on up to 64 rented instances of each type, maximum
   throughput vs minimum cost vs minimum cost with SLOs, at GCP on-demand and spot prices
@@ -88,14 +89,15 @@ def ftf(table, cluster, num_jobs, rate, bar):
           f"{a.average_ftf:.2f} -> {b.average_ftf:.2f} ({a.average_ftf / b.average_ftf:.2f}x) (chapter: 3x, 2.8x)")
 
 
-def makespan(table, cluster, num_jobs, bar, multi_worker):
+def makespan(table, cluster, num_jobs, bar, multi_worker, global_queue=False):
     jobs = generate_trace(table, num_jobs, 0, seed=2, multi_worker=multi_worker)
     out = {}
     for policy in ("fifo", "gandiva", "min_total_duration", "min_total_duration_perf"):
-        out[policy] = run_policy(policy, jobs, table, cluster)[1].makespan_hours
+        out[policy] = run_policy(policy, jobs, table, cluster, global_queue=global_queue)[1].makespan_hours
         bar.update()
     best = out["min_total_duration_perf"]
-    print(f"\nmakespan, {num_jobs} static {'multi' if multi_worker else 'single'}-worker jobs: " + ", ".join(f"{p} {h:.1f} h" for p, h in out.items())
+    order = "one queue across types" if global_queue else "type by type"
+    print(f"\nmakespan, {num_jobs} static {'multi' if multi_worker else 'single'}-worker jobs, mechanism {order}: " + ", ".join(f"{p} {h:.1f} h" for p, h in out.items())
           + f"; aware vs FIFO {out['fifo'] / best:.2f}x, vs Gandiva {out['gandiva'] / best:.2f}x, "
           f"vs agnostic {out['min_total_duration'] / best:.2f}x (chapter: 2.5x, 1.4x)")
 
@@ -145,7 +147,7 @@ def main() -> None:
     cluster = f"v100:{n},p100:{n},k80:{n}"
     rates = [float(r) for r in args.rates.split(",")]
     parts = args.parts.split(",")
-    steps = 2 * len(rates) * ("las" in parts) + 2 * ("ftf" in parts) + 8 * ("makespan" in parts) + 6 * ("cost" in parts)
+    steps = 2 * len(rates) * ("las" in parts) + 2 * ("ftf" in parts) + 12 * ("makespan" in parts) + 6 * ("cost" in parts)
     print(f"cluster {cluster}, {args.num_jobs} jobs per trace")
     with tqdm(total=steps, desc="simulations", file=sys.stderr) as bar:
         if "las" in parts:
@@ -155,6 +157,7 @@ def main() -> None:
         if "makespan" in parts:
             makespan(table, cluster, 100, bar, multi_worker=False)
             makespan(table, cluster, 100, bar, multi_worker=True)
+            makespan(table, cluster, 100, bar, multi_worker=True, global_queue=True)
         if "cost" in parts:
             cost(table, 100, bar)
     print(f"took {time.perf_counter() - started:.0f} s")

@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import pytest
 
 from megapipe.cluster.cluster_spec import ClusterSpec
 from megapipe.cluster.mechanism import RoundMechanism
@@ -45,14 +46,15 @@ def test_time_fractions_converge_to_the_allocation():
     assert max(errors) < 0.02
 
 
-def test_pairs_and_multi_worker_jobs_respect_algorithm_2():
+@pytest.mark.parametrize("global_queue", [False, True])
+def test_pairs_and_multi_worker_jobs_respect_algorithm_2(global_queue):
     rng = random.Random(3)
     cluster = ClusterSpec({"v100": 4, "p100": 4, "k80": 8}, gpus_per_server=4)
     scale = {0: 1, 1: 1, 2: 2, 3: 4, 4: 1, 5: 2, 6: 1}
     keys = [(i,) for i in scale] + [(0, 1), (0, 4), (1, 6), (2, 5)]
     allocation = {k: {t: rng.random() / 4 for t in cluster.order} for k in keys}
     scale_of = {k: scale[k[0]] for k in keys}
-    mechanism = RoundMechanism(cluster, ROUND, seed=1)
+    mechanism = RoundMechanism(cluster, ROUND, seed=1, global_queue=global_queue)
     mechanism.reset(allocation)
     run_rounds(mechanism, allocation, scale_of, 200)
 

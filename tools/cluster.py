@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reallocation-seconds", type=float, default=1920.0,
                      help="least time between allocation recomputations (the original simulator's 1920 s)")
     run.add_argument("--gpus-per-server", type=int, default=8)
+    run.add_argument("--global-queue", action="store_true",
+                     help="Algorithm 2 read literally: one priority order across accelerator types (default: type by type)")
     run.add_argument("--placement-sensitive", action="store_true",
                      help="policies also see unconsolidated throughputs of multi-worker jobs spread over servers")
     run.add_argument("--seed", type=int, default=0)
@@ -118,7 +120,7 @@ def run_simulation(args) -> None:
 
         policy_table = estimated_table(table, args.estimate_throughputs, args.seed)
     scheduler = Scheduler(policy, table, cluster, args.round_seconds, args.reallocation_seconds, args.seed,
-                          parse_prices(args.prices), policy_table=policy_table)
+                          parse_prices(args.prices), args.global_queue, policy_table)
     with tqdm(total=len(jobs), unit="job", desc=args.policy, file=sys.stderr) as bar:
         simulate(scheduler, jobs, progress_bar=bar)
     summary = summarise(scheduler, window)

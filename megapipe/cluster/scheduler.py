@@ -1,10 +1,11 @@
-"""The scheduling loop around the mechanism, written against an abstract clock and progress source.
+"""The scheduling loop around the mechanism, written against an abstract clock, job source and progress source.
 
-``Scheduler.run_round`` admits jobs, recomputes the allocation when jobs arrived or finished (at
-most every ``reallocation_seconds``, as the original system's simulator does), asks the mechanism
-for the round's placements, hands them to the ``ProgressSource`` and books what it reports. The
-simulator supplies a simulated clock and progress computed from the throughput table; a cluster
-service supplies the wall clock and the steps its workers report.
+``run_rounds`` admits the jobs the ``JobSource`` has, has the ``Scheduler`` recompute the
+allocation when jobs arrived or finished (at most every ``reallocation_seconds``, as the original
+system's simulator does) and ask the mechanism for the round's placements, hands them to the
+``ProgressSource`` and books what it reports, round after round. The simulator supplies a
+simulated clock, the trace and progress computed from the throughput table; a cluster service
+supplies the wall clock, submitted jobs and the steps its workers report.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ class ProgressSource(Protocol):
         """Run ``plan`` for one round from ``start`` and report what every combination did."""
 
 
+class JobSource(Protocol):
+    def arrived(self, now: float) -> list[Job]:
+        """Jobs submitted up to ``now`` and not handed out before."""
+
+    def next_arrival(self) -> float | None:
+        """When the next known job arrives; None when unknown or none."""
+
+    def exhausted(self) -> bool:
+        """No job will ever arrive again."""
+
+
 @dataclass
 class JobRecord:
     job: Job
@@ -82,7 +94,7 @@ class Scheduler:
         self.utilisation: list[tuple] = []  # (round start, round end, busy accelerators)
         self.solve_seconds: list[float] = []
 
-    def add_job(self, job: Job, now: float) -> None:
+    def add_job(self, job: Job) -> None:
         self.active[job.job_id] = job
         self.records[job.job_id] = JobRecord(job)
         self.needs_allocation = True
@@ -162,3 +174,35 @@ class Scheduler:
         if finished:
             self.needs_allocation = True
         return finished
+
+
+def run_rounds(scheduler: Scheduler, clock: Clock, progress: ProgressSource, source: JobSource,
+               on_finished=None, stop_when=None) -> None:
+    """Schedule round after round until every job finished (or ``stop_when(scheduler)`` holds).
+
+    A round ends when its last combination stops (at most ``round_seconds`` after it began);
+    jobs arriving meanwhile join at the next round; with nothing to run the clock moves to the
+    next arrival (or one round on).
+    """
+    while not source.exhausted() or scheduler.active:
+        now = clock.now()
+        for job in source.arrived(now):
+            scheduler.add_job(job)
+        if scheduler.active:
+            scheduler.maybe_reallocate(now)
+            reports = progress.run_round(scheduler.plan_round(), scheduler.active, scheduler.remaining(), now)
+        else:
+            reports = []
+        if not reports:
+            if scheduler.active and source.exhausted():
+                raise RuntimeError("no active job can run on this cluster; check the jobs against the cluster.")
+            scheduler.needs_allocation = scheduler.needs_allocation or bool(scheduler.active)
+            upcoming = source.next_arrival()
+            clock.wait_until(upcoming if upcoming is not None else now + scheduler.round_seconds)
+            continue
+        finished = scheduler.book(reports, now)
+        clock.wait_until(max(r.end_time for r in reports))
+        if on_finished is not None and finished:
+            on_finished(finished)
+        if stop_when is not None and stop_when(scheduler):
+            break

@@ -1,9 +1,8 @@
 """Event-driven simulation of the scheduler on a trace (seed 002 section 5.7).
 
-Time jumps from round end to round end: a round lasts until its slowest combination has run its
-steps for ``round_seconds`` (or finished early); jobs arriving meanwhile join at the next round;
-with nothing to run the clock jumps to the next arrival. Progress comes from the throughput table:
-a combination on a type runs ``int(throughput * round_seconds)`` steps (capped by what is left).
+``run_rounds`` with a clock that jumps from round end to round end, the trace as job source, and
+progress from the throughput table: a combination on a type runs ``int(throughput *
+round_seconds)`` steps (capped by what is left) and stops when they are done.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 
 from megapipe.cluster.jobs import Job
 from megapipe.cluster.mechanism import RoundPlan
-from megapipe.cluster.scheduler import RunReport, Scheduler
+from megapipe.cluster.scheduler import RunReport, Scheduler, run_rounds
 from megapipe.cluster.throughputs import UNCONSOLIDATED, ThroughputTable
 
 
@@ -59,31 +58,28 @@ class SimulatedProgress:
         return reports
 
 
+@dataclass
+class TraceSource:
+    """The jobs of a trace, handed out at their arrival times."""
+
+    pending: list
+
+    def arrived(self, now: float) -> list[Job]:
+        count = next((i for i, job in enumerate(self.pending) if job.arrival_time > now), len(self.pending))
+        arrived, self.pending = self.pending[:count], self.pending[count:]
+        return arrived
+
+    def next_arrival(self) -> float | None:
+        return self.pending[0].arrival_time if self.pending else None
+
+    def exhausted(self) -> bool:
+        return not self.pending
+
+
 def simulate(scheduler: Scheduler, jobs: list[Job], progress_bar=None, stop_when=None) -> SimulatedClock:
     """Run ``jobs`` (sorted by arrival) to completion, or until ``stop_when(scheduler)`` holds."""
     clock = SimulatedClock(jobs[0].arrival_time)
-    progress = SimulatedProgress(scheduler.table, scheduler.round_seconds)
-    pending = list(jobs)
-    while pending or scheduler.active:
-        now = clock.now()
-        while pending and pending[0].arrival_time <= now:
-            scheduler.add_job(pending.pop(0), now)
-        if not scheduler.active:
-            clock.wait_until(pending[0].arrival_time)
-            continue
-        scheduler.maybe_reallocate(now)
-        plan = scheduler.plan_round()
-        reports = progress.run_round(plan, scheduler.active, scheduler.remaining(), now)
-        if not reports:
-            if not pending:
-                raise RuntimeError("no active job can run on this cluster; check the trace against --cluster.")
-            clock.wait_until(pending[0].arrival_time)
-            scheduler.needs_allocation = True
-            continue
-        finished = scheduler.book(reports, now)
-        clock.wait_until(max(r.end_time for r in reports))
-        if progress_bar is not None and finished:
-            progress_bar.update(len(finished))
-        if stop_when is not None and stop_when(scheduler):
-            break
+    on_finished = None if progress_bar is None else (lambda finished: progress_bar.update(len(finished)))
+    run_rounds(scheduler, clock, SimulatedProgress(scheduler.table, scheduler.round_seconds), TraceSource(list(jobs)),
+               on_finished, stop_when)
     return clock
