@@ -11,6 +11,10 @@ is bottlenecked.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+
 import cvxpy as cp
 import numpy as np
 
@@ -18,6 +22,23 @@ from megapipe.cluster.policies.base import Policy, shape_of, variable
 from megapipe.errors import ConfigError
 
 ENTITY_POLICIES = ("fairness", "fifo")
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """HiGHS prints a banner to the process's stdout the first time it starts; send that one to /dev/null
+    so that stdout carries only what tools print (scripts read tools/cluster.py's last lines)."""
+    import highspy
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 class WaterFilling(Policy):
@@ -48,6 +69,7 @@ class WaterFilling(Policy):
         return weights
 
     def allocate(self, problem):
+        _silence_highs_banner()
         n = len(problem.jobs)
         scale = np.array([job.scale_factor for job in problem.jobs], dtype=float)
         normalised = (scale / problem.equal_share())[:, None] * problem.throughput_matrix().toarray()
