@@ -8,6 +8,7 @@ in the multi-worker regime.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -63,7 +64,11 @@ def format_job(job: Job) -> str:
 
 
 def write_trace(jobs: list[Job], path: str | Path) -> None:
-    Path(path).write_text("".join(format_job(job) + "\n" for job in jobs))
+    """Write atomically: a reader never sees half a trace."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(format_job(job) + "\n" for job in jobs))
+    os.replace(partial, path)
 
 
 def sample_duration_minutes(rng: random.Random) -> float:
