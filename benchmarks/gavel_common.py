@@ -1,0 +1,21 @@
+"""Shared helpers of the Gavel benchmarks: run one policy on a list of jobs and summarise it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megapipe.cluster.cluster_spec import parse_cluster
+from megapipe.cluster.metrics import summarise
+from megapipe.cluster.policies import make_policy
+from megapipe.cluster.scheduler import Scheduler
+from megapipe.cluster.simulator import simulate
+
+DATA = str(Path(__file__).resolve().parents[1] / "megapipe" / "cluster" / "data") + "/"
+
+
+def run_policy(policy: str, jobs, table, cluster: str, seed: int = 0, window=None, prices=None,
+               stop_when=None, gpus_per_server: int = 8, global_queue: bool = False):
+    scheduler = Scheduler(make_policy(policy, seed), table, parse_cluster(cluster, gpus_per_server),
+                          seed=seed, prices=prices or {}, global_queue=global_queue)
+    simulate(scheduler, [job for job in jobs], stop_when=stop_when)
+    return scheduler, summarise(scheduler, window)

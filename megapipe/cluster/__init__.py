@@ -1,0 +1,13 @@
+"""Gavel: heterogeneity-aware cluster scheduling (seed 002, chapters 5 and 6).
+
+A policy maps (throughput matrix, jobs, cluster) to an allocation matrix X; the round-based
+mechanism turns X into per-round placements; the simulator drives the mechanism with a simulated
+clock and throughput-derived progress, and the scheduler service of a later release will drive the
+same mechanism with a real clock and progress reported by workers.
+"""
+
+from megapipe.cluster.cluster_spec import ClusterSpec, parse_cluster
+from megapipe.cluster.jobs import Job
+from megapipe.cluster.throughputs import ThroughputTable
+
+__all__ = ["ClusterSpec", "Job", "ThroughputTable", "parse_cluster"]
