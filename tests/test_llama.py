@@ -66,7 +66,9 @@ def _prompts():
 
 
 def _reference_generation(model, prompts):
-    return [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+    # an explicit mask: transformers would otherwise mask out every token that equals pad_token_id
+    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
