@@ -248,7 +248,8 @@ def test_flop_formula_counts_swiglu_and_grouped_query_attention():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(num_attention_heads=8, num_query_groups=3), "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
+    (dict(num_attention_heads=8, num_query_groups=3),
+     "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
     (dict(num_attention_heads=8, num_query_groups=2, t=4), "--num-query-groups 2 is not divisible by "
                                                           "--tensor-model-parallel-size 4"),
     (dict(rotary_percent=0.0), r"--rotary-percent 0.0 is outside \(0, 1\]"),

@@ -47,7 +47,8 @@ def test_continue_pretraining_an_imported_llama_and_export_it(tmp_path):
     result = run(LLAMA_FLAGS + ["--load", str(tmp_path / "imported"), "--finetune", "--save", str(trained),
                                 "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                 "--pipeline-schedule", "2bw", "--train-iters", "3", "--micro-batch-size", "2",
-                                "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "100", "--log-interval", "1",
+                                "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "100",
+                                "--log-interval", "1",
                                 "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "0"],
                  nproc=4, cache=tmp_path)
     assert result.returncode == 0, result.stderr

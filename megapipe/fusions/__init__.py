@@ -29,7 +29,6 @@ from megapipe.fusions.softmax import scale_mask_softmax
 from megapipe.fusions.swiglu import swiglu
 
 __all__ = [
-    "FusionBackend", "LayerNorm", "RMSNorm", "active_backend", "apply_rope", "attention", "bias_dropout_add", "bias_gelu",
-    "layer_norm", "rms_norm", "rotary_tables", "scale_mask_softmax", "select_backend",
-    "swiglu",
+    "FusionBackend", "LayerNorm", "RMSNorm", "active_backend", "apply_rope", "attention", "bias_dropout_add",
+    "bias_gelu", "layer_norm", "rms_norm", "rotary_tables", "scale_mask_softmax", "select_backend", "swiglu",
 ]

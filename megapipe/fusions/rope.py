@@ -72,5 +72,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: boo
     """RoPE of ``x`` ``[b, heads, s, d]`` with tables from ``rotary_tables`` (``--no-rope-fusion``: plain ops)."""
     if not fused:
         return rope_forward(x, cos, sin)
-    family = active_backend().family("rope", x)
-    return _RoPE.apply(x, cos, sin, _kernels(family))
+    kernels = _kernels(active_backend().family("rope", x))
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference: no graph, no autograd function
+        return kernels[0](x, cos, sin)
+    return _RoPE.apply(x, cos, sin, kernels)

@@ -77,5 +77,7 @@ def swiglu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         raise ValueError(f"SwiGLU input has odd width {x.shape[-1]}; it must hold (gate, up) pairs.")
     if not fused:
         return native_forward(x)
-    family = active_backend().family("swiglu", x)
-    return _SwiGLU.apply(x.contiguous(), _kernels(family))
+    kernels = _kernels(active_backend().family("swiglu", x))
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference: no graph, no autograd function
+        return kernels[0](x)
+    return _SwiGLU.apply(x.contiguous(), kernels)

@@ -124,6 +124,7 @@ class Link:
         self.pending = []
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
+        self.pending = [(work, sent) for work, sent in self.pending if not work.is_completed()]
         self.pending.append((dist.isend(tensor.contiguous(), to), tensor))
 
     def recv(self, shape, dtype, source: int, device) -> torch.Tensor:
@@ -164,7 +165,7 @@ def generate(chunks: list, ps: ParallelState, config: ModelConfig, prompts: list
                           [torch.Generator().manual_seed(params.seed + row) for row in range(a, b)], pad_id)
                for a, b in zip(bounds, bounds[1:])]
     link = Link(ps)
-    with torch.no_grad():
+    with torch.inference_mode():
         if ps.is_first_stage:
             _drive(model, ps, config, batches, link, device)
         else:

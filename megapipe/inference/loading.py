@@ -36,7 +36,8 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
     """Join the torchrun world, build this rank's stage and load the checkpoint's weights into it."""
     directory = find_checkpoint(args.load)
     if directory is None:
-        raise CheckpointError(f"--load {args.load} holds no checkpoint; pass a --save directory or an iter_* directory.")
+        raise CheckpointError(f"--load {args.load} holds no checkpoint; pass a --save directory or an iter_* "
+                              "directory.")
     common = Common.read(directory)
     if common.kind != "gpt":
         raise ConfigError(f"--load {args.load} holds a {common.kind.upper()} model; generation needs a GPT/Llama "

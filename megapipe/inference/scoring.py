@@ -18,7 +18,8 @@ from megapipe.parallel_state import ParallelState
 from megapipe.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 
-def _check(pairs: list, config: ModelConfig) -> None:
+def check_pairs(pairs: list, config: ModelConfig) -> None:
+    """Refuse, in one sentence, pairs that cannot be scored."""
     if not pairs:
         raise GenerationError("requests must be a non-empty list of [context, continuation] pairs.")
     for context, continuation in pairs:
@@ -47,7 +48,7 @@ def pipeline_logits(model, ps: ParallelState, config: ModelConfig, tokens: torch
 
 def score_continuations(chunks: list, ps: ParallelState, config: ModelConfig, pairs: list) -> list:
     """[(log-likelihood, is_greedy)] per (context, continuation) pair, on every rank."""
-    _check(pairs, config)
+    check_pairs(pairs, config)
     model = chunks[0]
     model.eval()
     sequences = [list(c) + list(x) for c, x in pairs]

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from megapipe.inference.generation import GenerationError, check_request, generate
 from megapipe.inference.loading import LoadedModel
 from megapipe.inference.sampling import SamplingParams
-from megapipe.inference.scoring import _check as check_pairs
-from megapipe.inference.scoring import score_continuations
+from megapipe.inference.scoring import check_pairs, score_continuations
 
 # field -> (type(s), check, what a good value is)
 FIELDS = {
-    "prompts": (list, lambda v: v and all(isinstance(p, str) and p for p in v), "a non-empty list of non-empty strings"),
+    "prompts": (list, lambda v: v and all(isinstance(p, str) and p for p in v),
+                "a non-empty list of non-empty strings"),
     "tokens_to_generate": (int, lambda v: v >= 1, "an integer of at least 1"),
     "temperature": ((int, float), lambda v: v >= 0, "a number of at least 0 (0 is greedy)"),
     "top_k": (int, lambda v: v >= 0, "an integer of at least 0"),

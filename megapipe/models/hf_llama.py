@@ -46,7 +46,8 @@ _LAYER = [
     ("mlp_norm.weight", "post_attention_layernorm.weight"),
     ("mlp.fc2.weight", "mlp.down_proj.weight"),
 ]
-_GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight")]
+_GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+           ("final_norm.weight", "model.norm.weight")]
 
 
 def rope_settings(hf_config) -> tuple[float, float]:

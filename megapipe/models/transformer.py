@@ -62,14 +62,12 @@ class SelfAttention(nn.Module):
         n, d = self.heads_per_group, self.config.head_dim
         grouped = qkv.view(s, b, self.local_groups, n + 2, d)
         q = grouped[:, :, :, :n].reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
-        k, v = (grouped[:, :, :, n + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d]
+        k, v = (grouped[:, :, :, n + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d], shared by n heads
         if rotary is not None:
             fused = self.config.apply_rope_fusion
             q, k = (fusions.apply_rope(t, *rotary, fused=fused) for t in (q, k))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        if n > 1:
-            k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
         if self.config.recompute_granularity == "selective" and self.training:
             context = checkpoint(lambda q_, k_, v_: self.core_attention(q_, k_, v_, attention_mask, causal),
                                  self.ps, q, k, v)
