@@ -15,6 +15,7 @@ import torch
 
 from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megapipe.errors import ConfigError
+from megapipe.llama_flags import apply_preset, llama_flags, llama_options
 from megapipe.operations import validate_operations
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 
@@ -42,11 +43,13 @@ def _model_flags(g) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", type=float, default=None, help="default 1e-5 (GPT), 1e-12 (BERT)")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=None,
+                   help="default 1e-5 (GPT), 1e-12 (BERT)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT: train masked LM only")
+    llama_flags(g)
 
 
 def _parallel_flags(g) -> None:
@@ -159,6 +162,8 @@ def _kernel_flags(g) -> None:
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
     g.add_argument("--no-masked-softmax-fusion", action="store_true")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_true")
+    g.add_argument("--no-rope-fusion", action="store_true")
     g.add_argument("--fusion-backend", choices=("auto", "apex", "triton", "compile", "eager"), default="auto")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
@@ -195,7 +200,7 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         bias_gelu_fusion=not args.no_bias_gelu_fusion, bias_dropout_fusion=not args.no_bias_dropout_fusion,
         masked_softmax_fusion=not args.no_masked_softmax_fusion,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers, **llama_options(args))
     parallel = ParallelConfig(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
                               virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
                               scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
@@ -274,7 +279,8 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
 
 
 def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1) -> Config:
-    args = build_parser(kind).parse_args(argv)
+    parser = build_parser(kind)
+    args = apply_preset(parser.parse_args(argv), parser.parse_args([]))
     config = config_from_args(kind, args)
     validate_config(config, world_size, kind)
     return config

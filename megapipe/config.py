@@ -49,6 +49,14 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # GPT-2's gelu_new; BERT uses exact "gelu"
     post_layernorm: bool = False  # True: original BERT (LayerNorm after each residual add)
     untie_embeddings_and_output_weights: bool = False
+    # Llama-family options (Megatron-LM's flags of the same names)
+    position_embedding_type: str = "learned_absolute"  # or "rope" or "none"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the fraction of each head's channels that RoPE rotates
+    swiglu: bool = False  # SiLU(x W_gate) * (x W_up) instead of GeLU(x W_1); ffn_hidden_size is its width
+    num_query_groups: Optional[int] = None  # grouped-query attention: key/value heads; None = one per head
+    add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in any linear layer)
+    add_qkv_bias: bool = False  # a bias on QKV even without the other biases (Qwen2)
     num_tokentypes: int = 0  # BERT: 2
     bert_binary_head: bool = True
     init_method_std: float = 0.02
@@ -57,6 +65,8 @@ class ModelConfig:
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
     masked_softmax_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    apply_rope_fusion: bool = True
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
     recompute_method: Optional[str] = None  # "uniform" or "block" (with "full")
     recompute_num_layers: Optional[int] = None
@@ -70,6 +80,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` under grouped-query attention, else one per head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (even, as the rotation pairs them)."""
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
@@ -88,6 +108,7 @@ class ModelConfig:
         if self.num_attention_heads % t:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                               f"--tensor-model-parallel-size {t}; each tensor rank must hold whole heads.")
+        self._validate_llama_options(t)
         if self.ffn_hidden_size % t:
             raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                               f"--tensor-model-parallel-size {t}.")
@@ -105,6 +126,24 @@ class ModelConfig:
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
         self.padded_vocab_size(t)
+
+    def _validate_llama_options(self, t: int) -> None:
+        groups = self.query_groups
+        if groups < 1 or self.num_attention_heads % groups:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--num-query-groups {groups}; each query group must hold the same number of heads.")
+        if groups % t:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {t}; "
+                              "each tensor rank must hold whole query groups, so use a multiple of t groups.")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type} is unknown; use "
+                              "learned_absolute, rope or none.")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} is outside (0, 1]; give the fraction of each "
+                              "head's channels to rotate, e.g. 1.0 or 0.5.")
+        if self.position_embedding_type == "rope" and self.rotary_dim < 2:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates no "
+                              "channel pair; raise it.")
 
     def _validate_recompute(self) -> None:
         granularity, method = self.recompute_granularity, self.recompute_method

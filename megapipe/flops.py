@@ -4,7 +4,9 @@ Per transformer layer and sequence, a forward pass costs 24 s h^2 + 4 s^2 h mult
 (QKV, scores, attention over values, output projection, the h -> 4h -> h MLP); a backward
 pass costs twice a forward, and full recomputation adds one more forward. The logit layer
 costs 2 s h V forward and 4 s h V backward and is never recomputed. With recomputation this
-is exactly eq. 4.2: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+is exactly eq. 4.2: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Grouped-query attention shrinks
+the key/value projections and SwiGLU has three MLP matrices instead of two
+(``layer_forward_flops``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,40 @@ from megapipe.config import ModelConfig
 KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0, "A10": 125.0, "L4": 121.0}
 
 
+def layer_forward_flops(config: ModelConfig, tokens: int, seq_length: int) -> float:
+    """One layer's forward FLOPs over ``tokens`` tokens in sequences of ``seq_length``.
+
+    QKV 2 t h (h + 2 h_kv) with h_kv = query groups x head size (h under multi-head attention),
+    scores and values 4 t s h, output projection 2 t h^2, MLP 4 t h f (GeLU) or 6 t h f (SwiGLU:
+    gate, up and down). With h_kv = h and f = 4h this is eq. 4.2's 24 t h^2 + 4 t s h.
+    """
+    h, f = config.hidden_size, config.ffn_hidden_size
+    h_kv = config.query_groups * config.head_dim
+    mlp = (6 if config.swiglu else 4) * tokens * h * f
+    return 2 * tokens * h * (h + 2 * h_kv) + 4 * tokens * seq_length * h + 2 * tokens * h * h + mlp
+
+
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, recompute: bool) -> float:
     """Model FLOPs of one training iteration over ``global_batch_size`` sequences."""
     b, s, l, h = global_batch_size, config.seq_length, config.num_layers, config.hidden_size
     v = config.padded_vocab_size(1)  # the logit matmul runs over the padded vocabulary
     passes = 4 if recompute else 3
-    per_layer_forward = 24 * b * s * h * h + 4 * b * s * s * h
-    return passes * l * per_layer_forward + 6 * b * s * h * v
+    return passes * l * layer_forward_flops(config, b * s, s) + 6 * b * s * h * v
 
 
 def parameter_count(config: ModelConfig) -> float:
-    """Eq. 4.3: 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))."""
+    """Parameters, counted term by term (for GPT-2 shapes, eq. 4.3's 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
+    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, biases and an untied head included."""
     l, h, v, s = config.num_layers, config.hidden_size, config.vocab_size, config.seq_length
-    return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+    h_kv, f = config.query_groups * config.head_dim, config.ffn_hidden_size
+    bias = config.add_bias_linear
+    qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
+    mlp = (3 if config.swiglu else 2) * h * f + bias * ((2 if config.swiglu else 1) * f + h)
+    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
+    per_layer = qkv + h * h + bias * h + mlp + norms
+    positions = s * h if config.position_embedding_type == "learned_absolute" else 0
+    head = v * h if config.untie_embeddings_and_output_weights else 0
+    return l * per_layer + v * h + positions + head + norms // 2
 
 
 def device_peak_tflops(device_name: str) -> float | None:

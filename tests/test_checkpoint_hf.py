@@ -148,11 +148,11 @@ def test_exported_checkpoint_loads_in_transformers_unchanged(round_trip, kind):
 
 
 def test_unsupported_architecture_is_one_sentence(tmp_path):
-    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                      intermediate_size=32, vocab_size=50)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    with pytest.raises(CheckpointError, match=r"holds a 'llama' model \(LlamaForCausalLM\); only GPT-2"):
-        import_hf_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), Layout(1, 1, 1))
+    config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                        intermediate_size=32, vocab_size=50)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    with pytest.raises(CheckpointError, match=r"holds a 'gpt_neox' model \(GPTNeoXForCausalLM\), which cannot be"):
+        import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), Layout(1, 1, 1))
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,8 @@
 """Pipelined training equals single-process training with gradient accumulation.
 
 For every flush schedule (GPipe, 1F1B, interleaved 1F1B with v=2), pipeline sizes 2 and 4,
-tensor sizes 1 and 2 and data sizes 1 and 2 (worlds of 4 and 8 processes), GPT and BERT:
+tensor sizes 1 and 2 and data sizes 1 and 2 (worlds of 4 and 8 processes), GPT and BERT (and, in
+the world of 4, a Llama-shaped GPT: RoPE, SwiGLU, grouped-query attention, RMSNorm, no biases):
 the per-microbatch losses and every parameter after 3 optimizer steps equal those of one
 process that accumulates gradients over the same m x d microbatches from the same initial
 weights. SGD with momentum: its update is linear in the gradient, so fp32 rounding
@@ -26,6 +27,7 @@ from megapipe.testing import run_distributed
 RTOL = 1e-5
 SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
 
 def model_config(kind: str) -> ModelConfig:
@@ -33,6 +35,10 @@ def model_config(kind: str) -> ModelConfig:
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     if kind == "bert":
         return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
+    if kind == "llama":
+        return ModelConfig(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+                           add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=48,
+                           **common)
     return ModelConfig(**common)
 
 
@@ -41,14 +47,14 @@ def optimizer_config() -> OptimizerConfig:
 
 
 def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
-    return random_microbatch(kind, config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
+    return random_microbatch(MODEL_KIND[kind], config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
 def reference_run(kind: str, d: int):
     """One process, gradient accumulation over the m x d microbatches of each step."""
     config = model_config(kind)
     ps = ParallelState.single()
-    model = build_model_chunks(kind, config, ps)[0]
+    model = build_model_chunks(MODEL_KIND[kind], config, ps)[0]
     initial = canonical_state_dict([model], ps, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
@@ -67,7 +73,7 @@ def reference_run(kind: str, d: int):
 def pipelined_run(kind, t, p, d, schedule, v, initial):
     config = model_config(kind)
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
-    chunks = build_model_chunks(kind, config, ps)
+    chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
     engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, M, (SEQ, MICRO, config.hidden_size),
@@ -92,9 +98,9 @@ def assert_close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * scale, msg=lambda m: f"{what}: {m}")
 
 
-def check_layouts(rank, world_size, layouts):
+def check_layouts(rank, world_size, layouts, kinds):
     checked = []
-    for kind in ("gpt", "bert"):
+    for kind in kinds:
         references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for t, p, d in layouts:
             initial, ref_losses, ref_final = references[d]
@@ -111,10 +117,10 @@ def check_layouts(rank, world_size, layouts):
     return checked
 
 
-@pytest.mark.parametrize("world,layouts", [
-    (4, [(1, 2, 2), (2, 2, 1), (1, 4, 1)]),
-    (8, [(2, 4, 1), (2, 2, 2), (1, 4, 2)]),
+@pytest.mark.parametrize("world,layouts,kinds", [
+    (4, [(1, 2, 2), (2, 2, 1), (1, 4, 1)], ("gpt", "bert", "llama")),
+    (8, [(2, 4, 1), (2, 2, 2), (1, 4, 2)], ("gpt", "bert")),
 ])
-def test_flush_schedules_match_gradient_accumulation(world, layouts):
-    results = run_distributed(world, check_layouts, layouts, timeout=600)
-    assert len(results[0]) == 2 * len(layouts) * len(SCHEDULES)
+def test_flush_schedules_match_gradient_accumulation(world, layouts, kinds):
+    results = run_distributed(world, check_layouts, layouts, kinds, timeout=600)
+    assert len(results[0]) == len(kinds) * len(layouts) * len(SCHEDULES)

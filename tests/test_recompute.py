@@ -27,6 +27,9 @@ def config(kind, **overrides):
     common.update(overrides)
     if kind == "bert":
         return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
+    if kind == "llama":  # RoPE, SwiGLU, grouped-query attention, no biases
+        return ModelConfig(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+                           add_bias_linear=False, **common)
     return ModelConfig(**common)
 
 
@@ -43,7 +46,7 @@ def batch(kind, cfg, index=0):
 
 def loss_and_grads(kind, cfg, ps):
     ps.seed(5, torch.device("cpu"))
-    model = build_model_chunks(kind, cfg, ps)[0].train()
+    model = build_model_chunks("bert" if kind == "bert" else "gpt", cfg, ps)[0].train()
     losses = []
     for i in range(2):  # two microbatches: the random streams must continue identically
         loss = model(None, batch(kind, cfg, i))
@@ -58,7 +61,7 @@ def assert_identical(a, b):
     assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "llama"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(str(x) for x in v.values()))
 def test_recompute_is_bit_for_bit_with_dropout(kind, variant):
     reference = loss_and_grads(kind, config(kind), ParallelState.single())

@@ -1,6 +1,7 @@
 """Tensor parallelism computes the same function as one process.
 
-For t in {2, 4} (a world of 4 ranks: t=2 x d=2 and t=4), a GPT and a BERT built with
+For t in {2, 4} (a world of 4 ranks: t=2 x d=2 and t=4), a GPT, a BERT and a Llama-shaped
+GPT (RoPE, SwiGLU, grouped-query attention with 4 groups, RMSNorm, no biases but QKV's) built with
 tensor (and optionally sequence) parallelism from the same canonical weights as a
 single-process model give the same loss and, gathered to full tensors, the same gradients.
 Tolerance 1e-5 relative: the split changes only the order of fp32 summations (partial
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 RTOL = 1e-5
 SEQ = 12
+MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
 
 def model_config(kind: str) -> ModelConfig:
@@ -28,6 +30,11 @@ def model_config(kind: str) -> ModelConfig:
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     if kind == "bert":
         return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
+    if kind == "llama":
+        common.update(num_attention_heads=8, ffn_hidden_size=40)
+        return ModelConfig(position_embedding_type="rope", rotary_percent=0.5, swiglu=True, num_query_groups=4,
+                           normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=True,
+                           untie_embeddings_and_output_weights=True, **common)
     return ModelConfig(**common)
 
 
@@ -47,7 +54,7 @@ def make_batch(kind: str, config: ModelConfig) -> dict:
 
 
 def loss_and_grads(kind, config, ps, canonical, sequence_parallel=False):
-    model = build_model_chunks(kind, config, ps, sequence_parallel=sequence_parallel)[0]
+    model = build_model_chunks(MODEL_KIND[kind], config, ps, sequence_parallel=sequence_parallel)[0]
     model.load_state_dict(local_state_dict(canonical, model, ps, config))
     loss = model(None, make_batch(kind, config))
     loss.backward()
@@ -68,10 +75,10 @@ def assert_close(actual, expected, what):
 
 
 def check_tensor_parallel(rank, world_size):
-    for kind in ("gpt", "bert"):
+    for kind in ("gpt", "bert", "llama"):
         config = model_config(kind)
         single = ParallelState.single()
-        reference = build_model_chunks(kind, config, single)[0]
+        reference = build_model_chunks(MODEL_KIND[kind], config, single)[0]
         canonical = canonical_state_dict([reference], single, config)
         ref_loss, ref_grads = loss_and_grads(kind, config, single, canonical)
         for t in (2, 4):

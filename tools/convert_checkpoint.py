@@ -4,7 +4,8 @@
     # any checkpoint directly; this makes the files match the new layout, one per rank)
     python tools/convert_checkpoint.py reshard ckpt/ ckpt-p4/ --pipeline-model-parallel-size 4
 
-    # a Hugging Face GPT-2 or BERT directory (save_pretrained output) -> megapipe checkpoint
+    # a Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory (save_pretrained output,
+    # safetensors sharded or not, tokenizer.json carried along) -> megapipe checkpoint
     python tools/convert_checkpoint.py import-hf gpt2-hf/ ckpt/ --tensor-model-parallel-size 2
     torchrun --nproc_per_node 2 pretrain_gpt.py --tensor-model-parallel-size 2 --load ckpt/ --finetune ...
 
@@ -41,13 +42,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     command.add_argument("source")
     command.add_argument("target")
     _layout_flags(command)
-    command = commands.add_parser("import-hf", help="Hugging Face GPT-2/BERT directory -> megapipe checkpoint")
+    command = commands.add_parser("import-hf", help="Hugging Face GPT-2/BERT/Llama/Mistral/Qwen2 directory -> "
+                                  "megapipe checkpoint")
     command.add_argument("hf_dir")
     command.add_argument("target")
+    command.add_argument("--initialize-missing-heads", action="store_true",
+                         help="a BERT encoder saved without pretraining heads (BertModel): start its masked-LM and "
+                              "sentence-order heads from random weights")
     _layout_flags(command)
     command = commands.add_parser("export-hf", help="megapipe checkpoint -> Hugging Face directory")
     command.add_argument("source")
     command.add_argument("hf_dir")
+    command.add_argument("--max-shard-size", default="5GB", help="larger models are written as indexed shards")
     return parser.parse_args(argv)
 
 
@@ -65,9 +71,9 @@ def main(argv=None) -> int:
         if args.command == "reshard":
             done = reshard(args.source, args.target, _layout(args))
         elif args.command == "import-hf":
-            done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args))
+            done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
         else:
-            done = export_hf_checkpoint(args.source, args.hf_dir)
+            done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
     except (CheckpointError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

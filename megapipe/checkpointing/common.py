@@ -95,6 +95,8 @@ class Common:
     loss_scaler: Optional[dict]
     has_optimizer: bool
     has_rng: bool
+    tokenizer: Optional[str] = None  # a Hugging Face tokenizer.json's text, carried from an import
+    hf_model_type: Optional[str] = None  # the Hugging Face architecture an import came from
     format: str = FORMAT
     version: int = VERSION
 

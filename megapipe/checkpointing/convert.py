@@ -6,6 +6,7 @@ many tensors and bytes it wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -28,6 +29,7 @@ class Conversion:
     tensors: int
     bytes: int
     dropped_in_flight: bool = False  # the source held an asynchronous pipeline's in-flight state
+    initialized_heads: list = dataclasses.field(default_factory=list)  # heads the source lacked, freshly initialised
 
     def lines(self) -> list[str]:
         def where(path, layout):
@@ -39,6 +41,8 @@ class Conversion:
         if self.dropped_in_flight:
             lines.append("dropped: the microbatches the source's PipeDream/2BW pipeline had in flight (they belong to "
                          "its layout); a run from the target starts with an empty pipeline")
+        if self.initialized_heads:
+            lines.append(f"initialised: {', '.join(self.initialized_heads)} (absent from the source; random weights)")
         return lines
 
 
@@ -60,21 +64,26 @@ def reshard(source: str, target: str, layout: Layout) -> Conversion:
     return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors), in_flight)
 
 
-def import_hf_checkpoint(hf_dir: str, target: str, layout: Layout) -> Conversion:
-    """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face GPT-2 or BERT directory."""
-    kind, config, canonical = import_hf(hf_dir)
-    tensors = {model_key(name): value for name, value in canonical.items()}
-    common = Common(kind=kind, iteration=0, consumed_samples=0, skipped_iterations=0, layout=layout,
-                    config=plain(Config(model=config)), scheduler=None, loss_scaler=None, has_optimizer=False,
-                    has_rng=False)
+def import_hf_checkpoint(hf_dir: str, target: str, layout: Layout,
+                         initialize_missing_heads: bool = False) -> Conversion:
+    """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face directory; its tokenizer.json
+    and architecture name go into the checkpoint's metadata."""
+    imported = import_hf(hf_dir, initialize_missing_heads)
+    tensors = {model_key(name): value for name, value in imported.canonical.items()}
+    common = Common(kind=imported.kind, iteration=0, consumed_samples=0, skipped_iterations=0, layout=layout,
+                    config=plain(Config(model=imported.config)), scheduler=None, loss_scaler=None,
+                    has_optimizer=False, has_rng=False, tokenizer=imported.tokenizer, hf_model_type=imported.model_type)
     written = write_checkpoint(target, common, tensors, layout)
-    return Conversion(os.path.abspath(hf_dir), None, written, layout, len(tensors), _size(tensors))
+    return Conversion(os.path.abspath(hf_dir), None, written, layout, len(tensors), _size(tensors),
+                      initialized_heads=imported.initialized_heads)
 
 
-def export_hf_checkpoint(source: str, hf_dir: str) -> Conversion:
-    """A Hugging Face directory of a megapipe GPT or BERT checkpoint's weights (fp32 masters when present)."""
+def export_hf_checkpoint(source: str, hf_dir: str, max_shard_size: str = "5GB") -> Conversion:
+    """A Hugging Face directory of a megapipe checkpoint's weights (fp32 masters when present), as the
+    architecture it was imported from (else the one its options match), with its tokenizer."""
     path, common, tensors = read_checkpoint(source)
     names = [key.removeprefix("model/") for key in tensors if key.startswith("model/")]
     canonical = {name: tensors.get(optimizer_key(name, MASTER), tensors[model_key(name)]) for name in names}
-    export_hf(common.kind, common.model_config, canonical, hf_dir)
+    export_hf(common.kind, common.model_config, canonical, hf_dir, common.hf_model_type, common.tokenizer,
+              max_shard_size)
     return Conversion(path, common.layout, os.path.abspath(hf_dir), None, len(canonical), _size(canonical))

@@ -1,10 +1,13 @@
-"""Hugging Face GPT-2 and BERT directories (``save_pretrained`` output) <-> canonical megapipe tensors.
+"""Hugging Face directories (``save_pretrained`` output) <-> canonical megapipe tensors.
 
-Import reads any weights format ``from_pretrained`` reads (safetensors or ``.bin``, sharded
-or not) and refuses what megapipe cannot compute identically: other architectures, and
-GPT-2/BERT options that change the maths. Export writes ``config.json`` and safetensors
-through ``save_pretrained`` of a model that received every weight, so what it writes is
-exactly what ``from_pretrained`` loads.
+GPT-2 (``GPT2LMHeadModel``), BERT (``BertForPreTraining``) and the Llama family
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``). Llama-family safetensors
+(single or sharded with an index) are read tensor by tensor; other weights go through
+``from_pretrained`` (safetensors or ``.bin``, sharded or not). Import refuses what megapipe
+cannot compute identically: other architectures, and options that change the maths. Export
+writes ``config.json`` and safetensors through ``save_pretrained`` of a model that received
+every weight, so what it writes is exactly what ``from_pretrained`` loads. A ``tokenizer.json``
+travels with the weights both ways.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
-from megapipe.models import hf_mapping
+from megapipe.checkpointing.safetensors_files import SafetensorsFiles, has_safetensors
+from megapipe.models import hf_llama, hf_mapping
+
+TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,22 @@ ARCHITECTURES = {
                          hf_mapping.gpt2_to_hf),
     "bert": Architecture("bert", "BertForPreTraining", hf_mapping.bert_model_config, hf_mapping.bert_from_hf,
                          hf_mapping.bert_to_hf),
+    **{model_type: Architecture("gpt", hf_class, hf_llama.llama_model_config, hf_llama.llama_from_hf,
+                                hf_llama.llama_to_hf)
+       for model_type, (hf_class, _) in hf_llama.LLAMA_FAMILY.items()},
 }
+SUPPORTED = ", ".join(f"{arch.hf_class} ({name!r})" for name, arch in ARCHITECTURES.items())
 
 # Options whose non-default values change the computation in ways megapipe does not implement.
+_LLAMA_OPTIONS = {"attention_bias": False, "mlp_bias": False}
 UNSUPPORTED_OPTIONS = {
     "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
              "add_cross_attention": False},
     "bert": {"is_decoder": False, "add_cross_attention": False},
+    "llama": _LLAMA_OPTIONS, "mistral": _LLAMA_OPTIONS, "qwen2": _LLAMA_OPTIONS,
 }
+# The pretraining heads of BertForPreTraining that an encoder-only BertModel lacks.
+BERT_HEADS = {"cls.predictions": "masked-LM head", "cls.seq_relationship": "sentence-order (binary) head"}
 
 
 def _architecture(hf_dir: str) -> tuple[str, Architecture]:
@@ -54,8 +68,8 @@ def _architecture(hf_dir: str) -> tuple[str, Architecture]:
     model_type = fields.get("model_type")
     if model_type not in ARCHITECTURES:
         names = ", ".join(fields.get("architectures") or []) or "no architectures listed"
-        raise CheckpointError(f"{hf_dir} holds a {model_type!r} model ({names}); only GPT-2 (model_type 'gpt2') and "
-                              "BERT ('bert') checkpoints can be imported.")
+        raise CheckpointError(f"{hf_dir} holds a {model_type!r} model ({names}), which cannot be imported; "
+                              f"supported: {SUPPORTED}.")
     return model_type, ARCHITECTURES[model_type]
 
 
@@ -70,8 +84,33 @@ def _check_options(model_type: str, hf_config, hf_dir: str) -> None:
                               "megapipe uses absolute position embeddings.")
 
 
-def import_hf(hf_dir: str) -> tuple[str, ModelConfig, dict[str, torch.Tensor]]:
-    """(megapipe kind, ModelConfig, canonical state dict) of a Hugging Face GPT-2 or BERT directory."""
+def read_tokenizer(hf_dir: str) -> str | None:
+    """The text of the directory's ``tokenizer.json``, or None."""
+    path = os.path.join(hf_dir, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+@dataclass
+class Imported:
+    """What an import produced: the model and where it came from."""
+
+    kind: str
+    model_type: str  # Hugging Face's model_type, kept so export writes the same architecture
+    config: ModelConfig
+    canonical: dict
+    tokenizer: str | None  # tokenizer.json text
+    initialized_heads: list  # pretraining heads that were missing and freshly initialised
+
+
+def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
+    """The megapipe model of a Hugging Face directory.
+
+    ``initialize_missing_heads``: a BERT encoder saved without its pretraining heads (a
+    ``BertModel``) gets freshly initialised masked-LM and sentence-order heads instead of an error.
+    """
     import transformers
 
     model_type, arch = _architecture(hf_dir)
@@ -81,23 +120,48 @@ def import_hf(hf_dir: str) -> tuple[str, ModelConfig, dict[str, torch.Tensor]]:
         config = arch.model_config(hf_config)
     except ValueError as error:
         raise CheckpointError(f"{hf_dir}: {error}.") from None
+    tokenizer = read_tokenizer(hf_dir)
+    if model_type in hf_llama.LLAMA_FAMILY and has_safetensors(hf_dir):
+        return Imported(arch.kind, model_type, config, arch.from_hf(SafetensorsFiles(hf_dir), config), tokenizer, [])
     try:
         model, info = getattr(transformers, arch.hf_class).from_pretrained(hf_dir, output_loading_info=True,
                                                                            dtype=torch.float32)
     except (OSError, ValueError) as error:
         reason = str(error).splitlines()[0].rstrip(".")
         raise CheckpointError(f"{hf_dir}: the weights cannot be read ({reason}).") from None
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
+    missing = sorted(info["missing_keys"])
+    heads = sorted({label for prefix, label in BERT_HEADS.items() for key in missing if key.startswith(prefix)})
+    if missing and not (initialize_missing_heads and model_type == "bert"
+                        and all(key.startswith(tuple(BERT_HEADS)) for key in missing)):
+        hint = (" or pass --initialize-missing-heads to start the " + " and ".join(heads) + " from random weights"
+                if model_type == "bert" and heads else "")
         raise CheckpointError(f"{hf_dir} lacks {len(missing)} weights a {arch.hf_class} needs (first: {missing[0]}); "
-                              "it was probably saved from a model without the pretraining heads.")
-    return arch.kind, config, arch.from_hf(model.state_dict(), config)
+                              f"it was probably saved from a model without the pretraining heads: import a "
+                              f"checkpoint that has them{hint}.")
+    return Imported(arch.kind, model_type, config, arch.from_hf(model.state_dict(), config), tokenizer, heads)
 
 
-def hf_config_of(kind: str, config: ModelConfig):
+def hf_model_type(kind: str, config: ModelConfig, remembered: str | None) -> str:
+    """The Hugging Face architecture to export as: the imported one, else the one the options match."""
+    if remembered in ARCHITECTURES:
+        return remembered
+    if kind == "bert":
+        return "bert"
+    if config.swiglu or config.position_embedding_type == "rope":
+        return "qwen2" if config.add_qkv_bias else "llama"
+    return "gpt2"
+
+
+def hf_config_of(kind: str, config: ModelConfig, model_type: str | None = None):
     """The transformers config of a megapipe model, or CheckpointError when Hugging Face has no equal."""
     import transformers
 
+    model_type = model_type or hf_model_type(kind, config, None)
+    if model_type in hf_llama.LLAMA_FAMILY:
+        try:
+            return hf_llama.llama_hf_config(model_type, config)
+        except ValueError as error:
+            raise CheckpointError(f"cannot export as {model_type}: {error}.") from None
     if config.normalization != "LayerNorm":
         raise CheckpointError(f"cannot export a {config.normalization} model: Hugging Face GPT-2 and BERT use "
                               "LayerNorm.")
@@ -125,13 +189,19 @@ def hf_config_of(kind: str, config: ModelConfig):
                                    initializer_range=config.init_method_std)
 
 
-def export_hf(kind: str, config: ModelConfig, canonical: dict[str, torch.Tensor], hf_dir: str) -> None:
-    """Write ``canonical`` (megapipe names, whole tensors) as a Hugging Face directory."""
+def export_hf(kind: str, config: ModelConfig, canonical: dict[str, torch.Tensor], hf_dir: str,
+              model_type: str | None = None, tokenizer: str | None = None, max_shard_size: str = "5GB") -> None:
+    """Write ``canonical`` (megapipe names, whole tensors) as a Hugging Face directory of ``model_type``
+    (by default the architecture the options match), with ``tokenizer`` as its tokenizer.json."""
     import transformers
 
-    model_type = next(name for name, arch in ARCHITECTURES.items() if arch.kind == kind)
+    model_type = hf_model_type(kind, config, model_type)
     arch = ARCHITECTURES[model_type]
-    model = getattr(transformers, arch.hf_class)(hf_config_of(kind, config))
+    hf_config = hf_config_of(kind, config, model_type)
+    model = getattr(transformers, arch.hf_class)(hf_config)
     state = {key: value.float() for key, value in arch.to_hf(canonical, config).items()}
     model.load_state_dict(state, strict=True)
-    model.save_pretrained(hf_dir)
+    model.save_pretrained(hf_dir, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        with open(os.path.join(hf_dir, TOKENIZER_FILE), "w") as f:
+            f.write(tokenizer)

@@ -53,9 +53,10 @@ def rank_state(layout: Layout, rank: int) -> ParallelState:
 
 def _stand_in(config: ModelConfig, t: int) -> ModelConfig:
     """The smallest model with ``config``'s layers and parameter names that splits ``t`` ways."""
-    return dataclasses.replace(config, hidden_size=t, num_attention_heads=t, ffn_hidden_size=t, vocab_size=1,
-                               make_vocab_size_divisible_by=1, seq_length=1, max_position_embeddings=1,
-                               params_dtype=torch.float32)
+    return dataclasses.replace(config, hidden_size=2 * t, num_attention_heads=t,
+                               num_query_groups=t if config.num_query_groups else None, ffn_hidden_size=t,
+                               rotary_percent=1.0, vocab_size=1, make_vocab_size_divisible_by=1, seq_length=1,
+                               max_position_embeddings=1, params_dtype=torch.float32)
 
 
 def rank_pieces(kind: str, config: ModelConfig, layout: Layout, rank: int,

@@ -9,6 +9,8 @@ What the model calls; each ``fused`` argument is the matching ``ModelConfig`` bo
                        fused=cfg.masked_softmax_fusion)
     attention(q, k, v, mask=None, causal=False, dropout_p=0.0, training=False, scale=None,
               softmax_in_fp32=True, fused=cfg.masked_softmax_fusion, sdpa=True)   # [b, heads, s, d]
+    swiglu(x, fused=cfg.bias_swiglu_fusion)        # x = [..., (gate, up) x f] -> [..., f]
+    apply_rope(x, cos, sin, fused=cfg.apply_rope_fusion)   # x [b, heads, s, d]; rotary_tables(positions, ...)
     LayerNorm(hidden_size, eps), RMSNorm(hidden_size, eps)
 
 Masks are boolean, True = masked out. The kernels come from one backend chosen at start-up,
@@ -22,9 +24,11 @@ from megapipe.fusions.backend import FusionBackend, active_backend, select_backe
 from megapipe.fusions.bias_dropout_add import bias_dropout_add
 from megapipe.fusions.bias_gelu import bias_gelu
 from megapipe.fusions.norms import LayerNorm, RMSNorm, layer_norm, rms_norm
+from megapipe.fusions.rope import apply_rope, rotary_tables
 from megapipe.fusions.softmax import scale_mask_softmax
+from megapipe.fusions.swiglu import swiglu
 
 __all__ = [
-    "FusionBackend", "LayerNorm", "RMSNorm", "active_backend", "attention", "bias_dropout_add", "bias_gelu",
-    "layer_norm", "rms_norm", "scale_mask_softmax", "select_backend",
+    "FusionBackend", "LayerNorm", "RMSNorm", "active_backend", "apply_rope", "attention", "bias_dropout_add",
+    "bias_gelu", "layer_norm", "rms_norm", "rotary_tables", "scale_mask_softmax", "select_backend", "swiglu",
 ]

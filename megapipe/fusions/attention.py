@@ -1,6 +1,9 @@
 """Attention core ``softmax(scale * q k^T, masked) v`` on [b, heads, s, d] tensors.
 
 Layout: q is [b, heads, sq, d], k and v are [b, heads, sk, d], the result is [b, heads, sq, d].
+Grouped-query attention: k and v may have fewer heads (a divisor of q's, the query groups);
+query head i then attends with key/value head i // (heads / groups). SDPA does this without
+copying (``enable_gqa``); the explicit path repeats k and v.
 A model that keeps activations as [s, b, h] (seed 002 section 4.4.2) gets this layout as a
 view, ``x.view(s, b, heads, d).permute(1, 2, 0, 3)``, and returns with ``permute(2, 0, 1, 3)``.
 
@@ -26,14 +29,16 @@ from megapipe.fusions.softmax import check_mask, combined_mask, scale_mask_softm
 
 
 def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+    gqa = k.size(1) != q.size(1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
     masked = combined_mask(mask, causal, q.size(-2), k.size(-2), q.device)
     # Fully masked rows attend everywhere inside SDPA (finite on every kernel, no NaN in the
     # backward pass) and are zeroed afterwards, which also zeroes their gradients.
     fully_masked = masked.all(dim=-1, keepdim=True)
     allowed = ~masked | fully_masked
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     return out.masked_fill(fully_masked, 0.0)
 
 
@@ -51,6 +56,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     p = dropout_p if training else 0.0
     if fused and sdpa:
         return _sdpa(q, k, v, mask, causal, p, scale)
+    if k.size(1) != q.size(1):
+        groups = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1))
     probs = scale_mask_softmax(scores, scale, mask, causal, softmax_in_fp32, fused)
     if p > 0:

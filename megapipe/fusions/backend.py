@@ -26,7 +26,7 @@ BACKENDS = ("apex", "triton", "compile", "eager")
 OPS_BY_FAMILY = {
     "apex": frozenset({"layer_norm", "rms_norm"}),
     "triton": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "layer_norm", "rms_norm"}),
-    "compile": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "cross_entropy"}),
+    "compile": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "cross_entropy", "swiglu", "rope"}),
 }
 
 

@@ -49,11 +49,9 @@ def check_mask(scores_shape: torch.Size, mask: torch.Tensor | None) -> None:
         return
     if mask.dtype != torch.bool:
         raise TypeError(f"attention mask must be boolean (True = masked out), got {mask.dtype}.")
-    try:
-        shape = torch.broadcast_shapes(mask.shape, scores_shape)
-    except RuntimeError:
-        shape = None
-    if shape != scores_shape:
+    # broadcastable to the scores without growing them: each trailing dimension is 1 or equal
+    fits = mask.dim() <= 4 and all(m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores_shape)))
+    if not fits:
         raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not broadcast to the scores "
                          f"{tuple(scores_shape)}.")
 

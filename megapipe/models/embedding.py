@@ -1,4 +1,5 @@
-"""Input embedding of the first pipeline stage: words (vocab-parallel), positions, token types."""
+"""Input embedding of the first pipeline stage: words (vocab-parallel), learned positions (unless
+RoPE or no positions), token types."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ class Embedding(nn.Module):
                                                       name="embedding.word_embeddings", seed=seed,
                                                       init_std=config.init_method_std, dtype=config.params_dtype,
                                                       device=device)
-        self.position_embeddings = _replicated_embedding(config.max_position_embeddings, config.hidden_size, config,
-                                                         "embedding.position_embeddings", seed, device)
+        self.position_embeddings = (_replicated_embedding(config.max_position_embeddings, config.hidden_size, config,
+                                                          "embedding.position_embeddings", seed, device)
+                                    if config.position_embedding_type == "learned_absolute" else None)
         self.tokentype_embeddings = (_replicated_embedding(config.num_tokentypes, config.hidden_size, config,
                                                            "embedding.tokentype_embeddings", seed, device)
                                      if config.num_tokentypes else None)
@@ -42,9 +44,11 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            x = x + self.position_embeddings(position_ids)
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
                 tokentype_ids = torch.zeros_like(tokens)

@@ -21,7 +21,7 @@ class GPTStage(LanguageModelStage):
     """Batch keys: ``tokens`` [b, s]; on the last stage ``labels`` and ``loss_mask`` [b, s].
 
     The last stage returns the mean loss over ``loss_mask`` or, without labels, the logits
-    ``[b, s, V/t]`` of this rank's vocabulary slice.
+    ``[b, s, V/t]`` of this rank's vocabulary slice (``[b, 1, V/t]`` with ``last_logits_only``).
     """
 
     causal = True
@@ -33,7 +33,13 @@ class GPTStage(LanguageModelStage):
                          device)
         self.final_norm = build_norm(config, device, sequence_parallel) if post_process else None
 
+    def attention_mask(self, batch: dict) -> torch.Tensor | None:
+        """Inference passes its own mask (padding and causality over the cached positions)."""
+        return batch.get("attention_mask")
+
     def head(self, hidden: torch.Tensor, batch: dict):
+        if batch.get("last_logits_only"):  # decoding needs the next-token logits only
+            hidden = hidden[-1:]
         hidden = self.final_norm(hidden)
         logits = parallel_lm_logits(hidden, self.output_weight(), self.ps, self.config.vocab_size,
                                     sequence_parallel=self.sequence_parallel)  # [s, b, V/t]

@@ -12,6 +12,7 @@ import abc
 import torch
 from torch import nn
 
+from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.models.embedding import Embedding
 from megapipe.models.recompute import checkpoint, recompute_groups
@@ -76,22 +77,38 @@ class LanguageModelStage(nn.Module, abc.ABC):
         """Boolean mask broadcastable to ``[b, heads, s, s]``, True where attention is not allowed."""
         return None
 
+    def rotary(self, hidden: torch.Tensor, batch: dict):
+        """RoPE's (cos, sin) tables for the batch's positions (``position_ids`` [b, s], else 0..s-1), or None."""
+        if self.config.position_embedding_type != "rope":
+            return None
+        positions = batch.get("position_ids")
+        if positions is None:
+            s = hidden.shape[0] * (self.ps.tp_size if self.sequence_parallel else 1)
+            positions = torch.arange(s, device=hidden.device).unsqueeze(0)
+        return fusions.rotary_tables(positions, self.config.rotary_dim, self.config.rotary_base, hidden.dtype)
+
     def forward(self, hidden: torch.Tensor | None, batch: dict):
+        """With ``attention_mask`` in the batch (inference), that mask replaces the causal one;
+        with ``kv_cache`` the layers attend over the cached keys and values too."""
         if self.pre_process:
             hidden = self.embedding(batch["tokens"], batch.get("position_ids"), batch.get("types"))
         mask = self.attention_mask(batch)
+        causal = self.causal and "attention_mask" not in batch
+        rotary = self.rotary(hidden, batch)
+        cache = batch.get("kv_cache")
         layers = list(self.layers.values())
         for start, end, recompute in recompute_groups(self.config, len(layers)):
-            run = self._layer_run(layers[start:end], mask)
+            run = self._layer_run(layers[start:end], mask, causal, rotary, cache)
             hidden = checkpoint(run, self.ps, hidden) if recompute and self.training else run(hidden)
         if self.post_process:
             return self.head(hidden, batch)
         return hidden
 
-    def _layer_run(self, layers: list, mask):
+    def _layer_run(self, layers: list, mask, causal: bool, rotary, cache):
         def run(hidden):
             for layer in layers:
-                hidden = layer(hidden, mask, self.causal)
+                layer_cache = cache.layer(layer.layer_number) if cache is not None else None
+                hidden = layer(hidden, mask, causal, rotary, layer_cache)
             return hidden
         return run
 

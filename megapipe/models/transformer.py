@@ -1,7 +1,8 @@
 """One transformer layer in the ``[s, b, h]`` layout, split across the tensor group.
 
-Self-attention: column-parallel QKV (each tensor rank owns whole heads), the attention core
-on the local heads, a row-parallel output projection. MLP: column-parallel h -> ffn, GeLU,
+Self-attention: column-parallel QKV (each tensor rank owns whole heads, or whole query groups
+under grouped-query attention), optional rotary positions, the attention core on the local
+heads, a row-parallel output projection. MLP: column-parallel h -> ffn, GeLU or SwiGLU,
 row-parallel ffn -> h. Two all-reduces forward and two backward per layer (seed 002 4.2.3).
 ``post_layernorm`` selects the original BERT arrangement (norm after each residual add)
 instead of GPT's pre-norm.
@@ -30,28 +31,49 @@ def _output_std(config: ModelConfig) -> float:
 
 
 class SelfAttention(nn.Module):
+    """Multi-head or grouped-query attention, optionally with rotary positions and a KV cache.
+
+    QKV rows are ordered (group, [its query heads, key, value], head_dim): a contiguous split
+    over the tensor group gives each rank whole query groups. With one group per head this is
+    (head, {q, k, v}, head_dim), GPT-2's and BERT's layout.
+    """
+
     def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, sequence_parallel: bool,
                  device=None):
         super().__init__()
         self.config, self.ps = config, ps
-        self.local_heads = divide(config.num_attention_heads, ps.tp_size)
+        self.local_groups = divide(config.query_groups, ps.tp_size)
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.local_heads = self.local_groups * self.heads_per_group
         common = dict(seed=seed, sequence_parallel=sequence_parallel, dtype=config.params_dtype, device=device)
-        # QKV rows are ordered (head, {q, k, v}, head_dim): a contiguous split gives whole heads.
-        self.qkv = ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, ps, name=f"{name}.qkv",
-                                        init_std=config.init_method_std, **common)
-        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, ps, name=f"{name}.dense",
-                                       init_std=_output_std(config), skip_bias_add=True, **common)
+        qkv_width = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden_size, qkv_width, ps, name=f"{name}.qkv",
+                                        init_std=config.init_method_std,
+                                        bias=config.add_bias_linear or config.add_qkv_bias, **common)
+        self.dense = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, ps,
+                                       name=f"{name}.dense", init_std=_output_std(config), skip_bias_add=True,
+                                       bias=config.add_bias_linear, **common)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool):
-        qkv = self.qkv(x)  # [s, b, 3 h / t]
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool, rotary=None,
+                kv_cache=None):
+        """``rotary``: the (cos, sin) tables of the positions; ``kv_cache``: this layer's cache when decoding."""
+        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]
         s, b = qkv.shape[0], qkv.shape[1]
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.config.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        n, d = self.heads_per_group, self.config.head_dim
+        grouped = qkv.view(s, b, self.local_groups, n + 2, d)
+        q = grouped[:, :, :, :n].reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k, v = (grouped[:, :, :, n + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d], shared by n heads
+        if rotary is not None:
+            fused = self.config.apply_rope_fusion
+            q, k = (fusions.apply_rope(t, *rotary, fused=fused) for t in (q, k))
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         if self.config.recompute_granularity == "selective" and self.training:
             context = checkpoint(lambda q_, k_, v_: self.core_attention(q_, k_, v_, attention_mask, causal),
                                  self.ps, q, k, v)
         else:
             context = self.core_attention(q, k, v, attention_mask, causal)  # [b, heads, s, d]
-        context = context.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.config.head_dim)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * d)
         return self.dense(context)
 
     def core_attention(self, q, k, v, attention_mask, causal):
@@ -63,20 +85,28 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """h -> ffn -> h with GeLU, or with SwiGLU: fc1 then writes (gate, up) pairs, 2 ffn wide,
+    so a contiguous tensor-parallel split gives each rank matching gate and up rows."""
+
     def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, sequence_parallel: bool,
                  device=None):
         super().__init__()
         self.config = config
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        common = dict(seed=seed, sequence_parallel=sequence_parallel, dtype=config.params_dtype, device=device)
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, ps, name=f"{name}.fc1",
+        common = dict(seed=seed, sequence_parallel=sequence_parallel, dtype=config.params_dtype, device=device,
+                      bias=config.add_bias_linear)
+        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        self.fc1 = ColumnParallelLinear(config.hidden_size, width, ps, name=f"{name}.fc1",
                                         init_std=config.init_method_std, skip_bias_add=True, **common)
         self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ps, name=f"{name}.fc2",
                                      init_std=_output_std(config), skip_bias_add=True, **common)
 
     def forward(self, x: torch.Tensor):
         h, bias = self.fc1(x)
-        h = fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)
+        if self.config.swiglu:
+            h = fusions.swiglu(h if bias is None else h + bias, fused=self.config.bias_swiglu_fusion)
+        else:
+            h = fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)
         return self.fc2(h)
 
 
@@ -87,6 +117,7 @@ class TransformerLayer(nn.Module):
                  sequence_parallel: bool = False, device=None):
         super().__init__()
         self.config, self.ps, self.sequence_parallel = config, ps, sequence_parallel
+        self.layer_number = layer_number
         name = f"layers.{layer_number}"
         self.attention_norm = build_norm(config, device, sequence_parallel)
         self.attention = SelfAttention(config, ps, f"{name}.attention", seed, sequence_parallel, device)
@@ -97,9 +128,10 @@ class TransformerLayer(nn.Module):
         out, bias = branch_out
         return dropout_add(out, bias, residual, self.config, self.training, self.ps, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = True):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = True,
+                rotary=None, kv_cache=None):
         if self.config.post_layernorm:
-            x = self.attention_norm(self._residual(self.attention(x, attention_mask, causal), x))
+            x = self.attention_norm(self._residual(self.attention(x, attention_mask, causal, rotary, kv_cache), x))
             return self.mlp_norm(self._residual(self.mlp(x), x))
-        x = self._residual(self.attention(self.attention_norm(x), attention_mask, causal), x)
+        x = self._residual(self.attention(self.attention_norm(x), attention_mask, causal, rotary, kv_cache), x)
         return self._residual(self.mlp(self.mlp_norm(x)), x)

@@ -1,0 +1,43 @@
+"""Serve a megapipe checkpoint over Megatron-LM's REST interface (PUT /api), on one process or under torchrun.
+
+    python tools/run_text_generation_server.py --load ckpt/ --port 5000
+    torchrun --nproc_per_node 4 tools/run_text_generation_server.py --load ckpt/ \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \\
+        -d '{"prompts": ["Hello"], "tokens_to_generate": 16, "temperature": 0.8, "top_k": 40, "top_p": 0.9}'
+
+The checkpoint must carry a tokenizer.json (import it from Hugging Face with
+tools/convert_checkpoint.py import-hf). PUT /loglikelihood scores (context, continuation) pairs.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
+from megapipe.inference.server import serve  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    layout_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed)")
+    args = parser.parse_args(argv)
+    try:
+        loaded = load_for_inference(args)
+        if loaded.tokenizer is None:
+            raise ConfigError(f"--load {args.load} carries no tokenizer.json; import the model with "
+                              "tools/convert_checkpoint.py import-hf from a directory that has one.")
+    except (CheckpointError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    serve(loaded, args.host, args.port, announce=lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
