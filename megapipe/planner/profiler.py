@@ -44,8 +44,8 @@ class _Checkpointed(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, hidden, mask, causal):
-        return checkpoint(self.block, hidden, mask, causal, use_reentrant=False)
+    def forward(self, hidden, *layer_inputs):
+        return checkpoint(self.block, hidden, *layer_inputs, use_reentrant=False)
 
 
 def synthetic_batch(kind: str, config: ModelConfig, micro_batch_size: int, device: torch.device,
