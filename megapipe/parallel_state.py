@@ -26,6 +26,21 @@ from megapipe.errors import ConfigError
 from megapipe.stage_replicas import stage_of_worker
 from megapipe.tensor_parallel.random import RNGTracker, seed_parallel_rng
 
+# Process groups already created in this process, by (world group, role, ranks, timeout). Every
+# gloo or NCCL group holds threads and buffers until the process ends; a process that builds many
+# states (tests, the resharding tool) reuses the groups of a layout it built before instead of
+# piling up new ones. All ranks build the same layouts in the same order, so they all find or all
+# create. The role is part of the key: the pipeline's messages keep a communicator of their own
+# even where another group has the same ranks, so no collective queues behind them.
+_GROUPS: dict = {}
+
+
+def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
+    key = (dist.group.WORLD, role, tuple(ranks), timeout)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
+    return _GROUPS[key]
+
 
 @dataclass(frozen=True)
 class RankLayout:
@@ -149,7 +164,7 @@ class ParallelState:
         }
         for name, groups in all_groups.items():
             for ranks in groups:
-                group = dist.new_group(ranks, timeout=timeout)
+                group = _group(name, ranks, timeout)
                 if rank in ranks:
                     state.groups[name] = group
                     state.members[name] = list(ranks)
