@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -41,7 +42,9 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout: float,
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # pickled by value here: a tensor put on the queue as it is travels as a shared-memory
+        # handle that the parent can only open while this process is alive
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from argparse
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -85,7 +88,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
                 continue
             if status == "error":
                 raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         grace = time.monotonic() + 5.0  # results are in; a teardown stuck on a closed connection is killed
         for p in procs:
             p.join(timeout=max(0.0, grace - time.monotonic()))
