@@ -214,3 +214,23 @@ def test_attention_bf16_close_to_fp64(eager_backend, path):
     # bf16 inputs are exact; the result passes through at most three bf16 roundings (scores,
     # probabilities, output), each at most 2^-8 relative to values of this tensor's scale.
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=3 * 2**-8 * expected.abs().max().item())
+
+
+# a prompt (with a fully masked query row), and one decoded position over a longer cache
+@pytest.mark.parametrize("sq,mask_kind", [(SQ, "padding"), (SQ, "key_padding"), (1, "key_padding")])
+def test_grouped_query_attention_matches_repeated_keys(eager_backend, sq, mask_kind):
+    """4 query heads over 2 key/value heads: SDPA (query heads folded into rows of their group)
+    equals the fp64 reference with each key/value head repeated for its queries."""
+    heads, groups, d = 4, 2, 8
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, heads, sq, d, generator=g).requires_grad_()
+    k, v = (torch.randn(B, groups, SK, d, generator=g).requires_grad_() for _ in range(2))
+    grad_out = torch.randn(B, heads, sq, d, generator=g)
+    mask = _padding_mask(sq, SK) if mask_kind == "padding" else _key_padding_mask(SK)
+    out = fusions.attention(q, k, v, mask)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = _attention_reference(q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), mask, False,
+                                    d**-0.5)
+    assert_fp32_close(out, expected.float())  # as the full-head case above
+    for got, want in zip(grads(out, grad_out, q, k, v), grads(expected, grad_out.double(), q64, k64, v64)):
+        assert_fp32_close(got, want.float())
