@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from batch_helpers import random_microbatch
+from model_families import MODEL_KIND, family_config
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
@@ -27,19 +28,12 @@ from megapipe.testing import run_distributed
 RTOL = 1e-5
 SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
-MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
 
 def model_config(kind: str) -> ModelConfig:
-    common = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
-                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
-    if kind == "bert":
-        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
-    if kind == "llama":
-        return ModelConfig(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
-                           add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=48,
-                           **common)
-    return ModelConfig(**common)
+    llama = dict(untie_embeddings_and_output_weights=True, ffn_hidden_size=48) if kind == "llama" else {}
+    return family_config(kind, num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, **llama)
 
 
 def optimizer_config() -> OptimizerConfig:

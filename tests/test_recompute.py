@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.gpt import GPTStage
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
+from model_families import family_config
 
 VARIANTS = [dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
             dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
@@ -24,13 +24,7 @@ SEQ, MICRO = 16, 3
 def config(kind, **overrides):
     common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=120, seq_length=SEQ,
                   hidden_dropout=0.1, attention_dropout=0.1, make_vocab_size_divisible_by=8)
-    common.update(overrides)
-    if kind == "bert":
-        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
-    if kind == "llama":  # RoPE, SwiGLU, grouped-query attention, no biases
-        return ModelConfig(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
-                           add_bias_linear=False, **common)
-    return ModelConfig(**common)
+    return family_config(kind, **{**common, **overrides})
 
 
 def batch(kind, cfg, index=0):

@@ -10,32 +10,27 @@ matmuls all-reduced), which moves results by a few ulps, ~1e-7 relative.
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megapipe.collectives import group_size
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.parallel_state import ParallelState
-from megapipe.collectives import group_size
 from megapipe.testing import run_distributed
-
-import torch.distributed as dist
+from model_families import MODEL_KIND, family_config
 
 RTOL = 1e-5
 SEQ = 12
-MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
 
 def model_config(kind: str) -> ModelConfig:
     common = dict(num_layers=2, hidden_size=48, num_attention_heads=4, vocab_size=203, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
-    if kind == "bert":
-        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
-    if kind == "llama":
-        common.update(num_attention_heads=8, ffn_hidden_size=40)
-        return ModelConfig(position_embedding_type="rope", rotary_percent=0.5, swiglu=True, num_query_groups=4,
-                           normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=True,
-                           untie_embeddings_and_output_weights=True, **common)
-    return ModelConfig(**common)
+    if kind == "llama":  # 4 groups of 2 heads, so t = 4 holds one group each; half the channels rotated
+        common.update(num_attention_heads=8, ffn_hidden_size=40, rotary_percent=0.5, num_query_groups=4,
+                      add_qkv_bias=True, untie_embeddings_and_output_weights=True)
+    return family_config(kind, **common)
 
 
 def make_batch(kind: str, config: ModelConfig) -> dict:

@@ -1,0 +1,24 @@
+"""The three model families the parity tests build: GPT, BERT and a Llama-shaped GPT.
+
+``family_config(kind, **fields)`` gives each family's own options on top of the test's sizes;
+``MODEL_KIND`` is the stage class each family is built with (a Llama is a GPT with other options).
+"""
+
+from __future__ import annotations
+
+from megapipe.config import ModelConfig
+
+MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
+
+# RoPE, SwiGLU, grouped-query attention (2 groups), RMSNorm, no biases
+LLAMA = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+             add_bias_linear=False)
+
+
+def family_config(kind: str, **fields) -> ModelConfig:
+    """``fields`` (sizes, dropout, and for a Llama any of its options) override the family's."""
+    if kind == "bert":
+        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **fields)
+    if kind == "llama":
+        return ModelConfig(**{**LLAMA, **fields})
+    return ModelConfig(**fields)
