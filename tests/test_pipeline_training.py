@@ -30,8 +30,10 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
 
-def model_config(kind: str) -> ModelConfig:
-    common = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+def model_config(kind: str, recompute: bool = False) -> ModelConfig:
+    """The test model; ``recompute`` checkpoints every layer (its gradients are bit-for-bit those without)."""
+    recomputation = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    common = dict(**(recomputation if recompute else {}), num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     if kind == "bert":
         return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
@@ -70,8 +72,8 @@ def reference_run(kind: str, d: int):
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial):
-    config = model_config(kind)
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False):
+    config = model_config(kind, recompute)
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:

@@ -22,11 +22,13 @@ class SyncPasses:
         self.syncs, self.backwards_per_update = syncs, backwards_per_update
         self._backwards = [0] * len(syncs)
 
-    def before_pass(self, backward: bool, chunk: int) -> None:
+    def before_pass(self, backward: bool, chunk: int, weights: bool = True) -> None:
+        """``weights`` False: a backward that computes only input gradients (a split backward's BI),
+        which neither counts towards the update nor makes weight gradients."""
         sync = self.syncs[chunk]
         if sync is None:
             return
-        if backward:
+        if backward and weights:
             self._backwards[chunk] += 1
             sync.begin_backward(final=self._backwards[chunk] == self.backwards_per_update)
         sync.gather_weights()

@@ -30,6 +30,7 @@ from torch.func import functional_call
 from megapipe.distributed import DeviceClock
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
+from megapipe.split_backward import input_gradients_only
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
@@ -95,7 +96,7 @@ class PipelineExecutor:
         self.passes = passes  # data-parallel hooks around each pass (``optim/passes.py``), or None
         self.deallocate_sent_outputs = deallocate_sent_outputs
         # a list without backwards (evaluation) keeps nothing of a forward once its output is passed on
-        self.keeps_graphs = self.program.asynchronous or any(a.kind is ActionKind.B for actions in self.schedule.actions
+        self.keeps_graphs = self.program.asynchronous or any(a.kind.is_backward for actions in self.schedule.actions
                                                              for a in actions)
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
         self.clock = DeviceClock(device) if timeline is not None else None
@@ -246,7 +247,7 @@ class PipelineExecutor:
                 self.p2p.wait(transfer)
             state.sends.clear()
             return
-        if not action.kind.is_compute:
+        if not action.kind.is_compute or action.kind is ActionKind.BW:
             return
         kind = ActionKind.RECV_F if action.kind is ActionKind.F else ActionKind.RECV_B
         transfer = state.recvs.get((kind, action.stage, action.microbatch))
@@ -264,8 +265,10 @@ class PipelineExecutor:
     def _compute(self, action: Action, call: Optional[int], index: int, data, state: "_State") -> None:
         if action.kind is ActionKind.F:
             self._forward(action, call, index, data(action.microbatch), state)
-        elif action.kind is ActionKind.B:
-            self._backward(action.stage, action.microbatch, state)
+        elif action.kind is ActionKind.B or action.kind is ActionKind.BI:
+            self._backward(action.stage, action.microbatch, state, split=action.kind is ActionKind.BI)
+        elif action.kind is ActionKind.BW:
+            self._weight_backward(action.stage, action.microbatch, state)
         elif action.kind is ActionKind.STEP:
             self._update_stores(self.stores or [], self.step)
         elif action.kind is ActionKind.UPDATE:
@@ -330,31 +333,57 @@ class PipelineExecutor:
         state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
         return out
 
-    def _backward(self, stage: int, microbatch: int, state: "_State") -> None:
+    def _backward(self, stage: int, microbatch: int, state: "_State", split: bool = False) -> None:
+        """B (``split`` False): the whole backward. BI (``split``): only the input gradient, keeping
+        the graph and the output gradient for the BW that follows (``_weight_backward``)."""
         key = (stage, microbatch)
-        saved = state.saved.pop(key)
+        saved = state.saved[key] if split else state.saved.pop(key)
         inp, out, use = saved.inp, saved.out, saved.use
         chunk_index = self.schedule.chunk_of_stage(stage)
-        if self.passes is not None:
-            self.passes.before_pass(True, chunk_index)
         if stage == self.schedule.num_stages - 1:
-            torch.autograd.backward(out)
+            grad = torch.ones_like(out)
         else:
             grad = self._received(ActionKind.RECV_B, stage, microbatch, state)
             if grad is None:
                 grad = state.local_grads.pop(key)
-            _backward_from(out, grad)
+        if split:
+            saved.grad = grad
+            if inp is None:  # the first stage sends no gradient: BW does all the work
+                return
+        if self.passes is not None:
+            self.passes.before_pass(True, chunk_index, weights=not split)
+        if split:
+            with input_gradients_only():
+                (input_grad,) = _run_backward(out, grad, keep_graph=True, inputs=(inp,))
+        else:
+            _run_backward(out, grad)
+            input_grad = None if inp is None else inp.grad
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
-        if use is not None:
-            self.stores[self.schedule.chunk_of_stage(stage)].backward_done(use)
+        if use is not None and not split:
+            self.stores[chunk_index].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)
         if stage == 0:
             return
         if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
-            state.local_grads[(stage - 1, microbatch)] = inp.grad
+            state.local_grads[(stage - 1, microbatch)] = input_grad
         else:
-            state.input_grads[key] = inp.grad
+            state.input_grads[key] = input_grad
+
+    def _weight_backward(self, stage: int, microbatch: int, state: "_State") -> None:
+        """BW: the weight gradients of a microbatch whose BI ran, accumulated like a B's (the
+        gradient syncs' hooks see them). It runs the graph BI kept once more, through every
+        node: a recomputed block's weights are reachable only through its own backward."""
+        saved = state.saved.pop((stage, microbatch))
+        chunk_index = self.schedule.chunk_of_stage(stage)
+        if self.passes is not None:
+            self.passes.before_pass(True, chunk_index)
+        _run_backward(saved.out, saved.grad)
+        if self.passes is not None:
+            self.passes.after_pass(True, chunk_index)
+        if saved.use is not None:
+            self.stores[chunk_index].backward_done(saved.use)
+            self._record(ActionKind.B, stage, microbatch, saved.use.version)
 
     def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
         if self.versions_used is not None:
@@ -369,10 +398,12 @@ def _deallocate(output: torch.Tensor) -> None:
         output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
-def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+def _run_backward(output: torch.Tensor, grad: torch.Tensor, keep_graph: bool = False, inputs: tuple = ()):
     """Backward from ``output`` with ``grad``, also when ``_deallocate`` shrank the output's data
-    (``torch.autograd.backward`` would refuse the shapes; the engine itself only needs the graph)."""
-    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
+    (``torch.autograd.backward`` would refuse the shapes; the engine itself only needs the graph).
+    With ``inputs`` it returns their gradients and accumulates nothing (``torch.autograd.grad``);
+    without, it accumulates into every leaf."""
+    return Variable._execution_engine.run_backward((output,), (grad,), keep_graph, False, inputs, True, not inputs)
 
 
 def _completed(transfer: Transfer) -> bool:
@@ -391,6 +422,7 @@ class SavedForward:
     use: Optional[VersionUse]  # the weight version it ran on
     batch: dict  # the microbatch's data
     rng: Optional[dict]  # random states before it ran (asynchronous schedules only)
+    grad: Optional[torch.Tensor] = None  # the output gradient, kept by BI for its BW
 
 
 class _State:
