@@ -117,10 +117,15 @@ def _check_counts(schedule: Schedule) -> None:
                 runs = {kind for kind in (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
                         if seen[(rank, kind, stage, microbatch)]}
                 backward = runs - {ActionKind.F}
-                if ActionKind.F not in runs or backward not in ({ActionKind.B}, {ActionKind.BI, ActionKind.BW}):
-                    _fail(schedule, None, None, f"rank {rank} runs {sorted(k.value for k in runs) or 'nothing'} for "
-                                                f"stage {stage} microbatch {microbatch}; every stage needs one F and "
-                                                "either one B or one BI and one BW per microbatch.")
+                missing = [kind.value for kind in (ActionKind.F, ActionKind.B)
+                           if kind not in runs and (kind is ActionKind.F or not backward)]
+                if missing:
+                    _fail(schedule, None, None, f"rank {rank} never runs {missing[0]}{stage}.{microbatch}; every stage "
+                                                "needs one F and one B (or one BI and one BW) per microbatch.")
+                if backward not in ({ActionKind.B}, {ActionKind.BI, ActionKind.BW}):
+                    _fail(schedule, None, None, f"rank {rank} runs {'/'.join(sorted(k.value for k in backward))} for "
+                                                f"stage {stage} microbatch {microbatch}; a stage needs either one B or "
+                                                "one BI and one BW per microbatch.")
 
 
 def _check_rank_order(schedule: Schedule) -> None:
