@@ -21,7 +21,6 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.parallel_state import ParallelState
-from megapipe.split_backward import computing_input_gradients_only
 from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 
@@ -44,10 +43,6 @@ class _Recompute(torch.autograd.Function):
         with torch.enable_grad():
             output = ctx.run(*inputs)
         restore_rng(now, ctx.ps.rng_tracker, ctx.device)
-        if computing_input_gradients_only():  # a BI pass: its BW computes the weights' gradients
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
-            return (None, None) + tuple(next(grads) if x.requires_grad else None for x in inputs)
         torch.autograd.backward(output, grad_output)
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 

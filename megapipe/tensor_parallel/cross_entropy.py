@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megapipe.fusions import cross_entropy as parts
 from megapipe.collectives import all_reduce
-from megapipe.split_backward import computing_input_gradients_only
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -35,9 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, index, in_shard = ctx.saved_tensors
-        # the saved softmax becomes the gradient, unless a split backward's BW still needs it
-        if computing_input_gradients_only():
-            softmax = softmax.clone()
+        # the saved softmax becomes the gradient: a second backward through this graph is not supported
         return parts.softmax_minus_onehot_(softmax, index, in_shard, grad_loss).to(ctx.dtype), None, None, None
 
 

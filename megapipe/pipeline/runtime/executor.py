@@ -30,7 +30,7 @@ from torch.func import functional_call
 from megapipe.distributed import DeviceClock
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
-from megapipe.split_backward import input_gradients_only
+from megapipe.split_backward import apply_weight_gradients, deferring_weight_gradients
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
@@ -330,16 +330,18 @@ class PipelineExecutor:
             graph_end = self.scale_loss(out / self.program.loss_divisor)
         if self.keeps_graphs:
             state.saved[(stage, microbatch)] = SavedForward(inp, graph_end, use, batch, rng)
-        state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
+        state.peak_in_flight = max(state.peak_in_flight, len(state.saved) + len(state.deferred))
         return out
 
     def _backward(self, stage: int, microbatch: int, state: "_State", split: bool = False) -> None:
-        """B (``split`` False): the whole backward. BI (``split``): only the input gradient, keeping
-        the graph and the output gradient for the BW that follows (``_weight_backward``)."""
+        """B, or with ``split`` BI: the backward with the weight-gradient products left for BW
+        (``split_backward.py``); the graph is freed either way."""
         key = (stage, microbatch)
-        saved = state.saved[key] if split else state.saved.pop(key)
+        saved = state.saved.pop(key)
         inp, out, use = saved.inp, saved.out, saved.use
         chunk_index = self.schedule.chunk_of_stage(stage)
+        if self.passes is not None:
+            self.passes.before_pass(True, chunk_index, ActionKind.BI if split else ActionKind.B)
         if stage == self.schedule.num_stages - 1:
             grad = torch.ones_like(out)
         else:
@@ -347,43 +349,33 @@ class PipelineExecutor:
             if grad is None:
                 grad = state.local_grads.pop(key)
         if split:
-            saved.grad = grad
-            if inp is None:  # the first stage sends no gradient: BW does all the work
-                return
-        if self.passes is not None:
-            self.passes.before_pass(True, chunk_index, weights=not split)
-        if split:
-            with input_gradients_only():
-                (input_grad,) = _run_backward(out, grad, keep_graph=True, inputs=(inp,))
+            deferred = state.deferred[key] = []
+            with deferring_weight_gradients(deferred):
+                _backward_from(out, grad)
         else:
-            _run_backward(out, grad)
-            input_grad = None if inp is None else inp.grad
+            _backward_from(out, grad)
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
-        if use is not None and not split:
+        if use is not None:
             self.stores[chunk_index].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)
         if stage == 0:
             return
+        input_grad = inp.grad
         if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
             state.local_grads[(stage - 1, microbatch)] = input_grad
         else:
             state.input_grads[key] = input_grad
 
     def _weight_backward(self, stage: int, microbatch: int, state: "_State") -> None:
-        """BW: the weight gradients of a microbatch whose BI ran, accumulated like a B's (the
-        gradient syncs' hooks see them). It runs the graph BI kept once more, through every
-        node: a recomputed block's weights are reachable only through its own backward."""
-        saved = state.saved.pop((stage, microbatch))
+        """BW: the weight-gradient products BI left, accumulated like a B's gradients (the
+        gradient syncs' hooks see them)."""
         chunk_index = self.schedule.chunk_of_stage(stage)
         if self.passes is not None:
-            self.passes.before_pass(True, chunk_index)
-        _run_backward(saved.out, saved.grad)
+            self.passes.before_pass(True, chunk_index, ActionKind.BW)
+        apply_weight_gradients(state.deferred.pop((stage, microbatch)))
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
-        if saved.use is not None:
-            self.stores[chunk_index].backward_done(saved.use)
-            self._record(ActionKind.B, stage, microbatch, saved.use.version)
 
     def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
         if self.versions_used is not None:
@@ -398,12 +390,10 @@ def _deallocate(output: torch.Tensor) -> None:
         output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
-def _run_backward(output: torch.Tensor, grad: torch.Tensor, keep_graph: bool = False, inputs: tuple = ()):
+def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward from ``output`` with ``grad``, also when ``_deallocate`` shrank the output's data
-    (``torch.autograd.backward`` would refuse the shapes; the engine itself only needs the graph).
-    With ``inputs`` it returns their gradients and accumulates nothing (``torch.autograd.grad``);
-    without, it accumulates into every leaf."""
-    return Variable._execution_engine.run_backward((output,), (grad,), keep_graph, False, inputs, True, not inputs)
+    (``torch.autograd.backward`` would refuse the shapes; the engine itself only needs the graph)."""
+    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
 
 
 def _completed(transfer: Transfer) -> bool:
@@ -422,7 +412,6 @@ class SavedForward:
     use: Optional[VersionUse]  # the weight version it ran on
     batch: dict  # the microbatch's data
     rng: Optional[dict]  # random states before it ran (asynchronous schedules only)
-    grad: Optional[torch.Tensor] = None  # the output gradient, kept by BI for its BW
 
 
 class _State:
@@ -430,6 +419,7 @@ class _State:
 
     def __init__(self):
         self.saved: dict[tuple[int, int], SavedForward] = {}  # kept for the backward, in forward order
+        self.deferred: dict = {}  # weight-gradient products a BI left for its BW (``split_backward.py``)
         self.prereceived: dict = {}  # (RECV kind, stage, microbatch) -> tensor received before its call
         self.outputs_to_send: dict = {}
         self.input_grads: dict = {}
