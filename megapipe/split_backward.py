@@ -52,11 +52,11 @@ def apply_weight_gradients(deferred: Deferred) -> None:
 
 
 def _weight_grad(grad_output: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(inp.reshape(-1, inp.shape[-1]))
+    return grad_output.t().mm(inp)
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` whose weight gradient can be deferred to BW (module docstring)."""
+    """``F.linear`` over 2-d inputs whose weight gradient can be deferred to BW (module docstring)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias):
@@ -68,8 +68,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         inp, weight = ctx.saved_tensors
         needs_inp, needs_weight, needs_bias = ctx.needs_input_grad
-        grad_inp = grad_output.matmul(weight) if needs_inp else None
-        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias and needs_bias else None
+        grad_inp = grad_output.mm(weight) if needs_inp else None
+        grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
         grad_weight = None
         if needs_weight:
             deferred = _DEFERRED.get()
@@ -81,5 +81,10 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(inp, weight, bias)``; inside ``deferring_weight_gradients`` its weight gradient waits for BW."""
-    return _Linear.apply(inp, weight, bias)
+    """``F.linear(inp, weight, bias)``; inside ``deferring_weight_gradients`` its weight gradient waits for BW.
+
+    The function itself works on the rows ``[tokens, features]`` and the view back to the input's
+    leading dimensions is taken outside it, so the output may be modified in place like F.linear's.
+    """
+    rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias)
+    return rows.view(*inp.shape[:-1], weight.shape[0])

@@ -16,10 +16,10 @@ Kinds and what an executor does for each, in list order:
   ``RECV_B s.i`` posted earlier in this list.
 * ``BI s.i`` and ``BW s.i`` -- the backward of microbatch i through stage s split in two
   (zero-bubble schedules): ``BI`` computes the gradient with respect to the stage input (what
-  ``SEND_B`` sends, what B s-1.i waits for) and keeps the autograd graph; ``BW`` later
-  computes the stage's weight gradients from that graph and accumulates them. A plain ``B``
-  is both at once. A stage and microbatch has either one ``B`` or one ``BI`` followed by one
-  ``BW`` on its rank; what F saved is held until the weight gradients are computed.
+  ``SEND_B`` sends, what B s-1.i waits for), leaving the weight-gradient products of its
+  linear layers for later; ``BW`` computes those and accumulates them (``split_backward.py``).
+  A plain ``B`` is both at once. A stage and microbatch has either one ``B`` or one ``BI``
+  followed by one ``BW`` on its rank; what the products need is held until ``BW``.
 * ``SEND_F s.i>r`` -- send the output of F s.i to pipeline rank r (which holds stage s+1).
 * ``RECV_F s.i<r`` -- receive the input of stage s, microbatch i, from pipeline rank r.
 * ``SEND_B s.i>r`` -- send the input gradient of B s.i to rank r (which holds stage s-1).
