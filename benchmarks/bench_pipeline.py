@@ -9,10 +9,11 @@ work (load average 10-40) it took about 7 minutes, at the ~0.6 s/step of an idle
 needs about 2.
 
 For each pipeline size p and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
-rank) one world of p processes (gloo, one thread each) builds the same GPT twice from the
+rank, ZB-H1, ZB-H2) one world of p processes (gloo, one thread each) builds the same GPT twice from the
 same megapipe stage modules and weights: once trained by ``PipelineEngine``, once by
-PyTorch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over
-``PipelineStage``\\ s that wrap those modules. Both get the same microbatches and the same
+PyTorch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (for the
+zero-bubble rows ``ScheduleInterleavedZeroBubble``, its split-backward schedule, over one stage
+per rank) over ``PipelineStage``\\ s that wrap those modules. Both get the same microbatches and the same
 AdamW kernel, and the losses of the first two steps must agree (same weights, same data,
 same update). The two systems then alternate step by step, the order flipping every round
 and every step sitting between two barriers, so that a noisy machine slows both alike. The
@@ -57,7 +58,8 @@ from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]  # megapipe's name, model chunks per rank
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]  # name, chunks per rank
+ZERO_BUBBLE = ("zb-h1", "zb-h2")  # PyTorch's counterpart: ScheduleInterleavedZeroBubble over one stage per rank
 SYSTEMS = ("megapipe", "torch")
 LOSS_TOLERANCE = 1e-5
 
@@ -155,7 +157,7 @@ class TorchRunner:
 
     def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
         self.rank, self.timeline, self._pending_forward = ps.pp_rank, Timeline(), None
         num_stages = ps.pp_size * len(chunks)
         stages = [PipelineStage(TensorStage(chunk), c * ps.pp_size + ps.pp_rank, num_stages, torch.device("cpu"),
@@ -165,6 +167,8 @@ class TorchRunner:
         m, loss_fn = settings.num_microbatches, self._timed_loss(make_loss_fn(ps))
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        elif schedule in ZERO_BUBBLE:
+            self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
         else:
             self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=loss_fn)
         params = trainable_params(chunks)  # megapipe's own parameter groups and AdamW kernel
@@ -175,7 +179,7 @@ class TorchRunner:
         self.last = any(stage.is_last for stage in stages)
 
     def _time_passes(self, stage) -> None:
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
         def timed_forward(microbatch, *args, **kwargs):
             start = time.time()
@@ -189,10 +193,18 @@ class TorchRunner:
         def timed_backward(microbatch, *args, **kwargs):
             start = time.time()
             result = backward(microbatch, *args, **kwargs)
-            self._record(ActionKind.B, stage.stage_index, microbatch, start)
+            kind = ActionKind.B if kwargs.get("full_backward", True) else ActionKind.BI
+            self._record(kind, stage.stage_index, microbatch, start)
+            return result
+
+        def timed_weight(microbatch, *args, **kwargs):
+            start = time.time()
+            result = weight(microbatch, *args, **kwargs)
+            self._record(ActionKind.BW, stage.stage_index, microbatch, start)
             return result
 
         stage.forward_one_chunk, stage.backward_one_chunk = timed_forward, timed_backward
+        stage.backward_weight_one_chunk = timed_weight
 
     def _timed_loss(self, loss_fn):
         def timed(logits, labels):
@@ -277,7 +289,9 @@ def speed_row(p: int, per_rank: list[dict]) -> dict:
 
 
 def measured_bubble(p: int, per_rank: list[dict], system: str) -> dict:
-    """Idle share per rank of the F/B phase (mean over timed steps) and median F and B time per stage."""
+    """Idle share per rank of the F/B phase (mean over timed steps) and median F and B time per stage (a
+    split backward's B is its BI and BW together; their own medians come as ``input_backward`` and
+    ``weight_backward``)."""
     idle = {rank: [] for rank in range(p)}
     spans, durations = [], {}
     for step in range(len(per_rank[0]["timelines"][system])):
@@ -290,16 +304,25 @@ def measured_bubble(p: int, per_rank: list[dict], system: str) -> dict:
         for e in compute.events:
             durations.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
     stages = range(p * per_rank[0]["v"])
-    return {"idle": [statistics.mean(idle[rank]) for rank in range(p)], "span": statistics.median(spans),
-            "forward": [statistics.median(durations[(ActionKind.F, s)]) for s in stages],
-            "backward": [statistics.median(durations[(ActionKind.B, s)]) for s in stages]}
+
+    def median(kind):
+        return [statistics.median(durations[(kind, s)]) for s in stages]
+
+    measured = {"idle": [statistics.mean(idle[rank]) for rank in range(p)], "span": statistics.median(spans),
+                "forward": median(ActionKind.F)}
+    if (ActionKind.B, 0) in durations:
+        return dict(measured, backward=median(ActionKind.B))
+    parts = median(ActionKind.BI), median(ActionKind.BW)
+    return dict(measured, backward=[i + w for i, w in zip(*parts)], input_backward=parts[0], weight_backward=parts[1])
 
 
 def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
     """Both systems' measured bubbles and the simulator's prediction from megapipe's measured costs."""
     schedule, v = per_rank[0]["schedule"], per_rank[0]["v"]
     measured = {system: measured_bubble(p, per_rank, system) for system in SYSTEMS}
-    costs = CostModel(forward=measured["megapipe"]["forward"], backward=measured["megapipe"]["backward"], step=0)
+    mine = measured["megapipe"]
+    costs = CostModel(forward=mine["forward"], backward=mine["backward"], input_backward=mine.get("input_backward"),
+                      weight_backward=mine.get("weight_backward"), step=0)
     predicted = simulate(build_schedule(schedule, p, settings.num_microbatches, v), costs)
     return {"p": p, "schedule": schedule, "v": v, "measured": measured,
             "predicted": [float(x) for x in predicted.idle_fraction], "predicted_span": float(predicted.makespan)}
@@ -307,7 +330,8 @@ def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
 
 # ---- report --------------------------------------------------------------------------------------
 def label(schedule: str, v: int) -> str:
-    return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"Interleaved1F1B, v={v}"}[schedule]
+    return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"Interleaved1F1B, v={v}",
+            "zb-h1": "ZB-H1 (PyTorch: InterleavedZeroBubble)", "zb-h2": "ZB-H2 (PyTorch: InterleavedZeroBubble)"}[schedule]
 
 
 def print_speed(rows: list[dict]) -> None:

@@ -40,7 +40,7 @@ from megapipe.testing import run_distributed
 # one world runs 24 short trainings: minutes on a busy 2-core machine, beyond the suite's 300 s default
 pytestmark = pytest.mark.timeout(900)
 
-SCHEDULES = ["1f1b", "gpipe", "interleaved", "pipedream", "2bw"]
+SCHEDULES = ["1f1b", "gpipe", "interleaved", "zb-h1", "pipedream", "2bw"]
 LAYOUTS = {"t2p2d1": (2, 2), "t1p2d2": (1, 2)}
 RTOL = 1e-6
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]

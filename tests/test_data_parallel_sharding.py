@@ -142,11 +142,12 @@ ALL_VARIANTS = [("no_shard", True)] + [(level, overlap) for level in LEVELS for 
 
 # (t, p, d, schedule, v, m): every level and overlap setting on each; together they cover
 # d in {2, 4}, p in {1, 2}, t in {1, 2} with sequence parallelism, the tied embedding across
-# stages, 1F1B, interleaved 1F1B, 2BW and PipeDream on parallel pipelines (the replicas of a
+# stages, 1F1B, interleaved 1F1B, ZB-H1 (split backward: the last BI and the last BW each end
+# their gradients' accumulation), 2BW and PipeDream on parallel pipelines (the replicas of a
 # stage are its data-parallel group), and PipeDream's 2-1 plan (one replicated stage, 1F1B-RR).
 SUITE = {
     4: [(1, 1, 4, "1f1b", 1, 2), (1, 2, 2, "interleaved", 2, 4), (2, 1, 2, "1f1b", 1, 2),
-        (1, 2, 2, "2bw", 1, 2), (1, 2, 2, "pipedream", 1, 2)],
+        (1, 2, 2, "zb-h1", 1, 4), (1, 2, 2, "2bw", 1, 2), (1, 2, 2, "pipedream", 1, 2)],
     3: [(1, 2, 1, "pipedream", 1, 2, "0:2x2,2:4x1")],  # PipeDream's 2-1: stage 0 replicated (1F1B-RR)
 }
 
@@ -158,7 +159,8 @@ def full_matrix() -> dict[int, list[tuple]]:
     for t, p, d in itertools.product((1, 2), (1, 2), (2, 4)):
         if t * p * d > 8:
             continue
-        schedules = [("1f1b", 1, 2)] + ([("interleaved", 2, 4), ("2bw", 1, 2), ("pipedream", 1, 2)] if p > 1 else [])
+        schedules = [("1f1b", 1, 2)] + ([("interleaved", 2, 4), ("zb-h1", 1, 4), ("zb-h2", 1, 4), ("2bw", 1, 2),
+                                         ("pipedream", 1, 2)] if p > 1 else [])
         cases.setdefault(t * p * d, []).extend((t, p, d, name, v, m) for name, v, m in schedules)
     return cases
 

@@ -30,10 +30,15 @@ SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
-def model_config(kind: str) -> ModelConfig:
-    llama = dict(untie_embeddings_and_output_weights=True, ffn_hidden_size=48) if kind == "llama" else {}
-    return family_config(kind, num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
-                         hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, **llama)
+def model_config(kind: str, recompute: bool = False) -> ModelConfig:
+    """The test model; ``recompute`` checkpoints every layer (its gradients are bit-for-bit those without)."""
+    fields = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+    if recompute:
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if kind == "llama":
+        fields.update(untie_embeddings_and_output_weights=True, ffn_hidden_size=48)
+    return family_config(kind, **fields)
 
 
 def optimizer_config() -> OptimizerConfig:
@@ -64,8 +69,8 @@ def reference_run(kind: str, d: int):
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial):
-    config = model_config(kind)
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False):
+    config = model_config(kind, recompute)
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:

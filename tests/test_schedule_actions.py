@@ -9,6 +9,8 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 @pytest.mark.parametrize("action", [
     Action(ActionKind.F, 3, 1),
     Action(ActionKind.B, 0, 7, version=2),
+    Action(ActionKind.BI, 2, 3),
+    Action(ActionKind.BW, 2, 3),
     Action(ActionKind.SEND_F, 3, 1, peer=0),
     Action(ActionKind.RECV_F, 4, 1, peer=3),
     Action(ActionKind.SEND_B, 1, 12, peer=0),

@@ -199,6 +199,8 @@ class GradSync:
 
     # ---- gradients ------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
+        if param.grad is None:  # a split backward's BI left this weight's gradient to its BW
+            return
         self.accumulate(param, param.grad)
         param.grad = None
 

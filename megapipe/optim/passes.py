@@ -9,9 +9,13 @@ the hook of its last gradient.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from megapipe.optim.grad_sync import GradSync
+from megapipe.pipeline.ir.actions import ActionKind
+
+_PARTS = {ActionKind.B: (ActionKind.BI, ActionKind.BW), ActionKind.BI: (ActionKind.BI,), ActionKind.BW: (ActionKind.BW,)}
 
 
 class SyncPasses:
@@ -20,15 +24,21 @@ class SyncPasses:
 
     def __init__(self, syncs: list[Optional[GradSync]], backwards_per_update: int):
         self.syncs, self.backwards_per_update = syncs, backwards_per_update
-        self._backwards = [0] * len(syncs)
+        self._backwards = [Counter() for _ in syncs]  # per chunk: passes of each part since the update
 
-    def before_pass(self, backward: bool, chunk: int) -> None:
+    def before_pass(self, backward: bool, chunk: int, part: Optional[ActionKind] = None) -> None:
+        """``part``: for a backward, B (the default) or a split backward's BI or BW. BI
+        accumulates every gradient except the deferred weight-gradient products, BW only those;
+        a B counts as both, and each counts towards the update on its own, so the last pass to
+        touch a gradient is the final one for it."""
         sync = self.syncs[chunk]
         if sync is None:
             return
         if backward:
-            self._backwards[chunk] += 1
-            sync.begin_backward(final=self._backwards[chunk] == self.backwards_per_update)
+            parts = _PARTS[part or ActionKind.B]
+            counts = self._backwards[chunk]
+            counts.update(parts)
+            sync.begin_backward(final=all(counts[p] == self.backwards_per_update for p in parts))
         sync.gather_weights()
 
     def after_pass(self, backward: bool, chunk: int) -> None:
@@ -38,4 +48,4 @@ class SyncPasses:
     def updated(self, chunks: list[int]) -> None:
         """The listed chunks stepped: their next backwards count towards the next update."""
         for chunk in chunks:
-            self._backwards[chunk] = 0
+            self._backwards[chunk] = Counter()

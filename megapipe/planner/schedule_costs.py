@@ -11,7 +11,10 @@ for GPipe with t = t_f and t = t_b in turn (two flow shops, exact), for 1F1B wit
 (exact when the middle ranks are equal and the last rank's step is not shorter than the
 first's, as when the head outweighs the embedding; otherwise within two steps), and for
 interleaving the same (exact for equal ranks; unequal chunks cause stalls it does not see). 2BW and PipeDream never flush, so in steady state a microbatch leaves every
-max_r (t_f + t_b)_r.
+max_r (t_f + t_b)_r. ZB-H1 and ZB-H2 (split backward, weight gradients half the backward)
+hold p and min(2p - 1, m) microbatches on every rank and take m max_r (t_f + t_b)_r plus the
+forwards of all ranks but the slowest: p - 1 forwards for equal ranks (exact there, as
+``tests/test_zero_bubble_schedules.py`` simulates).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Optional, Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "2bw", "pipedream")
-FLUSHING = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream")
+FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+ZERO_BUBBLE = ("zb-h1", "zb-h2")
 
 
 def unties_embeddings(schedule: str, p: int) -> bool:
@@ -37,7 +41,7 @@ def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
         return "only the interleaved schedule has several chunks per rank, and it needs at least two"
     if schedule == "interleaved" and (p < 2 or m % p):
         return f"interleaving needs p >= 2 and m a multiple of p (p={p}, m={m})"
-    if schedule in ("1f1b", "2bw") and m < p:
+    if schedule in ("1f1b", "2bw") + ZERO_BUBBLE and m < p:
         return f"{schedule} needs at least p={p} microbatches per batch, not {m}"
     if schedule == "pipedream" and m != 1:
         return "PipeDream updates the weights after every microbatch, so a batch is one microbatch per pipeline"
@@ -52,6 +56,10 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
         if m == p:
             return Fraction(m)
         return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
+    if schedule == "zb-h1":  # every rank holds p: the delayed weight gradients fill what 1F1B frees
+        return Fraction(p)
+    if schedule == "zb-h2":
+        return Fraction(min(2 * p - 1, m))
     if schedule in FLUSHING:  # 1f1b: p - rank before the first backward, fewer if the batch is smaller
         return Fraction(min(p - rank, m))
     return Fraction(p - rank)  # 2bw and pipedream never flush: microbatches of the next batch keep coming
@@ -67,9 +75,12 @@ def weight_versions(schedule: str, p: int, rank: int) -> int:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
-    """Idle time over ideal time for equal ranks: (p-1)/(v m) with a flush, 0 without."""
+    """Idle time over ideal time for equal ranks: (p-1)/(v m) with a flush, 0 without; the
+    zero-bubble schedules idle only p-1 forwards, (p-1)/(3m) with a backward of two forwards."""
     if schedule not in FLUSHING:
         return Fraction(0)
+    if schedule in ZERO_BUBBLE:
+        return Fraction(p - 1, 3 * m)
     return Fraction(p - 1, v * m)
 
 
@@ -83,6 +94,8 @@ def pipeline_time(schedule: str, forward: Sequence[float], backward: Sequence[fl
     if schedule == "gpipe":  # all forwards, then all backwards: two flow shops
         return _phase_time(forward, m, v) + _phase_time(backward, m, v)
     both = [f + b for f, b in zip(forward, backward)]
+    if schedule in ZERO_BUBBLE:  # the weight gradients fill the backward's share of the fill and drain
+        return m * max(both) + sum(forward) - max(forward)
     if schedule in FLUSHING:  # 1F1B alternates, so a rank's forward and backward form one step
         return _phase_time(both, m, v)
     return m * max(both)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.parallel_state import ParallelState
+from megapipe.split_backward import linear
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
 
@@ -57,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.ps.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -88,7 +89,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.ps.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
         else:
@@ -140,7 +141,7 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, ps: 
         hidden = mappings.gather_from_sequence_parallel_region(hidden, ps.tp_group)
     else:
         hidden = mappings.copy_to_tensor_parallel_region(hidden, ps.tp_group)
-    logits = F.linear(hidden, word_embeddings, bias)
+    logits = linear(hidden, word_embeddings, bias)
     per_rank = word_embeddings.shape[0]
     first_padded = vocab_size - ps.tp_rank * per_rank
     if first_padded < per_rank:  # in place: the matmul's backward does not need its output

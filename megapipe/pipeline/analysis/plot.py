@@ -21,6 +21,7 @@ from megapipe.pipeline.analysis.timeline import Event, Timeline
 
 FORWARD_COLOR = "#2f6db5"
 BACKWARD_COLOR = "#3a9a4a"
+WEIGHT_COLOR = "#e0a030"  # a split backward's BW (its BI is drawn as a backward)
 IDLE_COLOR = "#e4e4e4"
 STEP_COLOR = "#555555"
 _DPI = 150
@@ -69,7 +70,8 @@ def draw_timeline(timeline: Timeline, path=None, title: Optional[str] = None, ti
         axes.spines[side].set_visible(False)
     axes.tick_params(axis="y", length=0)
     axes.set_title(title or _default_title(timeline, idle), loc="left", fontsize=11)
-    figure.legend(handles=_legend(v), loc="lower center", ncol=2 * v + 2, frameon=False, fontsize=8)
+    split = any(event.action.kind is ActionKind.BW for event in compute)
+    figure.legend(handles=_legend(v, split), loc="lower center", ncol=2 * v + 2, frameon=False, fontsize=8)
     figure.tight_layout(rect=(0, 0.35 / height, 1, 1))
     if path is not None:
         figure.savefig(path, dpi=_DPI)
@@ -94,7 +96,7 @@ def _draw_event(axes, event: Event, start: float, p: int, v: int, pixels_per_uni
         if duration > 0:
             axes.broken_barh([(start, duration)], (event.rank - 0.4, 0.8), color=STEP_COLOR, zorder=2)
         return
-    base = FORWARD_COLOR if action.kind is ActionKind.F else BACKWARD_COLOR
+    base = {ActionKind.F: FORWARD_COLOR, ActionKind.BW: WEIGHT_COLOR}.get(action.kind, BACKWARD_COLOR)
     color = chunk_color(base, action.stage // p, v)
     axes.broken_barh([(start, duration)], (event.rank - 0.4, 0.8), facecolor=color, edgecolor="white",
                      linewidth=0.8, zorder=2)
@@ -106,9 +108,13 @@ def _draw_event(axes, event: Event, start: float, p: int, v: int, pixels_per_uni
                   color="white" if dark else "black", zorder=4)
 
 
-def _legend(v: int) -> list[Patch]:
+def _legend(v: int, split: bool = False) -> list[Patch]:
+    """``split``: the backward is split, drawn as input gradients (BI) and weight gradients (BW)."""
     handles = []
-    for name, base in (("forward", FORWARD_COLOR), ("backward", BACKWARD_COLOR)):
+    kinds = [("forward", FORWARD_COLOR)]
+    kinds += [("input gradients", BACKWARD_COLOR), ("weight gradients", WEIGHT_COLOR)] if split else [
+        ("backward", BACKWARD_COLOR)]
+    for name, base in kinds:
         for chunk in range(v):
             label = name if v == 1 else f"{name}, chunk {chunk}"
             handles.append(Patch(facecolor=chunk_color(base, chunk, v), label=label))

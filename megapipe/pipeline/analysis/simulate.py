@@ -34,10 +34,16 @@ def _stage_cost(cost: StageCost, stage: int) -> Real:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Times of forward, backward and optimizer step, and of messages (latency + bytes / bandwidth)."""
+    """Times of forward, backward and optimizer step, and of messages (latency + bytes / bandwidth).
+
+    A split backward's parts cost ``input_backward`` (BI) and ``weight_backward`` (BW); left
+    out, each is half of ``backward``.
+    """
 
     forward: StageCost = 1
     backward: StageCost = 2
+    input_backward: Optional[StageCost] = None
+    weight_backward: Optional[StageCost] = None
     step: Real = 0
     latency: Real = 0
     message_bytes: Union[Real, Callable[[Message], Real]] = 0
@@ -53,6 +59,11 @@ class CostModel:
             return _stage_cost(self.forward, action.stage)
         if action.kind is ActionKind.B:
             return _stage_cost(self.backward, action.stage)
+        if action.kind is ActionKind.BI or action.kind is ActionKind.BW:
+            part = self.input_backward if action.kind is ActionKind.BI else self.weight_backward
+            if part is None:
+                return Fraction(_stage_cost(self.backward, action.stage)) / 2
+            return _stage_cost(part, action.stage)
         return self.step
 
     def message_size(self, message: Message) -> Real:
@@ -73,6 +84,7 @@ class SimulationResult:
     busy_time: tuple[Real, ...]
     idle_fraction: tuple[Real, ...]  # of the makespan, per rank
     bubble_fraction: Real  # idle share of all ranks' time: mean of idle_fraction
+    idle_in_span: tuple[Real, ...]  # per rank, idle time between its own first and last compute
     peak_activations: tuple[Fraction, ...]  # in units of one full stage's microbatch
     messages_sent: tuple[int, ...]
     bytes_sent: tuple[Real, ...]
@@ -81,12 +93,14 @@ class SimulationResult:
 
 def peak_activations(schedule: Schedule) -> list[Fraction]:
     """Per rank, the most microbatches forwarded but not yet backwarded at once, counted per
-    chunk and divided by v so that a number is in units of one whole stage's activations."""
+    chunk and divided by v so that a number is in units of one whole stage's activations. A
+    split backward holds its forward's activations until BW (what the weight gradients need
+    is most of them: the inputs of every matrix product)."""
     peaks = []
     for rank_actions in schedule.actions:
         in_flight = peak = 0
         for action in rank_actions:
-            in_flight += (action.kind is ActionKind.F) - (action.kind is ActionKind.B)
+            in_flight += (action.kind is ActionKind.F) - action.kind.makes_weight_grads
             peak = max(peak, in_flight)
         peaks.append(Fraction(peak, schedule.v))
     return peaks
@@ -119,8 +133,15 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
         busy_time=tuple(busy[r] for r in range(schedule.p)),
         idle_fraction=tuple(idle[r] for r in range(schedule.p)),
         bubble_fraction=ratio(sum(idle.values()), schedule.p),
+        idle_in_span=tuple(_span(steps, r) - busy[r] for r in range(schedule.p)),
         peak_activations=tuple(peak_activations(schedule)),
         messages_sent=tuple(messages),
         bytes_sent=tuple(sent_bytes),
         timeline=timeline,
     )
+
+
+def _span(steps, rank: int) -> Real:
+    """From a rank's first compute start to its last compute end."""
+    computes = [step for step in steps if step.rank == rank and not step.action.kind.is_communication]
+    return max(step.end for step in computes) - min(step.start for step in computes)

@@ -14,6 +14,12 @@ Kinds and what an executor does for each, in list order:
 * ``B s.i`` -- backward of microbatch i through stage s, using what F s.i saved. Its output
   gradient comes from the loss (last stage), from B s+1.i on this rank, or from the
   ``RECV_B s.i`` posted earlier in this list.
+* ``BI s.i`` and ``BW s.i`` -- the backward of microbatch i through stage s split in two
+  (zero-bubble schedules): ``BI`` computes the gradient with respect to the stage input (what
+  ``SEND_B`` sends, what B s-1.i waits for), leaving the weight-gradient products of its
+  linear layers for later; ``BW`` computes those and accumulates them (``split_backward.py``).
+  A plain ``B`` is both at once. A stage and microbatch has either one ``B`` or one ``BI``
+  followed by one ``BW`` on its rank; what the products need is held until ``BW``.
 * ``SEND_F s.i>r`` -- send the output of F s.i to pipeline rank r (which holds stage s+1).
 * ``RECV_F s.i<r`` -- receive the input of stage s, microbatch i, from pipeline rank r.
 * ``SEND_B s.i>r`` -- send the input gradient of B s.i to rank r (which holds stage s-1).
@@ -48,7 +54,7 @@ batches (microbatches ``0 .. batches*m - 1``): warm-up, steady state, drain. The
 runs it as a periodic program, one batch per call (see ``program.py``).
 
 Text form, used in grids and schedule files: ``F3.1`` (forward, stage 3, microbatch 1),
-``B0.7``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``, ``UPDATE2.7``. ``parse_action`` reads it
+``B0.7``, ``BI2.3``, ``BW2.3``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``, ``UPDATE2.7``. ``parse_action`` reads it
 back.
 """
 
@@ -68,6 +74,8 @@ class ActionKind(str, Enum):
 
     F = "F"
     B = "B"
+    BI = "BI"
+    BW = "BW"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -77,7 +85,21 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self is ActionKind.F or self is ActionKind.B
+        return self in (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
+
+    @property
+    def is_backward(self) -> bool:
+        return self in (ActionKind.B, ActionKind.BI, ActionKind.BW)
+
+    @property
+    def makes_input_grad(self) -> bool:
+        """B or BI: the action whose result SEND_B sends and B/BI of the previous stage consumes."""
+        return self is ActionKind.B or self is ActionKind.BI
+
+    @property
+    def makes_weight_grads(self) -> bool:
+        """B or BW: the action after which the stage's weight gradients of the microbatch are complete."""
+        return self is ActionKind.B or self is ActionKind.BW
 
     @property
     def is_optimizer_step(self) -> bool:
@@ -138,7 +160,7 @@ class Action:
         return text
 
 
-_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
+_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|BI|BW|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
 
 
 def parse_action(text: str) -> Action:
@@ -148,7 +170,7 @@ def parse_action(text: str) -> Action:
         return Action(ActionKind.STEP)
     match = _ACTION_PATTERN.fullmatch(token)
     if match is None:
-        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, SEND_F3.1>0, RECV_B2.5<3, "
+        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, BI0.2, BW0.2, SEND_F3.1>0, RECV_B2.5<3, "
                             "UPDATE1.3 or STEP.")
     kind, stage, microbatch, version, arrow, peer = match.groups()
     kind = ActionKind(kind)

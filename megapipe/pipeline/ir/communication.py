@@ -2,9 +2,10 @@
 
 Rule. Replay the compute-only lists with compute times (``replay.replay``; by default F = 1
 and B = 2 per stage, messages free). A compute action whose output another rank consumes is
-followed, on its own rank, by its ``SEND``. The sender also decides where the matching
-``RECV`` goes: on the consumer's rank, right before the compute that is running (or next to
-start) when the send is posted, and never after the consumer. Receives from one sender are
+followed, on its own rank, by its ``SEND`` (``SEND_B`` follows B or BI, never BW). The
+sender also decides where the matching ``RECV`` goes: on the consumer's rank, right before
+the compute that is running (or next to start) when the send is posted, and never after the
+consumer. Receives from one sender are
 then moved earlier where needed so that they keep the sender's order. A rank never places
 its own receives.
 
@@ -40,9 +41,9 @@ from megapipe.pipeline.ir.replay import Duration, Message, Transfer, outgoing_me
 
 
 def unit_duration(rank: int, action: Action) -> Real:
-    """Placement costs: F = 1 and B = 2 per stage (the ratio of the papers' figures); STEP and
+    """Placement costs: F = 1 and B = 2 per stage (the ratio of the papers' figures), BI = BW = 1; STEP and
     UPDATE a small positive time, so no two actions of a rank end at once (``transport.py``)."""
-    return {ActionKind.F: 1, ActionKind.B: 2}.get(action.kind, Fraction(1, 64))
+    return {ActionKind.F: 1, ActionKind.B: 2, ActionKind.BI: 1, ActionKind.BW: 1}.get(action.kind, Fraction(1, 64))
 
 
 def _free(message: Message) -> Real:
@@ -125,11 +126,14 @@ def _call_of(bounds: tuple[int, ...], index: int) -> int:
 
 
 def _identity(action: Action) -> tuple:
-    return (action.kind, action.stage, action.microbatch)
+    """Where a compute sits in its list; B and BI share one identity (a stage and microbatch has
+    only one of them), the one that consumes a gradient and makes the next."""
+    kind = ActionKind.B if action.kind is ActionKind.BI else action.kind
+    return (kind, action.stage, action.microbatch)
 
 
 def _consumer(recv: Action) -> Action:
-    kind = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B
+    kind = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B  # B or BI, see _identity
     return Action(kind, recv.stage, recv.microbatch)
 
 

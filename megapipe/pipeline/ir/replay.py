@@ -6,17 +6,19 @@ deadlock) and the simulator (the same replay with costs gives start and end time
 
 Waiting rules, under the executor contract of ``actions.py``:
 
-* ``F s.i`` waits for the input of stage s; ``B s.i`` waits for its own ``F s.i`` and for the
-  output gradient of stage s. An input made on the same rank is ready when its producer
+* ``F s.i`` waits for the input of stage s; ``B s.i`` and ``BI s.i`` wait for their own
+  ``F s.i`` and for the output gradient of stage s (made by B or BI of stage s+1); ``BW s.i``
+  waits for its own ``BI s.i``. An input made on the same rank is ready when its producer
   ends. An input from another rank is a *message* (``F``/``B``, producing stage,
   microbatch): it arrives ``transfer`` after both ends are posted, i.e. after the
   ``SEND_*`` on the producer's rank and the ``RECV_*`` on this rank. In a compute-only
   schedule (no SEND/RECV yet) the message is implied: sent when the producer ends,
   always posted.
 * ``SEND_* s.i`` waits for the compute that makes the tensor; ``RECV_*`` waits for nothing
-  (posting a receive never blocks); ``STEP`` waits for every ``B`` of the rank.
+  (posting a receive never blocks); ``STEP`` waits for every ``B`` or ``BW`` of the rank
+  (the weight gradients).
 * ``UPDATE s.i`` waits for the backwards it applies: on a replicated stage it is a
-  collective, so it waits for each replica's last ``B s.j`` with j <= i (on this rank list
+  collective, so it waits for each replica's last ``B``/``BW s.j`` with j <= i (on this rank list
   order already guarantees it).
 
 Actions of one rank run in list order; sends and receives take no compute time.
@@ -70,8 +72,8 @@ def input_producer(schedule: Schedule, action: Action) -> Optional[Action]:
     """The compute action whose output F or B consumes: F s-1.i or B s+1.i (None at the pipeline ends)."""
     if action.kind is ActionKind.F and action.stage > 0:
         return Action(ActionKind.F, action.stage - 1, action.microbatch)
-    if action.kind is ActionKind.B and action.stage < schedule.num_stages - 1:
-        return Action(ActionKind.B, action.stage + 1, action.microbatch)
+    if action.kind.makes_input_grad and action.stage < schedule.num_stages - 1:
+        return Action(ActionKind.B, action.stage + 1, action.microbatch)  # or BI: the same tensor
     return None
 
 
@@ -79,7 +81,7 @@ def outgoing_messages(schedule: Schedule, action: Action) -> Optional[tuple[Acti
     """For a compute action whose output another rank consumes: (its SEND, the consumer's RECV)."""
     if action.kind is ActionKind.F and action.stage < schedule.num_stages - 1:
         send_kind, recv_kind, consumer_stage = ActionKind.SEND_F, ActionKind.RECV_F, action.stage + 1
-    elif action.kind is ActionKind.B and action.stage > 0:
+    elif action.kind.makes_input_grad and action.stage > 0:
         send_kind, recv_kind, consumer_stage = ActionKind.SEND_B, ActionKind.RECV_B, action.stage - 1
     else:
         return None
@@ -94,6 +96,16 @@ def outgoing_messages(schedule: Schedule, action: Action) -> Optional[tuple[Acti
 def _key(action: Action) -> Message:
     """Identity of a compute action's result (and of the message carrying it), ignoring its version."""
     return (action.kind, action.stage, action.microbatch)
+
+
+def results_of(action: Action) -> list[Message]:
+    """What a compute action makes, as the keys others wait for: ``(B, s, i)`` is the input
+    gradient (made by B or BI), ``(BW, s, i)`` the weight gradients (made by B or BW)."""
+    if action.kind.is_backward:
+        made = [ActionKind.B] if action.kind.makes_input_grad else []
+        made += [ActionKind.BW] if action.kind.makes_weight_grads else []
+        return [(kind, action.stage, action.microbatch) for kind in made]
+    return [_key(action)]
 
 
 class Wait(NamedTuple):
@@ -114,20 +126,23 @@ class Wait(NamedTuple):
 def waits_of(schedule: Schedule, rank: int, action: Action) -> list[Wait]:
     """Everything ``action`` on ``rank`` waits for (see the module docstring)."""
     kind, stage, microbatch = action.kind, action.stage, action.microbatch
-    if kind is ActionKind.F or kind is ActionKind.B:
-        waits = [Wait((ActionKind.F, stage, microbatch), False)] if kind is ActionKind.B else []
-        producer_stage = stage - 1 if kind is ActionKind.F else stage + 1
+    if kind is ActionKind.BW:
+        return [Wait((ActionKind.B, stage, microbatch), False)]  # its BI
+    if kind is ActionKind.F or kind.makes_input_grad:
+        made = ActionKind.F if kind is ActionKind.F else ActionKind.B
+        waits = [Wait((ActionKind.F, stage, microbatch), False)] if made is ActionKind.B else []
+        producer_stage = stage - 1 if made is ActionKind.F else stage + 1
         if 0 <= producer_stage < schedule.num_stages:
-            waits.append(Wait((kind, producer_stage, microbatch),
+            waits.append(Wait((made, producer_stage, microbatch),
                               schedule.rank_of(producer_stage, microbatch) != rank))
         return waits
     if kind.is_send:
         return [Wait((_PRODUCER_OF_SEND[kind], stage, microbatch), False)]
     if kind is ActionKind.STEP:
-        return [Wait((ActionKind.B, s, i), False) for s in schedule.stages_on_rank(rank)
+        return [Wait((ActionKind.BW, s, i), False) for s in schedule.stages_on_rank(rank)
                 for i in schedule.microbatches_on(rank, s)]
     if kind is ActionKind.UPDATE:
-        return [Wait((ActionKind.B, stage, last), False) for last in _last_backwards(schedule, stage, microbatch)]
+        return [Wait((ActionKind.BW, stage, last), False) for last in _last_backwards(schedule, stage, microbatch)]
     return []
 
 
@@ -331,7 +346,8 @@ class _Replay:
             self.members[rank].setdefault(group, []).append(message)
             self.end_of[(rank, message)] = group
         else:
-            self.ended[_key(action)] = end
+            for made in results_of(action):
+                self.ended[made] = end
         self.position[rank] += 1
         return ReplayedAction(rank, index, action, start, end)
 

@@ -2,10 +2,10 @@
 
 The checks, in order: every action names a stage its rank holds and a microbatch in range,
 and a send or receive names the right peer; every (stage, microbatch) has exactly one F and
-one B, and every rank one STEP (flush schedules) or UPDATEs of its stages (asynchronous
+one B, and (or one BI and one BW), every rank one STEP (flush schedules) or UPDATEs of its stages (asynchronous
 schedules, whose UPDATE and weight-version rules ``validate_updates`` checks); on each rank
-F comes before its B, a send after the compute that makes its tensor, STEP after all the
-rank's B; if the schedule has SEND/RECV actions,
+F comes before its B or BI, BI before its BW, a send after the compute that makes its tensor, STEP after all the
+rank's B and BW; if the schedule has SEND/RECV actions,
 every tensor crossing ranks has exactly one send and one receive, the receive comes before
 its consumer, and between two ranks receives are posted in the order the sender sends;
 finally a replay of all lists (``replay.replay``) finds no deadlock under each transport model
@@ -114,27 +114,39 @@ def _check_counts(schedule: Schedule) -> None:
             _fail(schedule, None, None, f"rank {rank} has no STEP; end its list with STEP after its last backward.")
         for stage in schedule.stages_on_rank(rank):
             for microbatch in schedule.microbatches_on(rank, stage):
-                for kind in (ActionKind.F, ActionKind.B):
-                    if not seen[(rank, kind, stage, microbatch)]:
-                        _fail(schedule, None, None, f"rank {rank} never runs {kind.value}{stage}.{microbatch}; "
-                                                    "every stage needs one F and one B per microbatch.")
+                runs = {kind for kind in (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
+                        if seen[(rank, kind, stage, microbatch)]}
+                backward = runs - {ActionKind.F}
+                missing = [kind.value for kind in (ActionKind.F, ActionKind.B)
+                           if kind not in runs and (kind is ActionKind.F or not backward)]
+                if missing:
+                    _fail(schedule, None, None, f"rank {rank} never runs {missing[0]}{stage}.{microbatch}; every stage "
+                                                "needs one F and one B (or one BI and one BW) per microbatch.")
+                if backward not in ({ActionKind.B}, {ActionKind.BI, ActionKind.BW}):
+                    _fail(schedule, None, None, f"rank {rank} runs {'/'.join(sorted(k.value for k in backward))} for "
+                                                f"stage {stage} microbatch {microbatch}; a stage needs either one B or "
+                                                "one BI and one BW per microbatch.")
 
 
 def _check_rank_order(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         done: set[tuple] = set()
         for index, action in enumerate(actions):
-            if action.kind is ActionKind.B and (ActionKind.F, action.stage, action.microbatch) not in done:
+            if action.kind.makes_input_grad and (ActionKind.F, action.stage, action.microbatch) not in done:
                 _fail(schedule, rank, index, f"rank {rank} runs {action} before F{action.stage}.{action.microbatch}; "
                                              "a backward needs its forward first.")
+            if action.kind is ActionKind.BW and (ActionKind.BI, action.stage, action.microbatch) not in done:
+                _fail(schedule, rank, index, f"rank {rank} runs {action} before BI{action.stage}.{action.microbatch}; "
+                                             "the weight gradients need the input gradient's pass first.")
             if action.kind.is_send:
-                producer = ActionKind.F if action.kind is ActionKind.SEND_F else ActionKind.B
-                if (producer, action.stage, action.microbatch) not in done:
+                makers = [ActionKind.F] if action.kind is ActionKind.SEND_F else [ActionKind.B, ActionKind.BI]
+                if not any((kind, action.stage, action.microbatch) in done for kind in makers):
+                    producer = "/".join(kind.value for kind in makers)
                     _fail(schedule, rank, index, f"rank {rank} runs {action} before the "
-                                                 f"{producer.value}{action.stage}.{action.microbatch} that makes its "
+                                                 f"{producer}{action.stage}.{action.microbatch} that makes its "
                                                  "tensor; put the send after it.")
             if action.kind is ActionKind.STEP:
-                backwards = sum(1 for key in done if key[0] is ActionKind.B)
+                backwards = sum(1 for key in done if key[0].makes_weight_grads)
                 expected = sum(len(schedule.microbatches_on(rank, s)) for s in schedule.stages_on_rank(rank))
                 if backwards < expected:
                     _fail(schedule, rank, index, f"rank {rank} runs STEP after only {backwards} of its "

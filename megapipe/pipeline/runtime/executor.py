@@ -30,6 +30,7 @@ from torch.func import functional_call
 from megapipe.distributed import DeviceClock
 from megapipe.loss_parts import parts_of
 from megapipe.parallel_state import ParallelState
+from megapipe.split_backward import apply_weight_gradients, deferring_weight_gradients
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
@@ -95,7 +96,7 @@ class PipelineExecutor:
         self.passes = passes  # data-parallel hooks around each pass (``optim/passes.py``), or None
         self.deallocate_sent_outputs = deallocate_sent_outputs
         # a list without backwards (evaluation) keeps nothing of a forward once its output is passed on
-        self.keeps_graphs = self.program.asynchronous or any(a.kind is ActionKind.B for actions in self.schedule.actions
+        self.keeps_graphs = self.program.asynchronous or any(a.kind.is_backward for actions in self.schedule.actions
                                                              for a in actions)
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
         self.clock = DeviceClock(device) if timeline is not None else None
@@ -246,7 +247,7 @@ class PipelineExecutor:
                 self.p2p.wait(transfer)
             state.sends.clear()
             return
-        if not action.kind.is_compute:
+        if not action.kind.is_compute or action.kind is ActionKind.BW:
             return
         kind = ActionKind.RECV_F if action.kind is ActionKind.F else ActionKind.RECV_B
         transfer = state.recvs.get((kind, action.stage, action.microbatch))
@@ -264,8 +265,10 @@ class PipelineExecutor:
     def _compute(self, action: Action, call: Optional[int], index: int, data, state: "_State") -> None:
         if action.kind is ActionKind.F:
             self._forward(action, call, index, data(action.microbatch), state)
-        elif action.kind is ActionKind.B:
-            self._backward(action.stage, action.microbatch, state)
+        elif action.kind is ActionKind.B or action.kind is ActionKind.BI:
+            self._backward(action.stage, action.microbatch, state, split=action.kind is ActionKind.BI)
+        elif action.kind is ActionKind.BW:
+            self._weight_backward(action.stage, action.microbatch, state)
         elif action.kind is ActionKind.STEP:
             self._update_stores(self.stores or [], self.step)
         elif action.kind is ActionKind.UPDATE:
@@ -327,34 +330,52 @@ class PipelineExecutor:
             graph_end = self.scale_loss(out / self.program.loss_divisor)
         if self.keeps_graphs:
             state.saved[(stage, microbatch)] = SavedForward(inp, graph_end, use, batch, rng)
-        state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
+        state.peak_in_flight = max(state.peak_in_flight, len(state.saved) + len(state.deferred))
         return out
 
-    def _backward(self, stage: int, microbatch: int, state: "_State") -> None:
+    def _backward(self, stage: int, microbatch: int, state: "_State", split: bool = False) -> None:
+        """B, or with ``split`` BI: the backward with the weight-gradient products left for BW
+        (``split_backward.py``); the graph is freed either way."""
         key = (stage, microbatch)
         saved = state.saved.pop(key)
         inp, out, use = saved.inp, saved.out, saved.use
         chunk_index = self.schedule.chunk_of_stage(stage)
         if self.passes is not None:
-            self.passes.before_pass(True, chunk_index)
+            self.passes.before_pass(True, chunk_index, ActionKind.BI if split else ActionKind.B)
         if stage == self.schedule.num_stages - 1:
-            torch.autograd.backward(out)
+            grad = torch.ones_like(out)
         else:
             grad = self._received(ActionKind.RECV_B, stage, microbatch, state)
             if grad is None:
                 grad = state.local_grads.pop(key)
+        if split:
+            deferred = state.deferred[key] = []
+            with deferring_weight_gradients(deferred):
+                _backward_from(out, grad)
+        else:
             _backward_from(out, grad)
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
         if use is not None:
-            self.stores[self.schedule.chunk_of_stage(stage)].backward_done(use)
+            self.stores[chunk_index].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)
         if stage == 0:
             return
+        input_grad = inp.grad
         if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
-            state.local_grads[(stage - 1, microbatch)] = inp.grad
+            state.local_grads[(stage - 1, microbatch)] = input_grad
         else:
-            state.input_grads[key] = inp.grad
+            state.input_grads[key] = input_grad
+
+    def _weight_backward(self, stage: int, microbatch: int, state: "_State") -> None:
+        """BW: the weight-gradient products BI left, accumulated like a B's gradients (the
+        gradient syncs' hooks see them)."""
+        chunk_index = self.schedule.chunk_of_stage(stage)
+        if self.passes is not None:
+            self.passes.before_pass(True, chunk_index, ActionKind.BW)
+        apply_weight_gradients(state.deferred.pop((stage, microbatch)))
+        if self.passes is not None:
+            self.passes.after_pass(True, chunk_index)
 
     def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
         if self.versions_used is not None:
@@ -398,6 +419,7 @@ class _State:
 
     def __init__(self):
         self.saved: dict[tuple[int, int], SavedForward] = {}  # kept for the backward, in forward order
+        self.deferred: dict = {}  # weight-gradient products a BI left for its BW (``split_backward.py``)
         self.prereceived: dict = {}  # (RECV kind, stage, microbatch) -> tensor received before its call
         self.outputs_to_send: dict = {}
         self.input_grads: dict = {}

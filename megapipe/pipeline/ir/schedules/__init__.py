@@ -26,6 +26,7 @@ from megapipe.pipeline.ir.schedules.interleaved import interleaved
 from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
 from megapipe.pipeline.ir.schedules.pipedream import pipedream
 from megapipe.pipeline.ir.schedules.two_bw import two_bw
+from megapipe.pipeline.ir.schedules.zero_bubble import zb_h1, zb_h2
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.runtime.weights import WeightPolicy
@@ -170,4 +171,6 @@ register_schedule("gpipe", gpipe)
 register_schedule("1f1b", one_f_one_b)
 register_schedule("interleaved", interleaved, chunked=True)
 register_schedule("pipedream", pipedream, weight_policy=WeightPolicy.STASH)
+register_schedule("zb-h1", zb_h1)
+register_schedule("zb-h2", zb_h2)
 register_schedule("2bw", two_bw, chunked=True, weight_policy=WeightPolicy.DOUBLE_BUFFER)

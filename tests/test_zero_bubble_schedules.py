@@ -1,0 +1,95 @@
+"""Split backward (BI/BW) in the IR and the zero-bubble schedules ZB-H1 and ZB-H2 on the simulator.
+
+References: the closed forms of Qi et al. (ICLR 2024) at unit costs F = BI = BW = 1 (1F1B's B
+= BI + BW = 2) and free messages, computed exactly (integers and Fractions): 1F1B idles
+3 (p - 1) per rank, ZB-H1 p - 1 (a third); ZB-H2 has no idle time between a rank's first and
+last action once m >= 2p - 1, and some below that bound. Peak activations: ZB-H1 holds p
+microbatches like 1F1B's first rank, ZB-H2 2p - 1 (about twice). The planner's closed forms
+(``planner/schedule_costs.py``) give the same batch time and memory.
+"""
+
+import pytest
+
+from megapipe.errors import ConfigError, ScheduleError
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
+from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.planner.schedule_costs import in_flight, pipeline_time
+
+UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
+SIZES = [(p, m) for p in range(2, 6) for m in range(p, 3 * p + 1)]
+
+
+def idle(result):
+    return [result.makespan - busy for busy in result.busy_time]
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_zb_h1_idles_a_third_of_1f1b_with_its_memory(p, m):
+    one_f_one_b = simulate(build_schedule("1f1b", p, m), UNIT)
+    zb_h1 = simulate(build_schedule("zb-h1", p, m), UNIT)
+    assert idle(one_f_one_b) == [3 * (p - 1)] * p
+    assert idle(zb_h1) == [p - 1] * p
+    assert zb_h1.makespan == 3 * m + p - 1
+    assert max(zb_h1.peak_activations) == max(one_f_one_b.peak_activations) == p
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_zb_h2_has_no_bubble_inside_once_m_reaches_2p_minus_1(p, m):
+    zb_h2 = simulate(build_schedule("zb-h2", p, m), UNIT)
+    if m >= 2 * p - 1:
+        assert zb_h2.idle_in_span == (0,) * p
+        assert zb_h2.makespan == 3 * m + p - 1  # only the parallelogram's offsets remain
+        assert max(zb_h2.peak_activations) == 2 * p - 1  # 1F1B's p, about twice
+    else:
+        assert max(zb_h2.idle_in_span) > 0
+
+
+def test_split_backward_text_and_lowering():
+    schedule = build_schedule("zb-h1", 2, 3)
+    assert schedule.to_text().splitlines()[1].split()[:5] == ["RECV_F1.0<0", "F1.0", "RECV_F1.1<0", "BI1.0",
+                                                               "SEND_B1.0>0"]
+    for actions in schedule.actions:  # SEND_B always follows the BI that makes its gradient
+        for before, action in zip(actions, actions[1:]):
+            if action.kind is ActionKind.SEND_B:
+                assert (before.kind, before.stage, before.microbatch) == (ActionKind.BI, action.stage,
+                                                                          action.microbatch)
+    assert parse_action("BW0.2") == Action(ActionKind.BW, 0, 2)
+
+
+def lists(text):
+    return [[parse_action(token) for token in line.split()] for line in text.strip().splitlines()]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("F0.0 BW0.0 BI0.0 STEP\n", "before BI0.0"),
+    ("F0.0 BI0.0 STEP\n", "either one B or one BI and one BW"),
+    ("F0.0 B0.0 BW0.0 STEP\n", "either one B or one BI and one BW"),
+    ("F0.0 BI0.0 STEP BW0.0\n", "STEP after only 0 of its 1 backwards"),
+])
+def test_bad_split_backwards_are_named(text, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate_schedule(Schedule("bad", 1, 1, 1, lists(text)))
+
+
+def test_split_and_whole_backwards_mix_under_both_transports():
+    mixed = Schedule("mixed", 2, 2, 1, lists("F0.0 F0.1 B0.0 BI0.1 BW0.1 STEP\nF1.0 BI1.0 F1.1 B1.1 BW1.0 STEP"))
+    validate_schedule(mixed, transports=ALL_TRANSPORTS)
+    result = simulate(mixed, UNIT)
+    assert result.makespan == 8
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_too_few_microbatches_name_the_flag_and_least_value(name):
+    with pytest.raises(ConfigError, match=rf"--pipeline-schedule {name} needs at least m=4 .*m >= 4"):
+        build_schedule(name, 4, 3)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 4), (4, 9)])
+def test_planner_closed_forms_match_the_simulator(name, p, m):
+    simulated = simulate(build_schedule(name, p, m), UNIT)
+    assert pipeline_time(name, [1] * p, [2] * p, m) == simulated.makespan
+    assert [in_flight(name, p, m, 1, rank) for rank in range(p)] == list(simulated.peak_activations)
