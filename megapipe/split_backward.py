@@ -86,5 +86,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     The function itself works on the rows ``[tokens, features]`` and the view back to the input's
     leading dimensions is taken outside it, so the output may be modified in place like F.linear's.
     """
+    if not torch.is_grad_enabled():  # evaluation and generation: no backward to split
+        return F.linear(inp, weight, bias)
     rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias)
     return rows.view(*inp.shape[:-1], weight.shape[0])
