@@ -99,8 +99,9 @@ def test_the_plan_is_the_fastest_layout_that_fits():
 def test_no_configuration_fits_names_the_smallest_requirement():
     profile = small_profile()
     model = CostModel(profile, small_cluster(), Training(32))
-    smallest = min((model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)),
-                   key=lambda e: e.memory)
+    estimates = [model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)]
+    # of the layouts needing the least memory (1F1B and ZB-H1 tie) the fastest is named, then by name
+    smallest = min(estimates, key=lambda e: (e.memory, -e.samples_per_second, e.layout.describe()))
     cluster = small_cluster(memory=0.9 * smallest.memory)
     expected = (f"no configuration fits in {human_bytes(cluster.usable_memory)} per device: the smallest needs "
                 f"{human_bytes(smallest.memory)} at {smallest.layout.describe()}; ")

@@ -120,6 +120,11 @@ def _no_layout_error(shape: ModelShape, devices: int, request: PlanRequest) -> C
                        "allow gpipe.")
 
 
+def smallest_first(e: Estimate) -> tuple[float, float, str]:
+    """Order of the layouts a memory error may name: least memory, then fastest, then by name (deterministic)."""
+    return e.memory, -e.samples_per_second, e.layout.describe()
+
+
 def _memory_error(smallest: Estimate, cluster: Cluster) -> ConfigError:
     return ConfigError(f"no configuration fits in {human_bytes(cluster.usable_memory)} per device: the smallest "
                        f"needs {human_bytes(smallest.memory)} at {smallest.layout.describe()}; add devices or "
@@ -139,7 +144,7 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
         raise _no_layout_error(profile.shape, cluster.num_gpus, request)
     fitting = [e for e in estimates if e.memory <= cluster.usable_memory]
     if not fitting:
-        raise _memory_error(min(estimates, key=lambda e: e.memory), cluster)
+        raise _memory_error(min(estimates, key=smallest_first), cluster)
 
     def order(e: Estimate) -> tuple[float, float]:  # fastest first; of equally fast ones (a sharding level
         return -e.samples_per_second, e.memory       # that costs no time, say) the smallest
