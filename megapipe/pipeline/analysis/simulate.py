@@ -37,7 +37,9 @@ class CostModel:
     """Times of forward, backward and optimizer step, and of messages (latency + bytes / bandwidth).
 
     A split backward's parts cost ``input_backward`` (BI) and ``weight_backward`` (BW); left
-    out, each is half of ``backward``.
+    out, each is half of ``backward``. ``overlap(f, b)`` is the time of a forward and a
+    backward run overlapped (DualPipe's F&B): ``max`` when one hides the other entirely,
+    ``operator.add`` when they gain nothing (what a single CPU thread does).
     """
 
     forward: StageCost = 1
@@ -48,6 +50,7 @@ class CostModel:
     latency: Real = 0
     message_bytes: Union[Real, Callable[[Message], Real]] = 0
     bandwidth: Optional[Real] = None  # bytes per time unit; None means infinitely fast
+    overlap: Callable[[Real, Real], Real] = max
 
     @classmethod
     def per_chunk(cls, v: int, forward: Real = 1, backward: Real = 2, **kwargs) -> "CostModel":
@@ -116,7 +119,7 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
     """
     if not schedule.has_communication:
         schedule = add_communication(schedule, costs.compute_time, costs.transfer_time)
-    steps = replay(schedule, costs.compute_time, costs.transfer_time)
+    steps = replay(schedule, costs.compute_time, costs.transfer_time, overlap=costs.overlap)
     timeline = Timeline(meta={"schedule": schedule.name, "p": schedule.p, "m": schedule.m, "v": schedule.v})
     messages, sent_bytes = [0] * schedule.p, [0] * schedule.p
     for step in steps:
