@@ -226,8 +226,8 @@ def test_chunks_need_a_chunked_schedule():
 
 
 def test_unknown_schedule_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="--pipeline-schedule zigzag is unknown; choose one of 1f1b, gpipe, "
-                                          "interleaved"):
+    with pytest.raises(ConfigError, match="--pipeline-schedule zigzag is unknown; choose one of 1f1b, dualpipev, "
+                                          "gpipe, interleaved"):
         build_schedule("zigzag", 2, 4)
 
 
