@@ -14,8 +14,13 @@ flush and a 2BW one) save with --async-save, whose background write must produce
 checkpoint; an fp16 run of one process also needs its fp32 master weights and dynamic loss
 scaler back.
 
+ZBV (the V placement, whose first rank holds both copies of the tied embedding) resumes bit for
+bit at (2, 2, 1).
+
 Resharding: a checkpoint saved at (2, 2, 1) loads at (1, 4, 1), (4, 1, 1), (1, 1, 4) and
-(1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``. Every layout trains
+(1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``; and across placements:
+it loads into ZBV's V at (2, 2, 1), and a checkpoint ZBV saved loads into the looped
+interleaving. Every layout trains
 steps 3 and 4 on the same global batches as the saving run. Step 3's loss checks the weights
 (the vocabulary is padded to 16 x t rows, so each layout pads and trims differently, and the
 tied embedding is split or whole); step 4's also checks that the Adam moments were resharded
@@ -52,6 +57,7 @@ def resume_cases():
         for schedule in SCHEDULES:
             extra = ["--async-save"] if (layout, schedule) in (("t1p2d2", "1f1b"), ("t2p2d1", "2bw")) else []
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
+    yield "t2p2d1-zbv", layout_flags(2, 2, "zbv")  # m = 4 = 2p: the least ZBV runs with (d = 2 leaves 2)
 
 
 ASYNCHRONOUS = ("pipedream", "2bw")
@@ -93,6 +99,17 @@ def _reshard(root, cache):
         trainer, losses = train(NO_DROPOUT + layout_flags(t, p) + ["--load", os.path.join(saved, "iter_0000002")],
                                 cache)
         results[name] = _logged(trainer, losses)
+    # the V placement: a looped checkpoint loads into it, and its own checkpoint into the looped interleaving
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "zbv") + ["--load", os.path.join(saved, "iter_0000002")],
+                            cache)
+    results["t2p2d1-v-from-looped"] = _logged(trainer, losses)
+    saved_v = os.path.join(root, "t2p2d1-v")
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "zbv") + ["--save", saved_v, "--save-interval", "2"],
+                            cache)
+    results["t2p2d1-v"] = _logged(trainer, losses[2:])
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "interleaved") +
+                            ["--load", os.path.join(saved_v, "iter_0000002")], cache)
+    results["t2p2d1-looped-from-v"] = _logged(trainer, losses)
     return results
 
 
@@ -155,7 +172,8 @@ def _step_means(rank_losses):
     return [sum(sum(step, [])) / sum(len(part) for part in step) for step in zip(*rank_losses)]
 
 
-@pytest.mark.parametrize("layout", ["t1p4d1", "t4p1d1", "t1p1d4", "t1p1d1"])
+@pytest.mark.parametrize("layout", ["t1p4d1", "t4p1d1", "t1p1d4", "t1p1d1", "t2p2d1-v-from-looped", "t2p2d1-v",
+                                    "t2p2d1-looped-from-v"])
 def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs, layout):
     by_layout = runs[1]
     expected, actual = _step_means(by_layout["t2p2d1"]), _step_means(by_layout[layout])
