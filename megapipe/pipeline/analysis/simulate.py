@@ -122,8 +122,9 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
     steps = replay(schedule, costs.compute_time, costs.transfer_time, overlap=costs.overlap)
     timeline = Timeline(meta={"schedule": schedule.name, "p": schedule.p, "m": schedule.m, "v": schedule.v})
     messages, sent_bytes = [0] * schedule.p, [0] * schedule.p
+    for rank, start, end, action in _drawn(steps, costs):
+        timeline.record(rank, action, start, end)
     for step in steps:
-        timeline.record(step.rank, step.action, step.start, step.end)
         if step.action.kind.is_send:
             messages[step.rank] += 1
             sent_bytes[step.rank] += costs.message_size(message_of(step.action))
@@ -142,6 +143,26 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
         bytes_sent=tuple(sent_bytes),
         timeline=timeline,
     )
+
+
+def _drawn(steps, costs: CostModel):
+    """(rank, start, end, action) to record: an overlapped pair's time, which the replay gives its forward,
+    shared between its forward and backward in proportion to their own times, so both show."""
+    by_position = {(step.rank, step.index): step for step in steps}
+    drawn = {}
+    for step in steps:
+        drawn[(step.rank, step.index)] = (step.rank, step.start, step.end, step.action)
+        if not step.action.overlapped:
+            continue
+        index = step.index - 1
+        while not by_position[(step.rank, index)].action.kind.is_compute:
+            index -= 1
+        forward = by_position[(step.rank, index)]
+        f, b = costs.compute_time(step.rank, forward.action), costs.compute_time(step.rank, step.action)
+        split = forward.start + (forward.end - forward.start) * ratio(f, f + b) if f + b else forward.end
+        drawn[(step.rank, index)] = (step.rank, forward.start, split, forward.action)
+        drawn[(step.rank, step.index)] = (step.rank, split, forward.end, step.action)
+    return [drawn[(step.rank, step.index)] for step in steps]
 
 
 def _span(steps, rank: int) -> Real:
