@@ -14,7 +14,12 @@ interleaving the same (exact for equal ranks; unequal chunks cause stalls it doe
 max_r (t_f + t_b)_r. ZB-H1 and ZB-H2 (split backward, weight gradients half the backward)
 hold p and min(2p - 1, m) microbatches on every rank and take m max_r (t_f + t_b)_r plus the
 forwards of all ranks but the slowest: p - 1 forwards for equal ranks (exact there, as
-``tests/test_zero_bubble_schedules.py`` simulates).
+``tests/test_zero_bubble_schedules.py`` simulates). On the V placement (two chunks per rank):
+ZBV holds p and takes m max_r (t_f + t_b)_r plus the forwards of all ranks but the slowest
+divided by v = 2 (one chunk's forward each); DualPipeV, whose overlapped pairs megapipe's
+executor runs one pass after the other, holds p + 1/2 (p on rank 0 at m = 2p - 1) and takes ZB-H1's time (both exact for
+equal ranks, ``tests/test_planner_schedule_costs.py``). V-Half and V-Min are not planned: their
+end bubble has no closed form (the simulator gives it per p).
 """
 
 from __future__ import annotations
@@ -22,9 +27,17 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Optional, Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream")
-FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+from megapipe.stage_placement import Placement
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev", "2bw", "pipedream")
+FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev")
 ZERO_BUBBLE = ("zb-h1", "zb-h2")
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (stage_placement.py)
+LEAST_V_MICROBATCHES = {"zbv": lambda p: 2 * p, "dualpipev": lambda p: 2 * p - 1}
+
+
+def placement_of(schedule: str) -> Placement:
+    return Placement.V if schedule in V_SHAPED else Placement.LOOPED
 
 
 def unties_embeddings(schedule: str, p: int) -> bool:
@@ -37,6 +50,11 @@ def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
     """Why ``schedule`` cannot run m microbatches on p ranks with v chunks each, or None if it can."""
     if schedule not in SCHEDULES:
         return f"unknown schedule {schedule}"
+    if schedule in V_SHAPED:
+        least = LEAST_V_MICROBATCHES[schedule](p)
+        if v != 2 or p < 2 or m < least:
+            return f"{schedule} needs two chunks per rank, p >= 2 and at least {least} microbatches (v={v}, m={m})"
+        return None
     if (v > 1) != (schedule == "interleaved"):
         return "only the interleaved schedule has several chunks per rank, and it needs at least two"
     if schedule == "interleaved" and (p < 2 or m % p):
@@ -60,6 +78,10 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
         return Fraction(p)
     if schedule == "zb-h2":
         return Fraction(min(2 * p - 1, m))
+    if schedule == "zbv":  # 2p chunks of half a rank each, 1F1B's first rank
+        return Fraction(p)
+    if schedule == "dualpipev":  # rank 0 runs no overlapped round at the least m, so one chunk fewer
+        return Fraction(2 * p + (0 if rank == 0 and m == 2 * p - 1 else 1), 2)
     if schedule in FLUSHING:  # 1f1b: p - rank before the first backward, fewer if the batch is smaller
         return Fraction(min(p - rank, m))
     return Fraction(p - rank)  # 2bw and pipedream never flush: microbatches of the next batch keep coming
@@ -79,8 +101,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
     zero-bubble schedules idle only p-1 forwards, (p-1)/(3m) with a backward of two forwards."""
     if schedule not in FLUSHING:
         return Fraction(0)
-    if schedule in ZERO_BUBBLE:
+    if schedule in ZERO_BUBBLE or schedule == "dualpipev":
         return Fraction(p - 1, 3 * m)
+    if schedule == "zbv":  # p - 1 forwards of one chunk, half a rank's
+        return Fraction(p - 1, 6 * m)
     return Fraction(p - 1, v * m)
 
 
@@ -94,8 +118,10 @@ def pipeline_time(schedule: str, forward: Sequence[float], backward: Sequence[fl
     if schedule == "gpipe":  # all forwards, then all backwards: two flow shops
         return _phase_time(forward, m, v) + _phase_time(backward, m, v)
     both = [f + b for f, b in zip(forward, backward)]
-    if schedule in ZERO_BUBBLE:  # the weight gradients fill the backward's share of the fill and drain
+    if schedule in ZERO_BUBBLE or schedule == "dualpipev":  # the weight gradients fill the rest of fill and drain
         return m * max(both) + sum(forward) - max(forward)
+    if schedule == "zbv":  # only one chunk's forward of each rank but the slowest is not hidden
+        return m * max(both) + (sum(forward) - max(forward)) / v
     if schedule in FLUSHING:  # 1F1B alternates, so a rank's forward and backward form one step
         return _phase_time(both, m, v)
     return m * max(both)
