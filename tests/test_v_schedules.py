@@ -22,6 +22,7 @@ import pytest
 from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.stage_placement import Placement
@@ -107,3 +108,14 @@ def test_v_schedules_need_two_chunks_per_rank(name):
         with pytest.raises(ConfigError, match=rf"--pipeline-schedule {name} places two model chunks per rank in "
                                               r"a V, but this run has v=\d; set --num-layers-per-virtual-pipeline"):
             build_schedule(name, 2, 8, v)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".csv"])
+def test_schedule_files_keep_the_placement(tmp_path, suffix):
+    for name in ("zbv", "dualpipev", "interleaved"):
+        schedule = build_schedule(name, 3, 6, 2)
+        path = tmp_path / f"{name}{suffix}"
+        save_schedule(schedule.compute_only() if suffix == ".txt" else schedule, path)
+        loaded = load_schedule(path)
+        assert loaded.placement is schedule.placement
+        assert loaded.to_text() == schedule.to_text()

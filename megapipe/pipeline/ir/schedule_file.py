@@ -8,7 +8,8 @@ by spaces; blank lines and lines starting with ``#`` are skipped::
     F1.0 B1.0 F1.1 B1.1 STEP
 
 CSV (.csv): one action per row, ``rank,kind,stage,microbatch[,peer]``, an optional header row,
-rows of a rank in order; STEP rows leave stage and microbatch empty.
+rows of a rank in order; STEP rows leave stage and microbatch empty; an overlapped backward's
+kind is written ``&B`` (or ``&BI``).
 
 p is the number of ranks, m the highest microbatch + 1, and v the number of stages / p. The
 placement is read off the lists: with v = 2 and the last stage 2p-1 on rank 0 it is the V
@@ -70,7 +71,8 @@ def save_schedule(schedule: Schedule, path) -> None:
         writer.writerow(_CSV_HEADER)
         for rank, actions in enumerate(schedule.actions):
             for a in actions:
-                writer.writerow([rank, a.kind.value, _blank(a.stage), _blank(a.microbatch), _blank(a.peer)])
+                kind = ("&" if a.overlapped else "") + a.kind.value
+                writer.writerow([rank, kind, _blank(a.stage), _blank(a.microbatch), _blank(a.peer)])
 
 
 def _blank(value: Optional[int]) -> str:
@@ -116,7 +118,8 @@ def _action_from_row(cells: list[str]) -> tuple[int, Action]:
     def number(text: str) -> Optional[int]:
         return int(text) if text else None
 
-    return int(rank), Action(ActionKind(kind), number(stage), number(microbatch), peer=number(peer))
+    return int(rank), Action(ActionKind(kind.removeprefix("&")), number(stage), number(microbatch), peer=number(peer),
+                             overlapped=kind.startswith("&"))
 
 
 def _schedule_from_lists(name: str, lists: list[list[Action]], path: Path) -> Schedule:
