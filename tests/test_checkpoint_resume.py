@@ -36,10 +36,14 @@ All 4-rank runs share one spawned world; the (1, 1, 1) runs share a world of one
 import os
 
 import pytest
+import torch
 
 from checkpoint_helpers import layout_flags, session_cache, train
+
 from megapipe.checkpointing.common import Layout
 from megapipe.checkpointing.convert import reshard
+from megapipe.checkpointing.offline import rank_pieces, read_checkpoint
+from megapipe.checkpointing.state import is_rank_local
 from megapipe.testing import run_distributed
 
 # one world runs 24 short trainings: minutes on a busy 2-core machine, beyond the suite's 300 s default
@@ -141,7 +145,7 @@ def runs(tmp_path_factory):
     by_layout = {name: [r[name] for _, r, _ in four if r[name] is not None] for name in four[0][1]}
     by_layout["t1p1d1"] = [direct]
     dropped = [d for _, _, d in four]
-    return resumed, by_layout, converted, conversion, dropped
+    return resumed, by_layout, converted, conversion, dropped, root
 
 
 @pytest.mark.parametrize("name", [name for name, _ in resume_cases()] + ["fp16"])
@@ -182,7 +186,28 @@ def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs
 
 
 def test_offline_reshard_loads_to_the_same_run(runs):
-    _, by_layout, converted, conversion, _ = runs
+    _, by_layout, converted, conversion, _, _ = runs
     assert converted == by_layout["t1p1d1"][0]  # same values, same layout: bit for bit
     assert conversion.source_layout == Layout(2, 2, 1) and conversion.target_layout == Layout(1, 1, 1)
     assert conversion.tensors > 0 and conversion.bytes > 0
+
+
+def test_offline_reshard_between_placements_keeps_every_tensor(runs, tmp_path):
+    # ZBV's checkpoint (V: rank 0 saves stages 0 and 3, i.e. layers 0 and 3 and both tied copies as one
+    # tensor) rewritten for the looped interleaving and back: every tensor, optimizer state included, as saved
+    source = os.path.join(runs[5], "reshard", "t2p2d1-v", "iter_0000002")
+    _, common, saved = read_checkpoint(source)
+    assert common.layout == Layout(2, 2, 1, 2, placement="v")
+    def layers_of_rank0(layout):
+        pieces = rank_pieces(common.kind, common.model_config, layout, 0, saved)
+        return {int(key.split(".")[1]) for key in pieces if key.startswith("model/layers.")}
+
+    assert layers_of_rank0(common.layout) == {0, 3}  # the V: stages 0 and 2p - 1
+    assert layers_of_rank0(Layout(2, 2, 1, 2)) == {0, 2}  # looped: stages 0 and p
+    looped = reshard(source, str(tmp_path / "looped"), Layout(2, 2, 1, 2)).target
+    back = reshard(looped, str(tmp_path / "v"), Layout(2, 2, 1, 2, placement="v")).target
+    _, _, round_trip = read_checkpoint(back)
+    kept = {key for key in saved if not is_rank_local(key)}
+    assert set(round_trip) == kept
+    for key in kept:
+        assert torch.equal(round_trip[key], saved[key]), key
