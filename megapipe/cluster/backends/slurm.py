@@ -1,0 +1,241 @@
+"""Gavel's Slurm backend: each round's placement of a job becomes one Slurm job.
+
+``start`` submits a batch job (``sbatch``) that asks for exactly the placement's nodes and typed
+GPU GRES and runs one task per node (``srun``): ``torchrun`` with that node's rank and device
+count, all meeting at a rendezvous on the first node. Consecutive hosts with the same accelerator
+type and count form one job component (``--nodes=K --nodelist=... --gres=gpu:TYPE:N``); a
+placement with different counts per host becomes a heterogeneous job with one component per run of
+equal hosts, since ``--gres`` counts per node. ``poll`` reads the job's state with
+``scontrol show job``; ``stop`` sends SIGTERM to the job's tasks (``scancel --signal=TERM``), on
+which the training loop saves a checkpoint at the next iteration boundary and exits with status 0,
+and after the grace period kills what is left. Everything goes through Slurm's own commands, with
+``SLURM_CONF`` set when a configuration path is given; any refusal is raised as one sentence
+(``SlurmError``).
+
+SIGTERM reaches every process of a task (Slurm signals the task's whole process tree), torchrun
+included. torchrun would answer it by killing its workers within 30 s and exiting with an error,
+so the task starts torchrun with SIGTERM ignored and without torchrun's own handler for it
+(``--signals-to-handle``): the workers install the training loop's handler, save, and exit 0,
+and torchrun then exits 0 as after any successful run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from itertools import groupby
+from typing import Optional
+
+from megapipe.cluster.backends.base import HostSlots, Launch
+from megapipe.errors import SlurmError
+
+# Slurm job states after which nothing of the job runs any more (JOB_STATE_BASE of slurm.h, ended)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY"}
+# pending reasons that waiting cannot cure: the placement names nodes or a partition Slurm cannot use
+HOPELESS = ("ReqNodeNotAvail", "NodeDown", "PartitionDown", "PartitionInactive", "PartitionNodeLimit",
+            "BadConstraints")
+# node states in which a node runs jobs now or once its current jobs end (sinfo %T, lower case)
+USABLE = {"idle", "mixed", "allocated", "completing", "planned"}
+POLL_SECONDS = 0.5
+
+
+def components(hosts: tuple[HostSlots, ...]) -> list[list[HostSlots]]:
+    """Runs of consecutive hosts with the same accelerator type and count: one job component each."""
+    return [list(run) for _, run in groupby(hosts, key=lambda h: (h.worker_type, h.devices))]
+
+
+def batch_script(launch: Launch, python: str, workdir: str, partition: Optional[str], cpus_per_device: int,
+                 job_name: str) -> str:
+    """The sbatch script that runs ``launch``: one ``#SBATCH`` line per component, one torchrun per node."""
+    if not launch.hosts:
+        raise SlurmError(f"job {launch.job_id} has no hosts to run on; place it on at least one node.")
+    parts = components(launch.hosts)
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={job_name} --output={launch.log_path} --open-mode=append --chdir={workdir}"]
+    for index, part in enumerate(parts):
+        if index:
+            lines.append("#SBATCH hetjob")
+        slots = part[0]
+        lines.append(f"#SBATCH --nodes={len(part)} --nodelist={','.join(h.host for h in part)} "
+                     f"--ntasks-per-node=1 --cpus-per-task={slots.devices * cpus_per_device} "
+                     f"--gres=gpu:{slots.worker_type}:{slots.devices}"
+                     + (f" --partition={partition}" if partition else ""))
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(launch.env.items())]
+    # the rendezvous: a free port on this node (the batch runs on the first node, node rank 0)
+    lines += ['MEGAPIPE_RDZV_HOST=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+              f"MEGAPIPE_RDZV_PORT=$({shlex.quote(python)} -c "
+              "'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+              'export MEGAPIPE_RDZV_ENDPOINT="$MEGAPIPE_RDZV_HOST:$MEGAPIPE_RDZV_PORT"',
+              f'echo "megapipe: Slurm job $SLURM_JOB_ID runs job {launch.job_id} on '
+              f'{_describe(launch.hosts)}, rendezvous $MEGAPIPE_RDZV_ENDPOINT"']
+    tasks = [_task(launch, part[0].devices, python) for part in parts]
+    lines.append("srun --kill-on-bad-exit=1 " + " : ".join(tasks))
+    return "\n".join(lines) + "\n"
+
+
+def _task(launch: Launch, devices: int, python: str) -> str:
+    """One node's task: torchrun with SIGTERM left to the workers (see the module docstring)."""
+    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(len(launch.hosts)),
+                "--nproc-per-node", str(devices), "--rdzv-backend", "static",
+                "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    node = ' --node-rank "$SLURM_NODEID" --rdzv-endpoint "$MEGAPIPE_RDZV_ENDPOINT" '
+    inner = ("trap '' TERM; exec " + shlex.join(torchrun) + node + shlex.join(launch.command))
+    return "bash -c " + shlex.quote(inner)
+
+
+def _describe(hosts: tuple[HostSlots, ...]) -> str:
+    return ", ".join(f"{h.host} ({h.worker_type} x{h.devices})" for h in hosts)
+
+
+class SlurmBackend:
+    """Runs each allocation of a job as one Slurm job; see the module docstring.
+
+    ``partition``: the partition to submit to (Slurm's default when None). ``slurm_conf``: the
+    ``slurm.conf`` of the cluster (the commands' default when None). ``workdir``: where the job's
+    command runs, on a file system every node sees (the current directory when None). ``python``:
+    the interpreter on the nodes. ``cpus_per_device``: CPUs asked for per device, for the data
+    loader and the launcher. ``job_name_prefix``: the Slurm job of megapipe job 7 is named PREFIX-7.
+    """
+
+    def __init__(self, partition: Optional[str] = None, slurm_conf: Optional[str] = None,
+                 workdir: Optional[str] = None, python: str = sys.executable, cpus_per_device: int = 1,
+                 job_name_prefix: str = "megapipe", command_timeout: float = 30.0):
+        self.partition, self.python, self.cpus_per_device = partition, python, cpus_per_device
+        self.workdir = os.path.abspath(workdir or os.getcwd())
+        self.job_name_prefix, self.command_timeout = job_name_prefix, command_timeout
+        self.env = dict(os.environ, **({"SLURM_CONF": os.path.abspath(slurm_conf)} if slurm_conf else {}))
+        self._slurm_ids: dict[int, str] = {}
+        self._ended: dict[int, int] = {}
+        self._log_paths: dict[int, str] = {}
+
+    # ---- the Backend contract -------------------------------------------------------------------
+    def start(self, launch: Launch) -> None:
+        """Submit the allocation; raises SlurmError if a node is unusable or Slurm refuses the job."""
+        self._check_nodes(launch)
+        script = batch_script(launch, self.python, self.workdir, self.partition, self.cpus_per_device,
+                              f"{self.job_name_prefix}-{launch.job_id}")
+        os.makedirs(os.path.dirname(os.path.abspath(launch.log_path)), exist_ok=True)
+        submitted = self._slurm(["sbatch", "--parsable"], stdin=script, check=False)
+        if submitted.returncode != 0:
+            raise SlurmError(f"Slurm refused job {launch.job_id} on {_describe(launch.hosts)}: "
+                             f"{_last_line(submitted.stderr)}")
+        self._slurm_ids[launch.job_id] = submitted.stdout.strip().split(";")[0]
+        self._ended.pop(launch.job_id, None)
+        self._log_paths[launch.job_id] = launch.log_path
+
+    def poll(self, job_id: int) -> Optional[int]:
+        """None while the job is pending or running, else its exit code (128 + N when killed by signal N)."""
+        if job_id in self._ended:
+            return self._ended[job_id]
+        records = self._job_records(job_id)
+        for record in records:
+            reason = record.get("Reason", "")
+            if record["JobState"] == "PENDING" and reason.startswith(HOPELESS):
+                self._slurm(["scancel", self._slurm_id(job_id)], check=False)
+                return self._end(job_id, 1, f"Slurm cannot start job {job_id} as placed ({reason}); "
+                                            "resume the nodes or place the job elsewhere.")
+        if any(record["JobState"] not in ENDED for record in records):
+            return None
+        leader = records[0]  # the batch script runs in component 0; its status is the job's
+        status, signal_number = (int(x) for x in leader["ExitCode"].split(":"))
+        code = 128 + signal_number if signal_number else status
+        if leader["JobState"] != "COMPLETED":
+            code = code or 1
+            return self._end(job_id, code, f"Slurm job {self._slurm_id(job_id)} ended {leader['JobState']} "
+                                           f"({leader.get('Reason', 'None')}) with exit code {code}.")
+        return self._end(job_id, code)
+
+    def stop(self, job_id: int, grace_seconds: float) -> None:
+        """SIGTERM to every task; after ``grace_seconds`` SIGKILL to all that is left. Returns once Slurm
+        reports the job ended, so its nodes are free for the next round."""
+        if self.poll(job_id) is not None:
+            return
+        slurm_id = self._slurm_id(job_id)
+        if all(record["JobState"] == "PENDING" for record in self._job_records(job_id)):
+            grace_seconds = 0  # nothing runs yet: nothing to save
+        else:
+            self._slurm(["scancel", "--signal=TERM", slurm_id], check=False)  # the tasks, not the batch shell
+        if self._wait(job_id, grace_seconds) is None:
+            self._slurm(["scancel", "--full", "--signal=KILL", slurm_id], check=False)
+            self._slurm(["scancel", slurm_id], check=False)  # a job still pending is only cancelled
+            if self._wait(job_id, self.command_timeout) is None:
+                raise SlurmError(f"Slurm job {slurm_id} (job {job_id}) did not end within "
+                                 f"{grace_seconds + self.command_timeout:g} s of its stop; look at its nodes "
+                                 "with scontrol show job.")
+
+    # ---- Slurm commands -------------------------------------------------------------------------
+    def _slurm(self, command: list[str], stdin: Optional[str] = None, check: bool = True):
+        try:
+            result = subprocess.run(command, input=stdin, capture_output=True, text=True, env=self.env,
+                                    timeout=self.command_timeout)
+        except FileNotFoundError:
+            raise SlurmError(f"{command[0]} is not installed here; the Slurm backend needs Slurm's client "
+                             "commands (Debian: slurm-client).") from None
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{command[0]} got no answer from slurmctld within {self.command_timeout:g} s; "
+                             "check that slurmctld runs (scontrol ping).") from None
+        if check and result.returncode != 0:
+            raise SlurmError(f"{shlex.join(command)} failed: {_last_line(result.stderr)}")
+        return result
+
+    def _check_nodes(self, launch: Launch) -> None:
+        names = [h.host for h in launch.hosts]
+        listed = self._slurm(["sinfo", "--noheader", "--Node", f"--nodes={','.join(names)}", "--format=%N %T"])
+        states = dict(line.split() for line in listed.stdout.splitlines() if line.strip())
+        for name in names:
+            if name not in states:
+                raise SlurmError(f"Slurm has no node named {name} (job {launch.job_id}); declare the host by its "
+                                 "Slurm node name (sinfo --Node lists them).")
+            state = states[name].rstrip("*~#!%$@^-+").lower()
+            if state not in USABLE or states[name].endswith("*"):
+                raise SlurmError(f"Slurm node {name} is {states[name]} and cannot run job {launch.job_id}; "
+                                 f"resume it (scontrol update nodename={name} state=resume) or place the job "
+                                 "elsewhere.")
+
+    def _slurm_id(self, job_id: int) -> str:
+        if job_id not in self._slurm_ids:
+            raise SlurmError(f"job {job_id} was not started by this Slurm backend; start it before polling or "
+                             "stopping it.")
+        return self._slurm_ids[job_id]
+
+    def _job_records(self, job_id: int) -> list[dict[str, str]]:
+        """``scontrol show job`` of the job: one record per component, the leader first."""
+        slurm_id = self._slurm_id(job_id)
+        shown = self._slurm(["scontrol", "--oneliner", "show", "job", slurm_id], check=False)
+        if shown.returncode != 0:
+            raise SlurmError(f"Slurm no longer knows job {slurm_id} (job {job_id}): "
+                             f"{_last_line(shown.stderr)}; poll more often than the cluster's MinJobAge.")
+        records = [_fields(line) for line in shown.stdout.splitlines() if line.strip()]
+        return sorted(records, key=lambda r: int(r.get("HetJobOffset", 0)))
+
+    def _wait(self, job_id: int, seconds: float) -> Optional[int]:
+        deadline = time.monotonic() + seconds
+        while (code := self.poll(job_id)) is None and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        return code
+
+    def _end(self, job_id: int, code: int, note: Optional[str] = None) -> int:
+        """Remember the job's exit code; a note on why it failed goes to the end of its log."""
+        if note:
+            with open(self._log_paths[job_id], "a") as log:
+                log.write(f"error: {note}\n")
+        self._ended[job_id] = code
+        return code
+
+
+def _fields(line: str) -> dict[str, str]:
+    """KEY=VALUE fields of one ``scontrol --oneliner`` line (the first of a repeated key wins)."""
+    fields: dict[str, str] = {}
+    for token in line.split():
+        key, _, value = token.partition("=")
+        fields.setdefault(key, value)
+    return fields
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].removeprefix("sbatch: error: ").removeprefix("error: ") if lines else "no message"
