@@ -35,9 +35,11 @@ from megapipe.errors import SlurmError
 # Slurm job states after which nothing of the job runs any more (JOB_STATE_BASE of slurm.h, ended)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY"}
-# pending reasons that waiting cannot cure: the placement names nodes or a partition Slurm cannot use
-HOPELESS = ("ReqNodeNotAvail", "NodeDown", "PartitionDown", "PartitionInactive", "PartitionNodeLimit",
-            "BadConstraints")
+# pending reasons that waiting cannot cure: the partition is closed or the request cannot fit it
+HOPELESS = ("PartitionDown", "PartitionInactive", "PartitionNodeLimit", "BadConstraints")
+# pending reasons that name unavailable nodes: hopeless if one is down or drained, not if it only
+# misses a heartbeat (a resumed node answers within a second)
+NODES_UNAVAILABLE = ("ReqNodeNotAvail", "NodeDown")
 # node states in which a node runs jobs now or once its current jobs end (sinfo %T, lower case)
 USABLE = {"idle", "mixed", "allocated", "completing", "planned"}
 POLL_SECONDS = 0.5
@@ -110,7 +112,7 @@ class SlurmBackend:
         self.env = dict(os.environ, **({"SLURM_CONF": os.path.abspath(slurm_conf)} if slurm_conf else {}))
         self._slurm_ids: dict[int, str] = {}
         self._ended: dict[int, int] = {}
-        self._log_paths: dict[int, str] = {}
+        self._launches: dict[int, Launch] = {}
 
     # ---- the Backend contract -------------------------------------------------------------------
     def start(self, launch: Launch) -> None:
@@ -125,19 +127,17 @@ class SlurmBackend:
                              f"{_last_line(submitted.stderr)}")
         self._slurm_ids[launch.job_id] = submitted.stdout.strip().split(";")[0]
         self._ended.pop(launch.job_id, None)
-        self._log_paths[launch.job_id] = launch.log_path
+        self._launches[launch.job_id] = launch
 
     def poll(self, job_id: int) -> Optional[int]:
         """None while the job is pending or running, else its exit code (128 + N when killed by signal N)."""
         if job_id in self._ended:
             return self._ended[job_id]
         records = self._job_records(job_id)
-        for record in records:
-            reason = record.get("Reason", "")
-            if record["JobState"] == "PENDING" and reason.startswith(HOPELESS):
-                self._slurm(["scancel", self._slurm_id(job_id)], check=False)
-                return self._end(job_id, 1, f"Slurm cannot start job {job_id} as placed ({reason}); "
-                                            "resume the nodes or place the job elsewhere.")
+        hopeless = self._hopeless(job_id, records)
+        if hopeless:
+            self._slurm(["scancel", self._slurm_id(job_id)], check=False)
+            return self._end(job_id, 1, hopeless)
         if any(record["JobState"] not in ENDED for record in records):
             return None
         leader = records[0]  # the batch script runs in component 0; its status is the job's
@@ -190,11 +190,27 @@ class SlurmBackend:
             if name not in states:
                 raise SlurmError(f"Slurm has no node named {name} (job {launch.job_id}); declare the host by its "
                                  "Slurm node name (sinfo --Node lists them).")
-            state = states[name].rstrip("*~#!%$@^-+").lower()
-            if state not in USABLE or states[name].endswith("*"):
+            # a trailing flag (* not responding, ~ powered off, ...) passes: Slurm itself decides what waits
+            if states[name].rstrip("*~#!%$@^-+").lower() not in USABLE:
                 raise SlurmError(f"Slurm node {name} is {states[name]} and cannot run job {launch.job_id}; "
                                  f"resume it (scontrol update nodename={name} state=resume) or place the job "
                                  "elsewhere.")
+
+    def _hopeless(self, job_id: int, records: list[dict[str, str]]) -> Optional[str]:
+        """Why a pending job cannot start as placed, or None while waiting may start it."""
+        for record in records:
+            reason = record.get("Reason", "")
+            if record["JobState"] != "PENDING":
+                continue
+            if reason.startswith(HOPELESS):
+                return (f"Slurm cannot start job {job_id} as placed ({reason}); open the partition or place the "
+                        "job elsewhere.")
+            if reason.startswith(NODES_UNAVAILABLE):
+                try:
+                    self._check_nodes(self._launches[job_id])
+                except SlurmError as error:
+                    return str(error)
+        return None
 
     def _slurm_id(self, job_id: int) -> str:
         if job_id not in self._slurm_ids:
@@ -221,7 +237,7 @@ class SlurmBackend:
     def _end(self, job_id: int, code: int, note: Optional[str] = None) -> int:
         """Remember the job's exit code; a note on why it failed goes to the end of its log."""
         if note:
-            with open(self._log_paths[job_id], "a") as log:
+            with open(self._launches[job_id].log_path, "a") as log:
                 log.write(f"error: {note}\n")
         self._ended[job_id] = code
         return code
