@@ -1,1 +1,1 @@
-"""Backends that start and stop the ranks of a job's allocation (the contract is in ``base.py``)."""
+"""Backends that start and stop the ranks of a job's allocation: local worker agents, Slurm."""

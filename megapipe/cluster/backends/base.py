@@ -1,4 +1,10 @@
-"""The contract between the scheduler service and the backends that start a job's ranks."""
+"""The contract between the scheduler service and whatever runs a job's ranks.
+
+The service decides, per round, which hosts and how many devices of which type each job gets
+(``Launch``); a backend starts the job's ranks there (one torchrun node rank per host), reports
+its exit code when it ends, and stops it when its lease is not renewed. The local worker agents
+and the Slurm backend both implement ``Backend``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ class HostSlots:
     worker_type: str     # accelerator type, e.g. "fast", "slow", "v100"
     devices: int         # devices given to this job on that host
 
+
 @dataclass(frozen=True)
 class Launch:
     job_id: int
@@ -19,6 +26,7 @@ class Launch:
     hosts: tuple[HostSlots, ...]
     env: dict[str, str]  # extra environment (lease address, etc.)
     log_path: str        # file the job's output is appended to, over all its allocations
+
 
 class Backend(Protocol):
     """Starts and stops the ranks of one job's allocation for one lease."""
