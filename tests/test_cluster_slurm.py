@@ -92,7 +92,7 @@ def test_a_stopped_job_saves_and_its_next_allocation_resumes_with_the_same_losse
     backend.start(job)
     wait_for_line(job.log_path, r"^ iteration\s+3/")
     backend.stop(2, grace_seconds=120)
-    assert backend.poll(2) == 0, open(job.log_path).read()[-3000:]  # saved and exited cleanly
+    assert wait(backend, 2) == 0, open(job.log_path).read()[-3000:]  # saved and exited cleanly
     first = open(job.log_path).read()
     stopped_at = int(re.search(r"exiting on SIGTERM at iteration (\d+)", first)[1])
     assert 3 <= stopped_at < ITERATIONS
@@ -115,6 +115,33 @@ def test_a_stopped_job_saves_and_its_next_allocation_resumes_with_the_same_losse
 def test_stop_of_a_finished_job_returns_its_code(backend, uninterrupted):
     backend.stop(1, grace_seconds=0)
     assert backend.poll(1) == 0
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(slurm, backend, tmp_path):
+    script = tmp_path / "ignores_sigterm.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('ignoring SIGTERM', flush=True)\ntime.sleep(600)\n")
+    job = Launch(6, [str(script)], (HostSlots("node1", "slow", 1), HostSlots("node2", "slow", 2)), {},
+                 str(tmp_path / "job.log"))
+    backend.start(job)
+    wait_for_line(job.log_path, "^ignoring SIGTERM")
+    stopped = time.monotonic()
+    backend.stop(6, grace_seconds=2)
+    code = wait(backend, 6)
+    assert code != 0 and time.monotonic() - stopped >= 2, open(job.log_path).read()
+    assert open(job.log_path).read().count("ignoring SIGTERM") == 3  # 1 + 2 ranks, all of them now gone
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _runs(pid, str(script))]
+
+
+def _runs(pid: str, script: str) -> bool:
+    try:
+        return script.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:  # ended meanwhile
+        return False
+
+
+def test_the_nodes_and_their_accelerators_come_from_slurm(backend):
+    assert backend.nodes() == NODES
 
 
 @pytest.mark.parametrize("hosts, message", [

@@ -25,8 +25,9 @@ import os
 import shlex
 import subprocess
 import sys
-import time
+import threading
 from itertools import groupby
+from pathlib import Path
 from typing import Optional
 
 from megapipe.cluster.backends.base import HostSlots, Launch
@@ -42,7 +43,7 @@ HOPELESS = ("PartitionDown", "PartitionInactive", "PartitionNodeLimit", "BadCons
 NODES_UNAVAILABLE = ("ReqNodeNotAvail", "NodeDown")
 # node states in which a node runs jobs now or once its current jobs end (sinfo %T, lower case)
 USABLE = {"idle", "mixed", "allocated", "completing", "planned"}
-POLL_SECONDS = 0.5
+ROOT = Path(__file__).resolve().parents[3]  # the checkout holding pretrain_gpt.py
 
 
 def components(hosts: tuple[HostSlots, ...]) -> list[list[HostSlots]]:
@@ -67,6 +68,7 @@ def batch_script(launch: Launch, python: str, workdir: str, partition: Optional[
                      f"--gres=gpu:{slots.worker_type}:{slots.devices}"
                      + (f" --partition={partition}" if partition else ""))
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(launch.env.items())]
+    lines.append("export PYTHONUNBUFFERED=1  # the log shows each line when it is printed")
     # the rendezvous: a free port on this node (the batch runs on the first node, node rank 0)
     lines += ['MEGAPIPE_RDZV_HOST=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
               f"MEGAPIPE_RDZV_PORT=$({shlex.quote(python)} -c "
@@ -98,25 +100,32 @@ class SlurmBackend:
 
     ``partition``: the partition to submit to (Slurm's default when None). ``slurm_conf``: the
     ``slurm.conf`` of the cluster (the commands' default when None). ``workdir``: where the job's
-    command runs, on a file system every node sees (the current directory when None). ``python``:
+    command runs, on a file system every node sees (this checkout when None). ``python``:
     the interpreter on the nodes. ``cpus_per_device``: CPUs asked for per device, for the data
     loader and the launcher. ``job_name_prefix``: the Slurm job of megapipe job 7 is named PREFIX-7.
+    Thread-safe: the service's round loop and its HTTP handlers may call it at the same time.
     """
 
     def __init__(self, partition: Optional[str] = None, slurm_conf: Optional[str] = None,
                  workdir: Optional[str] = None, python: str = sys.executable, cpus_per_device: int = 1,
                  job_name_prefix: str = "megapipe", command_timeout: float = 30.0):
         self.partition, self.python, self.cpus_per_device = partition, python, cpus_per_device
-        self.workdir = os.path.abspath(workdir or os.getcwd())
+        self.workdir = os.path.abspath(workdir or ROOT)
         self.job_name_prefix, self.command_timeout = job_name_prefix, command_timeout
         self.env = dict(os.environ, **({"SLURM_CONF": os.path.abspath(slurm_conf)} if slurm_conf else {}))
         self._slurm_ids: dict[int, str] = {}
         self._ended: dict[int, int] = {}
         self._launches: dict[int, Launch] = {}
+        self._stopped: set[int] = set()  # jobs whose current allocation stop() ended
+        self._lock = threading.RLock()
 
     # ---- the Backend contract -------------------------------------------------------------------
     def start(self, launch: Launch) -> None:
         """Submit the allocation; raises SlurmError if a node is unusable or Slurm refuses the job."""
+        with self._lock:
+            self._start(launch)
+
+    def _start(self, launch: Launch) -> None:
         self._check_nodes(launch)
         script = batch_script(launch, self.python, self.workdir, self.partition, self.cpus_per_device,
                               f"{self.job_name_prefix}-{launch.job_id}")
@@ -127,10 +136,15 @@ class SlurmBackend:
                              f"{_last_line(submitted.stderr)}")
         self._slurm_ids[launch.job_id] = submitted.stdout.strip().split(";")[0]
         self._ended.pop(launch.job_id, None)
+        self._stopped.discard(launch.job_id)
         self._launches[launch.job_id] = launch
 
     def poll(self, job_id: int) -> Optional[int]:
         """None while the job is pending or running, else its exit code (128 + N when killed by signal N)."""
+        with self._lock:
+            return self._poll(job_id)
+
+    def _poll(self, job_id: int) -> Optional[int]:
         if job_id in self._ended:
             return self._ended[job_id]
         records = self._job_records(job_id)
@@ -145,27 +159,50 @@ class SlurmBackend:
         code = 128 + signal_number if signal_number else status
         if leader["JobState"] != "COMPLETED":
             code = code or 1
+            if job_id in self._stopped:
+                return self._end(job_id, code)
             return self._end(job_id, code, f"Slurm job {self._slurm_id(job_id)} ended {leader['JobState']} "
                                            f"({leader.get('Reason', 'None')}) with exit code {code}.")
         return self._end(job_id, code)
 
     def stop(self, job_id: int, grace_seconds: float) -> None:
-        """SIGTERM to every task; after ``grace_seconds`` SIGKILL to all that is left. Returns once Slurm
-        reports the job ended, so its nodes are free for the next round."""
-        if self.poll(job_id) is not None:
-            return
-        slurm_id = self._slurm_id(job_id)
-        if all(record["JobState"] == "PENDING" for record in self._job_records(job_id)):
-            grace_seconds = 0  # nothing runs yet: nothing to save
-        else:
+        """SIGTERM to every task now, SIGKILL to what is left after ``grace_seconds`` (a timer thread).
+        Returns at once; ``poll`` says when the job has ended and its nodes are free."""
+        with self._lock:
+            if self._poll(job_id) is not None:
+                return
+            slurm_id = self._slurm_id(job_id)
+            self._stopped.add(job_id)
+            if all(record["JobState"] == "PENDING" for record in self._job_records(job_id)):
+                self._slurm(["scancel", slurm_id], check=False)  # nothing runs yet: nothing to save
+                return
             self._slurm(["scancel", "--signal=TERM", slurm_id], check=False)  # the tasks, not the batch shell
-        if self._wait(job_id, grace_seconds) is None:
+        killer = threading.Timer(grace_seconds, self._kill, args=(job_id, slurm_id))
+        killer.daemon = True
+        killer.start()
+
+    def _kill(self, job_id: int, slurm_id: str) -> None:
+        """The end of a stop's grace period: SIGKILL to all of the job that still runs, then cancel it."""
+        with self._lock:
+            if self._slurm_ids.get(job_id) != slurm_id or self._poll(job_id) is not None:
+                return  # it ended in time (and may run again by now under another Slurm job)
             self._slurm(["scancel", "--full", "--signal=KILL", slurm_id], check=False)
-            self._slurm(["scancel", slurm_id], check=False)  # a job still pending is only cancelled
-            if self._wait(job_id, self.command_timeout) is None:
-                raise SlurmError(f"Slurm job {slurm_id} (job {job_id}) did not end within "
-                                 f"{grace_seconds + self.command_timeout:g} s of its stop; look at its nodes "
-                                 "with scontrol show job.")
+            self._slurm(["scancel", slurm_id], check=False)
+
+    def nodes(self) -> dict[str, dict[str, int]]:
+        """The partition's nodes and their GPU GRES by type, e.g. {"node1": {"fast": 2, "slow": 2}}:
+        the workers a scheduler may place jobs on."""
+        command = ["sinfo", "--noheader", "--Node", "--format=%N %G"]
+        listed = self._slurm(command + ([f"--partition={self.partition}"] if self.partition else []))
+        nodes: dict[str, dict[str, int]] = {}
+        for line in listed.stdout.splitlines():
+            name, _, gres = line.strip().partition(" ")
+            devices = nodes.setdefault(name, {})
+            for entry in gres.split(","):  # gpu:fast:2(S:0) -> type fast, 2 devices
+                parts = entry.split("(")[0].split(":")
+                if parts[0] == "gpu" and len(parts) == 3:
+                    devices[parts[1]] = int(parts[2])
+        return nodes
 
     # ---- Slurm commands -------------------------------------------------------------------------
     def _slurm(self, command: list[str], stdin: Optional[str] = None, check: bool = True):
@@ -227,12 +264,6 @@ class SlurmBackend:
                              f"{_last_line(shown.stderr)}; poll more often than the cluster's MinJobAge.")
         records = [_fields(line) for line in shown.stdout.splitlines() if line.strip()]
         return sorted(records, key=lambda r: int(r.get("HetJobOffset", 0)))
-
-    def _wait(self, job_id: int, seconds: float) -> Optional[int]:
-        deadline = time.monotonic() + seconds
-        while (code := self.poll(job_id)) is None and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS)
-        return code
 
     def _end(self, job_id: int, code: int, note: Optional[str] = None) -> int:
         """Remember the job's exit code; a note on why it failed goes to the end of its log."""
