@@ -51,14 +51,13 @@ def components(hosts: tuple[HostSlots, ...]) -> list[list[HostSlots]]:
     return [list(run) for _, run in groupby(hosts, key=lambda h: (h.worker_type, h.devices))]
 
 
-def batch_script(launch: Launch, python: str, workdir: str, partition: Optional[str], cpus_per_device: int,
-                 job_name: str) -> str:
-    """The sbatch script that runs ``launch``: one ``#SBATCH`` line per component, one torchrun per node."""
+def batch_script(launch: Launch, python: str, partition: Optional[str], cpus_per_device: int) -> str:
+    """The sbatch script that runs ``launch``: one ``#SBATCH`` line per component, one torchrun per node
+    (what holds for the whole job, its name, log and directory, goes on sbatch's command line)."""
     if not launch.hosts:
         raise SlurmError(f"job {launch.job_id} has no hosts to run on; place it on at least one node.")
     parts = components(launch.hosts)
-    lines = ["#!/bin/bash",
-             f"#SBATCH --job-name={job_name} --output={launch.log_path} --open-mode=append --chdir={workdir}"]
+    lines = ["#!/bin/bash"]
     for index, part in enumerate(parts):
         if index:
             lines.append("#SBATCH hetjob")
@@ -116,7 +115,7 @@ class SlurmBackend:
         self._slurm_ids: dict[int, str] = {}
         self._ended: dict[int, int] = {}
         self._launches: dict[int, Launch] = {}
-        self._stopped: set[int] = set()  # jobs whose current allocation stop() ended
+        self._stopped: set[int] = set()  # jobs whose current allocation was ended by stop()
         self._lock = threading.RLock()
 
     # ---- the Backend contract -------------------------------------------------------------------
@@ -127,13 +126,16 @@ class SlurmBackend:
 
     def _start(self, launch: Launch) -> None:
         self._check_nodes(launch)
-        script = batch_script(launch, self.python, self.workdir, self.partition, self.cpus_per_device,
-                              f"{self.job_name_prefix}-{launch.job_id}")
-        os.makedirs(os.path.dirname(os.path.abspath(launch.log_path)), exist_ok=True)
-        submitted = self._slurm(["sbatch", "--parsable"], stdin=script, check=False)
+        script = batch_script(launch, self.python, self.partition, self.cpus_per_device)
+        log_path = os.path.abspath(launch.log_path)
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        submit = ["sbatch", "--parsable", f"--job-name={self.job_name_prefix}-{launch.job_id}",
+                  f"--output={log_path.replace('%', '%%')}", "--open-mode=append", f"--chdir={self.workdir}"]
+        submitted = self._slurm(submit, stdin=script, check=False)
         if submitted.returncode != 0:
             raise SlurmError(f"Slurm refused job {launch.job_id} on {_describe(launch.hosts)}: "
-                             f"{_last_line(submitted.stderr)}")
+                             f"{_last_line(submitted.stderr)}; place it on nodes, GRES types and a partition "
+                             "that sinfo --Node --format='%N %P %G' lists.")
         self._slurm_ids[launch.job_id] = submitted.stdout.strip().split(";")[0]
         self._ended.pop(launch.job_id, None)
         self._stopped.discard(launch.job_id)
