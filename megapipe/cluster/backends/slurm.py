@@ -73,6 +73,8 @@ def batch_script(launch: Launch, python: str, partition: Optional[str], cpus_per
               f"MEGAPIPE_RDZV_PORT=$({shlex.quote(python)} -c "
               "'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
               'export MEGAPIPE_RDZV_ENDPOINT="$MEGAPIPE_RDZV_HOST:$MEGAPIPE_RDZV_PORT"',
+              # keys of this job only in the rendezvous store, should a stray launcher reach its port
+              'export MEGAPIPE_RDZV_ID="megapipe-$SLURM_JOB_ID"',
               f'echo "megapipe: Slurm job $SLURM_JOB_ID runs job {launch.job_id} on '
               f'{_describe(launch.hosts)}, rendezvous $MEGAPIPE_RDZV_ENDPOINT"']
     tasks = [_task(launch, part[0].devices, python) for part in parts]
@@ -85,7 +87,7 @@ def _task(launch: Launch, devices: int, python: str) -> str:
     torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(len(launch.hosts)),
                 "--nproc-per-node", str(devices), "--rdzv-backend", "static",
                 "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
-    node = ' --node-rank "$SLURM_NODEID" --rdzv-endpoint "$MEGAPIPE_RDZV_ENDPOINT" '
+    node = ' --node-rank "$SLURM_NODEID" --rdzv-endpoint "$MEGAPIPE_RDZV_ENDPOINT" --rdzv-id "$MEGAPIPE_RDZV_ID" '
     inner = ("trap '' TERM; exec " + shlex.join(torchrun) + node + shlex.join(launch.command))
     return "bash -c " + shlex.quote(inner)
 
