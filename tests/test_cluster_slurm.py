@@ -142,6 +142,24 @@ def _runs(pid: str, script: str) -> bool:
         return False
 
 
+def test_a_new_backend_adopts_and_stops_the_jobs_an_earlier_one_started(slurm, backend, tmp_path):
+    """As after a scheduler restart: the running job is found by its Slurm job name, not started twice."""
+    script = tmp_path / "runs_until_sigterm.py"
+    script.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                      "print('running', flush=True)\ntime.sleep(600)\n")
+    job = Launch(7, [str(script)], (HostSlots("node2", "fast", 1),), {}, str(tmp_path / "job.log"))
+    backend.start(job)
+    wait_for_line(job.log_path, "^running")
+    again = SlurmBackend(partition=slurm.partition, slurm_conf=slurm.conf, workdir=ROOT)
+    assert 7 in again.running_job_ids() and again.poll(7) is None
+    with pytest.raises(SlurmError, match=r"^job 7 still runs as Slurm job \d+; stop it and wait until poll"):
+        again.start(job)
+    again.stop(7, grace_seconds=120)
+    assert wait(again, 7) == 0 and 7 not in again.running_job_ids()
+    with pytest.raises(SlurmError, match="^job 8 has no Slurm job named megapipe-8 pending or running; start it"):
+        again.poll(8)
+
+
 def test_the_nodes_and_their_accelerators_come_from_slurm(backend):
     assert backend.nodes() == NODES
 

@@ -127,6 +127,10 @@ class SlurmBackend:
             self._start(launch)
 
     def _start(self, launch: Launch) -> None:
+        running = self._live_slurm_jobs().get(launch.job_id)
+        if running is not None:
+            raise SlurmError(f"job {launch.job_id} still runs as Slurm job {running}; stop it and wait until poll "
+                             "reports its end before starting it again.")
         self._check_nodes(launch)
         script = batch_script(launch, self.python, self.partition, self.cpus_per_device)
         log_path = os.path.abspath(launch.log_path)
@@ -193,6 +197,12 @@ class SlurmBackend:
             self._slurm(["scancel", "--full", "--signal=KILL", slurm_id], check=False)
             self._slurm(["scancel", slurm_id], check=False)
 
+    def running_job_ids(self) -> set[int]:
+        """The jobs with a Slurm job pending or running under this backend's name prefix, those an
+        earlier instance started included (a restarted scheduler must not start them twice)."""
+        with self._lock:
+            return set(self._live_slurm_jobs())
+
     def nodes(self) -> dict[str, dict[str, int]]:
         """The partition's nodes and their GPU GRES by type, e.g. {"node1": {"fast": 2, "slow": 2}}:
         the workers a scheduler may place jobs on."""
@@ -246,17 +256,31 @@ class SlurmBackend:
             if reason.startswith(HOPELESS):
                 return (f"Slurm cannot start job {job_id} as placed ({reason}); open the partition or place the "
                         "job elsewhere.")
-            if reason.startswith(NODES_UNAVAILABLE):
+            if reason.startswith(NODES_UNAVAILABLE) and job_id in self._launches:
                 try:
                     self._check_nodes(self._launches[job_id])
                 except SlurmError as error:
                     return str(error)
         return None
 
+    def _live_slurm_jobs(self) -> dict[int, str]:
+        """Job id -> Slurm job id of every pending or running Slurm job named PREFIX-ID."""
+        command = ["squeue", "--noheader", "--format=%i %j"]
+        listed = self._slurm(command + ([f"--partition={self.partition}"] if self.partition else []))
+        live = {}
+        for line in listed.stdout.splitlines():
+            slurm_id, _, name = line.strip().partition(" ")
+            prefix, _, job_id = name.rpartition("-")
+            if prefix == self.job_name_prefix and job_id.isdigit():
+                live[int(job_id)] = slurm_id.split("+")[0]  # a heterogeneous job's components: 7+0, 7+1
+        return live
+
     def _slurm_id(self, job_id: int) -> str:
+        if job_id not in self._slurm_ids:  # started by an earlier instance, maybe: adopt it
+            self._slurm_ids.update({j: s for j, s in self._live_slurm_jobs().items() if j not in self._slurm_ids})
         if job_id not in self._slurm_ids:
-            raise SlurmError(f"job {job_id} was not started by this Slurm backend; start it before polling or "
-                             "stopping it.")
+            raise SlurmError(f"job {job_id} has no Slurm job named {self.job_name_prefix}-{job_id} pending or "
+                             "running; start it before polling or stopping it.")
         return self._slurm_ids[job_id]
 
     def _job_records(self, job_id: int) -> list[dict[str, str]]:
@@ -270,8 +294,8 @@ class SlurmBackend:
         return sorted(records, key=lambda r: int(r.get("HetJobOffset", 0)))
 
     def _end(self, job_id: int, code: int, note: Optional[str] = None) -> int:
-        """Remember the job's exit code; a note on why it failed goes to the end of its log."""
-        if note:
+        """Remember the job's exit code; a note on why it failed goes to the end of its log (if known)."""
+        if note and job_id in self._launches:
             with open(self._launches[job_id].log_path, "a") as log:
                 log.write(f"error: {note}\n")
         self._ended[job_id] = code
