@@ -1,4 +1,4 @@
-"""The Slurm backend against a real Slurm: slurmctld and two slurmd nodes with 2 "fast" and 2 "slow"
+"""The Slurm backend against a real Slurm: slurmctld and three slurmd nodes with 2 "fast" and 2 "slow"
 typed GPU GRES each (``slurm_testbed.py``), started once for the module.
 
 A tiny GPT (2 nodes x 1 rank, data parallel 2) runs to completion as one Slurm job; the same job
@@ -25,7 +25,7 @@ from test_training_cli import ROOT, TINY, losses
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
-NODES = {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}}
+NODES = {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}, "node3": {"fast": 2, "slow": 2}}
 ITERATIONS = 150  # a stop after iteration 3 lands by iteration 25 here, under load (SIGTERM takes a few)
 RUN_SECONDS = 240
 
@@ -123,15 +123,16 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(backend, tm
     script = tmp_path / "ignores_sigterm.py"
     script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                       "print('ignoring SIGTERM', flush=True)\ntime.sleep(600)\n")
-    job = Launch(6, [str(script)], (HostSlots("node1", "slow", 1), HostSlots("node2", "slow", 2)), {},
-                 str(tmp_path / "job.log"))
+    # two components: node1 and node2 with one device each, node3 with two (node ranks 0, 1 and 2)
+    hosts = (HostSlots("node1", "slow", 1), HostSlots("node2", "slow", 1), HostSlots("node3", "slow", 2))
+    job = Launch(6, [str(script)], hosts, {}, str(tmp_path / "job.log"))
     backend.start(job)
     wait_for_line(job.log_path, "^ignoring SIGTERM")
     stopped = time.monotonic()
     backend.stop(6, grace_seconds=2)
     code = wait(backend, 6)
     assert code > 128 and time.monotonic() - stopped >= 2, (code, open(job.log_path).read())  # ended by a signal
-    assert open(job.log_path).read().count("ignoring SIGTERM") == 3  # 1 + 2 ranks, all of them now gone
+    assert open(job.log_path).read().count("ignoring SIGTERM") == 4  # every rank started, and now gone
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _runs(pid, str(script))]
 
 

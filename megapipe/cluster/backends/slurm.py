@@ -67,7 +67,8 @@ def batch_script(launch: Launch, python: str, partition: Optional[str], cpus_per
                      f"--gres=gpu:{slots.worker_type}:{slots.devices}"
                      + (f" --partition={partition}" if partition else ""))
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(launch.env.items())]
-    lines.append("export PYTHONUNBUFFERED=1  # the log shows each line when it is printed")
+    lines += ["export PYTHONUNBUFFERED=1  # the log shows each line when it is printed",
+              f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cpus_per_device}}}  # each rank its CPUs' threads"]
     # the rendezvous: a free port on this node (the batch runs on the first node, node rank 0)
     lines += ['MEGAPIPE_RDZV_HOST=$(scontrol show node "$SLURMD_NODENAME" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
               f"MEGAPIPE_RDZV_PORT=$({shlex.quote(python)} -c "
