@@ -76,7 +76,8 @@ def batch_script(launch: Launch, python: str, partition: Optional[str], cpus_per
               'export MEGAPIPE_RDZV_ENDPOINT="$MEGAPIPE_RDZV_HOST:$MEGAPIPE_RDZV_PORT"',
               # keys of this job only in the rendezvous store, should a stray launcher reach its port
               'export MEGAPIPE_RDZV_ID="megapipe-$SLURM_JOB_ID"',
-              f'echo "megapipe: Slurm job $SLURM_JOB_ID runs job {launch.job_id} on '
+              # "[cluster]" marks the scheduler's lines in a job's log, apart from what the job prints
+              f'echo "[cluster] Slurm job $SLURM_JOB_ID runs job {launch.job_id} on '
               f'{_describe(launch.hosts)}, rendezvous $MEGAPIPE_RDZV_ENDPOINT"']
     tasks = [_task(launch, part[0].devices, python) for part in parts]
     lines.append("srun --kill-on-bad-exit=1 " + " : ".join(tasks))
