@@ -60,7 +60,8 @@ def _parallel_flags(g) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
-                   help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, pipedream, 2bw")
+                   help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, "
+                        "interleaved-zb, pipedream, 2bw")
     g.add_argument("--schedule-file", default=None,
                    help="run a flush schedule written as text or CSV (see tools/plot_schedule.py) instead of "
                         "--pipeline-schedule; checked deadlock-free under gloo and NCCL before anything runs")

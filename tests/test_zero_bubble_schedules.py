@@ -4,9 +4,15 @@ References: the closed forms of Qi et al. (ICLR 2024) at unit costs F = BI = BW 
 = BI + BW = 2) and free messages, computed exactly (integers and Fractions): 1F1B idles
 3 (p - 1) per rank, ZB-H1 p - 1 (a third); ZB-H2 has no idle time between a rank's first and
 last action once m >= 2p - 1, and some below that bound. Peak activations: ZB-H1 holds p
-microbatches like 1F1B's first rank, ZB-H2 2p - 1 (about twice). The planner's closed forms
+microbatches like 1F1B's first rank, ZB-H2 2p - 1 (about twice). Interleaved zero bubble with v
+chunks per rank (each chunk F = BI = BW = 1/v) idles (p - 1)/v per rank once m >= p, a third of
+interleaved 1F1B's 3 (p - 1)/v, so its makespan is 3m + (p - 1)/v; a rank holds
+((v - 1) k + p)/v stages' worth of microbatches (k = m / max(1, m // p), its round size), at most
+m: 1F1B's p when p divides m. The planner's closed forms
 (``planner/schedule_costs.py``) give the same batch time and memory.
 """
+
+from fractions import Fraction
 
 import pytest
 
@@ -34,6 +40,33 @@ def test_zb_h1_idles_a_third_of_1f1b_with_its_memory(p, m):
     assert idle(zb_h1) == [p - 1] * p
     assert zb_h1.makespan == 3 * m + p - 1
     assert max(zb_h1.peak_activations) == max(one_f_one_b.peak_activations) == p
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_zb_idles_a_third_of_interleaved_1f1b(p, m, v):
+    if m % max(1, m // p):
+        with pytest.raises(ConfigError, match=r"--pipeline-schedule interleaved-zb runs m=\d+ microbatches in \d+ "
+                                              r"rounds .*raise --global-batch-size so that m=\d+\."):
+            build_schedule("interleaved-zb", p, m, v)
+        return
+    chunk = Fraction(1, v)
+    unit_chunks = CostModel(forward=chunk, backward=2 * chunk, input_backward=chunk, weight_backward=chunk)
+    result = simulate(build_schedule("interleaved-zb", p, m, v), unit_chunks)
+    assert idle(result) == [Fraction(p - 1, v)] * p
+    assert result.makespan == 3 * m + Fraction(p - 1, v)
+    if m % p == 0:
+        interleaved = simulate(build_schedule("interleaved", p, m, v), unit_chunks)
+        assert idle(interleaved) == [3 * Fraction(p - 1, v)] * p
+    round_size = m // max(1, m // p)
+    assert result.peak_activations == (min(m, Fraction((v - 1) * round_size + p, v)),) * p
+
+
+def test_interleaved_zb_bad_sizes_name_the_flag_and_least_value():
+    with pytest.raises(ConfigError, match=r"--pipeline-schedule interleaved-zb needs at least v=2 .*v >= 2"):
+        build_schedule("interleaved-zb", 4, 8, 1)
+    with pytest.raises(ConfigError, match=r"m=9 microbatches in 2 rounds .*so that m=10\."):
+        build_schedule("interleaved-zb", 4, 9, 2)
 
 
 @pytest.mark.parametrize("p, m", SIZES)
