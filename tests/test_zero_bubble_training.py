@@ -1,6 +1,6 @@
 """Zero-bubble schedules (split backward: BI then BW) train exactly like gradient accumulation.
 
-ZB-H1 and ZB-H2 at pipeline sizes 2 and 4, tensor sizes 1 and 2, data sizes 1 and 2 (the
+ZB-H1, ZB-H2 and interleaved zero bubble (two chunks per rank) at pipeline sizes 2 and 4, tensor sizes 1 and 2, data sizes 1 and 2 (the
 three layouts of one world of 8 processes), GPT and BERT, with and without full
 recomputation (on in alternate runs, so every schedule and model meets both): per-microbatch losses and every parameter after 3 SGD-with-momentum steps
 equal one process accumulating gradients over the same microbatches, within the 1e-5
@@ -13,7 +13,7 @@ syncs' hooks and the tied embedding's sum, so a gradient lost or counted twice w
 from megapipe.testing import run_distributed
 from test_pipeline_training import M, STEPS, assert_close, pipelined_run, reference_run
 
-SCHEDULES = ("zb-h1", "zb-h2")
+SCHEDULES = (("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2))  # name, chunks per rank
 LAYOUTS = [(2, 4, 1), (2, 2, 2), (1, 4, 2)]  # (t, p, d)
 
 
@@ -23,11 +23,11 @@ def check_layouts(rank, world_size, layouts, kinds):
         references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for layout_index, (t, p, d) in enumerate(layouts):
             initial, ref_losses, ref_final = references[d]
-            for schedule_index, schedule in enumerate(SCHEDULES):
+            for schedule_index, (schedule, v) in enumerate(SCHEDULES):
                 # recomputation on for half the runs: each schedule and model sees both, on alternate layouts
                 recompute = (kinds.index(kind) + layout_index + schedule_index) % 2 == 1
-                what = f"{kind} {schedule} t={t} p={p} d={d} recompute={recompute}"
-                ps, losses, final = pipelined_run(kind, t, p, d, schedule, 1, initial, recompute)
+                what = f"{kind} {schedule} v={v} t={t} p={p} d={d} recompute={recompute}"
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, initial, recompute)
                 if ps.is_last_stage:
                     for step in range(STEPS):
                         expected = ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M]
