@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.analysis.simulate import CostModel, SimulationResult, peak_activations, simulate
@@ -95,19 +95,57 @@ def search_schedule(p: int, m: int, costs: CostModel, memory_limit: Real, v: int
     return SearchResult(lowered, result, origin, len(candidates))
 
 
-def _named_lists(p: int, m: int, v: int, memory_limit: Real):
+def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
+    """The registered flush schedules that run p ranks, m microbatches and v chunks per rank, compute-only."""
     from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_spec
 
+    found = []
     for named in schedule_names():
         spec = schedule_spec(named)
         if spec.asynchronous or (v > 1 and not spec.chunked):
             continue
         try:
-            schedule = build_schedule(named, p, m, v).compute_only()
+            found.append(build_schedule(named, p, m, v).compute_only())
         except (ConfigError, ScheduleError):
             continue
+    return found
+
+
+def comparison(found: SearchResult, costs_for: Callable[[int], CostModel], memory_limit: Real) -> list[str]:
+    """Lines that print the searched schedule's predicted batch time, bubble and peak activations next to
+    every named schedule's, the fastest first. ``costs_for(v)`` gives the same per-rank costs split over
+    v chunks: the named schedules without chunks run with one (messages placed for the costs)."""
+    p, m, v = found.schedule.p, found.schedule.m, found.schedule.v
+    rows = [(found.simulation, f"searched ({_origin(found.origin)})")]
+    for chunks in sorted({1, v}):
+        rows += [(simulate(named, costs_for(chunks)), "") for named in named_schedules(p, m, chunks)
+                 if named.v == v or not schedule_is_chunked(named.name)]
+    lines = [f"{'schedule':<16}{'v':>3}{'batch time':>12}{'bubble':>9}{'peak activations':>18}  (p={p} m={m}, "
+             f"memory limit {memory_limit})"]
+    for result, note in sorted(rows, key=lambda row: (row[0].makespan, max(row[0].peak_activations))):
+        peak = max(result.peak_activations)
+        over = "  over the limit" if peak > memory_limit else ""
+        lines.append(f"{result.schedule.name:<16}{result.schedule.v:>3}{float(result.makespan):>12.4g}"
+                     f"{float(result.bubble_fraction):>9.2%}{str(peak):>18}  {note}{over}".rstrip())
+    return lines
+
+
+def schedule_is_chunked(name: str) -> bool:
+    from megapipe.pipeline.ir.schedules import schedule_spec
+
+    return schedule_spec(name).chunked
+
+
+def _origin(origin: Union[Knobs, str]) -> str:
+    if isinstance(origin, str):
+        return f"from {origin}"
+    return "heuristic " + ", ".join(f"{name}={int(value)}" for name, value in vars(origin).items())
+
+
+def _named_lists(p: int, m: int, v: int, memory_limit: Real):
+    for schedule in named_schedules(p, m, v):
         if max(peak_activations(schedule)) <= memory_limit:
-            yield named, schedule.actions
+            yield schedule.name, schedule.actions
 
 
 def _split_backwards(lists) -> list[list[Action]]:
