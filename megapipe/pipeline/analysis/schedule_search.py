@@ -119,7 +119,7 @@ def comparison(found: SearchResult, costs_for: Callable[[int], CostModel], memor
     rows = [(found.simulation, f"searched ({_origin(found.origin)})")]
     for chunks in sorted({1, v}):
         rows += [(simulate(named, costs_for(chunks)), "") for named in named_schedules(p, m, chunks)
-                 if named.v == v or not schedule_is_chunked(named.name)]
+                 if schedule_is_chunked(named.name) == (chunks > 1)]
     lines = [f"{'schedule':<16}{'v':>3}{'batch time':>12}{'bubble':>9}{'peak activations':>18}  (p={p} m={m}, "
              f"memory limit {memory_limit})"]
     for result, note in sorted(rows, key=lambda row: (row[0].makespan, max(row[0].peak_activations))):

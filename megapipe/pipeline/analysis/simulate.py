@@ -64,14 +64,15 @@ class CostModel:
                  weight_backward: Sequence[Real], **kwargs) -> "CostModel":
         """Costs from each pipeline rank's times for one microbatch through all its chunks (lists
         indexed by rank, or one time for all), split evenly over its v chunks; a whole B costs BI + BW."""
-        def per_stage(times: Sequence[Real]) -> list[Real]:
+        def per_stage(times: Sequence[Real]) -> tuple[Real, ...]:
             if len(times) not in (1, p):
                 raise ValueError(f"{len(times)} times given for {p} pipeline ranks; give one per rank or one for all")
-            return [_exact(times[(s % p) % len(times)]) / v for s in range(p * v)]
+            return tuple(_exact(times[(s % p) % len(times)]) / v for s in range(p * v))
 
         return cls(forward=per_stage(forward), input_backward=per_stage(input_backward),
                    weight_backward=per_stage(weight_backward),
-                   backward=[a + b for a, b in zip(per_stage(input_backward), per_stage(weight_backward))], **kwargs)
+                   backward=tuple(a + b for a, b in zip(per_stage(input_backward), per_stage(weight_backward))),
+                   **kwargs)
 
     def compute_time(self, rank: int, action: Action) -> Real:
         if action.kind is ActionKind.F:
