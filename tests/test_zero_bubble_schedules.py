@@ -22,7 +22,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.planner.schedule_costs import in_flight, pipeline_time
+from megapipe.planner.schedule_costs import bubble_fraction, in_flight, microbatch_problem, pipeline_time
 
 UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
 SIZES = [(p, m) for p in range(2, 6) for m in range(p, 3 * p + 1)]
@@ -120,9 +120,14 @@ def test_too_few_microbatches_name_the_flag_and_least_value(name):
         build_schedule(name, 4, 3)
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
-@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 4), (4, 9)])
-def test_planner_closed_forms_match_the_simulator(name, p, m):
-    simulated = simulate(build_schedule(name, p, m), UNIT)
-    assert pipeline_time(name, [1] * p, [2] * p, m) == simulated.makespan
-    assert [in_flight(name, p, m, 1, rank) for rank in range(p)] == list(simulated.peak_activations)
+@pytest.mark.parametrize("name, v", [("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2), ("interleaved-zb", 3)])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 4), (4, 9), (4, 8)])
+def test_planner_closed_forms_match_the_simulator(name, v, p, m):
+    if microbatch_problem(name, p, m, v) is not None:
+        return
+    chunk = Fraction(1, v)
+    simulated = simulate(build_schedule(name, p, m, v), CostModel(forward=chunk, backward=2 * chunk,
+                                                                   input_backward=chunk, weight_backward=chunk))
+    assert pipeline_time(name, [1] * p, [2] * p, m, v) == pytest.approx(float(simulated.makespan), rel=1e-12)
+    assert [in_flight(name, p, m, v, rank) for rank in range(p)] == list(simulated.peak_activations)
+    assert bubble_fraction(name, p, m, v) == Fraction(p - 1, v) / (3 * m)

@@ -96,8 +96,9 @@ def search_schedule(p: int, m: int, costs: CostModel, memory_limit: Real, v: int
 
 
 def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
-    """The registered flush schedules that run p ranks, m microbatches and v chunks per rank, compute-only."""
-    from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_spec
+    """The registered flush schedules that run p ranks, m microbatches and v chunks per rank, compute-only
+    (straight from their generators, which ``tests/test_transport_models.py`` checks under both transports)."""
+    from megapipe.pipeline.ir.schedules import schedule_names, schedule_spec
 
     found = []
     for named in schedule_names():
@@ -105,8 +106,8 @@ def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
         if spec.asynchronous or (v > 1 and not spec.chunked):
             continue
         try:
-            found.append(build_schedule(named, p, m, v).compute_only())
-        except (ConfigError, ScheduleError):
+            found.append(Schedule(named, p, m, v, spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)))
+        except ConfigError:  # sizes it does not run
             continue
     return found
 
@@ -212,7 +213,7 @@ class _Greedy:
         self.actions: list[list[Action]] = [[] for _ in range(p)]
 
     def lists(self) -> list[list[Action]]:
-        remaining, time = 3 * self.stages * self.m, Fraction(0)
+        remaining, time = 3 * self.stages * self.m, 0
         while remaining:
             for rank in range(self.p):
                 if self.free_at[rank] <= time:
