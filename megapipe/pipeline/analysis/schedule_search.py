@@ -75,10 +75,14 @@ def check_memory_limit(memory_limit: Real) -> None:
 
 
 def search_schedule(p: int, m: int, costs: CostModel, memory_limit: Real, v: int = 1,
-                    name: str = "auto", max_evaluations: int = 2000) -> SearchResult:
+                    name: str = "auto", max_evaluations: Optional[int] = None) -> SearchResult:
     """The best schedule found for ``costs`` holding at most ``memory_limit`` microbatches'
-    activations per rank (in units of one whole rank's, as ``simulate`` counts them)."""
+    activations per rank (in units of one whole rank's, as ``simulate`` counts them).
+    ``max_evaluations`` bounds the hill climbing's replays (default: about 60,000 passes replayed
+    in all, a few seconds)."""
     check_memory_limit(memory_limit)
+    if max_evaluations is None:
+        max_evaluations = max(50, 20_000 // (p * m * v))
     candidates = [(Knobs(*values), _Greedy(p, m, v, costs, memory_limit, Knobs(*values)).lists())
                   for values in itertools.product((False, True), repeat=4)]
     candidates += [(named, _split_backwards(lists)) for named, lists in _named_lists(p, m, v, memory_limit)]
