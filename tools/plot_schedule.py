@@ -93,7 +93,8 @@ def main(argv=None) -> int:
             else:
                 schedule = (load_schedule(args.schedule_file) if args.schedule_file
                             else build_schedule(args.schedule, args.p, args.m, args.v))
-                result = simulate(schedule.compute_only(), cost_model(args, schedule.p, schedule.v))  # receives placed for these costs
+                costs = cost_model(args, schedule.p, schedule.v)
+                result = simulate(schedule.compute_only(), costs)  # receives placed for these costs
             timeline = result.timeline
             output = args.output or f"{schedule.name}-p{schedule.p}-m{schedule.m}-v{schedule.v}.png"
             draw_simulation(result, output)

@@ -79,8 +79,9 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
     if layout.schedule == "auto":  # the search on the training side, for the times the plan predicted
         forward, backward = estimate.rank_times
-        words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time",
-                  _seconds([b / 2 for b in backward]), "--schedule-weight-backward-time", _seconds([b / 2 for b in backward])]
+        halves = _seconds([b / 2 for b in backward])
+        words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time", halves,
+                  "--schedule-weight-backward-time", halves]
     if layout.recompute:
         words += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", str(estimate.recompute_layers)]

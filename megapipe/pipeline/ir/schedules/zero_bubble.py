@@ -1,4 +1,5 @@
-"""Zero-bubble schedules ZB-H1, ZB-H2 and interleaved zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+"""Zero-bubble schedules ZB-H1, ZB-H2 and interleaved zero bubble (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024).
 
 Each backward is split into BI (input gradient, on the critical path: the previous stage
 waits for it) and BW (weight gradients, needed only by the STEP), and the BWs fill the idle
@@ -17,7 +18,7 @@ its last action (the pipeline is a parallelogram; the offsets at both ends remai
 units per rank).
 
 Interleaved zero bubble (``interleaved-zb``, the order of PyTorch's ScheduleInterleavedZeroBubble,
-the paper's ZB-1P over v >= 2 looped chunks per rank): ZB-H1's rule on the interleaved order.
+over v >= 2 looped chunks per rank): ZB-H1's rule on the interleaved order.
 Microbatches go through the chunks in rounds of ``k = m / max(1, m // p)`` (p when p divides m):
 a rank's j-th forward is chunk ``(j // k) % v``, its j-th input gradient chunk
 ``v - 1 - (j // k) % v``, each stage taking its microbatches in order. Rank r runs
@@ -63,7 +64,7 @@ def interleaved_zb(p: int, m: int, v: int) -> list[list[Action]]:
 
 
 def _in_stage_order(rank: int, p: int, chunks: list[int]) -> list[tuple[int, int]]:
-    """(stage, microbatch) of each pass of ``rank`` given its chunks in order: each stage takes its microbatches in order."""
+    """(stage, microbatch) of each pass of ``rank``, given its chunks in order; a stage takes its microbatches in order."""
     taken: dict[int, int] = {}
     passes = []
     for chunk in chunks:
@@ -90,7 +91,7 @@ def _delayed_weights(rank: int, warmup: int, forwards: list[tuple[int, int]],
         backward(input_grad)
     for input_grad in input_grads[len(forwards) - warmup:]:
         backward(input_grad)
-    return actions + [Action(ActionKind.BW, *stage_microbatch) for stage_microbatch in pending] + [Action(ActionKind.STEP)]
+    return actions + [Action(ActionKind.BW, *left) for left in pending] + [Action(ActionKind.STEP)]
 
 
 def zb_h2(p: int, m: int) -> list[list[Action]]:
