@@ -124,7 +124,7 @@ def comparison(found: SearchResult, costs_for: Callable[[int], CostModel], memor
     rows = [(found.simulation, f"searched ({_origin(found.origin)})")]
     for chunks in sorted({1, v}):
         rows += [(simulate(named, costs_for(chunks)), "") for named in named_schedules(p, m, chunks)
-                 if schedule_is_chunked(named.name) == (chunks > 1)]
+                 if _chunked(named.name) == (chunks > 1)]
     lines = [f"{'schedule':<16}{'v':>3}{'batch time':>12}{'bubble':>9}{'peak activations':>18}  (p={p} m={m}, "
              f"memory limit {memory_limit})"]
     for result, note in sorted(rows, key=lambda row: (row[0].makespan, max(row[0].peak_activations))):
@@ -135,7 +135,7 @@ def comparison(found: SearchResult, costs_for: Callable[[int], CostModel], memor
     return lines
 
 
-def schedule_is_chunked(name: str) -> bool:
+def _chunked(name: str) -> bool:
     from megapipe.pipeline.ir.schedules import schedule_spec
 
     return schedule_spec(name).chunked
