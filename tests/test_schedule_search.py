@@ -1,19 +1,24 @@
 """The schedule search (``pipeline/analysis/schedule_search.py``) on the simulator.
 
 References: the named schedules simulated with the same costs, the closed forms of the
-zero-bubble schedules at unit costs, and a lower bound for one slow rank (it cannot start
-before the first forward of the ranks ahead of it reaches it, and then has m (F + BI + BW) of
-its own work to do), which the searched schedule meets. Memory is counted by the simulator's
+zero-bubble schedules at unit costs, a lower bound for one slow rank (it cannot start before
+the first forward of the ranks ahead of it reaches it, and then has m (F + BI + BW) of its own
+work to do), which the searched schedule meets, and brute force: every order of every rank's
+passes for small sizes, the fastest one within the memory limit. Memory is counted by the simulator's
 ``peak_activations`` (a split backward holds its forward's activations until BW).
 """
 
+import itertools
+import random
 from fractions import Fraction
 
 import pytest
 
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.analysis.schedule_search import search_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
+from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.replay import replay
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_spec
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
@@ -76,3 +81,39 @@ def test_equal_unit_costs_reach_the_zero_bubble_closed_forms(p, m):
 def test_infeasible_memory_limit_names_the_flag_and_least_value():
     with pytest.raises(ConfigError, match=r"--schedule-memory-limit 1/2 is below .*the least value that works is 1\."):
         search_schedule(4, 8, costs(4, 1), memory_limit=Fraction(1, 2))
+
+
+def every_order(rank, m):
+    """Every list of rank ``rank``'s passes (one stage) keeping F before BI before BW of each microbatch."""
+    kinds = (ActionKind.F, ActionKind.BI, ActionKind.BW)
+    for slots in set(itertools.permutations([i for i in range(m) for _ in kinds])):  # microbatch of each slot
+        done, order = [0] * m, []
+        for i in slots:
+            order.append(Action(kinds[done[i]], rank, i))
+            done[i] += 1
+        yield order
+
+
+def fastest_by_brute_force(p, m, costs, limit):
+    lists = [list(every_order(rank, m)) for rank in range(p)]
+    best = None
+    for combination in itertools.product(*lists):
+        schedule = Schedule("every", p, m, 1, [list(order) + [Action(ActionKind.STEP)] for order in combination])
+        if max(peak_activations(schedule)) > limit:
+            continue
+        try:
+            makespan = max(step.end for step in replay(schedule, costs.compute_time, costs.transfer_time))
+        except ScheduleError:  # a rank waits for a pass another rank runs only later
+            continue
+        best = makespan if best is None else min(best, makespan)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_finds_the_fastest_order_of_all_for_two_ranks_and_two_microbatches(seed):
+    """Random unequal F, BI, BW per rank and latency; all 20 x 20 pairs of orders, memory limits 1 and 2."""
+    rng = random.Random(seed)
+    times = [[Fraction(rng.randint(1, 6), 4) for _ in range(2)] for _ in range(3)]
+    costs = CostModel.per_rank(2, 1, *times, latency=Fraction(rng.randint(0, 2), 4))
+    for limit in (1, 2):
+        assert search_schedule(2, 2, costs, limit).simulation.makespan == fastest_by_brute_force(2, 2, costs, limit)
