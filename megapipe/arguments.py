@@ -268,7 +268,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
     from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
-    from megapipe.searched_schedule import AUTO, check_search_flags, searched_schedule
+    from megapipe.searched_schedule import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
     plan = par.stage_plan()
@@ -296,8 +296,10 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)
     if par.pipeline_schedule == AUTO:
-        if par.schedule_search.profile is None:  # a profile is checked against the tokenizer's vocabulary later
+        if par.schedule_search.profile is None:
             searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
+        else:  # searched once the tokenizer has given the vocabulary the profile must match
+            check_profile(kind, config)
         config.optimizer.check_pipeline_schedule(AUTO, False)
         return data
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run

@@ -14,6 +14,7 @@ same lists without talking to the others.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from fractions import Fraction
 from typing import Optional
@@ -51,6 +52,17 @@ def check_search_flags(config: Config, p: int) -> None:
         raise ConfigError(f"--schedule-latency {search.latency} must not be negative.")
     if search.memory_limit is not None:
         check_memory_limit(search.memory_limit)
+
+
+def check_profile(kind: str, config: Config) -> None:
+    """Refuse a missing profile or one of another model before any process group exists; the
+    vocabulary is checked later, once the tokenizer has given it."""
+    from megapipe.planner.profile import ModelProfile, ModelShape
+
+    path = config.parallel.schedule_search.profile
+    profile = ModelProfile.load(path)
+    expected = dataclasses.replace(ModelShape.from_config(kind, config.model), vocab_size=profile.shape.vocab_size)
+    profile.shape.check_same(expected, f"profile {path}")
 
 
 def stage_costs(kind: str, config: Config, p: int, v: int) -> CostModel:
