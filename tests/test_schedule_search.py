@@ -32,14 +32,19 @@ def costs(p, v, slow_rank=None, factor=Fraction(3, 2)):
 
 
 def named_makespans(p, m, v):
-    """Every named flush schedule that runs (p, m): chunked ones with v >= 2 chunks, the others with one."""
+    """Every named flush schedule on the looped placement (stage s on rank s % p) that runs (p, m):
+    chunked ones with v >= 2 chunks, the others with one."""
     times = {}
     for name in schedule_names():
         spec = schedule_spec(name)
         if spec.asynchronous or (spec.chunked and v == 1):
             continue
         chunks = v if spec.chunked else 1
-        result = simulate(build_schedule(name, p, m, chunks).compute_only(), costs(p, chunks, slow_rank=1))
+        schedule = build_schedule(name, p, m, chunks).compute_only()
+        if any(a.stage % p != rank for rank, actions in enumerate(schedule.actions) for a in actions
+               if a.kind.is_compute):
+            continue
+        result = simulate(schedule, costs(p, chunks, slow_rank=1))
         times[name] = (result.makespan, max(result.peak_activations))
     return times
 

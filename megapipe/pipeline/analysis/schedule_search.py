@@ -110,9 +110,12 @@ def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
         if spec.asynchronous or (v > 1 and not spec.chunked):
             continue
         try:
-            found.append(Schedule(named, p, m, v, spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)))
+            lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
         except ConfigError:  # sizes it does not run
             continue
+        if all(a.stage % p == rank for rank, actions in enumerate(lists) for a in actions
+               if a.kind.is_compute):  # the looped placement the search works on
+            found.append(Schedule(named, p, m, v, lists))
     return found
 
 
