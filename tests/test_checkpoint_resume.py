@@ -61,7 +61,7 @@ def resume_cases():
         for schedule in SCHEDULES:
             extra = ["--async-save"] if (layout, schedule) in (("t1p2d2", "1f1b"), ("t2p2d1", "2bw")) else []
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
-    yield "t2p2d1-zbv", layout_flags(2, 2, "zbv")  # m = 4 = 2p: the least ZBV runs with (d = 2 leaves 2)
+    yield "t2p2d1-zbv", layout_flags(2, 2, "zbv")  # m = 4 (d = 2 would leave 2, below ZBV's least 2p - 1)
 
 
 ASYNCHRONOUS = ("pipedream", "2bw")

@@ -52,7 +52,7 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
     """Every layout written out from the rules: all devices used, the model and batch divided, and
     each schedule's needs (1F1B, ZB-H1, ZB-H2 and 2BW at least p microbatches, PipeDream one per update,
     both interleavings m a multiple of p and v >= 2 chunks, ZBV and DualPipeV v = 2 in a V with at least
-    2p and 2p - 1 microbatches; one schedule when there is no pipeline; with d > 1 every data-parallel
+    2p - 1 microbatches; one schedule when there is no pipeline; with d > 1 every data-parallel
     sharding level, but parameters sharded only under a flush)."""
     found = set()
     for t, p, d in itertools.product(range(1, devices + 1), repeat=3):
@@ -70,7 +70,7 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
                       "zb-h1": v == 1 and m >= p, "zb-h2": v == 1 and m >= p,
                       "pipedream": v == 1 and m == 1, "interleaved": v >= 2 and p >= 2 and m % p == 0,
                       "interleaved-zb": v >= 2 and p >= 2 and m % p == 0,
-                      "zbv": v == 2 and m >= 2 * p, "dualpipev": v == 2 and m >= 2 * p - 1}[schedule]
+                      "zbv": v == 2 and m >= 2 * p - 1, "dualpipev": v == 2 and m >= 2 * p - 1}[schedule]
                 levels = ["no_shard"] if d == 1 else ["no_shard", "optim", "optim_grads"] + (
                     ["optim_grads_params"] if schedule in flushing else [])
                 if ok:

@@ -4,9 +4,9 @@ Units: F = BI = BW = 1 per virtual stage (a V rank holds two stages, so one micr
 of work per rank), free messages, exact integer and Fraction arithmetic. Activations are counted
 in whole ranks' worth (one rank's layers for one microbatch: two V chunks), the unit in which
 1F1B (one stage per rank) holds p. References: the bounds and closed forms of the papers, each
-computed here independently of the generators: ZBV (Qi et al., ICLR 2024) has no bubble, i.e.
-the batch takes 6m + p - 1, the least any order can (the last rank cannot start before p - 1
-forwards ran), with 1F1B's peak p; V-Half and V-Min (Qi et al., NeurIPS 2024) hold half and a
+computed here independently of the generators: ZBV (Qi et al., ICLR 2024) has no bubble for
+every m it accepts (m >= 2p - 1, the bound), i.e. the batch takes 6m + p - 1, the least any order
+can (the last rank cannot start before p - 1 forwards ran), with 1F1B's peak p; V-Half and V-Min (Qi et al., NeurIPS 2024) hold half and a
 third of 1F1B's activations up to a constant: exactly floor(p / 2) + 1 and floor((p + 4) / 3) once
 m >= p (never more below), and their bubble is the same for every m (the values the README
 quotes, pinned here as regression values of the squeeze, not a closed form); DualPipeV's idle per rank is at most (p - 1)(F&B + B - 3W) (DualPipe's
@@ -28,7 +28,7 @@ from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.stage_placement import Placement
 
 UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
-SIZES = [(p, m) for p in range(2, 7) for m in range(2 * p, 4 * p + 1)]
+SIZES = [(p, m) for p in range(2, 7) for m in range(2 * p - 1, 4 * p + 1)]
 
 
 def test_v_placement_puts_the_last_stage_with_the_first():
@@ -95,7 +95,7 @@ def test_overlapped_pairs_in_text_and_their_rules():
         parse_action("&BW0.1")
 
 
-@pytest.mark.parametrize("name, least", [("zbv", lambda p: 2 * p), ("dualpipev", lambda p: 2 * p - 1)])
+@pytest.mark.parametrize("name, least", [("zbv", lambda p: 2 * p - 1), ("dualpipev", lambda p: 2 * p - 1)])
 def test_too_few_microbatches_name_the_flag_and_least_value(name, least):
     with pytest.raises(ConfigError, match=rf"--pipeline-schedule {name} needs at least m={least(4)} .*"
                                           rf"m >= {least(4)}"):

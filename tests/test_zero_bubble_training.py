@@ -16,7 +16,7 @@ as long) is held to the same reference on the first layout, with two chunks per 
 
 The V schedules (``zbv``, ``v-half``, ``v-min``, ``dualpipev``: two chunks per rank in a V, the
 first rank holding both the embedding and the loss, hence both copies of the tied embedding)
-meet the same reference with m = 2p microbatches per replica (ZBV's least): by default each runs
+meet the same reference with m = 2p microbatches per replica (above their least, 2p - 1): by default each runs
 on the three layouts, GPT and BERT alternating and recomputation on every other run; the full
 matrix runs every schedule on every layout, for both models, with and without recomputation.
 """

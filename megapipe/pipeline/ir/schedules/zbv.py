@@ -8,8 +8,8 @@ cool-down of r pairs (BI0, BI1) and p - r pairs (BI0, BW0); the remaining BWs la
 first. With F = BI = BW = 1 per stage and free messages no rank idles once it has started:
 the batch takes 6m + p - 1, the least possible (the last rank starts after p - 1 forwards),
 and no rank holds more than p microbatches' worth of one rank's activations (2p chunks of
-half a rank each), 1F1B's peak. It needs m >= 2p: the warm-up alone starts 2p - 1 forwards
-on rank 0.
+half a rank each), 1F1B's peak. It needs m >= 2p - 1: the warm-up alone starts 2p - 1
+forwards on rank 0.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megapipe.stage_placement import Placement, check_placement, stages_of_rank
 
 def zbv(p: int, m: int, v: int) -> list[list[Action]]:
     check_placement(Placement.V, v, "zbv")
-    check_v_microbatches("zbv", p, m, 2 * p)
+    check_v_microbatches("zbv", p, m, 2 * p - 1)
     return [_rank_actions(rank, p, m) for rank in range(p)]
 
 
