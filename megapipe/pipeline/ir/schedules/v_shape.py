@@ -6,10 +6,11 @@ that others wait for: F of chunk 0 (stage r), F of chunk 1 (stage 2p-1-r), BI of
 of chunk 0. Microbatch i repeats it 6i later (with F = BI = BW = 1 a rank has six passes per
 microbatch, so the steady state leaves no slot empty). A rank's activations live from a
 forward to its BW, so the block's lifespan on a rank sets its peak memory: the paper's
-blocks span about 4p slots (V-Min) and 6p slots (V-Half) where 1F1B's spans 12p in these
-units, giving a third and a half of 1F1B's activations plus a constant. Exactly, in whole
-ranks' worth of activations (two chunk activations): V-Min holds floor((p + 4) / 3) and
-V-Half floor(p / 2) + 1 at the most, against 1F1B's p.
+blocks keep chunk 0's activations about 4p slots (V-Min) and 6p slots (V-Half), so about
+2p/3 and p chunk activations live at once (one new every 6 slots), a third and a half of
+1F1B's 2p (p whole ranks' worth), plus a constant. Exactly, in whole ranks' worth of
+activations (two chunk activations): V-Min holds floor((p + 4) / 3) and V-Half
+floor(p / 2) + 1 at the most, against 1F1B's p.
 
 From the block to lists, as the paper does: the BWs go into the empty slots, oldest BI
 first (the rest after the last pass); then the warm-up and cool-down are *squeezed*: taking
