@@ -165,7 +165,8 @@ def test_v_schedules_time_bubble_and_activations_match_the_simulator(name, p):
     # other, as megapipe's executor runs them (no overlap: F&B = F + B)
     for m in sorted({2 * p - 1, 2 * p, 3 * p + 1}):
         assert microbatch_problem(name, p, m, 2) is None
-        costs = CostModel.per_chunk(2, input_backward=Fraction(1, 2), weight_backward=Fraction(1, 2), overlap=operator.add)
+        halves = Fraction(1, 2)
+        costs = CostModel.per_chunk(2, input_backward=halves, weight_backward=halves, overlap=operator.add)
         result = simulate(build_schedule(name, p, m, 2), costs)
         predicted = pipeline_time(name, [1] * p, [2] * p, m, 2)
         assert predicted == result.makespan == 3 * m * (1 + bubble_fraction(name, p, m, 2))

@@ -4,14 +4,18 @@ Units: F = BI = BW = 1 per virtual stage (a V rank holds two stages, so one micr
 of work per rank), free messages, exact integer and Fraction arithmetic. Activations are counted
 in whole ranks' worth (one rank's layers for one microbatch: two V chunks), the unit in which
 1F1B (one stage per rank) holds p. References: the bounds and closed forms of the papers, each
-computed here independently of the generators: ZBV (Qi et al., ICLR 2024) has no bubble for
-every m it accepts (m >= 2p - 1, the bound), i.e. the batch takes 6m + p - 1, the least any order
-can (the last rank cannot start before p - 1 forwards ran), with 1F1B's peak p; V-Half and V-Min (Qi et al., NeurIPS 2024) hold half and a
-third of 1F1B's activations up to a constant: exactly floor(p / 2) + 1 and floor((p + 4) / 3) once
-m >= p (never more below), and their bubble is the same for every m (the values the README
-quotes, pinned here as regression values of the squeeze, not a closed form); DualPipeV's idle per rank is at most (p - 1)(F&B + B - 3W) (DualPipe's
-README, p counted in V ranks), reached by the busiest rank, for the two ends of what overlap can
-give (F&B = max(F, B) and F&B = F + B).
+computed here independently of the generators:
+
+* ZBV (Qi et al., ICLR 2024) has no bubble for every m it accepts (m >= 2p - 1, the bound): the
+  batch takes 6m + p - 1, the least any order can (the last rank cannot start before p - 1
+  forwards ran), with 1F1B's peak p.
+* V-Half and V-Min (Qi et al., NeurIPS 2024) hold half and a third of 1F1B's activations up to a
+  constant: exactly floor(p / 2) + 1 and floor((p + 4) / 3) once m >= p (never more below); their
+  bubble is the same for every m (the values the README quotes, pinned here as regression
+  values of the squeeze, not a closed form).
+* DualPipeV's idle per rank is at most (p - 1)(F&B + B - 3W) (DualPipe's README, p counted in V
+  ranks), reached by the busiest rank, for the two ends of what overlap can give
+  (F&B = max(F, B) and F&B = F + B).
 """
 
 import operator

@@ -61,8 +61,8 @@ batches (microbatches ``0 .. batches*m - 1``): warm-up, steady state, drain. The
 runs it as a periodic program, one batch per call (see ``program.py``).
 
 Text form, used in grids and schedule files: ``F3.1`` (forward, stage 3, microbatch 1),
-``B0.7``, ``BI2.3``, ``BW2.3``, ``&B5.0``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``, ``UPDATE2.7``. ``parse_action`` reads it
-back.
+``B0.7``, ``BI2.3``, ``BW2.3``, ``&B5.0``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``,
+``UPDATE2.7``. ``parse_action`` reads it back.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ class Action:
         return text
 
 
-_ACTION_PATTERN = re.compile(r"(&?)(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|BI|BW|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
+_ACTION_PATTERN = re.compile(
+    r"(&?)(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|BI|BW|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
 
 
 def parse_action(text: str) -> Action:
@@ -183,8 +184,8 @@ def parse_action(text: str) -> Action:
         return Action(ActionKind.STEP)
     match = _ACTION_PATTERN.fullmatch(token)
     if match is None:
-        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, BI0.2, BW0.2, &B0.2, SEND_F3.1>0, RECV_B2.5<3, "
-                            "UPDATE1.3 or STEP.")
+        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, BI0.2, BW0.2, &B0.2, SEND_F3.1>0, "
+                            "RECV_B2.5<3, UPDATE1.3 or STEP.")
     overlapped, kind, stage, microbatch, version, arrow, peer = match.groups()
     kind = ActionKind(kind)
     if kind.is_communication and arrow != (">" if kind.is_send else "<"):

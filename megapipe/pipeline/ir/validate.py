@@ -7,7 +7,8 @@ schedules, whose UPDATE and weight-version rules ``validate_updates`` checks); o
 F comes before its B or BI, BI before its BW, a send after the compute that makes its tensor, STEP after all the
 rank's B and BW; if the schedule has SEND/RECV actions,
 every tensor crossing ranks has exactly one send and one receive, the receive comes before
-its consumer (or the forward an overlapped consumer runs with), and between two ranks receives are posted in the order the sender sends;
+its consumer (or the forward an overlapped consumer runs with), and between two ranks
+receives are posted in the order the sender sends;
 finally a replay of all lists (``replay.replay``) finds no deadlock under each transport model
 (``transport.py``: gloo and NCCL), which also covers F of stage s+1 running before F of stage s
 could have arrived.

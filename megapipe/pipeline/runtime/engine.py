@@ -96,9 +96,10 @@ class PipelineEngine:
             self._groups = [(chunks, ps)]
         self.schedule = self.program.schedule
         if self.schedule.placement is not ps.placement:
-            raise ConfigError(f"--pipeline-schedule {self.schedule.name} places its stages {self.schedule.placement.value}"
-                              f", but the model chunks were built for the {ps.placement.value} placement; build the "
-                              f"ParallelState with placement={self.schedule.placement.value!r}.")
+            wanted = self.schedule.placement.value
+            raise ConfigError(f"--pipeline-schedule {self.schedule.name} places its stages {wanted}, but the model "
+                              f"chunks were built for the {ps.placement.value} placement; build the ParallelState "
+                              f"with placement={wanted!r}.")
         params_dtype = next(p.dtype for chunk in chunks for p in chunk.parameters())
         self.grads = [GradBuffers(group, group_ps, optimizer_config.grad_dtype(params_dtype),
                                   optimizer_config.bucket_size(ps.dp_size), optimizer_config.sharding,

@@ -12,7 +12,8 @@ from megapipe.pipeline.ir.communication import add_communication
 from megapipe.stage_placement import Placement
 
 
-def forward_only_schedule(p: int, m: int, v: int = 1, replicas=None, placement: Placement = Placement.LOOPED) -> Schedule:
+def forward_only_schedule(p: int, m: int, v: int = 1, replicas=None,
+                          placement: Placement = Placement.LOOPED) -> Schedule:
     """Rank r runs F of its virtual stages (those ``placement`` gives it) for microbatches 0..m-1,
     chunk-major (with replicated stages, ``replicas`` per stage: the microbatches round robin gives it)."""
     empty = Schedule("forward-only", p, m, v, [[] for _ in range(p)], replicas=replicas, placement=placement)
