@@ -16,6 +16,8 @@ def main(kind: str) -> None:
 
     try:
         pretrain(kind, sys.argv[1:])
+        if dist.is_initialized():  # no rank tears its connections down while a peer still uses them
+            dist.barrier()
     except (ConfigError, DataError, CheckpointError, PipelineTimeout) as error:
         report_user_error(error)
         sys.exit(2)
