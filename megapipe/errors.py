@@ -19,3 +19,11 @@ class DataError(ValueError):
 
 class ScheduleError(ValueError):
     """A pipeline schedule is malformed; the message names the first bad action and shows the grid."""
+
+
+class PeerLost(RuntimeError):
+    """A peer process or host went away (or its link was cut); the message names who was lost."""
+
+    def __init__(self, message: str, store_reachable: bool = True):
+        super().__init__(message)
+        self.store_reachable = store_reachable

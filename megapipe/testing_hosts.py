@@ -35,11 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megapipe.planner.traffic import FRAME_OVERHEAD, MSS, MTU  # noqa: F401 (the wire's facts, re-exported)
+
 INTERFACE = "eth0"  # every host's interface has this name inside its namespace
-MTU = 1500
-# bytes of headers per TCP segment on the wire: Ethernet 14, IPv4 20, TCP 20 + 12 of timestamp options
-FRAME_OVERHEAD = 14 + 20 + 32
-MSS = MTU - 20 - 32  # payload bytes per full segment
 _LOCK = "/run/megapipe-test-hosts.lock"
 _NAME = re.compile(r"^mp([0-9a-z]+)-[0-9a-z]+")
 _SUBNETS = [ipaddress.ip_network(f"10.{a}.{b}.0/24") for a in range(200, 250) for b in range(256)]
@@ -88,6 +86,23 @@ def namespaces_unavailable() -> Optional[str]:
         return f"'ip netns add' failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread into the network namespace ``namespace`` (threads it starts later follow).
+
+    For a process started by ``multiprocessing`` that should live inside a host; unlike
+    ``ip netns exec`` it keeps the root namespace's view of ``/sys``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {namespace}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 def own_counters(interface: str = INTERFACE) -> Counters:

@@ -38,18 +38,22 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
 
 
 class Job:
-    """A launched command whose output lines are read with deadlines; killed as a group on exit."""
+    """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
+    each is killed as a process group on ``close``."""
 
-    def __init__(self, command: list[str]):
+    def __init__(self, *commands: list[str]):
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, cwd=REPO, start_new_session=True)
+        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=env, cwd=REPO, start_new_session=True) for command in commands]
+        self.proc = self.procs[0]
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._open = len(self.procs)
+        for proc in self.procs:
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
             self._queue.put(line)
         self._queue.put(None)
 
@@ -62,19 +66,31 @@ class Job:
             except queue.Empty:
                 pytest.fail(f"no line matching {pattern!r} within {seconds} s:\n{''.join(self.lines[-30:])}")
             if line is None:
-                pytest.fail(f"the job ended without a line matching {pattern!r}:\n{''.join(self.lines[-30:])}")
+                self._open -= 1
+                if self._open == 0:
+                    pytest.fail(f"the job ended without a line matching {pattern!r}:\n{''.join(self.lines[-30:])}")
+                continue
             self.lines.append(line)
             if re.search(pattern, line):
                 return line
 
+    def wait_for_each(self, patterns: list[str], seconds: float) -> None:
+        """Read new lines until each of ``patterns`` has matched one, in any order (fails after ``seconds``)."""
+        deadline, left = time.monotonic() + seconds, list(patterns)
+        while left:
+            line = self.wait_for("|".join(f"(?:{p})" for p in left), max(0.0, deadline - time.monotonic()))
+            left = [p for p in left if not re.search(p, line)]
+
     def finish(self, seconds: float) -> int:
-        """The exit code, once the job ended and all its output was read (fails after ``seconds``)."""
+        """The first non-zero exit code (0 if none), once every command ended and all output was read
+        (fails after ``seconds``)."""
         try:
             self.wait_for(r"(?!)", seconds)  # matches nothing: reads to the end
         except pytest.fail.Exception as ended:
             if "ended without" not in str(ended):
                 raise
-        return self.proc.wait(timeout=5)
+        codes = [proc.wait(timeout=5) for proc in self.procs]
+        return next((code for code in codes if code), 0)
 
     def worker_pid(self, rank: int) -> int:
         """The pid of torchrun's worker with RANK=rank (its children carry the rank in their environment)."""
@@ -89,9 +105,10 @@ class Job:
         return "".join(self.lines)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 def losses(lines: list[str]) -> dict[int, str]:

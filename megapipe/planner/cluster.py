@@ -14,7 +14,8 @@ per device the runtime takes), ``compute_speed`` (device speed relative to the d
 profile was measured on), ``shared_cores`` (the devices are processes sharing this many cores,
 each worth one device at full speed, as when a CPU runs more processes than it has cores: a
 batch then takes at least all devices' compute over that many), ``achieved_flops`` (what a device reaches on large GEMMs, for
-closed-form profiles), ``peak_flops`` and ``name``. Global rank r sits on node
+closed-form profiles), ``peak_flops``, ``backend`` (``nccl`` or ``gloo``: the collectives'
+algorithms, see ``traffic.py``) and ``name``. Global rank r sits on node
 ``r // gpus_per_node``, the order torchrun assigns.
 """
 
@@ -53,6 +54,7 @@ class Cluster:
     shared_cores: Optional[float] = None
     achieved_flops: Optional[float] = None
     peak_flops: Optional[float] = None
+    backend: str = "nccl"
     name: str = ""
 
     def __post_init__(self):
@@ -70,6 +72,8 @@ class Cluster:
         for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must not be negative.")
+        if self.backend not in ("nccl", "gloo"):
+            raise ConfigError(f"{source} has backend {self.backend!r}; use 'nccl' or 'gloo'.")
         if self.reserved_memory >= self.memory_per_gpu:
             raise ConfigError(f"{source} reserves {self.reserved_memory:.0f} of {self.memory_per_gpu:.0f} bytes per "
                               "device; reserved_memory must leave room for the model.")

@@ -45,6 +45,7 @@ import numpy as np
 
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
+from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
 from megapipe.planner.schedule_costs import (FLUSHING, bubble_fraction, in_flight, pipeline_time,
                                              unties_embeddings, weight_versions)
 
@@ -76,6 +77,7 @@ class Training:
     optimizer_bytes_per_param: Optional[float] = None  # default: Adam's two fp32 moments, plus an fp32 master
     #                                                    copy when the weights are 16-bit
     overlap: bool = False  # --overlap-grad-reduce (and --overlap-param-gather when sharded)
+    scatter_gather: bool = True  # off: --no-scatter-gather-tensors-in-pipeline, each tensor rank sends it all
 
     def optimizer_bytes(self, element_bytes: int) -> float:
         if self.optimizer_bytes_per_param is not None:
@@ -98,20 +100,17 @@ class Estimate:
     data_comm_time: float
     optimizer_time: float  # the slowest rank's optimizer steps per batch
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
+    traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
 
 
-def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
-    """2 (n-1)/n x bytes over the link, plus 2 (n-1) steps of latency; nothing for one member."""
+def collective_time(collective: str, nbytes: float, members: int, link: Link, backend: str = "nccl") -> float:
+    """A ring collective over ``link``: its per-link volume (``traffic.link_bytes``: 2 (n-1)/n x bytes
+    for an all-reduce, (n-1)/n for an all-gather or, except on gloo, a reduce-scatter) at the reduce
+    bandwidth, plus a latency per ring step (2 (n-1) for an all-reduce, n-1 otherwise)."""
     if members <= 1 or nbytes == 0:
         return 0.0
-    return 2 * (members - 1) / members * nbytes / link.reduce_bandwidth + 2 * (members - 1) * link.latency
-
-
-def ring_half_time(nbytes: float, members: int, link: Link) -> float:
-    """A ring reduce-scatter or all-gather: (n-1)/n x bytes over the link, n-1 steps of latency."""
-    if members <= 1 or nbytes == 0:
-        return 0.0
-    return (members - 1) / members * nbytes / link.reduce_bandwidth + (members - 1) * link.latency
+    steps = (2 if collective == "all_reduce" else 1) * (members - 1)
+    return link_bytes(collective, nbytes, members, backend) / link.reduce_bandwidth + steps * link.latency
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
@@ -168,10 +167,11 @@ class CostModel:
         speed = self.cluster.compute_speed
         backward = timing.recompute_backward if layout.recompute else timing.backward
         activation = b * shape.seq_length * shape.hidden_size * self.element_bytes
-        allreduce = ring_allreduce_time(activation, t, tensor_link)
+        allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
+        message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
             r, layers = s % p, stage_layers(n_layers, stages, s)
             blocks = [l for l in layers if 1 <= l <= n_layers]
@@ -183,7 +183,7 @@ class CostModel:
             hop = 0.0
             for neighbour, link in ((s > 0, boundary_links[(s - 1) % p]), (s < stages - 1, boundary_links[r])):
                 if neighbour:
-                    hop += sizes.output_bytes[blocks[-1]] / t / link.bandwidth + link.latency
+                    hop += sizes.output_bytes[blocks[-1]] / message_split / link.bandwidth + link.latency
             loads.forward[r] += forward + tp_forward + hop
             loads.backward[r] += back + tp_backward + hop
             loads.compute[r] += forward + back
@@ -204,12 +204,16 @@ class CostModel:
         _, data_link, _, embedding_link = self.links(t, p, d)
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
         overlap = self.training.overlap and layout.schedule in FLUSHING
+        backend = self.cluster.backend
         if layout.sharding == "no_shard":
-            reduce = np.array([ring_allreduce_time(count * grad_bytes, d, data_link) for count in params])
+            reduce = np.array([collective_time("all_reduce", count * grad_bytes, d, data_link, backend)
+                               for count in params])
             gather = np.zeros(p)
         else:
-            reduce = np.array([ring_half_time(count * grad_bytes, d, data_link) for count in params])
-            gather = np.array([ring_half_time(count * self.element_bytes, d, data_link) for count in params])
+            reduce = np.array([collective_time("reduce_scatter", count * grad_bytes, d, data_link, backend)
+                               for count in params])
+            gather = np.array([collective_time("all_gather", count * self.element_bytes, d, data_link, backend)
+                               for count in params])
         passes = 2 * m * gather if layout.sharding == "optim_grads_params" else 0.0  # before every F and B
         if overlap:
             reduce = np.maximum(reduce - loads.backward, 0.0)  # behind the last microbatch's backward
@@ -218,7 +222,7 @@ class CostModel:
         tied = self.profile.output_weight_params
         if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p):
             for r in {0, p - 1}:
-                times[r] += ring_allreduce_time(tied / t * grad_bytes, 2, embedding_link)
+                times[r] += collective_time("all_reduce", tied / t * grad_bytes, 2, embedding_link, backend)
         return times
 
     def _memory(self, layout: Layout, loads: "_RankLoads", m: int) -> tuple[float, Optional[int]]:
@@ -271,7 +275,22 @@ class CostModel:
         flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
-                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops)
+                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads))
+
+    def traffic(self, layout: Layout, loads: Optional["_RankLoads"] = None) -> Traffic:
+        """Payload bytes per batch that ``layout`` sends between the cluster's nodes."""
+        loads = loads or self._rank_loads(layout)
+        shape, t, p, v = self.profile.shape, layout.tensor, layout.pipeline, layout.virtual
+        b = layout.micro_batch_size
+        tied = 0.0 if unties_embeddings(layout.schedule, p) else self.profile.output_weight_params / t
+        blocks = [sum(len([l for l in stage_layers(shape.num_layers, p * v, s) if 1 <= l <= shape.num_layers])
+                      for s in range(r, p * v, p)) for r in range(p)]
+        inputs = TrafficInputs(t, p, layout.data, v, self.training.global_batch_size // (layout.data * b),
+                               b * shape.seq_length * shape.hidden_size * self.element_bytes, list(loads.params),
+                               tied, self.element_bytes, self.training.grad_bytes_per_param, layout.sharding,
+                               self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
+                               logit_values=b * shape.seq_length)
+        return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 
 class _RankLoads:
