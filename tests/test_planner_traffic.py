@@ -79,3 +79,24 @@ def test_the_cost_model_reports_what_its_layout_sends():
     assert estimate.traffic.pipeline == 4 * 2 * boundary  # m = 4, scatter/gather: one tensor per direction
     assert estimate.traffic.embedding == 2 * 2 * (512 * 64 // 2) * 4  # 2 tensor ranks, each V/t x h both ways
     assert model.estimate(Layout(2, 2, 1, 2, "pipedream")).traffic.embedding == 0  # PipeDream unties it
+
+
+def test_a_shared_node_uplink_is_split_between_the_flows_leaving_a_node():
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
+                      inter_node_bandwidth=50.0, node_uplink_bandwidth=100.0)
+    assert cluster.group_link([[0, 1, 2, 3]]).bandwidth == 100  # ring 0-1-2-3: one flow leaves each node
+    assert cluster.group_link([[0, 2], [1, 3]]).bandwidth == 50  # two groups leave node 0 together
+    assert cluster.group_link([[0, 1], [2, 3]]).bandwidth == 1e9  # inside the nodes
+    own_nics = Cluster(nodes=2, gpus_per_node=2, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
+                       inter_node_bandwidth=50.0)
+    assert own_nics.group_link([[0, 1, 2, 3]]).bandwidth == 50  # each device has its own link
+
+
+def test_hopper_presets_are_eight_gpu_nodes():
+    from megapipe.planner.presets import cluster_preset
+
+    for name in ("h100-80gb-8x8", "h200-141gb-8x8"):
+        cluster = cluster_preset(name)
+        assert (cluster.nodes, cluster.gpus_per_node, cluster.peak_flops) == (8, 8, 989e12)
+        assert cluster.intra_node_bandwidth > cluster.inter_node_bandwidth
+    assert cluster_preset("h200-141gb-1x8").memory_per_gpu > cluster_preset("h100-80gb-1x8").memory_per_gpu

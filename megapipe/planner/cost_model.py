@@ -146,10 +146,7 @@ class CostModel:
         def rank(ti, di, pi):
             return ti + t * (di + d * pi)
 
-        def slowest(groups) -> Link:
-            links = [self.cluster.link(g) for g in groups]
-            return min(links, key=lambda link: (link.bandwidth, link.reduce_bandwidth, -link.latency))
-
+        slowest = self.cluster.group_link
         tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
         data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
         boundaries = tuple(slowest([[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in range(d)])
