@@ -12,8 +12,9 @@ rank's time (it is on the critical path):
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
     PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)). A sharded
     optimizer (``Layout.sharding``) reduce-scatters the gradients and all-gathers the updated
-    weights instead ((d-1)/d of each); optim_grads_params also all-gathers a chunk's weights
-    before every forward and backward, 2 m (d-1)/d |W| per batch, on the critical path. With
+    weights instead ((d-1)/d of each); optim_grads_params all-gathers a chunk's weights before
+    every forward and backward instead, 2 m (d-1)/d |W| per batch, on the critical path (the
+    volumes are ``traffic.link_bytes``: gloo's reduce-scatter moves an all-reduce's bytes). With
     ``Training.overlap`` a flush hides the reduction behind the last microbatch's backward and
     the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
@@ -211,7 +212,9 @@ class CostModel:
                                for count in params])
             gather = np.array([collective_time("all_gather", count * self.element_bytes, d, data_link, backend)
                                for count in params])
-        passes = 2 * m * gather if layout.sharding == "optim_grads_params" else 0.0  # before every F and B
+        passes = 0.0
+        if layout.sharding == "optim_grads_params":  # gathers before every F and B, none after the step
+            passes, gather = 2 * m * gather, np.zeros(p)
         if overlap:
             reduce = np.maximum(reduce - loads.backward, 0.0)  # behind the last microbatch's backward
             gather = np.maximum(gather - np.arange(p) * loads.forward, 0.0)  # behind the wait for the first input

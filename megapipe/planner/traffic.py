@@ -12,7 +12,8 @@ Per iteration of m microbatches of b samples:
   tensor rank) with an all-reduce of two members, unless the schedule unties it.
 * data parallelism: per data-parallel group, the gradient reduction of every rank's parameters
   (``no_shard``: all-reduce; sharded: reduce-scatter, then an all-gather of the updated
-  weights; ``optim_grads_params`` gathers the weights again before each forward and backward).
+  weights; ``optim_grads_params`` gathers the weights before each forward and backward of
+  every microbatch instead, and not after the step).
 * tensor parallelism: the all-reduces of the layers (2 per block forward, 2 backward, 2 more
   with recomputation; 1 after the embedding and 1 into the head), the vocabulary-parallel
   cross entropy's three all-reduces of b s values, and the all-gather of scatter/gather; zero
@@ -133,10 +134,11 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
         weights = inputs.rank_params[pi] * inputs.element_bytes
         if inputs.sharding == "no_shard":
             per_link = link_bytes("all_reduce", grads, d, backend)
+        elif inputs.sharding == "optim_grads_params":  # gathers before every pass instead of after the step
+            per_link = link_bytes("reduce_scatter", grads, d, backend) + 2 * m * link_bytes("all_gather", weights, d,
+                                                                                            backend)
         else:
             per_link = link_bytes("reduce_scatter", grads, d, backend) + link_bytes("all_gather", weights, d, backend)
-            if inputs.sharding == "optim_grads_params":
-                per_link += 2 * m * link_bytes("all_gather", weights, d, backend)
         data += sum(crossing_links([rank(ti, di, pi) for di in range(d)], node_of) for ti in range(t)) * per_link
 
     tensor = 0.0
