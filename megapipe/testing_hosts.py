@@ -107,7 +107,9 @@ def enter(namespace: str) -> None:
 
 def own_counters(interface: str = INTERFACE) -> Counters:
     """The counters of ``interface`` in the calling process's own network namespace (from inside a host)."""
-    for line in open("/proc/self/net/dev"):
+    with open("/proc/self/net/dev") as table:
+        lines = table.readlines()
+    for line in lines:
         name, _, fields = line.partition(":")
         if name.strip() == interface:
             values = [int(v) for v in fields.split()]

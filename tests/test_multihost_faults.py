@@ -38,7 +38,7 @@ LOST_STORE = r"error: rank 1 lost the job: its rendezvous store at \S+ \(the hos
 
 
 def _launch(hosts, directory: str, cache: str, schedule: str, run_id: str) -> Job:
-    argv = [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule), "--train-iters", "8",
+    argv = [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule), "--train-iters", "6",
             "--save", directory, "--load", directory, "--save-interval", "2", "--data-cache-path", cache,
             "--distributed-timeout-minutes", str(TIMEOUT_SECONDS / 60)]
     return Job(*(on_host(hosts, node, 1, argv, run_id) for node in range(len(hosts))))
@@ -54,7 +54,7 @@ def _resume(hosts, directory: str, cache: str, schedule: str, logged: dict[int, 
     job = _launch(hosts, directory, cache, schedule, "resumed")
     try:
         job.wait_for(r"loaded checkpoint .*iter_0000004", RUN_SECONDS)
-        job.wait_for(r"iteration\s+8/", RUN_SECONDS)
+        job.wait_for(r"iteration\s+6/", RUN_SECONDS)
         assert job.finish(RUN_SECONDS) == 0, job.output()[-3000:]
     finally:
         job.close()
