@@ -47,8 +47,10 @@ def test_hosts_reach_each_other_count_every_frame_and_survive_a_cut(make_test_ho
     sent = _send(hosts, 0, 1, nbytes)
     assert sent.stdout.strip() == str(nbytes), sent.stderr
     out, into = hosts.counters(0) - before[0], hosts.counters(1) - before[1]
-    # what host 0 sent is what host 1 received (one bridge between them), frame for frame
-    assert (out.sent_bytes, out.sent_packets) == (into.received_bytes, into.received_packets)
+    # what host 0 sent is what host 1 received (one bridge between them), frame for frame, but for
+    # the closing frames (an RST or FIN of 54-66 bytes) that may cross between the two readings
+    assert abs(out.sent_packets - into.received_packets) <= 2
+    assert abs(out.sent_bytes - into.received_bytes) <= 2 * FRAME_OVERHEAD
     # frames of at most one MTU: the payload plus one header per segment; the handshake, the
     # close and the 7-byte reply add a few frames whose TCP options differ by tens of bytes
     segments = -(-nbytes // MSS)

@@ -5,7 +5,7 @@
 Each host runs the command once, with NNODES, NODE_RANK, MASTER_ADDR (host 0's address) and
 HOST_ADDR (its own) in its environment, so a multi-node launch script runs as it would on N
 machines, each host's processes reaching the others only through a (shaped) link. Their output
-is prefixed with ``[host i]``. The exit status is the first non-zero one; Ctrl-C, a failure or
+is prefixed with ``[host i]``. The exit status is the first non-zero one; Ctrl-C, SIGTERM, a failure or
 ``--timeout`` tears everything down, processes inside the hosts included.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,6 +39,7 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command each host runs after --")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill tears the hosts down too
     try:
         hosts = TestHosts(args.hosts, args.rate_mbit, args.latency_ms)
     except (NamespacesUnavailable, ShapingUnavailable) as reason:
@@ -46,13 +48,14 @@ def main() -> int:
     with hosts:
         print(f"{args.hosts} hosts: " + ", ".join(f"host {h.index} = {h.address} ({h.namespace})" for h in hosts.hosts),
               flush=True)
-        procs = []
+        procs, relays = [], []
         for host in hosts.hosts:
             env = dict(os.environ, NNODES=str(args.hosts), NODE_RANK=str(host.index), MASTER_ADDR=hosts[0].address,
                        HOST_ADDR=host.address)
             proc = hosts.popen(host.index, command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
-            threading.Thread(target=_relay, args=(host.index, proc), daemon=True).start()
+            relays.append(threading.Thread(target=_relay, args=(host.index, proc), daemon=True))
+            relays[-1].start()
             procs.append(proc)
         deadline = time.monotonic() + args.timeout
         codes = []
@@ -63,6 +66,8 @@ def main() -> int:
                 print(f"error: the hosts did not finish within --timeout {args.timeout:g} s; killing them.",
                       file=sys.stderr)
                 return 124
+        for relay in relays:  # the last lines of output
+            relay.join(timeout=5)
     return next((code for code in codes if code), 0)
 
 
