@@ -9,6 +9,8 @@ all a small model trains on the embedded corpus.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -264,14 +266,21 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
     return Config(model=model, parallel=parallel, data=data, training=training, optimizer=optimizer)
 
 
-def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
-    """Check everything knowable before process groups exist; returns the data-parallel size."""
+def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_per_node: Optional[int] = None) -> int:
+    """Check everything knowable before process groups exist; returns the data-parallel size.
+
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) adds the checks of how the layout sits on
+    nodes; a tensor-parallel group across nodes is warned about on stderr by rank 0."""
+    from megapipe.node_layout import check_nodes
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
     from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
     from megapipe.searched_schedule import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)
     plan = par.stage_plan()
     if plan is None:
         layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
@@ -310,9 +319,10 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     return data
 
 
-def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1) -> Config:
+def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1,
+                 ranks_per_node: Optional[int] = None) -> Config:
     parser = build_parser(kind)
     args = apply_preset(parser.parse_args(argv), parser.parse_args([]))
     config = config_from_args(kind, args)
-    validate_config(config, world_size, kind)
+    validate_config(config, world_size, kind, ranks_per_node)
     return config

@@ -7,8 +7,8 @@ import sys
 
 import torch.distributed as dist
 
-from megapipe.errors import CheckpointError, ConfigError, DataError, PipelineTimeout
-from megapipe.operations import report_user_error
+from megapipe.errors import CheckpointError, ConfigError, DataError
+from megapipe.operations import explain_lost_peers, is_lost_peer, report_user_error
 
 
 def main(kind: str) -> None:
@@ -16,8 +16,15 @@ def main(kind: str) -> None:
 
     try:
         pretrain(kind, sys.argv[1:])
-    except (ConfigError, DataError, CheckpointError, PipelineTimeout) as error:
+        if dist.is_initialized():  # no rank tears its connections down while a peer still uses them
+            dist.barrier()
+    except (ConfigError, DataError, CheckpointError) as error:
         report_user_error(error)
+        sys.exit(2)
+    except Exception as error:
+        if not is_lost_peer(error):
+            raise
+        report_user_error(explain_lost_peers(error))
         sys.exit(2)
     finally:
         if dist.is_initialized():

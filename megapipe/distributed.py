@@ -36,8 +36,64 @@ def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torc
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if default_backend(device) == "gloo":
+            choose_gloo_interface()
         dist.init_process_group(default_backend(device), timeout=timeout)
     return device
+
+
+def choose_gloo_interface() -> None:
+    """Point gloo at the interface that reaches ``MASTER_ADDR`` when its own choice could not reach peers.
+
+    Gloo listens on the address this host's name resolves to. Where that is a loopback address
+    (Debian's 127.0.1.1, or every network namespace of one machine, which share a hostname) while
+    the rendezvous host is elsewhere, peers on other hosts would be told to connect to loopback and
+    the job would fail to start. Then the interface the kernel routes ``MASTER_ADDR`` through is
+    the one to use (``GLOO_SOCKET_IFNAME``, which a user's setting overrides).
+    """
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if "GLOO_SOCKET_IFNAME" in os.environ or _is_loopback(master):
+        return
+    try:
+        if not _is_loopback(socket.gethostbyname(socket.gethostname())):
+            return
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # no packet is sent: this only asks the kernel for the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return  # let init_process_group report the unreachable address
+    interface = _interface_with_address(local)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _interface_with_address(address: str) -> str | None:
+    """The name of the interface holding IPv4 ``address`` (SIOCGIFADDR on each interface)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 def _free_port() -> int:

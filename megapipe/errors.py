@@ -23,3 +23,11 @@ class ScheduleError(ValueError):
 
 class SlurmError(RuntimeError):
     """Slurm refused or lost a job of the Slurm backend, or its commands do not answer."""
+
+
+class PeerLost(RuntimeError):
+    """A peer process or host went away (or its link was cut); the message names who was lost."""
+
+    def __init__(self, message: str, store_reachable: bool = True):
+        super().__init__(message)
+        self.store_reachable = store_reachable

@@ -7,6 +7,7 @@ Used by the tests and by benchmarks that need a fresh world without ``torchrun``
         return value
 
     results = run_distributed(4, check, 2.0)   # one value per rank
+    results = run_distributed(4, check, 2.0, hosts=test_hosts)   # ranks 0-1 in host 0, 2-3 in host 1
 
 A rank that raises makes ``run_distributed`` raise ``DistributedFailure`` naming the rank
 and carrying its traceback; the other ranks are killed. A world that does not finish within
@@ -21,7 +22,7 @@ import pickle
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,14 +33,19 @@ class DistributedFailure(RuntimeError):
     """A rank raised or the world did not finish in time."""
 
 
-def _worker(rank: int, world_size: int, port: int, collective_timeout: float,
+def _worker(rank: int, world_size: int, address: str, port: int, namespace: Optional[str], collective_timeout: float,
             fn: Callable, args: tuple, results: "mp.Queue") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
+        if namespace is not None:
+            from megapipe.testing_hosts import INTERFACE, enter
+
+            enter(namespace)
+            os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
         timeout = datetime.timedelta(seconds=collective_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        store = dist.TCPStore(address, port, world_size, False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
         # pickled by value here: a tensor put on the queue as it is travels as a shared-memory
@@ -53,8 +59,12 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout: float,
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0,
-                    collective_timeout: float = 60.0) -> list:
+                    collective_timeout: float = 60.0, hosts=None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    With ``hosts`` (``megapipe.testing_hosts.TestHosts``) the ranks are spread over them in
+    consecutive blocks of ``world_size / len(hosts)``, each process inside its host, talking
+    to the others through the hosts' links.
 
     Returns the per-rank return values (they must be picklable). Raises
     ``DistributedFailure`` with the first failing rank's traceback, or on timeout.
@@ -63,10 +73,16 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     results = ctx.Queue()
     # the parent holds the rendezvous store on a port the system picks, so no other process can
     # take the port between choosing and binding it (ranks connect to it as clients)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # listens on every interface
     port = store.port
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results),
-                         daemon=True) for r in range(world_size)]
+    address, namespaces = "127.0.0.1", [None] * world_size
+    if hosts is not None:
+        if world_size % len(hosts):
+            raise ValueError(f"{world_size} ranks do not spread evenly over {len(hosts)} hosts")
+        per_host = world_size // len(hosts)
+        address, namespaces = hosts.gateway, [hosts[r // per_host].namespace for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, address, port, namespaces[r], collective_timeout, fn,
+                                               args, results), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}

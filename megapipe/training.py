@@ -271,7 +271,9 @@ def _plain(config: Config) -> dict:
 
 
 def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
-    config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                          ranks_per_node=int(local) if local else None)
     trainer = Trainer(kind, config)
     trainer.train()
     return trainer

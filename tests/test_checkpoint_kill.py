@@ -10,86 +10,27 @@ cause. The relaunch loads iteration 4 and logs iteration 5 again with the same l
 """
 
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from checkpoint_helpers import TINY_GPT, layout_flags, session_cache
+from launch_helpers import REPO, Job, standalone
 
 # two torchrun launches: minutes on a busy 2-core machine, beyond the suite's 300 s default
 pytestmark = pytest.mark.timeout(600)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_SECONDS = 60
 RUN_SECONDS = 300
 
 
 def _command(root: str, cache: str, schedule: str) -> list[str]:
     directory = os.path.join(root, "ckpt")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule),
-            "--train-iters", "8", "--save", directory, "--load", directory, "--save-interval", "2",
-            "--data-cache-path", cache, "--distributed-timeout-minutes", "0.5"]
-
-
-class Job:
-    """A launched command whose output lines are read with deadlines; killed as a group on exit."""
-
-    def __init__(self, command: list[str]):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, cwd=REPO, start_new_session=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, pattern: str, seconds: float) -> str:
-        """The first new output line matching ``pattern``; fails after ``seconds`` or at the end of output."""
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no line matching {pattern!r} within {seconds} s:\n{''.join(self.lines[-30:])}")
-            if line is None:
-                pytest.fail(f"the job ended without a line matching {pattern!r}:\n{''.join(self.lines[-30:])}")
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return line
-
-    def finish(self, seconds: float) -> int:
-        """The exit code, once the job ended and all its output was read (fails after ``seconds``)."""
-        try:
-            self.wait_for(r"(?!)", seconds)  # matches nothing: reads to the end
-        except pytest.fail.Exception as ended:
-            if "ended without" not in str(ended):
-                raise
-        return self.proc.wait(timeout=5)
-
-    def worker_pid(self, rank: int) -> int:
-        """The pid of torchrun's worker with RANK=rank (its children carry the rank in their environment)."""
-        children = open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()
-        for pid in children:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            if f"RANK={rank}".encode() in environ:
-                return int(pid)
-        raise AssertionError(f"no worker with RANK={rank} among {children}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
+    return standalone(2, [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule),
+                          "--train-iters", "8", "--save", directory, "--load", directory, "--save-interval", "2",
+                          "--data-cache-path", cache, "--distributed-timeout-minutes", "0.5"])
 
 
 def _loss(line: str) -> str:

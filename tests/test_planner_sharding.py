@@ -33,9 +33,9 @@ def test_sharded_levels_reduce_scatter_gradients_and_all_gather_weights():
     ring = (D - 1) / D / bandwidth
     assert estimate("no_shard").data_comm_time == pytest.approx(2 * ring * W * GRAD)
     assert estimate("optim").data_comm_time == pytest.approx(ring * W * GRAD + ring * W * E)
-    m = 2  # optim_grads_params also gathers before every forward and backward of every microbatch
-    assert estimate("optim_grads_params", m=m).data_comm_time == pytest.approx(ring * W * (GRAD + E)
-                                                                               + 2 * m * ring * W * E)
+    m = 2  # optim_grads_params gathers before every forward and backward of every microbatch, not after the
+    #        step (what benchmarks/bench_traffic.py counts on the wire)
+    assert estimate("optim_grads_params", m=m).data_comm_time == pytest.approx(ring * W * GRAD + 2 * m * ring * W * E)
 
 
 def test_overlap_hides_the_reduction_behind_the_last_backward():

@@ -14,7 +14,10 @@ per device the runtime takes), ``compute_speed`` (device speed relative to the d
 profile was measured on), ``shared_cores`` (the devices are processes sharing this many cores,
 each worth one device at full speed, as when a CPU runs more processes than it has cores: a
 batch then takes at least all devices' compute over that many), ``achieved_flops`` (what a device reaches on large GEMMs, for
-closed-form profiles), ``peak_flops`` and ``name``. Global rank r sits on node
+closed-form profiles), ``node_uplink_bandwidth`` (a node's one link to the others, shared by
+whatever leaves the node at once; unset, each device has ``inter_node_bandwidth`` of its own),
+``peak_flops``, ``backend`` (``nccl`` or ``gloo``: the collectives'
+algorithms, see ``traffic.py``) and ``name``. Global rank r sits on node
 ``r // gpus_per_node``, the order torchrun assigns.
 """
 
@@ -53,6 +56,8 @@ class Cluster:
     shared_cores: Optional[float] = None
     achieved_flops: Optional[float] = None
     peak_flops: Optional[float] = None
+    node_uplink_bandwidth: Optional[float] = None
+    backend: str = "nccl"
     name: str = ""
 
     def __post_init__(self):
@@ -64,12 +69,15 @@ class Cluster:
         for key in ("memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth", "compute_speed"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
-        for key in ("intra_node_reduce_bandwidth", "inter_node_reduce_bandwidth", "shared_cores"):
+        for key in ("intra_node_reduce_bandwidth", "inter_node_reduce_bandwidth", "shared_cores",
+                    "node_uplink_bandwidth"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
         for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must not be negative.")
+        if self.backend not in ("nccl", "gloo"):
+            raise ConfigError(f"{source} has backend {self.backend!r}; use 'nccl' or 'gloo'.")
         if self.reserved_memory >= self.memory_per_gpu:
             raise ConfigError(f"{source} reserves {self.reserved_memory:.0f} of {self.memory_per_gpu:.0f} bytes per "
                               "device; reserved_memory must leave room for the model.")
@@ -92,6 +100,24 @@ class Cluster:
                         self.intra_node_reduce_bandwidth or self.intra_node_bandwidth)
         return Link(self.inter_node_bandwidth, self.inter_node_latency,
                     self.inter_node_reduce_bandwidth or self.inter_node_bandwidth)
+
+    def group_link(self, groups: list[list[int]]) -> Link:
+        """The link that limits collectives (or messages) running at once in every group of ``groups``,
+        each a ring in the order given: the slowest pair's link; with a shared node uplink, its
+        bandwidth split between the groups whose ring leaves the busiest node at the same time."""
+        link = min((self.link(group) for group in groups),
+                   key=lambda link: (link.bandwidth, link.reduce_bandwidth, -link.latency))
+        if self.node_uplink_bandwidth is None or all(len({self.node_of(r) for r in g}) <= 1 for g in groups):
+            return link
+        leaving: dict[int, int] = {}
+        for group in groups:
+            senders = {self.node_of(group[i]) for i in range(len(group))
+                       if self.node_of(group[i]) != self.node_of(group[(i + 1) % len(group)])}
+            for node in senders:
+                leaving[node] = leaving.get(node, 0) + 1
+        bandwidth = self.node_uplink_bandwidth / max(leaving.values())
+        reduce = min(link.reduce_bandwidth, bandwidth) if self.inter_node_reduce_bandwidth else bandwidth
+        return Link(bandwidth, link.latency, reduce)
 
     def to_dict(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}

@@ -12,8 +12,9 @@ rank's time (it is on the critical path):
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
     PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)). A sharded
     optimizer (``Layout.sharding``) reduce-scatters the gradients and all-gathers the updated
-    weights instead ((d-1)/d of each); optim_grads_params also all-gathers a chunk's weights
-    before every forward and backward, 2 m (d-1)/d |W| per batch, on the critical path. With
+    weights instead ((d-1)/d of each); optim_grads_params all-gathers a chunk's weights before
+    every forward and backward instead, 2 m (d-1)/d |W| per batch, on the critical path (the
+    volumes are ``traffic.link_bytes``: gloo's reduce-scatter moves an all-reduce's bytes). With
     ``Training.overlap`` a flush hides the reduction behind the last microbatch's backward and
     the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
@@ -47,7 +48,8 @@ from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
                                              placement_of, searched, unties_embeddings, weight_versions)
-from megapipe.stage_placement import Placement, rank_of_stage
+from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
+from megapipe.stage_placement import Placement, rank_of_stage, stages_of_rank
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Training:
     optimizer_bytes_per_param: Optional[float] = None  # default: Adam's two fp32 moments, plus an fp32 master
     #                                                    copy when the weights are 16-bit
     overlap: bool = False  # --overlap-grad-reduce (and --overlap-param-gather when sharded)
+    scatter_gather: bool = True  # off: --no-scatter-gather-tensors-in-pipeline, each tensor rank sends it all
 
     def optimizer_bytes(self, element_bytes: int) -> float:
         if self.optimizer_bytes_per_param is not None:
@@ -99,21 +102,18 @@ class Estimate:
     data_comm_time: float
     optimizer_time: float  # the slowest rank's optimizer steps per batch
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
+    traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
     rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
 
 
-def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
-    """2 (n-1)/n x bytes over the link, plus 2 (n-1) steps of latency; nothing for one member."""
+def collective_time(collective: str, nbytes: float, members: int, link: Link, backend: str = "nccl") -> float:
+    """A ring collective over ``link``: its per-link volume (``traffic.link_bytes``: 2 (n-1)/n x bytes
+    for an all-reduce, (n-1)/n for an all-gather or, except on gloo, a reduce-scatter) at the reduce
+    bandwidth, plus a latency per ring step (2 (n-1) for an all-reduce, n-1 otherwise)."""
     if members <= 1 or nbytes == 0:
         return 0.0
-    return 2 * (members - 1) / members * nbytes / link.reduce_bandwidth + 2 * (members - 1) * link.latency
-
-
-def ring_half_time(nbytes: float, members: int, link: Link) -> float:
-    """A ring reduce-scatter or all-gather: (n-1)/n x bytes over the link, n-1 steps of latency."""
-    if members <= 1 or nbytes == 0:
-        return 0.0
-    return (members - 1) / members * nbytes / link.reduce_bandwidth + (members - 1) * link.latency
+    steps = (2 if collective == "all_reduce" else 1) * (members - 1)
+    return link_bytes(collective, nbytes, members, backend) / link.reduce_bandwidth + steps * link.latency
 
 
 def _boundary(links, placement: Placement, p: int, stage: int, neighbour: int):
@@ -158,10 +158,7 @@ class CostModel:
         def rank(ti, di, pi):
             return ti + t * (di + d * pi)
 
-        def slowest(groups) -> Link:
-            links = [self.cluster.link(g) for g in groups]
-            return min(links, key=lambda link: (link.bandwidth, link.reduce_bandwidth, -link.latency))
-
+        slowest = self.cluster.group_link
         tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
         data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
         boundaries = tuple(slowest([[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in range(d)])
@@ -180,10 +177,11 @@ class CostModel:
         speed = self.cluster.compute_speed
         backward = timing.recompute_backward if layout.recompute else timing.backward
         activation = b * shape.seq_length * shape.hidden_size * self.element_bytes
-        allreduce = ring_allreduce_time(activation, t, tensor_link)
+        allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
+        message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
             r, layers = rank_of_stage(placement, p, s), stage_layers(n_layers, stages, s)
             blocks = [l for l in layers if 1 <= l <= n_layers]
@@ -196,7 +194,7 @@ class CostModel:
             for neighbour in (s - 1, s + 1):
                 link = _boundary(boundary_links, placement, p, s, neighbour) if 0 <= neighbour < stages else None
                 if link is not None:  # a neighbour on this rank (the turn of a V) sends nothing
-                    hop += sizes.output_bytes[blocks[-1]] / t / link.bandwidth + link.latency
+                    hop += sizes.output_bytes[blocks[-1]] / message_split / link.bandwidth + link.latency
             loads.forward[r] += forward + tp_forward + hop
             loads.backward[r] += back + tp_backward + hop
             loads.compute[r] += forward + back
@@ -218,13 +216,19 @@ class CostModel:
         _, data_link, _, embedding_link = self.links(t, p, d)
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
         overlap = self.training.overlap and layout.schedule in FLUSHING
+        backend = self.cluster.backend
         if layout.sharding == "no_shard":
-            reduce = np.array([ring_allreduce_time(count * grad_bytes, d, data_link) for count in params])
+            reduce = np.array([collective_time("all_reduce", count * grad_bytes, d, data_link, backend)
+                               for count in params])
             gather = np.zeros(p)
         else:
-            reduce = np.array([ring_half_time(count * grad_bytes, d, data_link) for count in params])
-            gather = np.array([ring_half_time(count * self.element_bytes, d, data_link) for count in params])
-        passes = 2 * m * gather if layout.sharding == "optim_grads_params" else 0.0  # before every F and B
+            reduce = np.array([collective_time("reduce_scatter", count * grad_bytes, d, data_link, backend)
+                               for count in params])
+            gather = np.array([collective_time("all_gather", count * self.element_bytes, d, data_link, backend)
+                               for count in params])
+        passes = 0.0
+        if layout.sharding == "optim_grads_params":  # gathers before every F and B, none after the step
+            passes, gather = 2 * m * gather, np.zeros(p)
         if overlap:
             reduce = np.maximum(reduce - loads.backward, 0.0)  # behind the last microbatch's backward
             gather = np.maximum(gather - np.arange(p) * loads.forward, 0.0)  # behind the wait for the first input
@@ -233,7 +237,7 @@ class CostModel:
         last = rank_of_stage(placement_of(layout.schedule), p, p * layout.virtual - 1)
         if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p) and last != 0:
             for r in {0, p - 1}:
-                times[r] += ring_allreduce_time(tied / t * grad_bytes, 2, embedding_link)
+                times[r] += collective_time("all_reduce", tied / t * grad_bytes, 2, embedding_link, backend)
         return times
 
     def _memory(self, layout: Layout, loads: "_RankLoads", m: int,
@@ -291,8 +295,24 @@ class CostModel:
         flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
-                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops,
+                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))))
+
+    def traffic(self, layout: Layout, loads: Optional["_RankLoads"] = None) -> Traffic:
+        """Payload bytes per batch that ``layout`` sends between the cluster's nodes."""
+        loads = loads or self._rank_loads(layout)
+        shape, t, p, v = self.profile.shape, layout.tensor, layout.pipeline, layout.virtual
+        b = layout.micro_batch_size
+        placement = placement_of(layout.schedule)
+        tied = 0.0 if unties_embeddings(layout.schedule, p) else self.profile.output_weight_params / t
+        blocks = [sum(len([l for l in stage_layers(shape.num_layers, p * v, s) if 1 <= l <= shape.num_layers])
+                      for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
+        inputs = TrafficInputs(t, p, layout.data, v, self.training.global_batch_size // (layout.data * b),
+                               b * shape.seq_length * shape.hidden_size * self.element_bytes, list(loads.params),
+                               tied, self.element_bytes, self.training.grad_bytes_per_param, layout.sharding,
+                               self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
+                               logit_values=b * shape.seq_length, placement=placement)
+        return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 
 class _RankLoads:

@@ -6,6 +6,14 @@ device gets an eighth of the server's network, since all eight talk across serve
 Its achieved rate is the seed's 45 TFLOP/s for a 355M GPT on one V100. ``a100-80gb`` is
 Selene-like (8 A100 80 GB per node on NVSwitch, one 200 Gbit/s HCA per GPU; section 4.5)
 reaching the seed's 140 TFLOP/s per GPU. Effective NVLink bandwidths are our estimates.
+``h100-80gb`` and ``h200-141gb`` are DGX H100 / DGX H200 nodes: 8 SXM GPUs on NVLink 4 through
+NVSwitch (900 GB/s per GPU, both directions together, NVIDIA H100 and H200 datasheets; we count
+300 GB/s effective per direction, the same 2/3 of the one-way figure as the A100 preset), and one
+400 Gbit/s NDR InfiniBand ConnectX-7 adapter per GPU (DGX H100/H200 user guides), 50 GB/s per
+device between nodes. Dense BF16 peak 989 TFLOP/s for both (the datasheets' 1,979 is with
+sparsity); memory 80 GB HBM3 and 141 GB HBM3e. Achieved 400 TFLOP/s per GPU is our estimate
+(about 40% of peak, the model FLOP utilisation large Megatron-LM GPT runs report on H100); the
+H200's faster memory (4.8 vs 3.35 TB/s) is not modelled.
 GPT shapes are Megatron-like; layer counts and widths were chosen so that eq. 4.3 gives the
 named sizes at s = 512 and V = 51,200 (the seeds do not list them).
 """
@@ -30,11 +38,22 @@ def _a100(nodes: int) -> Cluster:
                    inter_node_latency=20e-6, achieved_flops=140e12, peak_flops=312e12, name=f"{nodes}x8 A100 80GB")
 
 
+def _hopper(nodes: int, memory_gib: int, name: str) -> Cluster:
+    return Cluster(nodes=nodes, gpus_per_node=8, memory_per_gpu=memory_gib * GIB, reserved_memory=2 * GIB,
+                   intra_node_bandwidth=300e9, inter_node_bandwidth=400e9 / 8, intra_node_latency=10e-6,
+                   inter_node_latency=20e-6, achieved_flops=400e12, peak_flops=989e12,
+                   name=f"{nodes}x8 {name} {memory_gib}GB")
+
+
 CLUSTERS = {
     "v100-16gb-1x8": _v100(1),
     "v100-16gb-8x8": _v100(8),
     "a100-80gb-1x8": _a100(1),
     "a100-80gb-8x8": _a100(8),
+    "h100-80gb-1x8": _hopper(1, 80, "H100"),
+    "h100-80gb-8x8": _hopper(8, 80, "H100"),
+    "h200-141gb-1x8": _hopper(1, 141, "H200"),
+    "h200-141gb-8x8": _hopper(8, 141, "H200"),
 }
 
 
