@@ -1,0 +1,1 @@
+"""Backends that start and stop the ranks of a job's allocation: local worker agents, Slurm."""
