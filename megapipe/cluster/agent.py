@@ -6,10 +6,9 @@ scheduler side is ``backends/agents.py``). A launch runs ``torchrun`` with one n
 this host, as many processes as devices given, the job's output appended to its log.
 
 CPU devices: every rank gets one thread. A type declared with a throttle (``--throttle
-slow:0.5``) gets that fraction of a CPU per device: the agent suspends and resumes the job's
-process group (SIGSTOP/SIGCONT) with that duty cycle over ``THROTTLE_PERIOD``, a CPU quota that
-needs no cgroup privileges, so slow devices are really slower and their speed is measured, not
-assumed.
+slow:0.5``) gets that fraction of a CPU per device: ``throttle.py`` suspends and resumes the
+job's process group with that duty cycle, a CPU quota that needs no cgroup privileges, so slow
+devices are really slower and their speed is measured, not assumed.
 
 Hosts: on one machine several agents with different ``--host`` names stand for several hosts
 (they share the loopback address); with network namespaces each agent runs in its own
@@ -30,7 +29,6 @@ from megapipe.cluster.lease import post_json
 from megapipe.errors import ConfigError
 
 HEARTBEAT_SECONDS = 0.3
-THROTTLE_PERIOD = 0.1
 ROOT = Path(__file__).resolve().parents[2]  # the checkout holding pretrain_gpt.py
 
 
@@ -77,9 +75,10 @@ class JobProcess:
         with open(launch["log_path"], "a") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
                                             start_new_session=True)
-        self.throttle, self.stopping = throttle, False
+        self.throttler = None
         if throttle < 1:
-            threading.Thread(target=self._throttle, daemon=True).start()
+            self.throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.throttle", str(self.process.pid),
+                                               str(throttle)], env=env, cwd=str(ROOT), start_new_session=True)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -87,19 +86,11 @@ class JobProcess:
         except ProcessLookupError:
             pass
 
-    def _throttle(self) -> None:
-        while self.process.poll() is None and not self.stopping:
-            time.sleep(self.throttle * THROTTLE_PERIOD)
-            if self.stopping:
-                break
-            self._signal(signal.SIGSTOP)
-            time.sleep((1 - self.throttle) * THROTTLE_PERIOD)
-            self._signal(signal.SIGCONT)
-
     def stop(self, grace_seconds: float) -> None:
         """SIGTERM (the training loop saves and exits), SIGKILL after ``grace_seconds``."""
-        self.stopping = True
-        self._signal(signal.SIGCONT)
+        if self.throttler is not None:
+            self.throttler.terminate()  # it resumes the job for good
+            self.throttler.wait()
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
         while self.process.poll() is None and time.monotonic() < deadline:

@@ -3,9 +3,10 @@
 An allocation is hosts with some devices of one accelerator type each. The planner (Algorithm 1
 over a closed-form profile of the job's model) ranks the flush layouts for that many nodes of
 that many devices, at the type's relative speed; the job is launched with the best one, and its
-checkpoint, written in whatever layout it ran before, is resharded on load. Only flush schedules
-and no ZeRO sharding are considered: they all compute the same gradients, so losses stay
-continuous across a re-layout (to rounding). The same plan's predicted iterations/s stand in
+checkpoint, written in whatever layout it ran before, is resharded on load. Only flush schedules,
+no ZeRO sharding and the submitted micro-batch size are considered: they all compute the same
+gradients from the same microbatches, so losses stay continuous across a re-layout (to
+rounding), and a job whose layout stays the one it was submitted with resumes bit for bit. The same plan's predicted iterations/s stand in
 for the job's throughput on a type until it has been measured there.
 """
 
@@ -27,7 +28,7 @@ CPU_DEVICE = dict(memory_per_gpu=8 * 2 ** 30, intra_node_bandwidth=2e9, inter_no
 CPU_FLOPS = 1e10
 GPT2_PADDED_VOCABULARY = 50304  # the embedded corpus's tokenizer, padded as Megatron pads it
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-schedule",
-                "--num-layers-per-virtual-pipeline-stage", "--micro-batch-size")
+                "--num-layers-per-virtual-pipeline-stage")
 
 
 def _shape(spec: JobSpec) -> ModelShape:
@@ -43,7 +44,7 @@ def best_layout(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float):
     cluster = Cluster(nodes=len(hosts), gpus_per_node=hosts[0].devices, compute_speed=speed,
                       name=hosts[0].worker_type, **CPU_DEVICE)
     request = PlanRequest(spec.config.training.global_batch_size, schedules=FLUSHING, recompute=(False,),
-                          shardings=("no_shard",))
+                          shardings=("no_shard",), micro_batch_sizes=(spec.config.training.micro_batch_size,))
     return plan(analytic_gpt_profile(_shape(spec), CPU_FLOPS, dtype="float32"), cluster, request).best
 
 
@@ -55,8 +56,7 @@ def layout_command(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float) ->
         return list(spec.command)
     flags = _without(spec.command[1:], LAYOUT_FLAGS)
     flags += ["--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size",
-              str(layout.pipeline), "--pipeline-schedule", layout.schedule, "--micro-batch-size",
-              str(layout.micro_batch_size)]
+              str(layout.pipeline), "--pipeline-schedule", layout.schedule]
     if layout.virtual > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage",
                   str(spec.config.model.num_layers // (layout.pipeline * layout.virtual))]

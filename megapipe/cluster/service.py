@@ -15,6 +15,7 @@ no run of it (this service's or a previous incarnation's) has reported within
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -82,6 +83,7 @@ class ClusterService:
         self.rates: dict = {}  # (job id, worker type) -> measured iterations/s
         self.fenced: dict[int, float] = {}  # job id -> last time a run this service did not launch reported
         self.cancelled: set = set()
+        self.finished: set = set()  # done, until the round's booking retires them
         self.placements: dict = {}
         self.round_end = 0.0
         self.rounds = 0
@@ -309,13 +311,16 @@ class ClusterService:
             self.lease_changed.notify_all()
 
     def tick(self) -> None:
-        """Look at the backend: lost hosts, runs that ended."""
+        """Look at the backend: cancellations, lost hosts, runs that ended."""
         with self.lock:
             for job_id in self.cancelled:
                 self._retire(job_id, "cancelled")
             self.cancelled.clear()
             self.backend.forget_lost()
-            for job_id in list(self.runs):
+            live = self.backend.live_hosts()
+            for job_id, run in list(self.runs.items()):
+                if run.stop_requested is None and any(slot.host not in live for slot in run.hosts):
+                    self._revoke(job_id)  # its ranks on the other hosts cannot go on without the lost ones
                 code = self.backend.poll(job_id)
                 if code is not None:
                     self._ended(job_id, code)
@@ -323,7 +328,7 @@ class ClusterService:
     def can_launch(self, job_id: int, hosts: tuple) -> bool:
         """The job runs nowhere (no fence) and its devices on ``hosts`` are free."""
         with self.lock:
-            if job_id in self.runs or self.backend.running_anywhere(job_id):
+            if job_id in self.runs or job_id in self.finished or self.backend.running_anywhere(job_id):
                 return False
             since_restart = time.monotonic() - self.started
             last_alien = self.fenced.get(job_id)
@@ -390,6 +395,7 @@ class ClusterService:
             return
         if iterations >= row.target_iters:
             self.journal.update(job_id, state="done", finished=time.time())
+            self.finished.add(job_id)  # the round's booking takes it out of the scheduler
             return
         if run.stop_requested is not None:
             self._add_overhead(job_id, self.clock.now() - run.stop_requested)
@@ -413,13 +419,14 @@ class ClusterService:
 
 
 def _last_error(log_path: str, code: int) -> str:
-    """The job's own ``error:`` sentence from its log, else its last line, else the exit code."""
+    """The job's own ``error:`` sentence from its last run's log, else the last exception line, else the code."""
     try:
         lines = [line.strip() for line in open(log_path, errors="replace") if line.strip()]
     except OSError:
         lines = []
-    errors = [line for line in lines if line.startswith("error:")]
-    if errors:
-        return errors[-1].removeprefix("error:").strip()
-    useful = [line for line in lines if not line.startswith("[cluster]")]
-    return useful[-1] if useful else f"its ranks exited with code {code} before writing anything."
+    starts = [i for i, line in enumerate(lines) if line.startswith("[cluster] lease ")]
+    lines = lines[starts[-1] + 1:] if starts else lines
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    exceptions = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    found = errors or exceptions
+    return found[-1] if found else f"its ranks exited with code {code}; see the log."

@@ -9,6 +9,7 @@ agent that misses heartbeats for ``lost_seconds`` is lost: its jobs' ranks there
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,9 @@ from typing import Optional
 from megapipe.cluster.backends.base import HostSlots, Launch
 
 LOST = -1000  # exit code of ranks whose host's agent stopped answering
+# torchrun's rendezvous port on a job's first host: drawn below Linux's ephemeral ports (32768 and up),
+# where no outgoing connection holds one; a restarted scheduler cannot know which ports its predecessor used
+RENDEZVOUS_PORTS = (10000, 32768)
 
 
 @dataclass
@@ -39,7 +43,7 @@ class AgentsBackend:
         self.agents: dict[str, Agent] = {}
         self.hosts_of: dict[int, tuple[str, ...]] = {}  # job id -> hosts of its current launch
         self.lock = threading.Lock()
-        self.port_counter = 0
+        self.random = random.Random()
 
     # ---- Backend ------------------------------------------------------------------------------
     def start(self, launch: Launch) -> None:
@@ -47,8 +51,7 @@ class AgentsBackend:
             hosts = tuple(slot.host for slot in launch.hosts)
             self.hosts_of[launch.job_id] = hosts
             master = self.agents[hosts[0]].address
-            self.port_counter += 1
-            port = 20000 + (launch.job_id * 97 + self.port_counter) % 20000
+            port = self.random.randrange(*RENDEZVOUS_PORTS)
             for rank, slot in enumerate(launch.hosts):
                 agent = self.agents[slot.host]
                 agent.exit_codes.pop(launch.job_id, None)
