@@ -1,8 +1,9 @@
 """The scheduler's status page: one self-refreshing HTML page, no scripts, no external files.
 
 Jobs with their state (coloured: queued grey, running blue, done green, failed red), iterations
-out of the target as a bar, allocation, measured throughput and JCT; the workers by type; the
-current round's placements; the average JCT of the finished jobs.
+out of the target as a bar, allocation, measured throughput and JCT (so far, for unfinished
+jobs); the workers by type; the current round's placements; the average JCT of the finished
+jobs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ def _job_row(job: dict) -> str:
             f'<td><div class="bar"><div style="width:{100 * fraction:.0f}%"></div></div>'
             f'{job["iterations"]} / {job["target_iters"]}</td>'
             f'<td>{escape(_allocation(job["allocation"]))}</td><td>{rates}</td>'
-            f'<td>{_seconds(job["jct"])}</td><td>{escape(job["log"])}</td></tr>')
+            f'<td>{_jct(job)}</td><td>{escape(job["log"])}</td></tr>')
+
+
+def _jct(job: dict) -> str:
+    """The JCT of a finished job; of another, the time since it was submitted."""
+    if job["state"] == "done":
+        return _seconds(job["jct"])
+    if job["state"] in ("queued", "running"):
+        return f'{job["elapsed"]:.1f} s so far'
+    return "-"
 
 
 def render_status_page(status: dict) -> str:
