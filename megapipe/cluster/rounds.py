@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 TICK = 0.2  # seconds between looks at the backend during a round
 
 
+class ServiceStopped(Exception):
+    """Raised inside the round loop to leave it when the service shuts down."""
+
+
 class WallClock:
     """Seconds since the service started; waiting ends early when ``wake`` is set (a job arrived)."""
 
@@ -43,10 +47,12 @@ class SubmittedJobs:
     """Jobs submitted since the last round (and, before a round, the cluster brought up to date)."""
 
     def __init__(self, service: "ClusterService"):
-        self.service, self.pending, self.closed = service, [], False
+        self.service, self.pending = service, []
 
     def arrived(self, now: float) -> list[Job]:
         self.service.before_round()
+        if self.service.stopping:
+            raise ServiceStopped
         with self.service.lock:
             arrived, self.pending = self.pending, []
         return arrived
@@ -55,7 +61,7 @@ class SubmittedJobs:
         return None  # unknown: submissions wake the clock
 
     def exhausted(self) -> bool:
-        return self.closed
+        return False  # a service takes submissions until it stops (ServiceStopped ends the loop)
 
 
 class LiveRounds:
@@ -85,7 +91,9 @@ class LiveRounds:
                 if job_id not in waiting and job_id not in held_since and service.is_running(job_id):
                     held_since[job_id] = start  # kept its workers from the last round
             ended = all(not service.is_running(j) for j in placements if j not in waiting)
-            if service.clock.now() >= end or (ended and not waiting) or service.stopping:
+            if service.stopping:
+                raise ServiceStopped
+            if service.clock.now() >= end or (ended and not waiting):
                 break
             time.sleep(TICK)
         now = service.clock.now()

@@ -32,7 +32,7 @@ from megapipe.cluster.journal import Journal
 from megapipe.cluster.mechanism import RoundMechanism
 from megapipe.cluster.policies import make_policy
 from megapipe.cluster.relayout import layout_command, predicted_iterations_per_second
-from megapipe.cluster.rounds import LiveRounds, SubmittedJobs, WallClock
+from megapipe.cluster.rounds import LiveRounds, ServiceStopped, SubmittedJobs, WallClock
 from megapipe.cluster.scheduler import Scheduler, run_rounds
 from megapipe.cluster.throughputs import ThroughputTable
 from megapipe.errors import ConfigError
@@ -115,10 +115,13 @@ class ClusterService:
         self.thread.start()
 
     def _loop(self) -> None:
-        run_rounds(self.scheduler, self.clock, self.progress, self.source, stop_when=lambda _: self.stopping)
+        try:
+            run_rounds(self.scheduler, self.clock, self.progress, self.source)
+        except ServiceStopped:
+            pass
 
     def shutdown(self) -> None:
-        self.stopping = self.source.closed = True
+        self.stopping = True
         self.wake.set()
         with self.lock:
             self.lease_changed.notify_all()
