@@ -58,8 +58,10 @@ class LocalCluster:
         self.wait_for(lambda: self._answers(), 60, "the scheduler to answer")
 
     def start_agent(self, host: str) -> None:
+        types = {entry.split(":")[0] for entry in self.hosts[host].split(",")}
+        throttle = ",".join(entry for entry in self.throttle.split(",") if entry.split(":")[0] in types)
         self.agents[host] = self._spawn(["worker", "--scheduler", self.address, "--devices", self.hosts[host],
-                                         "--host", host, "--throttle", self.throttle], f"agent-{host}.log")
+                                         "--host", host, "--throttle", throttle], f"agent-{host}.log")
 
     def start(self) -> "LocalCluster":
         self.start_scheduler()
