@@ -84,6 +84,7 @@ class ClusterService:
         self.fenced: dict[int, float] = {}  # job id -> last time a run this service did not launch reported
         self.cancelled: set = set()
         self.finished: set = set()  # done, until the round's booking retires them
+        self.last_command: dict = {}  # job id -> the command (layout) of its previous launch by this service
         self.placements: dict = {}
         self.round_end = 0.0
         self.rounds = 0
@@ -354,8 +355,9 @@ class ClusterService:
             spec = self.specs[job_id]
             lease = row.lease + 1
             command = layout_command(spec, hosts, self.type_speeds().get(hosts[0].worker_type, 1.0))
-            if command[1:] != row.command[1:] and row.lease > 0:
+            if self.last_command.get(job_id, command) != command:  # another layout than its previous run's
                 self.journal.update(job_id, relayouts=row.relayouts + 1)
+            self.last_command[job_id] = command
             address = f"http://{self.address}/leases/{job_id}/{lease}"
             command += ["--save", row.save_dir, "--load", row.save_dir, "--cluster-lease", address]
             start_iteration = self.known_iterations(job_id)
