@@ -357,9 +357,9 @@ class ClusterService:
             command = layout_command(spec, hosts, self.type_speeds().get(hosts[0].worker_type, 1.0))
             if self.last_command.get(job_id, command) != command:  # another layout than its previous run's
                 self.journal.update(job_id, relayouts=row.relayouts + 1)
-            self.last_command[job_id] = command
+            self.last_command[job_id] = list(command)
             address = f"http://{self.address}/leases/{job_id}/{lease}"
-            command += ["--save", row.save_dir, "--load", row.save_dir, "--cluster-lease", address]
+            command = command + ["--save", row.save_dir, "--load", row.save_dir, "--cluster-lease", address]
             start_iteration = self.known_iterations(job_id)
             self.runs[job_id] = Run(lease, hosts, self.clock.now(), start_iteration, lease_end,
                                     iteration=start_iteration)
