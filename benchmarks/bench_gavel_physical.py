@@ -1,6 +1,6 @@
 """Gavel on real megapipe jobs: a physical trace under two LAS policies, the simulator, preemption overhead.
 
-    python benchmarks/bench_gavel_physical.py --round-seconds 30 --out benchmarks/results/gavel_physical.json
+    python benchmarks/bench_gavel_physical.py --round-seconds 60 --out benchmarks/results/gavel_physical.json
 
 Cluster: two hosts (worker agents ``host-a`` and ``host-b`` on this machine), each with 2 fast and
 2 slow CPU devices (a rank per device, one thread each; slow devices throttled to half a CPU).
@@ -11,7 +11,8 @@ all submitted at time 0. Three physical runs of the scheduler service, side by s
 2. heterogeneity-agnostic LAS (``max_min_fairness``), lease renewals on;
 3. heterogeneity-aware LAS, lease renewals off (every job saves and relaunches every round).
 
-Reported: every job reaching its target; its per-iteration losses against the job trained
+Reported: how much slower the throttle makes a slow device (the same job on a fast and a slow
+device at the same time, iterations/s); every job reaching its target; its per-iteration losses against the job trained
 alone as submitted (bit for bit while it ran in the submitted layout, and the largest relative
 difference over all iterations, re-laid-out ones included); the average JCT of runs 1 and 2 and
 their ratio (seed 002 Table 5.3 reports 1.5x on its physical cluster); each run's average JCT
@@ -26,9 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +46,7 @@ from megapipe.cluster.scheduler import Scheduler  # noqa: E402
 from megapipe.cluster.simulator import simulate  # noqa: E402
 from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 HOSTS = {"host-a": "fast:2,slow:2", "host-b": "fast:2,slow:2"}
 COMMON = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4",
           "--global-batch-size", "16", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1",
@@ -61,6 +66,27 @@ TRACE = [  # name, priority, command
 RUNS = [("max_min_fairness_perf", True), ("max_min_fairness", True), ("max_min_fairness_perf", False)]
 TABLE_54 = {"ResNet-18": (0.94, 0.17), "ResNet-50": (1.58, 0.25), "A3C": (0.22, 0.0), "LSTM": (2.91, 0.47),
             "Transformer": (0.77, 0.11), "CycleGAN": (0.77, 0.11)}  # % overhead without / with renewals
+
+
+def device_speeds(work_dir: str, throttle: float = 0.5) -> dict:
+    """Iterations/s of one job on a fast and on a slow device at the same time (the throttle measured)."""
+    command = GPT + ["--train-iters", "150"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    processes = {}
+    for name in ("fast", "slow"):
+        os.makedirs(os.path.join(work_dir, name), exist_ok=True)
+        processes[name] = subprocess.Popen([sys.executable, str(ROOT / command[0]), *command[1:]],
+                                           cwd=os.path.join(work_dir, name), env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.throttle", str(processes["slow"].pid),
+                                  str(throttle)], env=env, cwd=str(ROOT))
+    outputs = {name: process.communicate(timeout=1800)[0] for name, process in processes.items()}
+    throttler.wait(timeout=60)
+    speeds = {}
+    for name, output in outputs.items():
+        times = sorted(float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)[10:])
+        speeds[name] = 1000 / times[len(times) // 2]  # median, after 10 warm-up iterations
+    return speeds
 
 
 def physical_run(policy: str, renew: bool, round_seconds: float, work_dir: str) -> dict:
@@ -153,7 +179,10 @@ def summarise(runs: list[dict], references: dict, round_seconds: float) -> dict:
 def report(summary: dict) -> None:
     runs = summary["runs"]
     aware, agnostic = runs[0], runs[1]
-    print(f"round {summary['round_seconds']:g} s; 2 hosts x (2 fast + 2 slow); {len(TRACE)} jobs")
+    speeds = summary["device_speeds"]
+    print(f"round {summary['round_seconds']:g} s; 2 hosts x (2 fast + 2 slow); {len(TRACE)} jobs; one job alone on a "
+          f"fast device {speeds['fast']:.1f} it/s, on a slow one {speeds['slow']:.1f} it/s at the same time "
+          f"({speeds['fast'] / speeds['slow']:.2f}x)")
     print("| policy | lease renewals | average JCT (s) | simulated (s) | physical / simulated | every job done | "
           "bit-exact jobs | max relative loss difference | mean preemption overhead |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -176,7 +205,7 @@ def report(summary: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--round-seconds", type=float, default=30.0)
+    parser.add_argument("--round-seconds", type=float, default=60.0)
     parser.add_argument("--out", default="benchmarks/results/gavel_physical.json")
     parser.add_argument("--work-dir", default=None,
                         help="logs, journals and checkpoints (default: a temporary one); when it holds runs.json from "
@@ -192,6 +221,7 @@ def main() -> None:
         with open(saved, "w") as handle:
             json.dump(runs, handle)
     summary = summarise(runs, losses_alone(os.path.join(work_dir, "alone")), args.round_seconds)
+    summary["device_speeds"] = device_speeds(os.path.join(work_dir, "speeds"))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as handle:
         json.dump(summary, handle, indent=1)
