@@ -98,10 +98,10 @@ class ClusterService:
     def _recover(self) -> None:
         """Every unfinished job of the journal back into the scheduler; runs of a previous incarnation are fenced."""
         for row in self.journal.jobs():
+            spec = parse_job(row.command)
+            self.specs[row.id] = spec  # every job is known: a finished one's last report gets a plain stop
             if row.state not in ("queued", "running"):
                 continue
-            spec = parse_job(row.command)
-            self.specs[row.id] = spec
             job = self._job(row.id, spec, row.priority)
             self.source.pending.append(job)
             for worker_type, rate in row.throughputs.items():
