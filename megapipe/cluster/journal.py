@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     allocation TEXT,                 -- JSON: [[host, type, devices], ...] while running
     lease INTEGER NOT NULL DEFAULT 0, -- number of the job's current lease (0: none granted yet)
     throughputs TEXT NOT NULL DEFAULT '{}',  -- JSON: worker type -> measured iterations/s
-    overhead REAL NOT NULL DEFAULT 0,        -- seconds between a launch and the first new iteration
+    overhead REAL NOT NULL DEFAULT 0,        -- preemption: stopping, saving, relaunching, loading (seconds)
+    fixed REAL NOT NULL DEFAULT 0,           -- starting the first run, finishing the last (seconds)
     relayouts INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -63,6 +64,7 @@ class JobRow:
     lease: int
     throughputs: dict = field(default_factory=dict)
     overhead: float = 0.0
+    fixed: float = 0.0
     relayouts: int = 0
 
     @property

@@ -50,7 +50,7 @@ class Run:
     start_iteration: int
     lease_end: float
     iteration: int = 0
-    last_report: float = 0.0
+    last_report: float = 0.0  # when the iteration last advanced
     first_progress: Optional[tuple] = None  # (time, iteration) of the first iteration done
     stop_requested: Optional[float] = None
     seconds_per_iteration: float = 0.0
@@ -81,6 +81,7 @@ class ClusterService:
         self.runs: dict[int, Run] = {}
         self.specs: dict = {}
         self.rates: dict = {}  # (job id, worker type) -> measured iterations/s
+        self.measured: dict = {}  # (job id, worker type) -> (iterations, seconds) behind the rate
         self.fenced: dict[int, float] = {}  # job id -> last time a run this service did not launch reported
         self.cancelled: set = set()
         self.finished: set = set()  # done, until the round's booking retires them
@@ -197,24 +198,34 @@ class ClusterService:
             return {"expires_in": max(0.0, run.lease_end - self.clock.now())}
 
     def _note_progress(self, job_id: int, run: Run, report: dict, now: float) -> None:
-        """Iteration and speed of a run; the measured iterations/s replace the planner's prediction."""
+        """Iteration and speed of a run; the measured iterations/s replace the planner's prediction.
+
+        A type's rate is every iteration the job trained there over the time they took, summed over
+        its runs there (from each run's first iteration on: starting and loading are overhead).
+        """
         iteration = int(report.get("iteration", run.iteration))
-        run.iteration, run.last_report = max(run.iteration, iteration), now
         run.seconds_per_iteration = float(report.get("seconds_per_iteration") or 0.0)
         if run.first_progress is None:
             if iteration > run.start_iteration:
                 run.first_progress = (now, iteration)
+                started = max(0.0, now - run.launched_at - run.seconds_per_iteration)
                 if run.lease > 1:  # a relaunch: launching and loading the checkpoint is preemption overhead
-                    self._add_overhead(job_id, now - run.launched_at - run.seconds_per_iteration)
-            return
-        job = self.scheduler.active.get(job_id)
-        if iteration > run.first_progress[1] and job is not None:
+                    self._add_overhead(job_id, started)
+                else:  # the first start, which any job pays
+                    self.journal.update(job_id, fixed=started)
+        elif iteration > run.iteration:
             worker_type = run.hosts[0].worker_type
+            done, seconds = self.measured.get((job_id, worker_type), (0, 0.0))
+            done, seconds = done + iteration - run.iteration, seconds + now - run.last_report
+            self.measured[(job_id, worker_type)] = (done, seconds)
             first = (job_id, worker_type) not in self.rates
-            self.rates[(job_id, worker_type)] = (iteration - run.first_progress[1]) / max(now - run.first_progress[0],
-                                                                                            1e-6)
-            self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: self.rates[(job_id, worker_type)]})
-            self.scheduler.needs_allocation |= first
+            self.rates[(job_id, worker_type)] = done / max(seconds, 1e-6)
+            job = self.scheduler.active.get(job_id)
+            if job is not None:
+                self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: self.rates[(job_id, worker_type)]})
+                self.scheduler.needs_allocation |= first
+        if iteration > run.iteration:  # last_report: when the job last advanced
+            run.iteration, run.last_report = iteration, now
 
     def _add_overhead(self, job_id: int, seconds: float) -> None:
         row = self.journal.job(job_id)
@@ -247,7 +258,8 @@ class ClusterService:
                 "devices": row.scale_factor, "allocation": row.allocation, "log": row.log_path,
                 "jct": row.jct, "elapsed": (row.finished or now) - row.submitted, "error": row.error,
                 "throughput": {t: r for (j, t), r in rates.items() if j == row.id} or row.throughputs,
-                "overhead_seconds": row.overhead, "leases": row.lease, "relayouts": row.relayouts})
+                "overhead_seconds": row.overhead, "fixed_seconds": row.fixed, "leases": row.lease,
+                "relayouts": row.relayouts})
         done = [j["jct"] for j in jobs if j["state"] == "done"]
         return {"jobs": jobs, "round": round_info, "average_jct": sum(done) / len(done) if done else None,
                 "workers": [{"host": a.host, "address": a.address, "devices": a.devices, "throttle": a.throttle}
@@ -398,8 +410,9 @@ class ClusterService:
         self.journal.update(job_id, iterations=iterations, allocation=None, throughputs=throughputs)
         if row.state == "cancelled":
             return
-        if iterations >= row.target_iters:
-            self.journal.update(job_id, state="done", finished=time.time())
+        if iterations >= row.target_iters:  # the last iteration's report to the exit: final save and evaluation
+            self.journal.update(job_id, state="done", finished=time.time(),
+                                fixed=row.fixed + max(0.0, self.clock.now() - run.last_report))
             self.finished.add(job_id)  # the round's booking takes it out of the scheduler
             return
         if run.stop_requested is not None:
