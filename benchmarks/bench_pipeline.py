@@ -9,11 +9,12 @@ work (load average 10-40) it took about 7 minutes, at the ~0.6 s/step of an idle
 needs about 2.
 
 For each pipeline size p and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
-rank, ZB-H1, ZB-H2) one world of p processes (gloo, one thread each) builds the same GPT twice from the
+rank, ZB-H1, ZB-H2, interleaved zero bubble with 2 chunks per rank) one world of p processes (gloo, one thread each) builds the same GPT twice from the
 same megapipe stage modules and weights: once trained by ``PipelineEngine``, once by
 PyTorch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (for the
 zero-bubble rows ``ScheduleInterleavedZeroBubble``, its split-backward schedule, over one stage
-per rank) over ``PipelineStage``\\ s that wrap those modules. Both get the same microbatches and the same
+per rank for ZB-H1 and ZB-H2 and over the same two stages per rank for interleaved-zb, whose
+order it is) over ``PipelineStage``\\ s that wrap those modules. Both get the same microbatches and the same
 AdamW kernel, and the losses of the first two steps must agree (same weights, same data,
 same update). The two systems then alternate step by step, the order flipping every round
 and every step sitting between two barriers, so that a noisy machine slows both alike. The
@@ -58,8 +59,10 @@ from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]  # name, chunks per rank
-ZERO_BUBBLE = ("zb-h1", "zb-h2")  # PyTorch's counterpart: ScheduleInterleavedZeroBubble over one stage per rank
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
+             ("interleaved-zb", 2)]  # name, chunks per rank
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "interleaved-zb")  # PyTorch's counterpart: ScheduleInterleavedZeroBubble (over
+#                                                      one stage per rank for zb-h1/zb-h2, the same order at v = 2)
 SYSTEMS = ("megapipe", "torch")
 LOSS_TOLERANCE = 1e-5
 
@@ -331,7 +334,8 @@ def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
 # ---- report --------------------------------------------------------------------------------------
 def label(schedule: str, v: int) -> str:
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"Interleaved1F1B, v={v}",
-            "zb-h1": "ZB-H1 (PyTorch: InterleavedZeroBubble)", "zb-h2": "ZB-H2 (PyTorch: InterleavedZeroBubble)"}[schedule]
+            "zb-h1": "ZB-H1 (PyTorch: InterleavedZeroBubble)", "zb-h2": "ZB-H2 (PyTorch: InterleavedZeroBubble)",
+            "interleaved-zb": f"InterleavedZeroBubble, v={v}"}[schedule]
 
 
 def print_speed(rows: list[dict]) -> None:

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig, TrainingConfig
 from megapipe.errors import ConfigError
 from megapipe.llama_flags import apply_preset, llama_flags, llama_options
 from megapipe.operations import validate_operations
@@ -60,7 +60,19 @@ def _parallel_flags(g) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
-                   help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, pipedream, 2bw")
+                   help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, "
+                        "interleaved-zb, pipedream, 2bw, or auto (searched for the stage costs below)")
+    g.add_argument("--schedule-forward-time", type=_times, default=None,
+                   help="auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)")
+    g.add_argument("--schedule-input-backward-time", type=_times, default=None,
+                   help="auto: BI (input-gradient) time per rank (default: the forward's)")
+    g.add_argument("--schedule-weight-backward-time", type=_times, default=None,
+                   help="auto: BW (weight-gradient) time per rank (default: the forward's)")
+    g.add_argument("--schedule-latency", type=float, default=0.0, help="auto: time of one pipeline message")
+    g.add_argument("--schedule-memory-limit", type=float, default=None,
+                   help="auto: most microbatches' activations a rank may hold (default p, 1F1B's peak)")
+    g.add_argument("--schedule-profile", default=None,
+                   help="auto: take the stage times from this profile (tools/profile_model.py) instead")
     g.add_argument("--schedule-file", default=None,
                    help="run a flush schedule written as text or CSV (see tools/plot_schedule.py) instead of "
                         "--pipeline-schedule; checked deadlock-free under gloo and NCCL before anything runs")
@@ -69,6 +81,10 @@ def _parallel_flags(g) -> None:
     g.add_argument("--pipeline-stages", default=None,
                    help="a stage plan instead of equal stages: layers [start, end) times replicas per stage, "
                         "e.g. 0:12x2,12:24x1, or the JSON file tools/plan.py writes")
+
+
+def _times(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(","))
 
 
 def _optimizer_flags(g) -> None:
@@ -208,7 +224,13 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
                               virtual_pipeline=v, sequence_parallel=args.sequence_parallel,
                               scatter_gather_tensors_in_pipeline=not args.no_scatter_gather_tensors_in_pipeline,
                               pipeline_schedule=schedule, pipedream_vertical_sync=args.pipedream_vertical_sync,
-                              pipeline_stages=args.pipeline_stages, schedule_file=args.schedule_file)
+                              pipeline_stages=args.pipeline_stages, schedule_file=args.schedule_file,
+                              schedule_search=ScheduleSearchConfig(
+                                  forward_time=args.schedule_forward_time,
+                                  input_backward_time=args.schedule_input_backward_time,
+                                  weight_backward_time=args.schedule_weight_backward_time,
+                                  latency=args.schedule_latency, memory_limit=args.schedule_memory_limit,
+                                  profile=args.schedule_profile))
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -249,6 +271,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
     from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
+    from megapipe.searched_schedule import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
     plan = par.stage_plan()
@@ -274,6 +297,14 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt") -> int:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
     validate_operations(kind, config)
     m = train.num_microbatches(data)
+    check_search_flags(config, pipeline)
+    if par.pipeline_schedule == AUTO:
+        if par.schedule_search.profile is None:
+            searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
+        else:  # searched once the tokenizer has given the vocabulary the profile must match
+            check_profile(kind, config)
+        config.optimizer.check_pipeline_schedule(AUTO, False)
+        return data
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
     build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
                    vertical_sync=par.pipedream_vertical_sync)

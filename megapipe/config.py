@@ -159,6 +159,21 @@ class ModelConfig:
 
 
 @dataclass
+class ScheduleSearchConfig:
+    """Inputs of ``--pipeline-schedule auto`` (``searched_schedule.py``): per-rank times or a profile."""
+
+    forward_time: Optional[tuple] = None  # per pipeline rank, or one for all
+    input_backward_time: Optional[tuple] = None  # default: the forward's
+    weight_backward_time: Optional[tuple] = None  # default: the forward's
+    latency: float = 0.0  # of one pipeline message, in the same unit
+    memory_limit: Optional[float] = None  # microbatches' activations per rank; default p (1F1B's)
+    profile: Optional[str] = None  # a profile JSON of tools/profile_model.py instead of the times
+
+    def given(self) -> bool:
+        return self != ScheduleSearchConfig()
+
+
+@dataclass
 class ParallelConfig:
     """Parallel degrees and how the pipeline runs."""
 
@@ -172,6 +187,7 @@ class ParallelConfig:
     pipedream_vertical_sync: bool = False  # PipeDream: every stage uses the version tagged at the input stage
     pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (stage_plan.py)
     schedule_file: Optional[str] = None  # a flush schedule file run instead of pipeline_schedule
+    schedule_search: ScheduleSearchConfig = field(default_factory=ScheduleSearchConfig)  # for schedule "auto"
 
     def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""

@@ -19,3 +19,7 @@ class DataError(ValueError):
 
 class ScheduleError(ValueError):
     """A pipeline schedule is malformed; the message names the first bad action and shows the grid."""
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or lost a job of the Slurm backend, or its commands do not answer."""

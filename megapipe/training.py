@@ -10,6 +10,7 @@ live on the last pipeline stage, which logs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Optional
@@ -29,7 +30,9 @@ from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.operations import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.analysis.schedule_search import comparison
 from megapipe.pipeline.ir.schedule_file import load_training_schedule
+from megapipe.searched_schedule import AUTO, searched_schedule, stage_costs
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.step_counters import StepCounters, skip_reason
 from megapipe.plan_layout import initialize_plan_state
@@ -80,6 +83,10 @@ class Trainer:
         seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
         schedule = par.pipeline_schedule if par.schedule_file is None else \
             load_training_schedule(par.schedule_file, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
+        self.search = None  # with --pipeline-schedule auto: what the search found
+        if par.pipeline_schedule == AUTO:
+            self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
+            schedule = self.search.schedule
         self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
@@ -113,6 +120,11 @@ class Trainer:
                           f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
                           f"vocabulary {self.tokenizer.vocab_size} | {data} | fusion backend "
                           f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
+        if self.search is not None:
+            costs_for = functools.partial(stage_costs, self.kind, self.config, self.ps.pp_size)
+            limit = self.config.parallel.schedule_search.memory_limit or self.ps.pp_size
+            self.logger.print("> --pipeline-schedule auto, predicted for the stage costs:\n" +
+                              "\n".join(comparison(self.search, costs_for, limit)))
         if t.skip_train:
             self.logger.print(f"> --skip-train: evaluating the checkpoint of iteration {self.state.iteration}")
             self.evaluate("validation")

@@ -1,6 +1,7 @@
 """The planner's search: Algorithm 1 against brute force, the set of layouts it considers against the
 rules written out here, its choice against every estimate, its errors, and its picks for big GPTs."""
 
+import dataclasses
 import itertools
 import re
 
@@ -12,7 +13,8 @@ from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.pipedream import fold_ends, partition_profile
-from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, plan
+from megapipe.planner.launch import torchrun_command
+from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, plan, searched_layouts
 from megapipe.planner.presets import CLUSTERS, MODELS
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import human_bytes
@@ -49,7 +51,7 @@ def test_algorithm1_returns_the_fastest_choice_that_fits():
 def valid_by_the_rules(shape, devices, batch, max_b, max_v):
     """Every layout written out from the rules: all devices used, the model and batch divided, and
     each schedule's needs (1F1B, ZB-H1, ZB-H2 and 2BW at least p microbatches, PipeDream one per update,
-    interleaving m a multiple of p and v >= 2 chunks; one schedule when there is no pipeline; with
+    both interleavings m a multiple of p and v >= 2 chunks; one schedule when there is no pipeline; with
     d > 1 every data-parallel sharding level, but parameters sharded only under a flush)."""
     found = set()
     for t, p, d in itertools.product(range(1, devices + 1), repeat=3):
@@ -59,15 +61,17 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
             if batch % (d * b):
                 continue
             m = batch // (d * b)
-            for schedule, v in itertools.product(("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream"),
-                                               range(1, max_v + 1)):
+            for schedule, v in itertools.product(("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb",
+                                                "2bw", "pipedream"), range(1, max_v + 1)):
                 if shape.num_layers % (p * v) or (p == 1 and (schedule, v) != ("1f1b", 1)):
                     continue
                 ok = {"gpipe": v == 1, "1f1b": v == 1 and m >= p, "2bw": v == 1 and m >= p,
                       "zb-h1": v == 1 and m >= p, "zb-h2": v == 1 and m >= p,
-                      "pipedream": v == 1 and m == 1, "interleaved": v >= 2 and p >= 2 and m % p == 0}[schedule]
+                      "pipedream": v == 1 and m == 1, "interleaved": v >= 2 and p >= 2 and m % p == 0,
+                      "interleaved-zb": v >= 2 and p >= 2 and m % p == 0}[schedule]
                 levels = ["no_shard"] if d == 1 else ["no_shard", "optim", "optim_grads"] + (
-                    ["optim_grads_params"] if schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2") else [])
+                    ["optim_grads_params"] if schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2",
+                                                           "interleaved-zb") else [])
                 if ok:
                     found |= {Layout(t, p, d, b, schedule, v, r, level) for r in (False, True) for level in levels}
     return found
@@ -84,6 +88,7 @@ def test_the_plan_is_the_fastest_layout_that_fits():
     model = CostModel(profile, small_cluster(), Training(32))
     estimates = [model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)]
     cluster = small_cluster(memory=float(np.median([e.memory for e in estimates])))  # half the layouts fit
+    estimates += [model.estimate(layout) for layout in searched_layouts(estimates, cluster)]
     fitting = [e for e in estimates if e.memory <= cluster.usable_memory]
     result = plan(profile, cluster, PlanRequest(32, max_micro_batch_size=8))
     assert result.evaluated == len(estimates)
@@ -94,6 +99,23 @@ def test_the_plan_is_the_fastest_layout_that_fits():
     for (d, p), chosen in result.best_by_data_pipeline.items():
         assert chosen.samples_per_second == max(e.samples_per_second for e in fitting
                                                 if (e.layout.data, e.layout.pipeline) == (d, p))
+
+
+def test_the_searched_schedule_is_planned_on_the_fastest_layouts_and_never_slower_than_zb_h1():
+    profile = small_profile()
+    cluster = small_cluster()
+    result = plan(profile, cluster, PlanRequest(32, max_micro_batch_size=8))
+    searched = [e for e in result.ranked if e.layout.schedule == "auto"]
+    assert 0 < len(searched) <= 8
+    by_layout = {e.layout: e for e in result.ranked}
+    for e in searched:
+        zb_h1 = by_layout.get(dataclasses.replace(e.layout, schedule="zb-h1"))
+        if zb_h1 is not None:  # the search starts from ZB-H1 within its memory
+            assert e.batch_time <= zb_h1.batch_time * (1 + 1e-9) and e.memory <= zb_h1.memory * (1 + 1e-9)
+    command = torchrun_command(searched[0], profile.shape, cluster, 32)
+    assert "--pipeline-schedule auto" in command
+    forward = [float(t) for t in command.split("--schedule-forward-time ")[1].split()[0].split(",")]
+    assert forward == pytest.approx(list(searched[0].rank_times[0]), rel=1e-5)
 
 
 def test_no_configuration_fits_names_the_smallest_requirement():

@@ -10,6 +10,7 @@ from matplotlib.colors import to_rgba
 
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.analysis.plot import BACKWARD_COLOR, FORWARD_COLOR, chunk_color, draw_simulation, draw_timeline
+from megapipe.pipeline.ir.schedule_file import load_training_schedule
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 from megapipe.pipeline.analysis.timeline import Timeline
@@ -71,3 +72,24 @@ def test_tool_draws_a_recorded_timeline(tmp_path):
 def test_tool_reports_bad_input(capsys):
     assert plot_schedule.main(["--schedule", "1f1b", "-p", "4", "-m", "2"]) == 2
     assert "fewer than --pipeline-model-parallel-size 4" in capsys.readouterr().err
+
+
+def test_tool_searches_prints_the_named_schedules_and_saves_a_runnable_file(tmp_path, capsys):
+    saved = tmp_path / "auto.txt"
+    code = plot_schedule.main(["--search", "-p", "2", "-m", "4", "--forward-time", "1,3/2", "--backward-time", "2,3",
+                               "--schedule-memory-limit", "2", "-o", str(tmp_path / "a.png"),
+                               "--save-schedule", str(saved)])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:8] if line.split()[0] in
+            ("auto", "1f1b", "zb-h1", "zb-h2", "gpipe")}
+    assert set(rows) == {"auto", "1f1b", "zb-h1", "zb-h2", "gpipe"}
+    assert float(rows["auto"][2]) <= min(float(row[2]) for row in rows.values())  # batch time
+    assert "over the limit" in " ".join(rows["gpipe"])  # gpipe holds all 4 microbatches
+    schedule = load_training_schedule(saved, 2, 4, 1)  # what --schedule-file runs
+    assert schedule.name == "auto"
+
+
+def test_tool_names_an_infeasible_memory_limit(capsys):
+    assert plot_schedule.main(["--search", "-p", "2", "-m", "4", "--schedule-memory-limit", "0"]) == 2
+    assert "--schedule-memory-limit 0 is below" in capsys.readouterr().err

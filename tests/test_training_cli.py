@@ -40,6 +40,12 @@ def losses(output: str) -> dict[int, float]:
     (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     (["--pipedream-vertical-sync"], "--pipedream-vertical-sync has no meaning with --pipeline-schedule 1f1b"),
+    (["--pipeline-schedule", "auto"], "--pipeline-schedule auto needs the stage costs"),
+    (["--pipeline-schedule", "auto", "--schedule-forward-time", "1", "--schedule-memory-limit", "0.5"],
+     "--schedule-memory-limit 0.5 is below one microbatch's activations per rank, which every schedule holds; "
+     "the least value that works is 1."),
+    (["--schedule-memory-limit", "3"], "read only by --pipeline-schedule auto"),
+    (["--pipeline-schedule", "auto", "--schedule-profile", "none.json"], "profile none.json does not exist"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
     result = run(args, timeout=120, cache=tmp_path)

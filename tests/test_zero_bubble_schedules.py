@@ -4,9 +4,15 @@ References: the closed forms of Qi et al. (ICLR 2024) at unit costs F = BI = BW 
 = BI + BW = 2) and free messages, computed exactly (integers and Fractions): 1F1B idles
 3 (p - 1) per rank, ZB-H1 p - 1 (a third); ZB-H2 has no idle time between a rank's first and
 last action once m >= 2p - 1, and some below that bound. Peak activations: ZB-H1 holds p
-microbatches like 1F1B's first rank, ZB-H2 2p - 1 (about twice). The planner's closed forms
+microbatches like 1F1B's first rank, ZB-H2 2p - 1 (about twice). Interleaved zero bubble with v
+chunks per rank (each chunk F = BI = BW = 1/v) idles (p - 1)/v per rank once m >= p, a third of
+interleaved 1F1B's 3 (p - 1)/v, so its makespan is 3m + (p - 1)/v; a rank holds
+((v - 1) k + p)/v stages' worth of microbatches (k = m / max(1, m // p), its round size), at most
+m: 1F1B's p when p divides m. The planner's closed forms
 (``planner/schedule_costs.py``) give the same batch time and memory.
 """
+
+from fractions import Fraction
 
 import pytest
 
@@ -16,7 +22,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.planner.schedule_costs import in_flight, pipeline_time
+from megapipe.planner.schedule_costs import bubble_fraction, in_flight, microbatch_problem, pipeline_time
 
 UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
 SIZES = [(p, m) for p in range(2, 6) for m in range(p, 3 * p + 1)]
@@ -34,6 +40,33 @@ def test_zb_h1_idles_a_third_of_1f1b_with_its_memory(p, m):
     assert idle(zb_h1) == [p - 1] * p
     assert zb_h1.makespan == 3 * m + p - 1
     assert max(zb_h1.peak_activations) == max(one_f_one_b.peak_activations) == p
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_zb_idles_a_third_of_interleaved_1f1b(p, m, v):
+    if m % max(1, m // p):
+        with pytest.raises(ConfigError, match=r"--pipeline-schedule interleaved-zb runs m=\d+ microbatches in \d+ "
+                                              r"rounds .*raise --global-batch-size so that m=\d+\."):
+            build_schedule("interleaved-zb", p, m, v)
+        return
+    chunk = Fraction(1, v)
+    unit_chunks = CostModel(forward=chunk, backward=2 * chunk, input_backward=chunk, weight_backward=chunk)
+    result = simulate(build_schedule("interleaved-zb", p, m, v), unit_chunks)
+    assert idle(result) == [Fraction(p - 1, v)] * p
+    assert result.makespan == 3 * m + Fraction(p - 1, v)
+    if m % p == 0:
+        interleaved = simulate(build_schedule("interleaved", p, m, v), unit_chunks)
+        assert idle(interleaved) == [3 * Fraction(p - 1, v)] * p
+    round_size = m // max(1, m // p)
+    assert result.peak_activations == (min(m, Fraction((v - 1) * round_size + p, v)),) * p
+
+
+def test_interleaved_zb_bad_sizes_name_the_flag_and_least_value():
+    with pytest.raises(ConfigError, match=r"--pipeline-schedule interleaved-zb needs at least v=2 .*v >= 2"):
+        build_schedule("interleaved-zb", 4, 8, 1)
+    with pytest.raises(ConfigError, match=r"m=9 microbatches in 2 rounds .*so that m=10\."):
+        build_schedule("interleaved-zb", 4, 9, 2)
 
 
 @pytest.mark.parametrize("p, m", SIZES)
@@ -87,9 +120,14 @@ def test_too_few_microbatches_name_the_flag_and_least_value(name):
         build_schedule(name, 4, 3)
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
-@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 4), (4, 9)])
-def test_planner_closed_forms_match_the_simulator(name, p, m):
-    simulated = simulate(build_schedule(name, p, m), UNIT)
-    assert pipeline_time(name, [1] * p, [2] * p, m) == simulated.makespan
-    assert [in_flight(name, p, m, 1, rank) for rank in range(p)] == list(simulated.peak_activations)
+@pytest.mark.parametrize("name, v", [("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2), ("interleaved-zb", 3)])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 4), (4, 9), (4, 8)])
+def test_planner_closed_forms_match_the_simulator(name, v, p, m):
+    if microbatch_problem(name, p, m, v) is not None:
+        return
+    chunk = Fraction(1, v)
+    simulated = simulate(build_schedule(name, p, m, v), CostModel(forward=chunk, backward=2 * chunk,
+                                                                   input_backward=chunk, weight_backward=chunk))
+    assert pipeline_time(name, [1] * p, [2] * p, m, v) == pytest.approx(float(simulated.makespan), rel=1e-12)
+    assert [in_flight(name, p, m, v, rank) for rank in range(p)] == list(simulated.peak_activations)
+    assert bubble_fraction(name, p, m, v) == Fraction(p - 1, v) / (3 * m)

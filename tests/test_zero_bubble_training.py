@@ -1,33 +1,61 @@
 """Zero-bubble schedules (split backward: BI then BW) train exactly like gradient accumulation.
 
-ZB-H1 and ZB-H2 at pipeline sizes 2 and 4, tensor sizes 1 and 2, data sizes 1 and 2 (the
-three layouts of one world of 8 processes), GPT and BERT, with and without full
-recomputation (on in alternate runs, so every schedule and model meets both): per-microbatch losses and every parameter after 3 SGD-with-momentum steps
+ZB-H1, ZB-H2 and interleaved zero bubble (two chunks per rank) at pipeline sizes 2 and 4,
+tensor sizes 1 and 2, data sizes 1 and 2 (by default the three layouts of one world of 8
+processes, which cover each size; ``MEGAPIPE_FULL_ZB_MATRIX=1`` runs every layout within 8
+processes, in worlds of 2, 4 and 8), GPT and BERT, with and without full recomputation (by
+default on in alternate runs, so every schedule and model meets both; the full matrix runs
+both everywhere): per-microbatch losses and every parameter after 3 SGD-with-momentum steps
 equal one process accumulating gradients over the same microbatches, within the 1e-5
 relative of ``test_pipeline_training`` (same reasoning: fp32 summation-order differences of
 ~1e-7 over 3 linear updates). Recomputation is bit-for-bit the same maths, so its runs are
 compared with the same reference. The BW passes go through the data-parallel gradient
 syncs' hooks and the tied embedding's sum, so a gradient lost or counted twice would show.
+A schedule searched for unequal stage costs (``--pipeline-schedule auto``; rank 1 taking 1.5x
+as long) is held to the same reference on the first layout, with two chunks per rank.
 """
 
+import itertools
+import os
+from fractions import Fraction
+
+import pytest
+
+from megapipe.pipeline.analysis.schedule_search import search_schedule
+from megapipe.pipeline.analysis.simulate import CostModel
 from megapipe.testing import run_distributed
 from test_pipeline_training import M, STEPS, assert_close, pipelined_run, reference_run
 
-SCHEDULES = ("zb-h1", "zb-h2")
+SCHEDULES = (("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2))  # name, chunks per rank
 LAYOUTS = [(2, 4, 1), (2, 2, 2), (1, 4, 2)]  # (t, p, d)
+FULL = os.environ.get("MEGAPIPE_FULL_ZB_MATRIX") == "1"
 
 
-def check_layouts(rank, world_size, layouts, kinds):
+def full_matrix() -> dict[int, list[tuple[int, int, int]]]:
+    """Every (t, p, d) with t, d in {1, 2}, p in {2, 4} and t p d <= 8, grouped by world size."""
+    cases: dict[int, list[tuple[int, int, int]]] = {}
+    for t, p, d in itertools.product((1, 2), (2, 4), (1, 2)):
+        if t * p * d <= 8:
+            cases.setdefault(t * p * d, []).append((t, p, d))
+    return cases
+
+
+CASES = full_matrix() if FULL else {8: LAYOUTS}
+
+
+def check_layouts(rank, world_size, layouts, kinds, both_recomputations=False):
     checked = []
     for kind in kinds:
         references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for layout_index, (t, p, d) in enumerate(layouts):
             initial, ref_losses, ref_final = references[d]
-            for schedule_index, schedule in enumerate(SCHEDULES):
+            for (schedule_index, (schedule, v)), recompute in itertools.product(enumerate(SCHEDULES), (False, True)):
                 # recomputation on for half the runs: each schedule and model sees both, on alternate layouts
-                recompute = (kinds.index(kind) + layout_index + schedule_index) % 2 == 1
-                what = f"{kind} {schedule} t={t} p={p} d={d} recompute={recompute}"
-                ps, losses, final = pipelined_run(kind, t, p, d, schedule, 1, initial, recompute)
+                alternate = (kinds.index(kind) + layout_index + schedule_index) % 2 == 1
+                if not both_recomputations and recompute != alternate:
+                    continue
+                what = f"{kind} {schedule} v={v} t={t} p={p} d={d} recompute={recompute}"
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, initial, recompute)
                 if ps.is_last_stage:
                     for step in range(STEPS):
                         expected = ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M]
@@ -35,10 +63,24 @@ def check_layouts(rank, world_size, layouts, kinds):
                 for name, value in final.items():
                     assert_close(value, ref_final[name], f"{what} parameter {name}")
                 checked.append(what)
+        t, p, d = layouts[0]
+        initial, ref_losses, ref_final = references[d]
+        times = [Fraction(3, 2) if rank == 1 else 1 for rank in range(p)]
+        searched = search_schedule(p, M, CostModel.per_rank(p, 2, times, times, times), memory_limit=p, v=2).schedule
+        what = f"{kind} searched t={t} p={p} d={d}"
+        ps, losses, final = pipelined_run(kind, t, p, d, searched, 2, initial)
+        if ps.is_last_stage:
+            for step in range(STEPS):
+                assert_close(losses[step], ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M], f"{what} step {step}")
+        for name, value in final.items():
+            assert_close(value, ref_final[name], f"{what} parameter {name}")
+        checked.append(what)
     return checked
 
 
-def test_zero_bubble_schedules_match_gradient_accumulation():
-    kinds = ("gpt", "bert")
-    results = run_distributed(8, check_layouts, LAYOUTS, kinds, timeout=900)
-    assert len(results[0]) == len(kinds) * len(LAYOUTS) * len(SCHEDULES)
+@pytest.mark.timeout(3600 if FULL else 900)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_zero_bubble_schedules_match_gradient_accumulation(world):
+    kinds, layouts = ("gpt", "bert"), CASES[world]
+    results = run_distributed(world, check_layouts, layouts, kinds, FULL, timeout=3600 if FULL else 900)
+    assert len(results[0]) == len(kinds) * (len(layouts) * len(SCHEDULES) * (2 if FULL else 1) + 1)

@@ -6,9 +6,15 @@ Examples::
     python tools/plot_schedule.py --schedule interleaved -p 4 -m 8 -v 2 --chrome-trace trace.json
     python tools/plot_schedule.py --schedule-file my_schedule.txt --latency 0.1
     python tools/plot_schedule.py --timeline run.json            # a timeline recorded by the executor
+    python tools/plot_schedule.py --search -p 4 -m 8 -v 2 --forward-time 1,3/2,1,1 \
+        --input-backward-time 1,3/2,1,1 --weight-backward-time 1,3/2,1,1 --schedule-memory-limit 4 \
+        --save-schedule auto.txt      # a schedule for these costs, next to the named ones
 
-Simulated costs are per stage (forward 1, backward 2 by default) and split evenly over the v
-chunks of a rank; a summary (makespan, bubble, peak activations, messages) is printed.
+Simulated costs are per pipeline rank (one value for all, or one per rank: forward 1, backward
+2 by default, a split backward's BI and BW half of it each) and split evenly over the v chunks
+of a rank; a summary (makespan, bubble, peak activations, messages) is printed. ``--search``
+runs the schedule search (``schedule_search.py``) for those costs and prints its predicted
+batch time, bubble and peak activations next to every named schedule's.
 """
 
 import argparse
@@ -20,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megapipe.errors import ConfigError, ScheduleError  # noqa: E402
 from megapipe.pipeline.analysis.plot import draw_simulation, draw_timeline  # noqa: E402
-from megapipe.pipeline.ir.schedule_file import load_schedule  # noqa: E402
+from megapipe.pipeline.analysis.schedule_search import comparison, search_schedule  # noqa: E402
+from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
@@ -32,17 +39,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--schedule", choices=schedule_names(), help="a built-in schedule to simulate")
     source.add_argument("--schedule-file", help="a schedule written as text or CSV (see schedule_file.py)")
     source.add_argument("--timeline", help="a timeline JSON saved from a real run (Timeline.save)")
+    source.add_argument("--search", action="store_true",
+                        help="search a schedule for the costs below within --schedule-memory-limit")
     parser.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=4, dest="p")
     parser.add_argument("-m", "--num-microbatches", type=int, default=8, dest="m")
     parser.add_argument("-v", "--virtual-pipeline-model-parallel-size", type=int, default=1, dest="v")
-    costs = parser.add_argument_group("simulated costs (numbers or fractions such as 1/3)")
-    costs.add_argument("--forward-time", type=Fraction, default=Fraction(1), help="forward of one whole stage")
-    costs.add_argument("--backward-time", type=Fraction, default=Fraction(2), help="backward of one whole stage")
+    costs = parser.add_argument_group("simulated costs per pipeline rank: one value for all or one per rank, "
+                                      "comma-separated (numbers or fractions such as 1/3)")
+    costs.add_argument("--forward-time", type=_times, default=[Fraction(1)], help="forward of one whole stage")
+    costs.add_argument("--backward-time", type=_times, default=[Fraction(2)], help="backward of one whole stage")
+    costs.add_argument("--input-backward-time", type=_times, help="BI of one whole stage (default: half the backward)")
+    costs.add_argument("--weight-backward-time", type=_times, help="BW of one whole stage (default: half the backward)")
     costs.add_argument("--latency", type=Fraction, default=Fraction(0), help="time of one message")
+    parser.add_argument("--schedule-memory-limit", type=Fraction,
+                        help="--search: most microbatches' activations a rank may hold (default p, 1F1B's peak)")
+    parser.add_argument("--save-schedule", help="also write the schedule as text, for --schedule-file")
     parser.add_argument("-o", "--output", help="PNG to write (default: named after the schedule)")
     parser.add_argument("--chrome-trace", help="also write a Chrome/Perfetto trace JSON here")
     parser.add_argument("--save-timeline", help="also save the simulated timeline JSON here")
     return parser.parse_args(argv)
+
+
+def _times(text: str) -> list[Fraction]:
+    return [Fraction(part) for part in text.split(",")]
+
+
+def cost_model(args: argparse.Namespace, p: int, v: int) -> CostModel:
+    halves = [b / 2 for b in args.backward_time]
+    return CostModel.per_rank(p, v, args.forward_time, args.input_backward_time or halves,
+                              args.weight_backward_time or halves, latency=args.latency)
+
+
+def search(args: argparse.Namespace):
+    """Search, print the comparison with the named schedules, and return the found schedule's simulation."""
+    costs = cost_model(args, args.p, args.v)
+    limit = args.p if args.schedule_memory_limit is None else args.schedule_memory_limit
+    found = search_schedule(args.p, args.m, costs, limit, args.v)
+    print("\n".join(comparison(found, lambda v: cost_model(args, args.p, v), limit)))
+    return found.simulation
 
 
 def main(argv=None) -> int:
@@ -53,10 +87,14 @@ def main(argv=None) -> int:
             output = args.output or os.path.splitext(args.timeline)[0] + ".png"
             draw_timeline(timeline, output)
         else:
-            schedule = (load_schedule(args.schedule_file) if args.schedule_file
-                        else build_schedule(args.schedule, args.p, args.m, args.v))
-            costs = CostModel.per_chunk(schedule.v, args.forward_time, args.backward_time, latency=args.latency)
-            result = simulate(schedule.compute_only(), costs)  # receives placed for these costs
+            if args.search:
+                result = search(args)
+                schedule = result.schedule
+            else:
+                schedule = (load_schedule(args.schedule_file) if args.schedule_file
+                            else build_schedule(args.schedule, args.p, args.m, args.v))
+                costs = cost_model(args, schedule.p, schedule.v)
+                result = simulate(schedule.compute_only(), costs)  # receives placed for these costs
             timeline = result.timeline
             output = args.output or f"{schedule.name}-p{schedule.p}-m{schedule.m}-v{schedule.v}.png"
             draw_simulation(result, output)
@@ -66,6 +104,9 @@ def main(argv=None) -> int:
             print("messages sent per rank:", ", ".join(str(n) for n in result.messages_sent))
             if args.save_timeline:
                 timeline.save(args.save_timeline)
+            if args.save_schedule:
+                save_schedule(schedule, args.save_schedule)
+                print(f"wrote {args.save_schedule}")
     except (ConfigError, ScheduleError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

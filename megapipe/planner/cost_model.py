@@ -45,7 +45,7 @@ import numpy as np
 
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
-from megapipe.planner.schedule_costs import (FLUSHING, bubble_fraction, in_flight, pipeline_time,
+from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time, searched,
                                              unties_embeddings, weight_versions)
 
 
@@ -98,6 +98,7 @@ class Estimate:
     data_comm_time: float
     optimizer_time: float  # the slowest rank's optimizer steps per batch
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
+    rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
 
 
 def ring_allreduce_time(nbytes: float, members: int, link: Link) -> float:
@@ -221,11 +222,13 @@ class CostModel:
                 times[r] += ring_allreduce_time(tied / t * grad_bytes, 2, embedding_link)
         return times
 
-    def _memory(self, layout: Layout, loads: "_RankLoads", m: int) -> tuple[float, Optional[int]]:
+    def _memory(self, layout: Layout, loads: "_RankLoads", m: int,
+                search: Optional[Searched] = None) -> tuple[float, Optional[int]]:
         """Peak bytes over ranks, and the blocks per recomputation segment that minimise it."""
         p, v = layout.pipeline, layout.virtual
         weights = np.array([self._state_bytes(layout, loads.params[r], r) for r in range(p)])
-        counts = np.array([float(in_flight(layout.schedule, p, m, v, r)) for r in range(p)])
+        counts = np.array([float(search.in_flight[r] if search else in_flight(layout.schedule, p, m, v, r))
+                           for r in range(p)])
         if not layout.recompute:
             return float((weights + counts * loads.stash).max()), None
         per_chunk = self.profile.shape.num_layers // (p * v)
@@ -256,7 +259,10 @@ class CostModel:
         loads = self._rank_loads(layout)
         steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
         data = float(self._data_parallel_times(layout, loads, m).max())
-        if layout.schedule in FLUSHING:  # all-reduce and step after the flush
+        search = searched(loads.forward, loads.backward, m, v) if layout.schedule == "auto" else None
+        if search is not None:
+            batch_time = search.batch_time + data + float(steps.max())
+        elif layout.schedule in FLUSHING:  # all-reduce and step after the flush
             pipe = pipeline_time(layout.schedule, loads.forward, loads.backward, m, v)
             batch_time = pipe + data + float(steps.max())
         else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)
@@ -265,13 +271,14 @@ class CostModel:
         if self.cluster.shared_cores is not None:  # processes on fewer cores: idle ranks lend theirs
             work = t * d * float(m * loads.compute.sum() + steps.sum())
             batch_time = max(batch_time, work / self.cluster.shared_cores)
-        memory, recompute_layers = self._memory(layout, loads, m)
+        memory, recompute_layers = self._memory(layout, loads, m, search)
         slowest = int(np.argmax(loads.forward + loads.backward))
         samples = batch / batch_time
         flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
-                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops)
+                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops,
+                        (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))))
 
 
 class _RankLoads:

@@ -7,7 +7,8 @@ stages with d replicas each; a PipeDream partition lists its stages with their o
 factors, as ``--pipeline-stages 0:12x2,12:24x1`` does. An interleaved layout cannot be written
 as stages (a rank holds v separate layer ranges), so its file lists ``model_chunks`` instead and
 is run by its command. 2BW and PipeDream pipelines get ``--untie-embeddings-and-output-weights``
-(``unties_embeddings``).
+(``unties_embeddings``). A searched schedule (``auto``) is run with the ranks' predicted times
+as ``--schedule-*-time`` flags, so the training scripts search the same schedule.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def _join(words: list[str]) -> str:
     return " ".join(word if word.startswith("$") else shlex.quote(word) for word in words)
 
 
+def _seconds(times) -> str:
+    return ",".join(f"{t:.6g}" for t in times)
+
+
 def _script(shape: ModelShape) -> str:
     return f"pretrain_{shape.kind}.py"
 
@@ -72,6 +77,11 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.virtual > 1:
         words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
+    if layout.schedule == "auto":  # the search on the training side, for the times the plan predicted
+        forward, backward = estimate.rank_times
+        halves = _seconds([b / 2 for b in backward])
+        words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time", halves,
+                  "--schedule-weight-backward-time", halves]
     if layout.recompute:
         words += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", str(estimate.recompute_layers)]

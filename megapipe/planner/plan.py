@@ -9,7 +9,7 @@ schedule is estimated; those that fit in device memory are ranked by predicted t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence
 
 from megapipe.errors import ConfigError
@@ -17,7 +17,8 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.optim.sharding import SHARDING_STRATEGIES
-from megapipe.planner.schedule_costs import FLUSHING, SCHEDULES, microbatch_problem
+from megapipe.planner.schedule_costs import (CHUNKED, FLUSHING, SCHEDULES, SEARCHED, SEARCHED_LAYOUTS,
+                                             microbatch_problem)
 from megapipe.planner.units import human_bytes
 
 
@@ -86,15 +87,32 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                 continue
             m = batch // (d * b)
             for schedule in request.schedules:
+                if schedule == SEARCHED:
+                    continue  # searched for the fastest layouts only, in ``plan``
                 if p == 1 and schedule != "1f1b":
                     continue  # without a pipeline every schedule is gradient accumulation
-                chunks = [1] if schedule != "interleaved" else [
+                chunks = [1] if schedule not in CHUNKED else [
                     v for v in range(2, request.max_virtual + 1) if shape.num_layers % (p * v) == 0]
                 for v in chunks:
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
                             for sharding in _shardings(request, d, schedule):
                                 yield Layout(t, p, d, b, schedule, v, recompute, sharding)
+
+
+def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout]:
+    """The searched schedule (``auto``) on the pipelined one-chunk layouts of the ``SEARCHED_LAYOUTS``
+    fastest fitting estimates: one search per layout costs about a second, too much for all of them,
+    and it is never slower than ZB-H1 on the same layout (a seed of the search within its memory)."""
+    layouts = []
+    for e in sorted(estimates, key=lambda e: -e.samples_per_second):
+        layout = replace(e.layout, schedule=SEARCHED)
+        if (e.memory <= cluster.usable_memory and layout.pipeline > 1 and layout.virtual == 1
+                and microbatch_problem(SEARCHED, layout.pipeline, e.microbatches, 1) is None and layout not in layouts):
+            layouts.append(layout)
+        if len(layouts) == SEARCHED_LAYOUTS:
+            break
+    return layouts
 
 
 def _shardings(request: PlanRequest, d: int, schedule: str) -> list[str]:
@@ -142,6 +160,8 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
     estimates = [model.estimate(layout) for layout in enumerate_layouts(profile.shape, cluster.num_gpus, request)]
     if not estimates:
         raise _no_layout_error(profile.shape, cluster.num_gpus, request)
+    if SEARCHED in request.schedules:
+        estimates += [model.estimate(layout) for layout in searched_layouts(estimates, cluster)]
     fitting = [e for e in estimates if e.memory <= cluster.usable_memory]
     if not fitting:
         raise _memory_error(min(estimates, key=smallest_first), cluster)

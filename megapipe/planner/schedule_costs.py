@@ -14,17 +14,52 @@ interleaving the same (exact for equal ranks; unequal chunks cause stalls it doe
 max_r (t_f + t_b)_r. ZB-H1 and ZB-H2 (split backward, weight gradients half the backward)
 hold p and min(2p - 1, m) microbatches on every rank and take m max_r (t_f + t_b)_r plus the
 forwards of all ranks but the slowest: p - 1 forwards for equal ranks (exact there, as
-``tests/test_zero_bubble_schedules.py`` simulates).
+``tests/test_zero_bubble_schedules.py`` simulates); interleaved zero bubble the same with the
+forwards' share divided by v, holding 1F1B's p when p divides m. ``auto`` (the schedule search)
+has no closed form: ``searched`` runs the search for the ranks' times (BI and BW half the
+backward each) within 1F1B's memory (p microbatches per rank) and reads the batch time and
+each rank's peak off its simulation; the planner searches up to ``SEARCHED_PASSES`` passes per
+rank (beyond that it leaves ``auto`` out), on its ``SEARCHED_LAYOUTS`` fastest layouts.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream")
-FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
-ZERO_BUBBLE = ("zb-h1", "zb-h2")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "auto", "2bw", "pipedream")
+FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "auto")
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "interleaved-zb")
+CHUNKED = ("interleaved", "interleaved-zb")
+SEARCHED = "auto"  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
+SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk
+SEARCHED_LAYOUTS = 8
+
+
+@dataclass(frozen=True)
+class Searched:
+    """What the schedule search predicts for one layout: batch time and each rank's peak microbatches."""
+
+    batch_time: float
+    in_flight: tuple[Fraction, ...]
+
+
+def searched(forward: Sequence[float], backward: Sequence[float], m: int, v: int = 1) -> Searched:
+    """Run the schedule search for ranks taking ``forward[r]``/``backward[r]`` per microbatch."""
+    return _searched(tuple(float(f) for f in forward), tuple(float(b) for b in backward), m, v)
+
+
+@functools.lru_cache(maxsize=1024)
+def _searched(forward: tuple[float, ...], backward: tuple[float, ...], m: int, v: int) -> Searched:
+    from megapipe.pipeline.analysis.schedule_search import search_schedule
+    from megapipe.pipeline.analysis.simulate import CostModel
+
+    p, halves = len(forward), [b / 2 for b in backward]
+    costs = CostModel.per_rank(p, v, forward, halves, halves, exact=False)
+    found = search_schedule(p, m, costs, memory_limit=p, v=v, max_evaluations=0)
+    return Searched(float(found.simulation.makespan), found.simulation.peak_activations)
 
 
 def unties_embeddings(schedule: str, p: int) -> bool:
@@ -37,10 +72,14 @@ def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
     """Why ``schedule`` cannot run m microbatches on p ranks with v chunks each, or None if it can."""
     if schedule not in SCHEDULES:
         return f"unknown schedule {schedule}"
-    if (v > 1) != (schedule == "interleaved"):
-        return "only the interleaved schedule has several chunks per rank, and it needs at least two"
+    if (v > 1) != (schedule in CHUNKED):
+        return "only the interleaved schedules have several chunks per rank, and they need at least two"
     if schedule == "interleaved" and (p < 2 or m % p):
         return f"interleaving needs p >= 2 and m a multiple of p (p={p}, m={m})"
+    if schedule == "interleaved-zb" and (p < 2 or m % p):  # the rounds of p it runs (it takes more, unplanned)
+        return f"interleaved zero bubble is planned with p >= 2 and m a multiple of p (p={p}, m={m})"
+    if schedule == "auto" and 3 * m > SEARCHED_PASSES:
+        return f"the planner searches schedules of at most {SEARCHED_PASSES // 3} microbatches, not {m}"
     if schedule in ("1f1b", "2bw") + ZERO_BUBBLE and m < p:
         return f"{schedule} needs at least p={p} microbatches per batch, not {m}"
     if schedule == "pipedream" and m != 1:
@@ -60,6 +99,8 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
         return Fraction(p)
     if schedule == "zb-h2":
         return Fraction(min(2 * p - 1, m))
+    if schedule == "interleaved-zb":  # rounds of p microbatches: (v - 1) p + p chunk-microbatches
+        return Fraction(p)
     if schedule in FLUSHING:  # 1f1b: p - rank before the first backward, fewer if the batch is smaller
         return Fraction(min(p - rank, m))
     return Fraction(p - rank)  # 2bw and pipedream never flush: microbatches of the next batch keep coming
@@ -79,8 +120,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
     zero-bubble schedules idle only p-1 forwards, (p-1)/(3m) with a backward of two forwards."""
     if schedule not in FLUSHING:
         return Fraction(0)
-    if schedule in ZERO_BUBBLE:
-        return Fraction(p - 1, 3 * m)
+    if schedule in ZERO_BUBBLE or schedule == "auto":  # the search does at least as well as zb-h1
+        return Fraction(p - 1, 3 * v * m)
     return Fraction(p - 1, v * m)
 
 
@@ -95,7 +136,7 @@ def pipeline_time(schedule: str, forward: Sequence[float], backward: Sequence[fl
         return _phase_time(forward, m, v) + _phase_time(backward, m, v)
     both = [f + b for f, b in zip(forward, backward)]
     if schedule in ZERO_BUBBLE:  # the weight gradients fill the backward's share of the fill and drain
-        return m * max(both) + sum(forward) - max(forward)
+        return m * max(both) + (sum(forward) - max(forward)) / v
     if schedule in FLUSHING:  # 1F1B alternates, so a rank's forward and backward form one step
         return _phase_time(both, m, v)
     return m * max(both)

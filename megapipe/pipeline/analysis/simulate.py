@@ -32,6 +32,11 @@ def _stage_cost(cost: StageCost, stage: int) -> Real:
     return cost
 
 
+def _exact(time: Real) -> Fraction:
+    """A measured time as a Fraction of microsecond resolution (floats' binary fractions slow the replay)."""
+    return Fraction(time).limit_denominator(10 ** 6) if isinstance(time, float) else Fraction(time)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Times of forward, backward and optimizer step, and of messages (latency + bytes / bandwidth).
@@ -53,6 +58,23 @@ class CostModel:
     def per_chunk(cls, v: int, forward: Real = 1, backward: Real = 2, **kwargs) -> "CostModel":
         """Costs for v chunks per rank that split a whole stage's forward and backward evenly."""
         return cls(forward=Fraction(forward) / v, backward=Fraction(backward) / v, **kwargs)
+
+    @classmethod
+    def per_rank(cls, p: int, v: int, forward: Sequence[Real], input_backward: Sequence[Real],
+                 weight_backward: Sequence[Real], exact: bool = True, **kwargs) -> "CostModel":
+        """Costs from each pipeline rank's times for one microbatch through all its chunks (lists
+        indexed by rank, or one time for all), split evenly over its v chunks; a whole B costs BI + BW.
+        ``exact``: as Fractions (floats rounded to a millionth), else as floats (faster to replay)."""
+        def per_stage(times: Sequence[Real]) -> tuple[Real, ...]:
+            if len(times) not in (1, p):
+                raise ValueError(f"{len(times)} times given for {p} pipeline ranks; give one per rank or one for all")
+            convert = _exact if exact else float
+            return tuple(convert(times[(s % p) % len(times)]) / v for s in range(p * v))
+
+        return cls(forward=per_stage(forward), input_backward=per_stage(input_backward),
+                   weight_backward=per_stage(weight_backward),
+                   backward=tuple(a + b for a, b in zip(per_stage(input_backward), per_stage(weight_backward))),
+                   **kwargs)
 
     def compute_time(self, rank: int, action: Action) -> Real:
         if action.kind is ActionKind.F:

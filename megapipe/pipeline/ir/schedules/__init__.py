@@ -26,7 +26,7 @@ from megapipe.pipeline.ir.schedules.interleaved import interleaved
 from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
 from megapipe.pipeline.ir.schedules.pipedream import pipedream
 from megapipe.pipeline.ir.schedules.two_bw import two_bw
-from megapipe.pipeline.ir.schedules.zero_bubble import zb_h1, zb_h2
+from megapipe.pipeline.ir.schedules.zero_bubble import interleaved_zb, zb_h1, zb_h2
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.runtime.weights import WeightPolicy
@@ -173,4 +173,5 @@ register_schedule("interleaved", interleaved, chunked=True)
 register_schedule("pipedream", pipedream, weight_policy=WeightPolicy.STASH)
 register_schedule("zb-h1", zb_h1)
 register_schedule("zb-h2", zb_h2)
+register_schedule("interleaved-zb", interleaved_zb, chunked=True)
 register_schedule("2bw", two_bw, chunked=True, weight_policy=WeightPolicy.DOUBLE_BUFFER)

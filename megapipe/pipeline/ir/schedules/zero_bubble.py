@@ -1,4 +1,5 @@
-"""Zero-bubble schedules ZB-H1 and ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+"""Zero-bubble schedules ZB-H1, ZB-H2 and interleaved zero bubble (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024).
 
 Each backward is split into BI (input gradient, on the critical path: the previous stage
 waits for it) and BW (weight gradients, needed only by the STEP), and the BWs fill the idle
@@ -15,6 +16,14 @@ than 2p - 1 - r microbatches before their BI and fewer than 2p - 1 before their 
 oldest pending BW. With F = BI = BW = 1 and m >= 2p - 1 no rank idles between its first and
 its last action (the pipeline is a parallelogram; the offsets at both ends remain, p - 1
 units per rank).
+
+Interleaved zero bubble (``interleaved-zb``, the order of PyTorch's ScheduleInterleavedZeroBubble,
+over v >= 2 looped chunks per rank): ZB-H1's rule on the interleaved order.
+Microbatches go through the chunks in rounds of ``k = m / max(1, m // p)`` (p when p divides m):
+a rank's j-th forward is chunk ``(j // k) % v``, its j-th input gradient chunk
+``v - 1 - (j // k) % v``, each stage taking its microbatches in order. Rank r runs
+``(v - 1) k + p - 1 - r`` warm-up forwards, then one forward and one BI at a time, and runs
+the BW of its oldest BI from its (r + 1)-th BI on, the rest at the end.
 """
 
 from __future__ import annotations
@@ -31,26 +40,58 @@ def _check_microbatches(name: str, p: int, m: int) -> None:
 
 def zb_h1(p: int, m: int) -> list[list[Action]]:
     _check_microbatches("zb-h1", p, m)
-    return [_delayed_weights(rank, p, m) for rank in range(p)]
+    return [_delayed_weights(rank, p - rank - 1, [(rank, i) for i in range(m)], [(rank, i) for i in range(m)])
+            for rank in range(p)]
 
 
-def _delayed_weights(rank: int, p: int, m: int) -> list[Action]:
-    warmup = p - rank - 1
-    actions = [Action(ActionKind.F, rank, i) for i in range(warmup)]
-    pending: list[int] = []
+def interleaved_zb(p: int, m: int, v: int) -> list[list[Action]]:
+    if v < 2:
+        raise ConfigError(f"--pipeline-schedule interleaved-zb needs at least v=2 model chunks per rank, got v={v}; "
+                          "set --num-layers-per-virtual-pipeline-stage so that v >= 2 (zb-h1 is its one-chunk form).")
+    rounds = max(1, m // p)
+    if m % rounds:
+        least = next(n for n in range(m + 1, 2 * m) if n % max(1, n // p) == 0)
+        raise ConfigError(f"--pipeline-schedule interleaved-zb runs m={m} microbatches in {rounds} rounds of equal "
+                          f"size, which {m} does not allow; raise --global-batch-size so that m={least}.")
+    per_round = m // rounds
+    lists = []
+    for rank in range(p):
+        chunks = [(j // per_round) % v for j in range(m * v)]
+        forwards = _in_stage_order(rank, p, chunks)
+        input_grads = _in_stage_order(rank, p, [v - 1 - chunk for chunk in chunks])
+        lists.append(_delayed_weights(rank, min((v - 1) * per_round + p - 1 - rank, m * v), forwards, input_grads))
+    return lists
 
-    def backward(i: int) -> None:
-        actions.append(Action(ActionKind.BI, rank, i))
-        pending.append(i)
+
+def _in_stage_order(rank: int, p: int, chunks: list[int]) -> list[tuple[int, int]]:
+    """(stage, microbatch) of each pass of ``rank``, given its chunks in order; a stage takes its microbatches in order."""
+    taken: dict[int, int] = {}
+    passes = []
+    for chunk in chunks:
+        passes.append((chunk * p + rank, taken.get(chunk, 0)))
+        taken[chunk] = taken.get(chunk, 0) + 1
+    return passes
+
+
+def _delayed_weights(rank: int, warmup: int, forwards: list[tuple[int, int]],
+                     input_grads: list[tuple[int, int]]) -> list[Action]:
+    """ZB-H1's rule: ``warmup`` forwards, then one forward and one BI at a time, then the BIs
+    left; each BW runs once ``rank`` newer BIs have run, the rest at the end."""
+    actions = [Action(ActionKind.F, *stage_microbatch) for stage_microbatch in forwards[:warmup]]
+    pending: list[tuple[int, int]] = []
+
+    def backward(stage_microbatch: tuple[int, int]) -> None:
+        actions.append(Action(ActionKind.BI, *stage_microbatch))
+        pending.append(stage_microbatch)
         if len(pending) > rank:
-            actions.append(Action(ActionKind.BW, rank, pending.pop(0)))
+            actions.append(Action(ActionKind.BW, *pending.pop(0)))
 
-    for i in range(m - warmup):
-        actions.append(Action(ActionKind.F, rank, warmup + i))
-        backward(i)
-    for i in range(m - warmup, m):
-        backward(i)
-    return actions + [Action(ActionKind.BW, rank, i) for i in pending] + [Action(ActionKind.STEP)]
+    for forward, input_grad in zip(forwards[warmup:], input_grads):
+        actions.append(Action(ActionKind.F, *forward))
+        backward(input_grad)
+    for input_grad in input_grads[len(forwards) - warmup:]:
+        backward(input_grad)
+    return actions + [Action(ActionKind.BW, *left) for left in pending] + [Action(ActionKind.STEP)]
 
 
 def zb_h2(p: int, m: int) -> list[list[Action]]:
