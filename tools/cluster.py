@@ -123,6 +123,11 @@ def _service_commands(commands) -> None:
     serve.add_argument("--no-lease-renewal", action="store_true",
                        help="end every lease with its round (each job saves and relaunches every round)")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--backend", choices=("agents", "slurm"), default="agents",
+                       help="run jobs through worker agents (tools/cluster.py worker) or as Slurm jobs on the "
+                            "partition's nodes, typed by their GPU GRES")
+    serve.add_argument("--slurm-partition", default=None, help="with --backend slurm: the partition (default Slurm's)")
+    serve.add_argument("--slurm-conf", default=None, help="with --backend slurm: the slurm.conf (default Slurm's)")
     worker = commands.add_parser("worker", help="run a worker agent for this host")
     worker.add_argument("--scheduler", required=True, metavar="HOST:P")
     worker.add_argument("--devices", required=True, metavar="TYPE:N[,TYPE:N]")
@@ -149,9 +154,16 @@ def run_service(args) -> None:
     from megapipe.cluster.service import ClusterService
 
     work_dir = args.work_dir or os.path.splitext(os.path.abspath(args.journal))[0] + "-work"
+    backend = None
+    if args.backend == "slurm":
+        from megapipe.cluster.backends.slurm import SlurmBackend
+
+        backend = SlurmBackend(args.slurm_partition, args.slurm_conf)
+    elif args.slurm_partition or args.slurm_conf:
+        raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             f"{args.host}:{args.port}", seed=args.seed)
+                             f"{args.host}:{args.port}", seed=args.seed, backend=backend)
     server = serve(service, args.host, args.port)
     service.start()
     print(f"scheduler at http://{args.host}:{server.server_address[1]}/ (journal {args.journal}, jobs in {work_dir})",

@@ -24,7 +24,7 @@ from typing import Optional
 
 from megapipe.checkpointing.paths import read_latest
 from megapipe.cluster.backends.agents import LOST, AgentsBackend
-from megapipe.cluster.backends.base import Launch
+from megapipe.cluster.backends.base import HostSlots, Launch
 from megapipe.cluster.cluster_spec import ClusterSpec
 from megapipe.cluster.job_spec import parse_job
 from megapipe.cluster.jobs import Job
@@ -35,7 +35,7 @@ from megapipe.cluster.relayout import layout_command, predicted_iterations_per_s
 from megapipe.cluster.rounds import LiveRounds, ServiceStopped, SubmittedJobs, WallClock
 from megapipe.cluster.scheduler import Scheduler, run_rounds
 from megapipe.cluster.throughputs import ThroughputTable
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, SlurmError
 
 STOP_GRACE_SECONDS = 60.0  # a stopped job saves before SIGKILL
 
@@ -59,7 +59,9 @@ class Run:
 class ClusterService:
     def __init__(self, journal: Journal, policy: str, round_seconds: float, work_dir: str,
                  worker_types: tuple = ("fast", "slow"), renew_leases: bool = True, address: str = "127.0.0.1:0",
-                 lost_seconds: float = 5.0, seed: int = 0):
+                 lost_seconds: float = 5.0, seed: int = 0, backend=None):
+        """``backend``: what runs the ranks (the ``Backend`` protocol plus ``nodes()`` and
+        ``running_job_ids()``, as ``SlurmBackend`` has them); worker agents by default."""
         if round_seconds <= 0:
             raise ConfigError(f"--round-seconds {round_seconds:g} must be positive.")
         self.policy, self.policy_name = make_policy(policy, seed), policy
@@ -73,7 +75,10 @@ class ClusterService:
         self.lease_changed = threading.Condition(self.lock)
         self.wake = threading.Event()
         self.clock = WallClock(self.wake)
-        self.backend = AgentsBackend(lost_seconds)
+        self.backend = backend or AgentsBackend(lost_seconds)
+        self.agents = self.backend if isinstance(self.backend, AgentsBackend) else None
+        self.hosts: dict = {}  # host -> {worker type: devices}, as of the last tick
+        self.alive: set = set()  # jobs whose ranks run somewhere, as of the last tick
         self.table = ThroughputTable()
         self.scheduler = Scheduler(self.policy, self.table, ClusterSpec({}), round_seconds, reallocation_seconds=0.0,
                                    seed=seed)
@@ -159,6 +164,9 @@ class ClusterService:
             self.cancelled.add(job_id)  # the round loop takes it out of the scheduler (tick)
 
     def register_worker(self, host: str, address: str, devices: dict, throttle: dict) -> None:
+        if self.agents is None:
+            raise ConfigError(f"worker {host} registered with a scheduler that runs its jobs through Slurm; it takes no "
+                              "worker agents (start serve without --backend slurm for them).")
         unknown = [t for t in devices if t not in self.worker_types]
         if unknown:
             raise ConfigError(f"worker {host} declares accelerator type {unknown[0]!r}, which this scheduler does not "
@@ -166,7 +174,7 @@ class ClusterService:
                               "--worker-types listing it).")
         if not devices or any(int(n) < 1 for n in devices.values()):
             raise ConfigError(f"worker {host} declares no devices; pass --devices TYPE:N with N at least 1.")
-        self.backend.register(host, address, {t: int(n) for t, n in devices.items()},
+        self.agents.register(host, address, {t: int(n) for t, n in devices.items()},
                               {t: float(f) for t, f in throttle.items()})
         self.wake.set()
 
@@ -232,7 +240,7 @@ class ClusterService:
         self.journal.update(job_id, overhead=row.overhead + max(0.0, seconds))
 
     def heartbeat(self, host: str, running: dict) -> Optional[list]:
-        return self.backend.heartbeat(host, running)
+        return None if self.agents is None else self.agents.heartbeat(host, running)
 
     def status(self) -> dict:
         """Jobs, workers by type, the current round's placements and JCTs (what ``status`` and the page show)."""
@@ -244,10 +252,11 @@ class ClusterService:
             round_info = {"number": self.rounds, "seconds": self.round_seconds,
                           "ends_in": max(0.0, self.round_end - self.clock.now()), "placements": placements,
                           "renew_leases": self.renew_leases, "policy": self.policy_name}
-        agents = self.backend.live_hosts()
+        with self.lock:
+            hosts, throttles = dict(self.hosts), self.agents.throttles() if self.agents else {}
         by_type: dict = {}
-        for agent in agents.values():
-            for worker_type, n in agent.devices.items():
+        for devices in hosts.values():
+            for worker_type, n in devices.items():
                 by_type[worker_type] = by_type.get(worker_type, 0) + n
         jobs = []
         now = time.time()
@@ -262,8 +271,9 @@ class ClusterService:
                 "relayouts": row.relayouts})
         done = [j["jct"] for j in jobs if j["state"] == "done"]
         return {"jobs": jobs, "round": round_info, "average_jct": sum(done) / len(done) if done else None,
-                "workers": [{"host": a.host, "address": a.address, "devices": a.devices, "throttle": a.throttle}
-                            for a in sorted(agents.values(), key=lambda a: a.host)],
+                "workers": [{"host": host, "devices": devices,
+                             "throttle": {t: f for t, f in throttles.items() if t in devices and f < 1}}
+                            for host, devices in sorted(hosts.items())],
                 "workers_by_type": by_type}
 
     # ---- rounds (called by rounds.py) -------------------------------------------------------------
@@ -272,13 +282,12 @@ class ClusterService:
         while not self.stopping:
             with self.lock:
                 self.tick()
-                agents = self.backend.live_hosts()
                 counts: dict = {}
-                for agent in agents.values():
-                    for worker_type, n in agent.devices.items():
+                for devices in self.hosts.values():
+                    for worker_type, n in devices.items():
                         counts[worker_type] = counts.get(worker_type, 0) + n
                 if counts != self.scheduler.cluster.counts:
-                    per_server = max(n for a in agents.values() for n in a.devices.values()) if agents else 1
+                    per_server = max((n for devices in self.hosts.values() for n in devices.values()), default=1)
                     self.scheduler.cluster = ClusterSpec(counts, per_server)
                     self.scheduler.mechanism = RoundMechanism(self.scheduler.cluster, self.round_seconds,
                                                               self.scheduler.seed + 5)
@@ -299,16 +308,19 @@ class ClusterService:
                         spec, worker_type, speed)})
 
     def type_speeds(self) -> dict:
-        """Relative speed of each worker type: its CPU quota (the slowest any agent declares)."""
-        speeds: dict = {}
-        for agent in self.backend.live_hosts().values():
-            for worker_type in agent.devices:
-                speeds[worker_type] = min(speeds.get(worker_type, 1.0), agent.throttle.get(worker_type, 1.0))
-        return speeds
+        """Relative speed of each worker type: its CPU quota where agents throttle it, else 1."""
+        throttles = self.agents.throttles() if self.agents else {}
+        return {t: throttles.get(t, 1.0) for devices in self.hosts.values() for t in devices}
 
     def host_slots(self, worker_type: str, workers: tuple) -> tuple:
+        """The mechanism's worker ids of a type as per-host slots (ids count the type's devices over hosts by name)."""
         ids = [w for server in self.scheduler.mechanism.servers[worker_type] for w in server]
-        return self.backend.slots(worker_type, [ids.index(w) for w in workers])
+        owners = [host for host in sorted(self.hosts) for _ in range(self.hosts[host].get(worker_type, 0))]
+        counts: dict = {}
+        for worker in workers:
+            host = owners[ids.index(worker)]
+            counts[host] = counts.get(host, 0) + 1
+        return tuple(HostSlots(host, worker_type, n) for host, n in counts.items())
 
     def begin_round(self, placements: dict, end: float, renew: bool) -> None:
         """Extend the leases of runs that keep their workers; revoke every other."""
@@ -332,10 +344,11 @@ class ClusterService:
             for job_id in self.cancelled:
                 self._retire(job_id, "cancelled")
             self.cancelled.clear()
-            self.backend.forget_lost()
-            live = self.backend.live_hosts()
+            if self.agents is not None:
+                self.agents.forget_lost()
+            self.hosts, self.alive = self.backend.nodes(), self.backend.running_job_ids()
             for job_id, run in list(self.runs.items()):
-                if run.stop_requested is None and any(slot.host not in live for slot in run.hosts):
+                if run.stop_requested is None and any(slot.host not in self.hosts for slot in run.hosts):
                     self._revoke(job_id)  # its ranks on the other hosts cannot go on without the lost ones
                 code = self.backend.poll(job_id)
                 if code is not None:
@@ -344,20 +357,19 @@ class ClusterService:
     def can_launch(self, job_id: int, hosts: tuple) -> bool:
         """The job runs nowhere (no fence) and its devices on ``hosts`` are free."""
         with self.lock:
-            if job_id in self.runs or job_id in self.finished or self.backend.running_anywhere(job_id):
+            if job_id in self.runs or job_id in self.finished or job_id in self.alive:
                 return False
             since_restart = time.monotonic() - self.started
             last_alien = self.fenced.get(job_id)
             if last_alien is not None and (time.monotonic() - last_alien < self.fence_seconds
                                            or since_restart < self.fence_seconds):
                 return False
-            agents = self.backend.live_hosts()
             for slot in hosts:
-                if slot.host not in agents:
+                if slot.host not in self.hosts:
                     return False
                 used = sum(s.devices for run in self.runs.values() for s in run.hosts
                            if s.host == slot.host and s.worker_type == slot.worker_type)
-                if used + slot.devices > agents[slot.host].devices.get(slot.worker_type, 0):
+                if used + slot.devices > self.hosts[slot.host].get(slot.worker_type, 0):
                     return False
             return True
 
@@ -380,7 +392,11 @@ class ClusterService:
             with open(row.log_path, "a") as log:
                 log.write(f"[cluster] lease {lease} on {', '.join(f'{s.host}:{s.worker_type}x{s.devices}' for s in hosts)}:"
                           f" {' '.join(command)}\n")
-            self.backend.start(Launch(job_id, command, hosts, {"MEGAPIPE_CLUSTER_JOB": str(job_id)}, row.log_path))
+            try:
+                self.backend.start(Launch(job_id, command, hosts, {"MEGAPIPE_CLUSTER_JOB": str(job_id)}, row.log_path))
+            except SlurmError as error:  # the backend refused the placement: the job fails with its sentence
+                del self.runs[job_id]
+                self._retire(job_id, "failed", error=str(error))
 
     def is_running(self, job_id: int) -> bool:
         with self.lock:

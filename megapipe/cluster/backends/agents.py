@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from megapipe.cluster.backends.base import HostSlots, Launch
+from megapipe.cluster.backends.base import Launch
 
 LOST = -1000  # exit code of ranks whose host's agent stopped answering
 # torchrun's rendezvous port on a job's first host: drawn below Linux's ephemeral ports (32768 and up),
@@ -111,20 +111,23 @@ class AgentsBackend:
         for job_id in agent.running:
             agent.exit_codes[job_id] = code
 
-    def live_hosts(self) -> dict[str, Agent]:
+    # ---- the inventory the service reads (as from SlurmBackend) -------------------------------------
+    def nodes(self) -> dict[str, dict[str, int]]:
+        """Live hosts and their devices by type, e.g. {"host-a": {"fast": 2, "slow": 2}}."""
         with self.lock:
-            return dict(self.agents)
+            return {host: dict(agent.devices) for host, agent in self.agents.items()}
 
-    def running_anywhere(self, job_id: int) -> bool:
-        """Some agent reports ranks of the job alive (of any launch, also one a previous scheduler made)."""
+    def running_job_ids(self) -> set[int]:
+        """Jobs some agent reports ranks of alive (of any launch, also one a previous scheduler made)."""
         with self.lock:
-            return any(job_id in agent.running for agent in self.agents.values())
+            return set().union(*(agent.running for agent in self.agents.values()))
 
-    def slots(self, worker_type: str, device_ids: list) -> tuple[HostSlots, ...]:
-        """Device ids of a type (counted over hosts in name order) as per-host slots."""
+    def throttles(self) -> dict[str, float]:
+        """Per worker type, the smallest CPU fraction an agent declared for it (1.0: unthrottled)."""
         with self.lock:
-            owners = [host for host in sorted(self.agents) for _ in range(self.agents[host].devices.get(worker_type, 0))]
-        counts: dict[str, int] = {}
-        for device in device_ids:
-            counts[owners[device]] = counts.get(owners[device], 0) + 1
-        return tuple(HostSlots(host, worker_type, n) for host, n in counts.items())
+            fractions: dict = {}
+            for agent in self.agents.values():
+                for worker_type in agent.devices:
+                    fractions[worker_type] = min(fractions.get(worker_type, 1.0),
+                                                 agent.throttle.get(worker_type, 1.0))
+            return fractions
