@@ -66,7 +66,8 @@ def test_submission_refuses_what_the_scheduler_owns_or_cannot_run(command, sente
 
 
 def test_an_allocation_gets_the_planners_layout_and_keeps_every_other_flag():
-    spec = parse_job(["pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--train-iters", "7", "--seed", "5"] + SMALL)
+    spec = parse_job(["pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--train-iters", "7", "--seed", "5"]
+                     + SMALL)
     for hosts in [(HostSlots("a", "fast", 2),), (HostSlots("a", "slow", 1), HostSlots("b", "slow", 1))]:
         command = layout_command(spec, hosts, speed=0.5)
         layout = best_layout(spec, hosts, speed=0.5).layout

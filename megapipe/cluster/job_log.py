@@ -108,15 +108,18 @@ def continuity(text: str, reference: dict[int, str], submitted: list[str], devic
     """A job's losses over all its allocations against ``reference`` (the job alone, as submitted).
 
     ``exact_until``: the first iteration trained in another layout than the submitted one (the
-    losses before it should be bit for bit the reference's); ``max_relative``: the largest
+    losses before it should be bit for bit the reference's: ``bit_exact_before``, and
+    ``bit_exact_throughout`` when that is every iteration); ``max_relative``: the largest
     relative difference over all iterations; ``complete``: every iteration was logged.
     """
     got, layouts = iteration_losses(text), iteration_layouts(text)
     as_submitted = layout_key(submitted, devices)
     end = max(reference) + 1 if reference else 1
     exact_until = next((i for i in sorted(got) if layouts[i] != as_submitted), end)
+    bit_exact_before = all(got[i] == reference[i] for i in got if i < exact_until)
     return {"complete": sorted(got) == list(range(1, end)),
             "exact_until": exact_until,
-            "bit_exact_before": all(got[i] == reference[i] for i in got if i < exact_until),
+            "bit_exact_before": bit_exact_before,
+            "bit_exact_throughout": bit_exact_before and exact_until == end,
             "max_relative": max((abs(float(got[i]) - float(reference[i])) / abs(float(reference[i])) for i in got),
                                 default=0.0)}

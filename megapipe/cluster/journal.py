@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-STATES = ("queued", "running", "done", "failed", "cancelled")
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY,
@@ -26,7 +24,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     target_iters INTEGER NOT NULL,
     scale_factor INTEGER NOT NULL,
     priority REAL NOT NULL,
-    state TEXT NOT NULL,
+    state TEXT NOT NULL,             -- queued, running, done, failed or cancelled
     iterations INTEGER NOT NULL,     -- iterations in the job's last checkpoint (what survives a fault)
     submitted REAL NOT NULL,         -- wall-clock seconds
     finished REAL,
@@ -40,7 +38,6 @@ CREATE TABLE IF NOT EXISTS jobs (
     fixed REAL NOT NULL DEFAULT 0,           -- starting the first run, finishing the last (seconds)
     relayouts INTEGER NOT NULL DEFAULT 0
 );
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
@@ -80,9 +77,6 @@ class Journal:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
-
-    def close(self) -> None:
-        self.db.close()
 
     def _write(self, sql: str, values=()) -> int:
         with self.lock:
@@ -129,15 +123,6 @@ class Journal:
 
     def job(self, job_id: int) -> Optional[JobRow]:
         return next((j for j in self.jobs() if j.id == job_id), None)
-
-    def get_meta(self, key: str, default: str = "") -> str:
-        with self.lock:
-            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return default if row is None else row[0]
-
-    def set_meta(self, key: str, value: str) -> None:
-        self._write("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
-                    (key, value, value))
 
 
 def _row(values) -> JobRow:

@@ -19,6 +19,7 @@ import urllib.request
 from typing import Optional
 
 REPORT_SECONDS = 1.0  # how often progress is reported between renewals
+ANSWER_SECONDS = 3600.0  # longest wait for an answer (a renewal is answered when the next round is planned)
 UNREACHABLE_GRACE = 5.0  # seconds past the lease's end a job waits for an unreachable scheduler
 
 
@@ -35,14 +36,14 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
 class ClusterLease:
     """Reports progress and renews the lease; ``stop_reason`` says when the job must save and exit."""
 
-    def __init__(self, address: str, round_seconds_cap: float = 3600.0):
+    def __init__(self, address: str):
         self.address = address
         self.deadline: Optional[float] = None  # local monotonic time the lease ends; None until granted
         self.last_report = -float("inf")
+        self.trained = False  # an iteration was reported (the first one at once: it ends the start-up)
         self.last_iteration_time: Optional[float] = None
         self.seconds_per_iteration = 0.0
         self.stopped: Optional[str] = None
-        self.cap = round_seconds_cap
 
     def start(self, iteration: int) -> None:
         """The first report (after loading the checkpoint) takes the lease."""
@@ -58,8 +59,9 @@ class ClusterLease:
         if self.stopped:
             return self.stopped
         ends_soon = self.deadline is not None and now + 1.5 * self.seconds_per_iteration >= self.deadline
-        if ends_soon or now - self.last_report >= REPORT_SECONDS:
+        if ends_soon or not self.trained or now - self.last_report >= REPORT_SECONDS:
             self._report(iteration, renew=ends_soon)
+            self.trained = True
         return self.stopped
 
     def finish(self, iteration: int) -> None:
@@ -73,7 +75,7 @@ class ClusterLease:
         body = {"iteration": iteration, "seconds_per_iteration": self.seconds_per_iteration, "renew": renew}
         while True:
             try:
-                answer = post_json(self.address, body, timeout=self.cap)
+                answer = post_json(self.address, body, timeout=ANSWER_SECONDS)
                 break
             except OSError:
                 if not renew:

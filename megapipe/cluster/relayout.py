@@ -6,8 +6,9 @@ that many devices, at the type's relative speed; the job is launched with the be
 checkpoint, written in whatever layout it ran before, is resharded on load. Only flush schedules,
 no ZeRO sharding and the submitted micro-batch size are considered: they all compute the same
 gradients from the same microbatches, so losses stay continuous across a re-layout (to
-rounding), and a job whose layout stays the one it was submitted with resumes bit for bit. The same plan's predicted iterations/s stand in
-for the job's throughput on a type until it has been measured there.
+rounding), and a job whose layout stays the one it was submitted with resumes bit for bit. The
+same plan's predicted iterations/s stand in for the job's throughput on a type until it has been
+measured there.
 """
 
 from __future__ import annotations

@@ -165,8 +165,8 @@ class ClusterService:
 
     def register_worker(self, host: str, address: str, devices: dict, throttle: dict) -> None:
         if self.agents is None:
-            raise ConfigError(f"worker {host} registered with a scheduler that runs its jobs through Slurm; it takes no "
-                              "worker agents (start serve without --backend slurm for them).")
+            raise ConfigError(f"worker {host} registered with a scheduler that runs its jobs through Slurm; it takes "
+                              "no worker agents (start serve without --backend slurm for them).")
         unknown = [t for t in devices if t not in self.worker_types]
         if unknown:
             raise ConfigError(f"worker {host} declares accelerator type {unknown[0]!r}, which this scheduler does not "
@@ -230,7 +230,8 @@ class ClusterService:
             self.rates[(job_id, worker_type)] = done / max(seconds, 1e-6)
             job = self.scheduler.active.get(job_id)
             if job is not None:
-                self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: self.rates[(job_id, worker_type)]})
+                rate = self.rates[(job_id, worker_type)]
+                self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: rate})
                 self.scheduler.needs_allocation |= first
         if iteration > run.iteration:  # last_report: when the job last advanced
             run.iteration, run.last_report = iteration, now
@@ -390,8 +391,8 @@ class ClusterService:
             self.journal.update(job_id, state="running", lease=lease,
                                 allocation=[[s.host, s.worker_type, s.devices] for s in hosts])
             with open(row.log_path, "a") as log:
-                log.write(f"[cluster] lease {lease} on {', '.join(f'{s.host}:{s.worker_type}x{s.devices}' for s in hosts)}:"
-                          f" {' '.join(command)}\n")
+                placed = ", ".join(f"{s.host}:{s.worker_type}x{s.devices}" for s in hosts)
+                log.write(f"[cluster] lease {lease} on {placed}: {' '.join(command)}\n")
             try:
                 self.backend.start(Launch(job_id, command, hosts, {"MEGAPIPE_CLUSTER_JOB": str(job_id)}, row.log_path))
             except SlurmError as error:  # the backend refused the placement: the job fails with its sentence
