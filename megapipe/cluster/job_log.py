@@ -91,17 +91,22 @@ def overlapping_runs(text: str) -> list[int]:
     return bad
 
 
-def run_alone(command: list[str], devices: int, work_dir: str, port: int, timeout: float = 600) -> str:
-    """Train ``command`` on ``devices`` local processes from scratch, uninterrupted; returns its output."""
+def run_alone(command: list[str], devices: int, work_dir: str, port: int, timeout: float = 600,
+              attempts: int = 2) -> str:
+    """Train ``command`` on ``devices`` local processes from scratch, uninterrupted; returns its output.
+
+    A failed run is tried again once (``attempts``): a two-process run of this torch has been seen
+    to abort in one rank's teardown after training to the end."""
     os.makedirs(work_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
-                             "--master-port", str(port), str(ROOT / command[0]), *command[1:]],
-                            cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode:
-        raise RuntimeError(f"the reference run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return result.stdout
+    for _ in range(attempts):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
+                                 "--master-port", str(port), str(ROOT / command[0]), *command[1:]],
+                                cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
+        if result.returncode == 0:
+            return result.stdout
+    raise RuntimeError(f"the reference run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
 
 
 def continuity(text: str, reference: dict[int, str], submitted: list[str], devices: int) -> dict:
