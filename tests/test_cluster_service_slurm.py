@@ -1,7 +1,7 @@
 """The scheduler service on Slurm (``serve --backend slurm``): the same kind of small trace, end to end.
 
 A real Slurm (``slurm_testbed.py``: slurmctld and two slurmd nodes, each with 2 "fast" and 2
-"slow" typed GPU GRES) and the service with heterogeneity-aware LAS, 20 s rounds and no lease
+"slow" typed GPU GRES) and the service with heterogeneity-aware LAS, 15 s rounds and no lease
 renewals, so that a job still running at the end of a round is preempted: Slurm signals its tasks
 (SIGTERM), the training loop saves and exits, and the next round's allocation is a new Slurm job
 that resumes from the checkpoint (renewals do not depend on the backend; test_cluster_service.py
@@ -24,8 +24,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",
          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1", "--hidden-dropout", "0",
          "--attention-dropout", "0"]
-JOBS = {"one": ["pretrain_gpt.py"] + MODEL + ["--train-iters", "250"],
-        "two": ["pretrain_gpt.py"] + MODEL + ["--train-iters", "200", "--tensor-model-parallel-size", "2"]}
+JOBS = {"one": ["pretrain_gpt.py"] + MODEL + ["--train-iters", "400"],
+        "two": ["pretrain_gpt.py"] + MODEL + ["--train-iters", "300", "--tensor-model-parallel-size", "2"]}
 NODES = {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}}
 
 
@@ -34,7 +34,7 @@ def test_a_small_trace_runs_end_to_end_on_slurm(tmp_path):
         with SlurmTestbed(str(tmp_path / "slurm"), NODES) as slurm:
             flags = ("--backend", "slurm", "--slurm-partition", slurm.partition, "--slurm-conf", slurm.conf,
                      "--no-lease-renewal")
-            with LocalCluster(str(tmp_path / "cluster"), "max_min_fairness_perf", 20, {},
+            with LocalCluster(str(tmp_path / "cluster"), "max_min_fairness_perf", 15, {},
                               extra_serve_flags=flags) as cluster:
                 cluster.wait_for(lambda: cluster.status()["workers_by_type"] == {"fast": 4, "slow": 4}, 120,
                                  "the Slurm nodes to appear as workers")

@@ -108,6 +108,10 @@ class ClusterService:
             self.specs[row.id] = spec  # every job is known: a finished one's last report gets a plain stop
             if row.state not in ("queued", "running"):
                 continue
+            iterations = read_latest(row.save_dir) or 0
+            if iterations >= row.target_iters:  # it finished while no scheduler watched
+                self.journal.update(row.id, state="done", iterations=iterations, allocation=None, finished=time.time())
+                continue
             job = self._job(row.id, spec, row.priority)
             self.source.pending.append(job)
             for worker_type, rate in row.throughputs.items():
@@ -115,7 +119,7 @@ class ClusterService:
                 self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: rate})
             if row.state == "running":
                 self.fenced[row.id] = time.monotonic()
-            self.journal.update(row.id, state="queued", allocation=None, iterations=read_latest(row.save_dir) or 0)
+            self.journal.update(row.id, state="queued", allocation=None, iterations=iterations)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
