@@ -1,6 +1,6 @@
 """Gavel on real megapipe jobs: a physical trace under two LAS policies, the simulator, preemption overhead.
 
-    python benchmarks/bench_gavel_physical.py --round-seconds 60 --out benchmarks/results/gavel_physical.json
+    python benchmarks/bench_gavel_physical.py --round-seconds 20 --out benchmarks/results/gavel_physical_20s.json
 
 Cluster: two hosts (worker agents ``host-a`` and ``host-b`` on this machine), each with 2 fast and
 2 slow CPU devices (a rank per device, one thread each; slow devices throttled to half a CPU).
@@ -211,8 +211,8 @@ def report(summary: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--round-seconds", type=float, default=60.0)
-    parser.add_argument("--out", default="benchmarks/results/gavel_physical.json")
+    parser.add_argument("--round-seconds", type=float, default=20.0)
+    parser.add_argument("--out", default="benchmarks/results/gavel_physical_20s.json")
     parser.add_argument("--work-dir", default=None,
                         help="logs, journals and checkpoints (default: a temporary one); when it holds runs.json from "
                              "an earlier invocation, only the references and the summary are redone")
