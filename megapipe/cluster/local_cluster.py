@@ -116,7 +116,11 @@ class LocalCluster:
         raise TimeoutError(f"waited {timeout:.0f} s for {what}")
 
     def __enter__(self):
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # what started must not outlive a failed start
+            self.close()
+            raise
 
     def __exit__(self, *exc):
         self.close()
