@@ -159,6 +159,9 @@ def _training_flags(g) -> None:
                    help="on resume, take the learning-rate schedule from the flags, not the checkpoint")
     g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
                    help="on resume, take the learning-rate schedule from the checkpoint, not the flags")
+    g.add_argument("--cluster-lease", default=None, metavar="ADDRESS",
+                   help="run under a lease of the cluster scheduler at this http:// address: report progress, "
+                        "renew before the lease ends, else save and exit (set by tools/cluster.py)")
 
 
 def _data_flags(g) -> None:
@@ -262,7 +265,7 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         fusion_backend=args.fusion_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         skip_train=args.skip_train, override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler, cluster_lease=args.cluster_lease)
     return Config(model=model, parallel=parallel, data=data, training=training, optimizer=optimizer)
 
 

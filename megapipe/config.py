@@ -268,6 +268,7 @@ class TrainingConfig:
     skip_train: bool = False  # evaluate the --load checkpoint only
     override_opt_param_scheduler: bool = False  # resume with the flags' learning-rate schedule
     use_checkpoint_opt_param_scheduler: bool = False  # resume with the checkpoint's learning-rate schedule
+    cluster_lease: Optional[str] = None  # scheduler address of this job's lease (megapipe/cluster/lease.py)
 
     def num_microbatches(self, data_parallel: int) -> int:
         """m = global batch / (micro batch x d), as in Megatron."""

@@ -54,6 +54,9 @@ def validate_operations(kind: str, config: Config) -> None:
     if t.load and not os.path.isdir(t.load) and (t.skip_train or not _same_path(t.load, t.save)):
         raise ConfigError(f"--load {t.load} does not exist; pass a checkpoint directory (or the --save directory, "
                           "to start a job that resumes itself).")
+    if t.cluster_lease is not None and not t.cluster_lease.startswith("http://"):
+        raise ConfigError(f"--cluster-lease {t.cluster_lease} is not an http:// address; the scheduler service sets "
+                          "it, so drop the flag when running outside the cluster.")
     if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler exclude each "
                           "other; keep the one whose learning-rate schedule the resumed run should follow.")
@@ -78,15 +81,17 @@ def _same_path(a: str, b: Optional[str]) -> bool:
 class ExitConditions:
     """Why training should stop before ``--train-iters``, or None.
 
-    SIGTERM may reach one rank only and the clock differs between hosts, so both are agreed on
-    with one all-reduce (MAX) at the iteration boundary; the exit interval needs no agreement.
+    SIGTERM may reach one rank only, the clock differs between hosts and only one rank holds the
+    cluster lease (``--cluster-lease``), so all three are agreed on with one all-reduce (MAX) at
+    the iteration boundary; the exit interval needs no agreement.
     """
 
-    def __init__(self, config: Config, start_time: Optional[float] = None):
+    def __init__(self, config: Config, start_time: Optional[float] = None, lease=None):
         t = config.training
         self.exit_interval, self.exit_minutes = t.exit_interval, t.exit_duration_in_mins
         self.start = time.time() if start_time is None else start_time
         self.sigterm = False
+        self.lease = lease  # a ClusterLease on the rank that talks to the scheduler, else None
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
@@ -95,13 +100,17 @@ class ExitConditions:
     def reason(self, iteration: int, device: torch.device) -> Optional[str]:
         """Collective over the world: the reason to stop after ``iteration``, the same on every rank."""
         minutes = (time.time() - self.start) / 60
+        lease_ended = self.lease is not None and self.lease.stop_reason(iteration) is not None
         flags = torch.tensor([float(self.sigterm),
-                              float(self.exit_minutes is not None and minutes > self.exit_minutes)], device=device)
+                              float(self.exit_minutes is not None and minutes > self.exit_minutes),
+                              float(lease_ended)], device=device)
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        sigterm, out_of_time = flags.tolist()
+        sigterm, out_of_time, lease_ended = flags.tolist()
         if sigterm:
             return f"SIGTERM at iteration {iteration}"
+        if lease_ended:
+            return f"the end of the cluster lease at iteration {iteration}"
         if out_of_time:
             return f"--exit-duration-in-mins {self.exit_minutes:g} at iteration {iteration}"
         if self.exit_interval and iteration % self.exit_interval == 0:

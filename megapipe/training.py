@@ -58,6 +58,10 @@ class Trainer:
         self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
         timeout = distributed_timeout(config)
         self.device = init_distributed(timeout)
+        if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
+            from megapipe.cluster.lease import ClusterLease
+
+            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease)
         par, t = config.parallel, config.training
         plan = par.stage_plan()
         if plan is None:
@@ -110,6 +114,9 @@ class Trainer:
         t = self.config.training
         if t.load:
             self.load(t.load)
+        lease = self.exit_conditions.lease
+        if lease is not None:
+            lease.start(self.state.iteration)
         data = self.data.description() if self.logs_loss else ""  # a reader: it opens the dataset
         self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
                           f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
@@ -153,6 +160,8 @@ class Trainer:
                 self.engine.drain()
                 self.logger.print(f"exiting on {reason}")
                 self.logger.close()
+                if lease is not None:
+                    lease.finish(self.state.iteration)
                 return
         self.engine.drain()  # an asynchronous pipeline finishes its microbatches in flight before the end
         self._count_steps()
@@ -164,6 +173,8 @@ class Trainer:
         if t.save:
             self.wait_for_save()
         self.logger.close()
+        if lease is not None:
+            lease.finish(self.state.iteration)
 
     def save(self, directory: str) -> None:
         from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed

@@ -1,4 +1,4 @@
-"""Gavel: simulate heterogeneity-aware cluster scheduling policies on job traces, or generate traces.
+"""Gavel: simulate scheduling policies on job traces, generate traces, or run the scheduler service and its workers.
 
 Examples::
 
@@ -10,6 +10,15 @@ Examples::
     python tools/cluster.py generate-trace --throughputs megapipe/cluster/data/simulation_throughputs.json \\
         --num-jobs 200 --jobs-per-hour 3 --multi-worker --output generated.trace
 
+The scheduler service runs real megapipe jobs on worker agents::
+
+    python tools/cluster.py serve --port 8470 --journal cluster.db --policy max_min_fairness_perf --round-seconds 30
+    python tools/cluster.py worker --scheduler 127.0.0.1:8470 --devices fast:2,slow:2 --host host-a --throttle slow:0.5
+    python tools/cluster.py submit --scheduler 127.0.0.1:8470 --name small --priority 1 -- \\
+        pretrain_gpt.py --train-iters 200 --mock-data --vocab-size 128
+    python tools/cluster.py status --scheduler 127.0.0.1:8470 [--json]
+    python tools/cluster.py cancel --scheduler 127.0.0.1:8470 0
+
 ``simulate`` ends with ``average JCT: <hours> h`` over the steady-state window (``--window START END``,
 job indices; by default the 25 jobs in the middle of the trace, or all of them when it has 25 or
 fewer) and ``makespan: <hours> h``.
@@ -18,7 +27,11 @@ fewer) and ``makespan: <hours> h``.
 import argparse
 import json
 import os
+import signal
+import socket
 import sys
+import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -94,7 +107,112 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--multi-worker", action="store_true", help="worker counts 1 / 2-4 / 8 at 70 / 25 / 5%%")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output", required=True)
+    _service_commands(commands)
     return parser
+
+
+def _service_commands(commands) -> None:
+    serve = commands.add_parser("serve", help="run the scheduler service (journal, rounds, leases, status page)")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--journal", required=True, help="SQLite file; a restarted service recovers its jobs from it")
+    serve.add_argument("--policy", required=True)
+    serve.add_argument("--round-seconds", type=float, required=True)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on and to give jobs for their leases")
+    serve.add_argument("--work-dir", default=None, help="job logs and checkpoints (default: next to the journal)")
+    serve.add_argument("--worker-types", default="fast,slow", help="accelerator types workers may declare")
+    serve.add_argument("--no-lease-renewal", action="store_true",
+                       help="end every lease with its round (each job saves and relaunches every round)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--backend", choices=("agents", "slurm"), default="agents",
+                       help="run jobs through worker agents (tools/cluster.py worker) or as Slurm jobs on the "
+                            "partition's nodes, typed by their GPU GRES")
+    serve.add_argument("--slurm-partition", default=None, help="with --backend slurm: the partition (default Slurm's)")
+    serve.add_argument("--slurm-conf", default=None, help="with --backend slurm: the slurm.conf (default Slurm's)")
+    worker = commands.add_parser("worker", help="run a worker agent for this host")
+    worker.add_argument("--scheduler", required=True, metavar="HOST:P")
+    worker.add_argument("--devices", required=True, metavar="TYPE:N[,TYPE:N]")
+    worker.add_argument("--host", default=socket.gethostname(), help="this host's name (default: the hostname)")
+    worker.add_argument("--address", default="127.0.0.1", help="address other hosts reach this one at")
+    worker.add_argument("--throttle", default="", metavar="TYPE:FRACTION[,...]",
+                        help="CPU fraction each device of a type gets (e.g. slow:0.5); default a whole CPU")
+    submit = commands.add_parser("submit", help="submit a megapipe job; prints its id")
+    submit.add_argument("--scheduler", required=True, metavar="HOST:P")
+    submit.add_argument("--name", required=True)
+    submit.add_argument("--priority", type=float, default=1.0)
+    submit.add_argument("job", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py FLAGS...")
+    status = commands.add_parser("status", help="jobs, their state, progress, allocation, JCT and log")
+    status.add_argument("--scheduler", required=True, metavar="HOST:P")
+    status.add_argument("--json", action="store_true")
+    cancel = commands.add_parser("cancel", help="cancel a queued or running job")
+    cancel.add_argument("--scheduler", required=True, metavar="HOST:P")
+    cancel.add_argument("id", type=int)
+
+
+def run_service(args) -> None:
+    from megapipe.cluster.http_api import serve
+    from megapipe.cluster.journal import Journal
+    from megapipe.cluster.service import ClusterService
+
+    work_dir = args.work_dir or os.path.splitext(os.path.abspath(args.journal))[0] + "-work"
+    backend = None
+    if args.backend == "slurm":
+        from megapipe.cluster.backends.slurm import SlurmBackend
+
+        backend = SlurmBackend(args.slurm_partition, args.slurm_conf)
+    elif args.slurm_partition or args.slurm_conf:
+        raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
+    service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
+                             tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
+                             f"{args.host}:{args.port}", seed=args.seed, backend=backend)
+    server = serve(service, args.host, args.port)
+    service.start()
+    print(f"scheduler at http://{args.host}:{server.server_address[1]}/ (journal {args.journal}, jobs in {work_dir})",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: service.shutdown())
+    while not service.stopping:
+        time.sleep(0.5)
+    server.shutdown()
+
+
+def run_worker(args) -> None:
+    from megapipe.cluster.agent import WorkerAgent, parse_devices, parse_throttle
+
+    devices = parse_devices(args.devices)
+    agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices))
+    print(f"worker {args.host}: {args.devices} for {args.scheduler}", flush=True)
+    agent.run()
+
+
+def _call(scheduler: str, path: str, body: dict | None = None) -> dict:
+    """One request to the service; its refusal sentence becomes a ConfigError."""
+    from megapipe.cluster.lease import post_json
+
+    url = f"http://{scheduler}{path}"
+    try:
+        if body is None:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                answer = json.loads(response.read())
+        else:
+            answer = post_json(url, body, timeout=30)
+    except OSError as error:
+        raise ConfigError(f"no scheduler answers at --scheduler {scheduler} ({error}); start one with "
+                          "tools/cluster.py serve.")
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    return answer
+
+
+def print_status(args) -> None:
+    status = _call(args.scheduler, "/status")
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return
+    print(f"{'id':>3}  {'name':<12} {'state':<9} {'iterations':>11}  {'allocation':<28} {'JCT':>8}  log")
+    for job in status["jobs"]:
+        slots = ",".join(f"{h}:{t}x{n}" for h, t, n in job["allocation"] or []) or "-"
+        jct = "-" if job["jct"] is None else f"{job['jct']:.1f}s"
+        print(f"{job['id']:>3}  {job['name']:<12} {job['state']:<9} {job['iterations']:>5}/{job['target_iters']:<5}  "
+              f"{slots:<28} {jct:>8}  {job['log']}")
 
 
 def run_simulation(args) -> None:
@@ -165,6 +283,19 @@ def main(argv=None) -> int:
             run_simulation(args)
         elif args.command == "estimate":
             report_estimator(args)
+        elif args.command == "serve":
+            run_service(args)
+        elif args.command == "worker":
+            run_worker(args)
+        elif args.command == "submit":
+            command = args.job[1:] if args.job[:1] == ["--"] else args.job
+            print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
+                                                  "command": command})["id"])
+        elif args.command == "status":
+            print_status(args)
+        elif args.command == "cancel":
+            _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
+            print(f"job {args.id} cancelled")
         elif args.command == "generate-trace":
             if args.num_jobs < 1:
                 raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")

@@ -2,8 +2,9 @@
 
 A policy maps (throughput matrix, jobs, cluster) to an allocation matrix X; the round-based
 mechanism turns X into per-round placements; the simulator drives the mechanism with a simulated
-clock and throughput-derived progress, and the scheduler service of a later release will drive the
-same mechanism with a real clock and progress reported by workers.
+clock and throughput-derived progress, and the scheduler service (``service.py``, ``tools/cluster.py
+serve``) drives the same mechanism with the wall clock and the progress its jobs report, running them
+through worker agents or Slurm.
 """
 
 from megapipe.cluster.cluster_spec import ClusterSpec, parse_cluster
