@@ -31,7 +31,7 @@ import pytest
 from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel
 from megapipe.testing import run_distributed
-from test_pipeline_training import M, STEPS, assert_close, pipelined_run, reference_run
+from test_pipeline_training import M, assert_matches_reference, pipelined_run, reference_run
 
 SCHEDULES = (("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2))  # name, chunks per rank
 LAYOUTS = [(2, 4, 1), (2, 2, 2), (1, 4, 2)]  # (t, p, d)
@@ -55,32 +55,21 @@ def check_layouts(rank, world_size, layouts, kinds, both_recomputations=False):
     for kind in kinds:
         references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for layout_index, (t, p, d) in enumerate(layouts):
-            initial, ref_losses, ref_final = references[d]
             for (schedule_index, (schedule, v)), recompute in itertools.product(enumerate(SCHEDULES), (False, True)):
                 # recomputation on for half the runs: each schedule and model sees both, on alternate layouts
                 alternate = (kinds.index(kind) + layout_index + schedule_index) % 2 == 1
                 if not both_recomputations and recompute != alternate:
                     continue
                 what = f"{kind} {schedule} v={v} t={t} p={p} d={d} recompute={recompute}"
-                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, initial, recompute)
-                if ps.is_last_stage:
-                    for step in range(STEPS):
-                        expected = ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M]
-                        assert_close(losses[step], expected, f"{what} losses of step {step}")
-                for name, value in final.items():
-                    assert_close(value, ref_final[name], f"{what} parameter {name}")
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, references[d][0], recompute)
+                assert_matches_reference(ps, losses, final, references[d], what)
                 checked.append(what)
         t, p, d = layouts[0]
-        initial, ref_losses, ref_final = references[d]
         times = [Fraction(3, 2) if rank == 1 else 1 for rank in range(p)]
         searched = search_schedule(p, M, CostModel.per_rank(p, 2, times, times, times), memory_limit=p, v=2).schedule
         what = f"{kind} searched t={t} p={p} d={d}"
-        ps, losses, final = pipelined_run(kind, t, p, d, searched, 2, initial)
-        if ps.is_last_stage:
-            for step in range(STEPS):
-                assert_close(losses[step], ref_losses[step][ps.dp_rank * M:(ps.dp_rank + 1) * M], f"{what} step {step}")
-        for name, value in final.items():
-            assert_close(value, ref_final[name], f"{what} parameter {name}")
+        ps, losses, final = pipelined_run(kind, t, p, d, searched, 2, references[d][0])
+        assert_matches_reference(ps, losses, final, references[d], what)
         checked.append(what)
     return checked
 
@@ -117,16 +106,11 @@ def check_v_runs(rank, world_size, cases):
         m = 2 * p
         if (kind, d, m) not in references:
             references[(kind, d, m)] = reference_run(kind, d, m)
-        initial, ref_losses, ref_final = references[(kind, d, m)]
+        reference = references[(kind, d, m)]
         what = f"{kind} {schedule} t={t} p={p} d={d} m={m} recompute={recompute}"
-        ps, losses, final = pipelined_run(kind, t, p, d, schedule, 2, initial, recompute, m=m)
-        if ps.is_last_stage:
-            assert ps.pp_rank == 0  # the V brings the last stage back to the first rank
-            for step in range(STEPS):
-                assert_close(losses[step], ref_losses[step][ps.dp_rank * m:(ps.dp_rank + 1) * m],
-                             f"{what} losses of step {step}")
-        for name, value in final.items():
-            assert_close(value, ref_final[name], f"{what} parameter {name}")
+        ps, losses, final = pipelined_run(kind, t, p, d, schedule, 2, reference[0], recompute, m=m)
+        assert not ps.is_last_stage or ps.pp_rank == 0  # the V brings the last stage back to the first rank
+        assert_matches_reference(ps, losses, final, reference, what, m)
         checked.append(what)
     return checked
 
