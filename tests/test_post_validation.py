@@ -1,0 +1,127 @@
+"""Optimizer post-validation trains exactly like the synchronous step, rollbacks included.
+
+One world of 4 processes runs every check (under the strict transport the suite sets): GPT
+(tied embeddings) at (t, p, d) = (1, 4, 1) and (1, 2, 2), zb-h2 and 1f1b, AdamW with a
+warm-up (so the learning rate changes every step and a redo must use the old one). Each case
+trains the same initial weights on the same microbatches twice, with the synchronous step and
+with ``--enable-optimizer-post-validation``, and compares the per-microbatch losses of every
+step and every parameter after the last one with ``torch.equal``, for three settings:
+
+* ``--clip-grad`` far above every norm: nothing is amended, and the eager steps alone must be
+  the synchronous steps bit for bit;
+* ``--clip-grad`` between the norms the run meets, so that some steps clip and others do not;
+* fp16 with dynamic loss scaling from a scale that overflows in a later step (the second):
+  that step is skipped and the scale halved, and the steps after it are not skipped.
+
+The rollbacks are counted after every call: the step k the synchronous run clipped or skipped
+(its norm above ``--clip-grad`` within the conservative margin, or its skip flag) is redone
+during call k + 1, or by the final ``drain`` for the last step, and no other step is.
+"""
+
+import datetime
+
+import pytest
+import torch
+
+from batch_helpers import random_microbatch
+from model_families import MODEL_KIND, family_config
+from megapipe.models import build_model_chunks
+from megapipe.models.state_dict import canonical_state_dict, local_state_dict
+from megapipe.optim import LRScheduler, OptimizerConfig
+from megapipe.optim.clip import CLIP_EPSILON
+from megapipe.optim.post_validation import AMEND_MARGIN
+from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.testing import run_distributed
+
+SEQ, MICRO, M, STEPS = 8, 2, 4, 5
+LAYOUTS = [(1, 4, 1), (1, 2, 2)]
+SCHEDULES = ["zb-h2", "1f1b"]
+NO_CLIP = 1e6
+
+
+def model_config(fp16: bool):
+    return family_config("gpt", num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
+                         params_dtype=torch.float16 if fp16 else torch.float32)
+
+
+def optimizer_config(clip_grad: float, fp16: bool, post_validation: bool) -> OptimizerConfig:
+    # from 2**18 the fp16 gradients of this model overflow at the second step; halved, the scale fits
+    return OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=clip_grad, lr_warmup_iters=3,
+                           lr_decay_style="linear", fp16=fp16, initial_loss_scale=2.0 ** 18, hysteresis=1,
+                           enable_optimizer_post_validation=post_validation)
+
+
+def train(t, p, d, schedule, initial, clip_grad, fp16, post_validation):
+    """Per step: (losses on this rank, the step's settled results); the final weights; rollbacks after each call."""
+    config = model_config(fp16)
+    ps = ParallelState.initialize(tensor=t, pipeline=p)
+    chunks = build_model_chunks(MODEL_KIND["gpt"], config, ps)
+    for chunk in chunks:
+        chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
+    opt_config = optimizer_config(clip_grad, fp16, post_validation)
+    engine = PipelineEngine(chunks, ps, opt_config, schedule, M, (SEQ, MICRO, config.hidden_size),
+                            dtype=config.params_dtype, timeout=datetime.timedelta(seconds=60))
+    scheduler = LRScheduler(engine.optimizer, opt_config, STEPS)
+    losses, settled, rollbacks = [], [], []
+    for step in range(STEPS):
+        batches = [random_microbatch(MODEL_KIND["gpt"], config.vocab_size, MICRO, SEQ, seed=1000 * step + ps.dp_rank * M + i)
+                   for i in range(M)]
+        result = engine.train_batch(batches)
+        scheduler.step()
+        losses.append(torch.stack(result.batch.loss_tensors) if result.batch.loss_tensors else None)
+        settled += result.settled
+        rollbacks.append(engine.validation.rollbacks if post_validation else 0)
+    settled += engine.drain().settled
+    rollbacks.append(engine.validation.rollbacks if post_validation else 0)
+    outcomes = [(bool(s.skipped_flag), float(s.norm)) for s in settled]
+    return ps, losses, canonical_state_dict(chunks, ps, config), outcomes, rollbacks
+
+
+def expected_rollbacks(outcomes, clip_grad):
+    """Rollbacks after each call when step k of the synchronous run (outcomes[k]) needed an amendment."""
+    amended = [skipped or (norm + CLIP_EPSILON) * (1 + AMEND_MARGIN) > clip_grad for skipped, norm in outcomes]
+    counts = [0] + [sum(amended[:k]) for k in range(1, STEPS)]  # call k redoes step k - 1
+    return counts + [sum(amended)], amended
+
+
+def check_post_validation(rank, world_size):
+    reference = build_model_chunks(MODEL_KIND["gpt"], model_config(False), ParallelState.single())
+    initial = canonical_state_dict(reference, ParallelState.single(), model_config(False))
+    report = []
+    for t, p, d in LAYOUTS:
+        for schedule in SCHEDULES:
+            clip_between = None
+            for setting in ("no clipping", "clipping", "fp16 overflow"):
+                fp16 = setting == "fp16 overflow"
+                clip = NO_CLIP if setting != "clipping" else clip_between
+                what = f"{schedule} t={t} p={p} d={d} {setting} (clip {clip:g})"
+                sync = train(t, p, d, schedule, initial, clip, fp16, False)
+                post = train(t, p, d, schedule, initial, clip, fp16, True)
+                ps, sync_losses, sync_final, outcomes, _ = sync
+                _, post_losses, post_final, post_outcomes, rollbacks = post
+                for step, (a, b) in enumerate(zip(sync_losses, post_losses)):
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: losses of step {step}"
+                for name, value in sync_final.items():
+                    assert torch.equal(value, post_final[name]), f"{what}: parameter {name}"
+                expected, amended = expected_rollbacks(outcomes, clip)
+                assert rollbacks == expected, f"{what}: rollbacks after each call {rollbacks}, expected {expected}"
+                assert [s for s, _ in post_outcomes] == [s for s, _ in outcomes], f"{what}: skipped steps"
+                if setting == "no clipping":
+                    assert not any(amended), what
+                    norms = sorted(norm for _, norm in outcomes)
+                    clip_between = (norms[1] + norms[2]) / 2  # two steps above it, three below
+                elif setting == "clipping":
+                    assert 0 < sum(amended) < STEPS, f"{what}: clipping should trigger in some steps only: {outcomes}"
+                else:
+                    assert any(s for s, _ in outcomes) and not outcomes[-1][0], f"{what}: expected a skip: {outcomes}"
+                report.append((what, rollbacks[-1]))
+    return report
+
+
+@pytest.mark.timeout(600)
+def test_post_validation_equals_synchronous_step():
+    results = run_distributed(4, check_post_validation, timeout=600)
+    assert len(results[0]) == len(LAYOUTS) * len(SCHEDULES) * 3
+    assert all(result == results[0] for result in results)
