@@ -1,7 +1,8 @@
 """Optimizer post-validation trains exactly like the synchronous step, rollbacks included.
 
 One world of 4 processes runs every check (under the strict transport the suite sets): GPT
-(tied embeddings) at (t, p, d) = (1, 4, 1) and (1, 2, 2), zb-h2 and 1f1b, AdamW with a
+(tied embeddings) at (t, p, d) = (1, 4, 1), (1, 2, 2) with the optimizer sharded over the two
+replicas (ZeRO-1) and (2, 2, 1), zb-h2 and 1f1b, AdamW with a
 warm-up (so the learning rate changes every step and a redo must use the old one). Each case
 trains the same initial weights on the same microbatches twice, with the synchronous step and
 with ``--enable-optimizer-post-validation``, and compares the per-microbatch losses of every
@@ -23,6 +24,8 @@ import datetime
 import pytest
 import torch
 
+from megapipe.arguments import parse_config
+from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
 from megapipe.models import build_model_chunks
@@ -35,7 +38,7 @@ from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
 SEQ, MICRO, M, STEPS = 8, 2, 4, 5
-LAYOUTS = [(1, 4, 1), (1, 2, 2)]
+LAYOUTS = [(1, 4, 1, "no_shard"), (1, 2, 2, "optim"), (2, 2, 1, "no_shard")]  # (t, p, d, sharding)
 SCHEDULES = ["zb-h2", "1f1b"]
 NO_CLIP = 1e6
 
@@ -46,21 +49,21 @@ def model_config(fp16: bool):
                          params_dtype=torch.float16 if fp16 else torch.float32)
 
 
-def optimizer_config(clip_grad: float, fp16: bool, post_validation: bool) -> OptimizerConfig:
+def optimizer_config(clip_grad: float, fp16: bool, post_validation: bool, sharding: str) -> OptimizerConfig:
     # from 2**18 the fp16 gradients of this model overflow at the second step; halved, the scale fits
     return OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=clip_grad, lr_warmup_iters=3,
                            lr_decay_style="linear", fp16=fp16, initial_loss_scale=2.0 ** 18, hysteresis=1,
-                           enable_optimizer_post_validation=post_validation)
+                           data_parallel_sharding_strategy=sharding, enable_optimizer_post_validation=post_validation)
 
 
-def train(t, p, d, schedule, initial, clip_grad, fp16, post_validation):
+def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation):
     """Per step: (losses on this rank, the step's settled results); the final weights; rollbacks after each call."""
     config = model_config(fp16)
     ps = ParallelState.initialize(tensor=t, pipeline=p)
     chunks = build_model_chunks(MODEL_KIND["gpt"], config, ps)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
-    opt_config = optimizer_config(clip_grad, fp16, post_validation)
+    opt_config = optimizer_config(clip_grad, fp16, post_validation, sharding)
     engine = PipelineEngine(chunks, ps, opt_config, schedule, M, (SEQ, MICRO, config.hidden_size),
                             dtype=config.params_dtype, timeout=datetime.timedelta(seconds=60))
     scheduler = LRScheduler(engine.optimizer, opt_config, STEPS)
@@ -90,15 +93,15 @@ def check_post_validation(rank, world_size):
     reference = build_model_chunks(MODEL_KIND["gpt"], model_config(False), ParallelState.single())
     initial = canonical_state_dict(reference, ParallelState.single(), model_config(False))
     report = []
-    for t, p, d in LAYOUTS:
+    for t, p, d, sharding in LAYOUTS:
         for schedule in SCHEDULES:
             clip_between = None
             for setting in ("no clipping", "clipping", "fp16 overflow"):
                 fp16 = setting == "fp16 overflow"
                 clip = NO_CLIP if setting != "clipping" else clip_between
-                what = f"{schedule} t={t} p={p} d={d} {setting} (clip {clip:g})"
-                sync = train(t, p, d, schedule, initial, clip, fp16, False)
-                post = train(t, p, d, schedule, initial, clip, fp16, True)
+                what = f"{schedule} t={t} p={p} d={d} {sharding} {setting} (clip {clip:g})"
+                sync = train(t, p, d, sharding, schedule, initial, clip, fp16, False)
+                post = train(t, p, d, sharding, schedule, initial, clip, fp16, True)
                 ps, sync_losses, sync_final, outcomes, _ = sync
                 _, post_losses, post_final, post_outcomes, rollbacks = post
                 for step, (a, b) in enumerate(zip(sync_losses, post_losses)):
@@ -125,3 +128,18 @@ def test_post_validation_equals_synchronous_step():
     results = run_distributed(4, check_post_validation, timeout=600)
     assert len(results[0]) == len(LAYOUTS) * len(SCHEDULES) * 3
     assert all(result == results[0] for result in results)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    ([], 1, "--enable-optimizer-post-validation needs --pipeline-model-parallel-size of at least 2"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights"],
+     2, "--enable-optimizer-post-validation cannot run --pipeline-schedule 2bw"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "pipedream",
+      "--untie-embeddings-and-output-weights"], 2, "--enable-optimizer-post-validation cannot run --pipeline-schedule "
+                                                   "pipedream"),
+    (["--pipeline-stages", "0:1x2,1:4x1", "--pipeline-schedule", "pipedream", "--untie-embeddings-and-output-weights",
+      "--global-batch-size", "16"], 3, "cannot run a --pipeline-stages plan with replicated stages"),
+])
+def test_post_validation_refuses_what_it_cannot_run(argv, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config("gpt", ["--enable-optimizer-post-validation", "--num-layers", "4"] + argv, world_size=world_size)

@@ -48,8 +48,8 @@ class TrainStepResult:
     step: Optional[StepResult]  # the last optimizer step of this call on this rank, if any
     peak_in_flight: int
     updates: list[StepResult] = field(default_factory=list)  # every step of this call (one per UPDATE)
-    # the steps whose outcome became final in this call: the steps themselves, or under
-    # post-validation the earlier eager step validated here (its full state, or its redo)
+    # what the training loop counts, one per iteration: the call's last step, or under
+    # post-validation the earlier eager step validated in this call (its full state, or its redo)
     settled: list[StepResult] = field(default_factory=list)
 
     @property
@@ -141,9 +141,7 @@ class PipelineEngine:
 
     def _step(self) -> Optional[StepResult]:
         if self.validation is None:
-            result = self._update(0)
-            self._settled.append(result)
-            return result
+            return self._update(0)
         finalize_model_grads(self.chunks, self.ps, self.grads[0])
         if self._settle():  # the weights this list ran on are being amended: no step, the list runs again
             self._redo_iteration = True
@@ -185,7 +183,7 @@ class PipelineEngine:
 
     def _result(self, batch) -> TrainStepResult:
         steps, self._steps = self._steps, []
-        settled, self._settled = self._settled, []
+        settled, self._settled = (self._settled, []) if self.validation is not None else (steps[-1:], [])
         return TrainStepResult(batch, steps[-1] if steps else None, batch.peak_in_flight, steps, settled)
 
     def train_batch(self, microbatches: list[dict]) -> TrainStepResult:
