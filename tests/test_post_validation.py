@@ -14,12 +14,17 @@ step and every parameter after the last one with ``torch.equal``, for three sett
 * fp16 with dynamic loss scaling from a scale that overflows in a later step (the second):
   that step is skipped and the scale halved, and the steps after it are not skipped.
 
-The rollbacks are counted after every call: the step k the synchronous run clipped or skipped
-(its norm above ``--clip-grad`` within the conservative margin, or its skip flag) is redone
-during call k + 1, or by the final ``drain`` for the last step, and no other step is.
+Host reads (``test_runtime_costs``'s count) of a step without amendment: none synchronously, one
+(the verdict) with post-validation, on every rank. The rollbacks are counted after every call:
+the step k the synchronous run clipped or skipped (its norm above ``--clip-grad`` within the
+conservative margin, or its skip flag) is redone during call k + 1, or by the final ``drain``
+for the last step, and no other step is. The same world checks the exit agreement of
+post-validation: a SIGTERM on one rank stops every rank one iteration later, with no barrier.
 """
 
+import contextlib
 import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +34,7 @@ from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
 from megapipe.models import build_model_chunks
+from megapipe.operations import ExitConditions
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.optim import LRScheduler, OptimizerConfig
 from megapipe.optim.clip import CLIP_EPSILON
@@ -36,6 +42,7 @@ from megapipe.optim.post_validation import AMEND_MARGIN
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
+from test_runtime_costs import counting_host_reads
 
 SEQ, MICRO, M, STEPS = 8, 2, 4, 5
 LAYOUTS = [(1, 4, 1, "no_shard"), (1, 2, 2, "optim"), (2, 2, 1, "no_shard")]  # (t, p, d, sharding)
@@ -67,11 +74,12 @@ def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation
     engine = PipelineEngine(chunks, ps, opt_config, schedule, M, (SEQ, MICRO, config.hidden_size),
                             dtype=config.params_dtype, timeout=datetime.timedelta(seconds=60))
     scheduler = LRScheduler(engine.optimizer, opt_config, STEPS)
-    losses, settled, rollbacks = [], [], []
+    losses, settled, rollbacks, reads = [], [], [], []
     for step in range(STEPS):
-        batches = [random_microbatch(MODEL_KIND["gpt"], config.vocab_size, MICRO, SEQ, seed=1000 * step + ps.dp_rank * M + i)
-                   for i in range(M)]
-        result = engine.train_batch(batches)
+        batches = [random_microbatch(MODEL_KIND["gpt"], config.vocab_size, MICRO, SEQ,
+                                     seed=1000 * step + ps.dp_rank * M + i) for i in range(M)]
+        with counting_host_reads(reads) if step == 2 else contextlib.nullcontext():
+            result = engine.train_batch(batches)
         scheduler.step()
         losses.append(torch.stack(result.batch.loss_tensors) if result.batch.loss_tensors else None)
         settled += result.settled
@@ -79,7 +87,7 @@ def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation
     settled += engine.drain().settled
     rollbacks.append(engine.validation.rollbacks if post_validation else 0)
     outcomes = [(bool(s.skipped_flag), float(s.norm)) for s in settled]
-    return ps, losses, canonical_state_dict(chunks, ps, config), outcomes, rollbacks
+    return ps, losses, canonical_state_dict(chunks, ps, config), outcomes, rollbacks, len(reads)
 
 
 def expected_rollbacks(outcomes, clip_grad):
@@ -89,7 +97,19 @@ def expected_rollbacks(outcomes, clip_grad):
     return counts + [sum(amended)], amended
 
 
+def lagged_exit_reasons(rank):
+    """Rank 1 gets SIGTERM during iteration 1: every rank agrees on it one boundary later."""
+    no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None))
+    conditions = ExitConditions(no_limits, lagged=True)
+    reasons = []
+    for iteration in (1, 2, 3):
+        conditions.sigterm = conditions.sigterm or (rank == 1 and iteration == 1)
+        reasons.append(conditions.reason(iteration, torch.device("cpu")))
+    return reasons
+
+
 def check_post_validation(rank, world_size):
+    exits = lagged_exit_reasons(rank)
     reference = build_model_chunks(MODEL_KIND["gpt"], model_config(False), ParallelState.single())
     initial = canonical_state_dict(reference, ParallelState.single(), model_config(False))
     report = []
@@ -102,10 +122,11 @@ def check_post_validation(rank, world_size):
                 what = f"{schedule} t={t} p={p} d={d} {sharding} {setting} (clip {clip:g})"
                 sync = train(t, p, d, sharding, schedule, initial, clip, fp16, False)
                 post = train(t, p, d, sharding, schedule, initial, clip, fp16, True)
-                ps, sync_losses, sync_final, outcomes, _ = sync
-                _, post_losses, post_final, post_outcomes, rollbacks = post
+                ps, sync_losses, sync_final, outcomes, _, sync_reads = sync
+                _, post_losses, post_final, post_outcomes, rollbacks, post_reads = post
                 for step, (a, b) in enumerate(zip(sync_losses, post_losses)):
-                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: losses of step {step}"
+                    same = (a is None) == (b is None) and (a is None or torch.equal(a, b))
+                    assert same, f"{what}: losses of step {step}"
                 for name, value in sync_final.items():
                     assert torch.equal(value, post_final[name]), f"{what}: parameter {name}"
                 expected, amended = expected_rollbacks(outcomes, clip)
@@ -113,6 +134,8 @@ def check_post_validation(rank, world_size):
                 assert [s for s, _ in post_outcomes] == [s for s, _ in outcomes], f"{what}: skipped steps"
                 if setting == "no clipping":
                     assert not any(amended), what
+                    # the verdict on the previous step is the one host read of a step (none without)
+                    assert (sync_reads, post_reads) == (0, 1), f"{what}: host reads {sync_reads}, {post_reads}"
                     norms = sorted(norm for _, norm in outcomes)
                     clip_between = (norms[1] + norms[2]) / 2  # two steps above it, three below
                 elif setting == "clipping":
@@ -120,14 +143,15 @@ def check_post_validation(rank, world_size):
                 else:
                     assert any(s for s, _ in outcomes) and not outcomes[-1][0], f"{what}: expected a skip: {outcomes}"
                 report.append((what, rollbacks[-1]))
-    return report
+    return exits, report
 
 
 @pytest.mark.timeout(600)
 def test_post_validation_equals_synchronous_step():
     results = run_distributed(4, check_post_validation, timeout=600)
-    assert len(results[0]) == len(LAYOUTS) * len(SCHEDULES) * 3
-    assert all(result == results[0] for result in results)
+    for exits, report in results:
+        assert exits == [None, "SIGTERM at iteration 2", "SIGTERM at iteration 3"]
+        assert report == results[0][1] and len(report) == len(LAYOUTS) * len(SCHEDULES) * 3
 
 
 @pytest.mark.parametrize("argv, world_size, message", [

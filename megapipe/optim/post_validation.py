@@ -67,7 +67,8 @@ class OptimizerBackup:
         else:
             torch._foreach_copy_(self._grads, opt.main_grads)
             torch._foreach_copy_(self._mains, [main.detach() for main in opt.main_params])
-        self._state = [_copy_state(opt.inner.state.get(main)) for main in opt.main_params]
+        previous = self._state or [None] * len(opt.main_params)
+        self._state = [_copy_state(opt.inner.state.get(main), into) for main, into in zip(opt.main_params, previous)]
         self._hyper = [{key: value for key, value in group.items() if key != "params"}
                        for group in opt.inner.param_groups]
         scaler = vars(opt.loss_scaler) if opt.loss_scaler is not None else {}
@@ -84,7 +85,7 @@ class OptimizerBackup:
             if saved is None:
                 opt.inner.state.pop(main, None)
             else:
-                opt.inner.state[main] = _copy_state(saved)
+                opt.inner.state[main] = _copy_state(saved, opt.inner.state.get(main))
         current = [{key: value for key, value in group.items() if key != "params"} for group in opt.inner.param_groups]
         self.reinstate(self._hyper)
         for name, value in self._scaler.items():
@@ -97,10 +98,19 @@ class OptimizerBackup:
             group.update(values)
 
 
-def _copy_state(state: Optional[dict]) -> Optional[dict]:
+def _copy_state(state: Optional[dict], into: Optional[dict] = None) -> Optional[dict]:
+    """A copy of one parameter's optimizer state, written into ``into``'s tensors when it has the
+    same entries (no allocation per step), else new ones; None for no state."""
     if not state:
         return None
-    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+    if not into or into.keys() != state.keys():
+        return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            into[name].copy_(value)
+        else:
+            into[name] = value
+    return into
 
 
 class PostValidation:
@@ -118,6 +128,11 @@ class PostValidation:
         self._sends: list = []
 
     @property
+    def _last(self) -> bool:
+        """The last pipeline rank (in rank order, whichever stages it holds) gathers the full state."""
+        return self.ps.pp_rank == self.ps.pp_size - 1
+
+    @property
     def pending(self) -> bool:
         """An eager step has not been validated yet."""
         return self._verdict is not None
@@ -128,7 +143,7 @@ class PostValidation:
             raise RuntimeError("settle() the previous eager step before the next one")
         self.backup.save()
         result = self.optimizer.step(chain=self._chain)
-        if not self.ps.is_last_stage:
+        if not self._last:
             self._verdict = torch.empty(3, dtype=torch.float32, device=result.norm.device)
             self._verdict_work = dist.irecv(self._verdict, self.ps.stage_rank(self.ps.pp_size - 1), group=self.group)
         return result
@@ -146,7 +161,9 @@ class PostValidation:
         amend = bool(verdict[0])
         if amend:
             self.rollbacks += 1
-        overflow = verdict[2] > 0 if self.optimizer.loss_scaler is not None else torch.zeros_like(verdict[2], dtype=torch.bool)
+        overflow = verdict[2] > 0
+        if self.optimizer.loss_scaler is None:  # as the synchronous step: a non-finite norm alone, no overflow
+            overflow = torch.zeros_like(overflow)
         norm = verdict[1].sqrt()
         return amend, StepResult(overflow | ~torch.isfinite(norm), norm, overflow)
 
@@ -163,18 +180,18 @@ class PostValidation:
         """This stage's (overflow flag, squared norm) -> those of the stages up to this one."""
         flag = found[0] if found is not None else torch.zeros_like(squared)
         state = torch.stack([squared, flag])
-        if not self.ps.is_first_stage:
+        if self.ps.pp_rank > 0:
             before = torch.empty_like(state)
             dist.irecv(before, self.ps.prev_rank, group=self.group).wait()
             state = before + state
-        if self.ps.is_last_stage:
+        if self._last:
             self._announce(state)
         else:
             self._sends.append(dist.isend(state, self.ps.next_rank, group=self.group))
         return (state[1:] if found is not None else None), state[0]
 
     def _announce(self, state: torch.Tensor) -> None:
-        """Last stage: decide from the full state whether any stage must redo its step, and tell every rank."""
+        """Last rank: decide from the full state whether any stage must redo its step, and tell every rank."""
         squared, flag = state[0], state[1]
         amend = ~torch.isfinite(squared) | (flag > 0)
         clip = self.optimizer.clip_grad

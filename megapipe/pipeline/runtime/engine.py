@@ -7,8 +7,11 @@ schedule (PipeDream, 2BW) every chunk is a stage with its own optimizer, which e
 steps on its own: gradients are averaged over the stage's replicas and the norm and overflow
 check cover the stage only, since meeting the other stages would be a flush. The pipeline
 then stays full between calls; ``drain()`` empties it (at the end of training; ``evaluate``
-drains first), and a checkpoint records what is in flight instead (``in_flight``). The
-training loop, the benchmarks and the tests all drive training through this one class.
+drains first), and a checkpoint records what is in flight instead (``in_flight``). With
+optimizer post-validation (``optim/post_validation.py``) a flush's STEP steps eagerly, reads
+the verdict on the previous step, and when that step is amended the batch runs again
+(``train_batch``); ``settle`` validates the last step. The training loop, the benchmarks and
+the tests all drive training through this one class.
 """
 
 from __future__ import annotations
