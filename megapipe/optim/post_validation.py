@@ -76,8 +76,9 @@ class OptimizerBackup:
 
     @torch.no_grad()
     def restore(self) -> list[dict]:
-        """Put everything back as ``save`` found it (the gradients into the main-gradient buffers);
-        returns the hyperparameters in force before, for ``reinstate``."""
+        """Put everything back as ``save`` found it (the gradients into the main-gradient buffers),
+        except the model's own copies of low-precision or sharded weights, which the redone step
+        rewrites; returns the hyperparameters in force before, for ``reinstate``."""
         opt = self.optimizer
         torch._foreach_copy_(opt.main_grads, self._grads)
         torch._foreach_copy_([main.detach() for main in opt.main_params], self._mains)
@@ -90,8 +91,7 @@ class OptimizerBackup:
         self.reinstate(self._hyper)
         for name, value in self._scaler.items():
             setattr(opt.loss_scaler, name, value.clone())
-        opt.refresh_model_weights()
-        return current
+        return current  # the model's weights follow the main weights at the step that redoes this one
 
     def reinstate(self, hyperparameters: list[dict]) -> None:
         for group, values in zip(self.optimizer.inner.param_groups, hyperparameters):
