@@ -2,7 +2,7 @@
 
 One world of 4 processes runs every check (under the strict transport the suite sets): GPT
 (tied embeddings) at (t, p, d) = (1, 4, 1), (1, 2, 2) with the optimizer sharded over the two
-replicas (ZeRO-1) and (2, 2, 1), zb-h2 and 1f1b, AdamW with a
+replicas (ZeRO-1, and ZeRO-3) and (2, 2, 1), zb-h2 and 1f1b, AdamW with a
 warm-up (so the learning rate changes every step and a redo must use the old one). Each case
 trains the same initial weights on the same microbatches twice, with the synchronous step and
 with ``--enable-optimizer-post-validation``, and compares the per-microbatch losses of every
@@ -43,9 +43,10 @@ from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 from test_runtime_costs import counting_host_reads
+from test_training_cli import TINY, run
 
 SEQ, MICRO, M, STEPS = 8, 2, 4, 5
-LAYOUTS = [(1, 4, 1, "no_shard"), (1, 2, 2, "optim"), (2, 2, 1, "no_shard")]  # (t, p, d, sharding)
+LAYOUTS = [(1, 4, 1, "no_shard"), (1, 2, 2, "optim"), (1, 2, 2, "optim_grads_params"), (2, 2, 1, "no_shard")]
 SCHEDULES = ["zb-h2", "1f1b"]
 NO_CLIP = 1e6
 
@@ -87,7 +88,9 @@ def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation
     settled += engine.drain().settled
     rollbacks.append(engine.validation.rollbacks if post_validation else 0)
     outcomes = [(bool(s.skipped_flag), float(s.norm)) for s in settled]
-    return ps, losses, canonical_state_dict(chunks, ps, config), outcomes, rollbacks, len(reads)
+    with engine.whole_weights():  # ZeRO-3 releases them between passes
+        final = canonical_state_dict(chunks, ps, config)
+    return ps, losses, final, outcomes, rollbacks, len(reads)
 
 
 def expected_rollbacks(outcomes, clip_grad):
@@ -167,3 +170,18 @@ def test_post_validation_equals_synchronous_step():
 def test_post_validation_refuses_what_it_cannot_run(argv, world_size, message):
     with pytest.raises(ConfigError, match=message):
         parse_config("gpt", ["--enable-optimizer-post-validation", "--num-layers", "4"] + argv, world_size=world_size)
+
+
+def test_training_script_with_post_validation_logs_what_the_synchronous_step_logs(tmp_path):
+    """pretrain_gpt.py at p = 2, zb-h2, --clip-grad below every norm (each step redone), an
+    evaluation and an exit that saves: the same losses, gradient norms and skip counts."""
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--clip-grad", "0.3",
+                   "--eval-interval", "3", "--exit-interval", "5"]
+    logs = {}
+    for flags in ([], ["--enable-optimizer-post-validation"]):
+        done = run(args + flags + ["--save", str(tmp_path / str(len(flags)))], nproc=2, cache=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "exiting on --exit-interval 5 at iteration 5" in done.stdout
+        logs[len(flags)] = [line.split("| tokens/s")[0].split("lm loss")[1] for line in done.stdout.splitlines()
+                            if line.strip().startswith("iteration")]
+    assert len(logs[0]) == 5 and logs[0] == logs[1]
