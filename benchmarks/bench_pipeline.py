@@ -9,12 +9,15 @@ work (load average 10-40) it took about 7 minutes, at the ~0.6 s/step of an idle
 needs about 2.
 
 For each pipeline size p and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
-rank, ZB-H1, ZB-H2, interleaved zero bubble with 2 chunks per rank) one world of p processes (gloo, one thread each) builds the same GPT twice from the
-same megapipe stage modules and weights: once trained by ``PipelineEngine``, once by
-PyTorch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (for the
-zero-bubble rows ``ScheduleInterleavedZeroBubble``, its split-backward schedule, over one stage
-per rank for ZB-H1 and ZB-H2 and over the same two stages per rank for interleaved-zb, whose
-order it is) over ``PipelineStage``\\ s that wrap those modules. Both get the same microbatches and the same
+rank, ZB-H1, ZB-H2, interleaved zero bubble with 2 chunks per rank, and on the V placement ZBV
+and DualPipeV) one world of p processes (gloo, one thread each) builds the same GPT twice from
+the same megapipe stage modules and weights: once trained by ``PipelineEngine``, once by
+PyTorch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (for ZB-H1, ZB-H2
+and interleaved-zb ``ScheduleInterleavedZeroBubble``, its split-backward schedule, over one
+stage per rank for ZB-H1 and ZB-H2 and over the same two stages per rank for interleaved-zb,
+whose order it is; for ZBV and DualPipeV its ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
+over the same two chunks per rank in a V) over ``PipelineStage``\\ s that wrap those modules.
+Both get the same microbatches and the same
 AdamW kernel, and the losses of the first two steps must agree (same weights, same data,
 same update). The two systems then alternate step by step, the order flipping every round
 and every step sitting between two barriers, so that a noisy machine slows both alike. The
@@ -25,7 +28,8 @@ one; PyTorch's stages are timed the same way here): per rank, the idle share of 
 forward/backward phase, from the first F to the last B over all ranks (the optimizer step,
 whose all-reduces synchronise megapipe's ranks, is left out). Next to them, the simulator's
 prediction for megapipe's schedule fed with the median forward and backward time of every
-stage measured on megapipe's timeline.
+stage measured on megapipe's timeline (DualPipeV's overlapped pairs charged as the sum of their
+two passes: on one CPU thread both systems run a pair one pass after the other).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import os
 import statistics
 import sys
@@ -53,14 +58,14 @@ from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
 from megapipe.pipeline.ir.actions import Action, ActionKind  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
-             ("interleaved-zb", 2)]  # name, chunks per rank
+             ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]  # name, chunks per rank
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "interleaved-zb")  # PyTorch's counterpart: ScheduleInterleavedZeroBubble (over
 #                                                      one stage per rank for zb-h1/zb-h2, the same order at v = 2)
 SYSTEMS = ("megapipe", "torch")
@@ -159,12 +164,13 @@ class TorchRunner:
     """
 
     def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
         self.rank, self.timeline, self._pending_forward = ps.pp_rank, Timeline(), None
         num_stages = ps.pp_size * len(chunks)
-        stages = [PipelineStage(TensorStage(chunk), c * ps.pp_size + ps.pp_rank, num_stages, torch.device("cpu"),
-                                group=ps.pp_group) for c, chunk in enumerate(chunks)]
+        stages = [PipelineStage(TensorStage(chunk), stage, num_stages, torch.device("cpu"), group=ps.pp_group)
+                  for stage, chunk in zip(ps.chunk_stages(), chunks)]  # the same stages on the same ranks
         for stage in stages:
             self._time_passes(stage)
         m, loss_fn = settings.num_microbatches, self._timed_loss(make_loss_fn(ps))
@@ -172,6 +178,9 @@ class TorchRunner:
             self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
         elif schedule in ZERO_BUBBLE:
             self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+        elif schedule in ("zbv", "dualpipev"):
+            self.schedule = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule](
+                stages, m, loss_fn=loss_fn)
         else:
             self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=loss_fn)
         params = trainable_params(chunks)  # megapipe's own parameter groups and AdamW kernel
@@ -243,7 +252,8 @@ def timed_step(runner, tokens, labels) -> tuple[float, float, list[float]]:
 
 def compare_schedule(settings: Settings, schedule: str, v: int) -> dict:
     """Run both systems on this rank for one schedule; return times, losses and both timelines."""
-    ps = ParallelState.initialize(pipeline=dist.get_world_size(), virtual_pipeline=v)
+    ps = ParallelState.initialize(pipeline=dist.get_world_size(), virtual_pipeline=v,
+                                  placement=schedule_spec(schedule).placement)
     config = settings.model_config()
     mine, theirs = build_model_chunks("gpt", config, ps), build_model_chunks("gpt", config, ps)
     for a, b in zip(mine, theirs):
@@ -313,10 +323,11 @@ def measured_bubble(p: int, per_rank: list[dict], system: str) -> dict:
 
     measured = {"idle": [statistics.mean(idle[rank]) for rank in range(p)], "span": statistics.median(spans),
                 "forward": median(ActionKind.F)}
-    if (ActionKind.B, 0) in durations:
+    if all((ActionKind.BI, s) in durations for s in stages):
+        measured.update(input_backward=median(ActionKind.BI), weight_backward=median(ActionKind.BW))
+    if all((ActionKind.B, s) in durations for s in stages):  # whole backwards (some schedules mix both)
         return dict(measured, backward=median(ActionKind.B))
-    parts = median(ActionKind.BI), median(ActionKind.BW)
-    return dict(measured, backward=[i + w for i, w in zip(*parts)], input_backward=parts[0], weight_backward=parts[1])
+    return dict(measured, backward=[i + w for i, w in zip(measured["input_backward"], measured["weight_backward"])])
 
 
 def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
@@ -325,7 +336,7 @@ def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
     measured = {system: measured_bubble(p, per_rank, system) for system in SYSTEMS}
     mine = measured["megapipe"]
     costs = CostModel(forward=mine["forward"], backward=mine["backward"], input_backward=mine.get("input_backward"),
-                      weight_backward=mine.get("weight_backward"), step=0)
+                      weight_backward=mine.get("weight_backward"), step=0, overlap=operator.add)
     predicted = simulate(build_schedule(schedule, p, settings.num_microbatches, v), costs)
     return {"p": p, "schedule": schedule, "v": v, "measured": measured,
             "predicted": [float(x) for x in predicted.idle_fraction], "predicted_span": float(predicted.makespan)}
@@ -335,7 +346,9 @@ def bubble_row(p: int, per_rank: list[dict], settings: Settings) -> dict:
 def label(schedule: str, v: int) -> str:
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"Interleaved1F1B, v={v}",
             "zb-h1": "ZB-H1 (PyTorch: InterleavedZeroBubble)", "zb-h2": "ZB-H2 (PyTorch: InterleavedZeroBubble)",
-            "interleaved-zb": f"InterleavedZeroBubble, v={v}"}[schedule]
+            "interleaved-zb": f"InterleavedZeroBubble, v={v}",
+            "zbv": "ZBV, V placement (PyTorch: ZBVZeroBubble)",
+            "dualpipev": "DualPipeV, V placement (PyTorch: DualPipeV)"}[schedule]
 
 
 def print_speed(rows: list[dict]) -> None:

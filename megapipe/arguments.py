@@ -61,7 +61,8 @@ def _parallel_flags(g) -> None:
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, "
-                        "interleaved-zb, pipedream, 2bw, or auto (searched for the stage costs below)")
+                        "interleaved-zb, zbv, v-half, v-min, dualpipev (these four: two chunks per rank in a V), "
+                        "pipedream, 2bw, or auto (searched for the stage costs below)")
     g.add_argument("--schedule-forward-time", type=_times, default=None,
                    help="auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)")
     g.add_argument("--schedule-input-backward-time", type=_times, default=None,

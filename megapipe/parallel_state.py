@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.stage_placement import Placement, stages_of_rank
 from megapipe.stage_replicas import stage_of_worker
 from megapipe.tensor_parallel.random import RNGTracker, seed_parallel_rng
 
@@ -100,9 +101,10 @@ class RankLayout:
         return [[self.rank(t, d, p) for p in range(self.pipeline) for t in range(self.tensor)]
                 for d in range(self.data)]
 
-    def embedding_groups(self) -> list[list[int]]:
-        """First and last stage of each pipeline: they share the tied word embedding."""
-        return [sorted({g[0], g[-1]}) for g in self.pipeline_groups()]
+    def embedding_groups(self, last: int = -1) -> list[list[int]]:
+        """First and last stage of each pipeline (``last``: the pipeline index holding the last stage):
+        they share the tied word embedding."""
+        return [sorted({g[0], g[last]}) for g in self.pipeline_groups()]
 
 
 def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
@@ -125,6 +127,7 @@ class ParallelState:
     rng_tracker: Optional["RNGTracker"] = None  # set by seed(); per-tensor-rank dropout stream
     # Workers per stage when the pipeline group holds replicated stages (1F1B-RR); None: one per stage.
     stage_replicas: Optional[tuple[int, ...]] = None
+    placement: Placement = Placement.LOOPED  # where the virtual stages live (stage_placement.py)
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -135,7 +138,8 @@ class ParallelState:
 
     @staticmethod
     def initialize(tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
-                   virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None) -> "ParallelState":
+                   virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
+                   placement: Placement = Placement.LOOPED) -> "ParallelState":
         """Create every group; all ranks must call this in the same order (collective)."""
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized; call megapipe.distributed.init_distributed() "
@@ -145,22 +149,24 @@ class ParallelState:
             raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
         if virtual_pipeline > 1 and pipeline == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
-        return ParallelState.build(layout, virtual_pipeline, timeout=timeout)
+        return ParallelState.build(layout, virtual_pipeline, timeout=timeout, placement=placement)
 
     @staticmethod
     def build(layout, virtual_pipeline: int = 1, stage_replicas: Optional[tuple[int, ...]] = None,
-              timeout: Optional[datetime.timedelta] = None) -> "ParallelState":
+              timeout: Optional[datetime.timedelta] = None,
+              placement: Placement = Placement.LOOPED) -> "ParallelState":
         """This process's state under ``layout`` (a ``RankLayout`` or a stage plan's ``PlanLayout``):
         creates every group the layout lists, in the same order on all ranks (collective)."""
         rank = dist.get_rank()
-        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas)
+        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas,
+                              placement=Placement(placement))
         state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
         all_groups = {
             "tensor": layout.tensor_groups(),
             "data": layout.data_groups(),
             "pipeline": layout.pipeline_groups(),
             "model_parallel": layout.model_parallel_groups(),
-            "embedding": layout.embedding_groups(),
+            "embedding": layout.embedding_groups(state.last_stage_pp_rank),
         }
         for name, groups in all_groups.items():
             for ranks in groups:
@@ -264,8 +270,19 @@ class ParallelState:
 
     @property
     def is_last_stage(self) -> bool:
-        last = self.pp_size - 1 if self.stage_replicas is None else len(self.stage_replicas) - 1
-        return self.pipeline_stage == last
+        """Whether this rank holds the last stage (the loss): the last rank, or rank 0 under the V placement."""
+        if self.stage_replicas is not None:
+            return self.pipeline_stage == len(self.stage_replicas) - 1
+        return self.pp_rank == self.last_stage_pp_rank % self.pp_size
+
+    @property
+    def last_stage_pp_rank(self) -> int:
+        """The pipeline index of the rank holding the last stage: the last rank (-1), or the first under V."""
+        return 0 if self.placement is Placement.V else -1
+
+    def chunk_stages(self) -> list[int]:
+        """The virtual stages this rank's model chunks hold, in chunk order (unreplicated stages)."""
+        return stages_of_rank(self.placement, self.pp_size, self.virtual_pipeline, self.pp_rank)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the process at pipeline index ``pp_rank`` in this process's pipeline."""

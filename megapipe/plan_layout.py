@@ -77,8 +77,8 @@ class PlanLayout:
     def model_parallel_groups(self) -> list[list[int]]:
         return [[self.rank(w, t) for w in workers for t in range(self.tensor)] for workers in self._pipelines()]
 
-    def embedding_groups(self) -> list[list[int]]:
-        return [sorted({group[0], group[-1]}) for group in self.pipeline_groups()]
+    def embedding_groups(self, last: int = -1) -> list[list[int]]:
+        return [sorted({group[0], group[last]}) for group in self.pipeline_groups()]
 
 
 def initialize_plan_state(plan: StagePlan, tensor: int = 1,

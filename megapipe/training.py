@@ -31,9 +31,11 @@ from megapipe.operations import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.analysis.schedule_search import comparison
-from megapipe.pipeline.ir.schedule_file import load_training_schedule
+from megapipe.pipeline.ir.schedule_file import load_schedule, load_training_schedule
+from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.searched_schedule import AUTO, searched_schedule, stage_costs
 from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.stage_placement import Placement
 from megapipe.step_counters import StepCounters, skip_reason
 from megapipe.plan_layout import initialize_plan_state
 from megapipe.train_logger import IterationStats, TrainLogger
@@ -61,7 +63,7 @@ class Trainer:
         plan = par.stage_plan()
         if plan is None:
             self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
-                                               timeout=timeout)
+                                               timeout=timeout, placement=_placement(par))
         else:
             self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
         eval_samples = t.eval_iters * t.global_batch_size
@@ -255,6 +257,15 @@ class Trainer:
         losses = self._data_parallel_means(named)
         self.logger.log_evaluation(split, self.state.iteration, losses)
         return losses
+
+
+def _placement(par) -> Placement:
+    """Where the run's schedule puts the virtual stages: the registry's word, or the schedule file's."""
+    if par.schedule_file is not None:
+        return load_schedule(par.schedule_file).placement
+    if par.pipeline_schedule == AUTO:  # the search orders the stages of the looped placement
+        return Placement.LOOPED
+    return schedule_spec(par.pipeline_schedule).placement
 
 
 def _plain(config: Config) -> dict:

@@ -24,7 +24,7 @@ def session_cache(tmp_path_factory) -> str:
 def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
     flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p),
              "--pipeline-schedule", schedule]
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zbv"):  # two chunks of one layer per rank, looped or in a V
         flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if schedule in ("pipedream", "2bw"):  # stages update at different times: no tied copy to keep equal
         flags += ["--untie-embeddings-and-output-weights"]

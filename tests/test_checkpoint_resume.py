@@ -14,8 +14,13 @@ flush and a 2BW one) save with --async-save, whose background write must produce
 checkpoint; an fp16 run of one process also needs its fp32 master weights and dynamic loss
 scaler back.
 
+ZBV (the V placement, whose first rank holds both copies of the tied embedding) resumes bit for
+bit at (2, 2, 1).
+
 Resharding: a checkpoint saved at (2, 2, 1) loads at (1, 4, 1), (4, 1, 1), (1, 1, 4) and
-(1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``. Every layout trains
+(1, 1, 1), directly and after ``tools/convert_checkpoint.py reshard``; and across placements:
+it loads into ZBV's V at (2, 2, 1), and a checkpoint ZBV saved loads into the looped
+interleaving. Every layout trains
 steps 3 and 4 on the same global batches as the saving run. Step 3's loss checks the weights
 (the vocabulary is padded to 16 x t rows, so each layout pads and trims differently, and the
 tied embedding is split or whole); step 4's also checks that the Adam moments were resharded
@@ -31,10 +36,14 @@ All 4-rank runs share one spawned world; the (1, 1, 1) runs share a world of one
 import os
 
 import pytest
+import torch
 
 from checkpoint_helpers import layout_flags, session_cache, train
+
 from megapipe.checkpointing.common import Layout
 from megapipe.checkpointing.convert import reshard
+from megapipe.checkpointing.offline import rank_pieces, read_checkpoint
+from megapipe.checkpointing.state import is_rank_local
 from megapipe.testing import run_distributed
 
 # one world runs 24 short trainings: minutes on a busy 2-core machine, beyond the suite's 300 s default
@@ -52,6 +61,7 @@ def resume_cases():
         for schedule in SCHEDULES:
             extra = ["--async-save"] if (layout, schedule) in (("t1p2d2", "1f1b"), ("t2p2d1", "2bw")) else []
             yield f"{layout}-{schedule}", layout_flags(t, p, schedule) + extra
+    yield "t2p2d1-zbv", layout_flags(2, 2, "zbv")  # m = 4 (d = 2 would leave 2, below ZBV's least 2p - 1)
 
 
 ASYNCHRONOUS = ("pipedream", "2bw")
@@ -93,6 +103,17 @@ def _reshard(root, cache):
         trainer, losses = train(NO_DROPOUT + layout_flags(t, p) + ["--load", os.path.join(saved, "iter_0000002")],
                                 cache)
         results[name] = _logged(trainer, losses)
+    # the V placement: a looped checkpoint loads into it, and its own checkpoint into the looped interleaving
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "zbv") + ["--load", os.path.join(saved, "iter_0000002")],
+                            cache)
+    results["t2p2d1-v-from-looped"] = _logged(trainer, losses)
+    saved_v = os.path.join(root, "t2p2d1-v")
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "zbv") + ["--save", saved_v, "--save-interval", "2"],
+                            cache)
+    results["t2p2d1-v"] = _logged(trainer, losses[2:])
+    trainer, losses = train(NO_DROPOUT + layout_flags(2, 2, "interleaved") +
+                            ["--load", os.path.join(saved_v, "iter_0000002")], cache)
+    results["t2p2d1-looped-from-v"] = _logged(trainer, losses)
     return results
 
 
@@ -124,7 +145,7 @@ def runs(tmp_path_factory):
     by_layout = {name: [r[name] for _, r, _ in four if r[name] is not None] for name in four[0][1]}
     by_layout["t1p1d1"] = [direct]
     dropped = [d for _, _, d in four]
-    return resumed, by_layout, converted, conversion, dropped
+    return resumed, by_layout, converted, conversion, dropped, root
 
 
 @pytest.mark.parametrize("name", [name for name, _ in resume_cases()] + ["fp16"])
@@ -155,7 +176,8 @@ def _step_means(rank_losses):
     return [sum(sum(step, [])) / sum(len(part) for part in step) for step in zip(*rank_losses)]
 
 
-@pytest.mark.parametrize("layout", ["t1p4d1", "t4p1d1", "t1p1d4", "t1p1d1"])
+@pytest.mark.parametrize("layout", ["t1p4d1", "t4p1d1", "t1p1d4", "t1p1d1", "t2p2d1-v-from-looped", "t2p2d1-v",
+                                    "t2p2d1-looped-from-v"])
 def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs, layout):
     by_layout = runs[1]
     expected, actual = _step_means(by_layout["t2p2d1"]), _step_means(by_layout[layout])
@@ -164,7 +186,28 @@ def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs
 
 
 def test_offline_reshard_loads_to_the_same_run(runs):
-    _, by_layout, converted, conversion, _ = runs
+    _, by_layout, converted, conversion, _, _ = runs
     assert converted == by_layout["t1p1d1"][0]  # same values, same layout: bit for bit
     assert conversion.source_layout == Layout(2, 2, 1) and conversion.target_layout == Layout(1, 1, 1)
     assert conversion.tensors > 0 and conversion.bytes > 0
+
+
+def test_offline_reshard_between_placements_keeps_every_tensor(runs, tmp_path):
+    # ZBV's checkpoint (V: rank 0 saves stages 0 and 3, i.e. layers 0 and 3 and both tied copies as one
+    # tensor) rewritten for the looped interleaving and back: every tensor, optimizer state included, as saved
+    source = os.path.join(runs[5], "reshard", "t2p2d1-v", "iter_0000002")
+    _, common, saved = read_checkpoint(source)
+    assert common.layout == Layout(2, 2, 1, 2, placement="v")
+    def layers_of_rank0(layout):
+        pieces = rank_pieces(common.kind, common.model_config, layout, 0, saved)
+        return {int(key.split(".")[1]) for key in pieces if key.startswith("model/layers.")}
+
+    assert layers_of_rank0(common.layout) == {0, 3}  # the V: stages 0 and 2p - 1
+    assert layers_of_rank0(Layout(2, 2, 1, 2)) == {0, 2}  # looped: stages 0 and p
+    looped = reshard(source, str(tmp_path / "looped"), Layout(2, 2, 1, 2)).target
+    back = reshard(looped, str(tmp_path / "v"), Layout(2, 2, 1, 2, placement="v")).target
+    _, _, round_trip = read_checkpoint(back)
+    kept = {key for key in saved if not is_rank_local(key)}
+    assert set(round_trip) == kept
+    for key in kept:
+        assert torch.equal(round_trip[key], saved[key]), key

@@ -22,6 +22,8 @@ from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.ir.actions import Schedule
+from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
@@ -49,7 +51,7 @@ def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
     return random_microbatch(MODEL_KIND[kind], config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
-def reference_run(kind: str, d: int):
+def reference_run(kind: str, d: int, m: int = M):
     """One process, gradient accumulation over the m x d microbatches of each step."""
     config = model_config(kind)
     ps = ParallelState.single()
@@ -59,9 +61,9 @@ def reference_run(kind: str, d: int):
     losses = []
     for step in range(STEPS):
         step_losses = []
-        for index in range(M * d):
+        for index in range(m * d):
             loss = model(None, microbatch(kind, config, step, index))
-            (loss / (M * d)).backward()
+            (loss / (m * d)).backward()
             step_losses.append(loss.item())
         opt.step()
         opt.zero_grad()
@@ -69,17 +71,18 @@ def reference_run(kind: str, d: int):
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False):
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M):
     config = model_config(kind, recompute)
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
+    placement = schedule.placement if isinstance(schedule, Schedule) else schedule_spec(schedule).placement
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement)
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
-    engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, M, (SEQ, MICRO, config.hidden_size),
+    engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, m, (SEQ, MICRO, config.hidden_size),
                             timeout=datetime.timedelta(seconds=60))
     losses = []
     for step in range(STEPS):
-        batches = [microbatch(kind, config, step, ps.dp_rank * M + i) for i in range(M)]
+        batches = [microbatch(kind, config, step, ps.dp_rank * m + i) for i in range(m)]
         losses.append(engine.train_batch(batches).losses)
     final = {}
     for chunk in chunks:

@@ -1,6 +1,7 @@
 """The cost model against closed forms computed here: seed 002's 2BW and GPipe memory footprints,
 the section 4.3 communication volumes on hierarchical links, and the simulator's batch times."""
 
+import operator
 from fractions import Fraction
 
 import pytest
@@ -147,6 +148,34 @@ def test_batch_time_equals_the_simulated_makespan(schedule, v):
     costs = SimulatorCosts(forward=Fraction(blocks) * Fraction(FORWARD), backward=2 * blocks * Fraction(FORWARD))
     simulated = simulate(build_schedule(schedule, p, m, v), costs)
     assert result.batch_time == pytest.approx(float(simulated.makespan), rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_batch_time_equals_the_simulated_makespan(schedule):
+    # the V placement: each rank's two chunks' costs, DualPipeV's pairs run one pass after the other
+    p, b, batch = 4, 1, 8
+    result = estimate(Layout(1, p, 1, b, schedule, 2), machines=cluster(intra=1e30, inter=1e30), batch=batch)
+    blocks = L // (p * 2)
+    forward = Fraction(blocks) * Fraction(FORWARD)
+    costs = SimulatorCosts(forward=forward, backward=2 * forward, input_backward=forward, weight_backward=forward,
+                           overlap=operator.add)
+    simulated = simulate(build_schedule(schedule, p, batch // b, 2), costs)
+    assert result.batch_time == pytest.approx(float(simulated.makespan), rel=1e-12)
+
+
+def test_the_v_sends_nothing_at_its_turn_and_keeps_both_embedding_copies_on_the_first_rank():
+    vocab_params, p, batch, inter = 5000, 2, 8, 1e6
+    profile = synthetic_profile(embedding_params=vocab_params)
+    machines = cluster(nodes=2, per_node=1, intra=1e30, inter=inter)
+    v_shape = estimate(Layout(1, p, 1, 1, "zbv", 2), profile, machines, batch=batch)
+    looped = estimate(Layout(1, p, 1, 1, "interleaved", 2), profile, machines, batch=batch)
+    hop = E * S * H / inter
+    assert v_shape.pipeline_comm_time == pytest.approx(batch * 2 * 2 * hop)  # stages 0-1 and 2-3 cross, 1-2 not
+    assert looped.pipeline_comm_time == pytest.approx(batch * 3 * 2 * hop)  # 0-1, 1-2 and 2-3 all cross
+    assert v_shape.data_comm_time == 0  # the tied copies are summed on rank 0, not over an embedding group
+    per_param = E + GRAD + OPTIMIZER
+    first_rank = (L // 2 * PARAMS + 2 * vocab_params) * per_param + 2 * (L // 2) * STASH  # p microbatches
+    assert v_shape.memory == first_rank
 
 
 def test_heavy_head_batch_time_equals_the_simulated_makespan():

@@ -51,8 +51,9 @@ def test_algorithm1_returns_the_fastest_choice_that_fits():
 def valid_by_the_rules(shape, devices, batch, max_b, max_v):
     """Every layout written out from the rules: all devices used, the model and batch divided, and
     each schedule's needs (1F1B, ZB-H1, ZB-H2 and 2BW at least p microbatches, PipeDream one per update,
-    both interleavings m a multiple of p and v >= 2 chunks; one schedule when there is no pipeline; with
-    d > 1 every data-parallel sharding level, but parameters sharded only under a flush)."""
+    both interleavings m a multiple of p and v >= 2 chunks, ZBV and DualPipeV v = 2 in a V with at least
+    2p - 1 microbatches; one schedule when there is no pipeline; with d > 1 every data-parallel
+    sharding level, but parameters sharded only under a flush)."""
     found = set()
     for t, p, d in itertools.product(range(1, devices + 1), repeat=3):
         if t * p * d != devices or shape.num_attention_heads % t or shape.hidden_size % t or shape.ffn_hidden_size % t:
@@ -61,17 +62,17 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
             if batch % (d * b):
                 continue
             m = batch // (d * b)
-            for schedule, v in itertools.product(("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb",
-                                                "2bw", "pipedream"), range(1, max_v + 1)):
+            flushing = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev")
+            for schedule, v in itertools.product(flushing + ("2bw", "pipedream"), range(1, max_v + 1)):
                 if shape.num_layers % (p * v) or (p == 1 and (schedule, v) != ("1f1b", 1)):
                     continue
                 ok = {"gpipe": v == 1, "1f1b": v == 1 and m >= p, "2bw": v == 1 and m >= p,
                       "zb-h1": v == 1 and m >= p, "zb-h2": v == 1 and m >= p,
                       "pipedream": v == 1 and m == 1, "interleaved": v >= 2 and p >= 2 and m % p == 0,
-                      "interleaved-zb": v >= 2 and p >= 2 and m % p == 0}[schedule]
+                      "interleaved-zb": v >= 2 and p >= 2 and m % p == 0,
+                      "zbv": v == 2 and m >= 2 * p - 1, "dualpipev": v == 2 and m >= 2 * p - 1}[schedule]
                 levels = ["no_shard"] if d == 1 else ["no_shard", "optim", "optim_grads"] + (
-                    ["optim_grads_params"] if schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2",
-                                                           "interleaved-zb") else [])
+                    ["optim_grads_params"] if schedule in flushing else [])
                 if ok:
                     found |= {Layout(t, p, d, b, schedule, v, r, level) for r in (False, True) for level in levels}
     return found

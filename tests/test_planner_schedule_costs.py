@@ -2,6 +2,7 @@
 and its weight-version counts against the versions the PipeDream and 2BW schedules actually use
 (and against the seeds' closed-form version rules)."""
 
+import operator
 from fractions import Fraction
 
 import numpy as np
@@ -155,3 +156,18 @@ def test_microbatch_rules():
     assert microbatch_problem("2bw", 4, 3, 1) is not None
     assert microbatch_problem("pipedream", 4, 2, 1) is not None
     assert microbatch_problem("1f1b", 4, 8, 2) is not None  # chunks only with interleaving
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("p", range(2, 7))
+def test_v_schedules_time_bubble_and_activations_match_the_simulator(name, p):
+    # F = 1, B = 2 per rank split over the V's two chunks; DualPipeV's pairs run one pass after the
+    # other, as megapipe's executor runs them (no overlap: F&B = F + B)
+    for m in sorted({2 * p - 1, 2 * p, 3 * p + 1}):
+        assert microbatch_problem(name, p, m, 2) is None
+        halves = Fraction(1, 2)
+        costs = CostModel.per_chunk(2, input_backward=halves, weight_backward=halves, overlap=operator.add)
+        result = simulate(build_schedule(name, p, m, 2), costs)
+        predicted = pipeline_time(name, [1] * p, [2] * p, m, 2)
+        assert predicted == result.makespan == 3 * m * (1 + bubble_fraction(name, p, m, 2))
+        assert tuple(in_flight(name, p, m, 2, r) for r in range(p)) == result.peak_activations

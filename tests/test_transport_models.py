@@ -1,4 +1,6 @@
-"""Every registered schedule lowers to lists that finish under both transport models.
+"""Every registered schedule lowers to lists that finish under both transport models, for every
+(p, m, v) its generator accepts among p = 2..8, m in {p, p + 1, 2p - 1, 2p, 4p}, v = 1..3 (the least m
+of each V schedule included).
 
 The reference is the transport models themselves (``pipeline/ir/transport.py``): a replay under
 gloo's rules (each message on its own) and under NCCL's (groups complete as one unit, a rank's
@@ -23,7 +25,7 @@ from megapipe.pipeline.ir.validate import validate_schedule
 def _cases():
     for name in schedule_names():
         for p in range(2, 9):
-            for m in sorted({p, p + 1, 2 * p, 4 * p}):
+            for m in sorted({p, p + 1, 2 * p - 1, 2 * p, 4 * p}):
                 for v in (1, 2, 3):
                     yield name, p, m, v
 

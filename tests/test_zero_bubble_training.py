@@ -13,10 +13,17 @@ compared with the same reference. The BW passes go through the data-parallel gra
 syncs' hooks and the tied embedding's sum, so a gradient lost or counted twice would show.
 A schedule searched for unequal stage costs (``--pipeline-schedule auto``; rank 1 taking 1.5x
 as long) is held to the same reference on the first layout, with two chunks per rank.
+
+The V schedules (``zbv``, ``v-half``, ``v-min``, ``dualpipev``: two chunks per rank in a V, the
+first rank holding both the embedding and the loss, hence both copies of the tied embedding)
+meet the same reference with m = 2p microbatches per replica (above their least, 2p - 1): by default each runs
+on the three layouts, GPT and BERT alternating and recomputation on every other run; the full
+matrix runs every schedule on every layout, for both models, with and without recomputation.
 """
 
 import itertools
 import os
+from collections import defaultdict
 from fractions import Fraction
 
 import pytest
@@ -84,3 +91,48 @@ def test_zero_bubble_schedules_match_gradient_accumulation(world):
     kinds, layouts = ("gpt", "bert"), CASES[world]
     results = run_distributed(world, check_layouts, layouts, kinds, FULL, timeout=3600 if FULL else 900)
     assert len(results[0]) == len(kinds) * (len(layouts) * len(SCHEDULES) * (2 if FULL else 1) + 1)
+
+
+V_SCHEDULES = ("zbv", "v-half", "v-min", "dualpipev")
+
+
+def v_cases():
+    """(t, p, d, kind, schedule, recompute) runs, grouped by world size."""
+    cases = defaultdict(list)
+    for world, layouts in CASES.items():
+        for layout_index, (t, p, d) in enumerate(layouts):
+            for schedule_index, schedule in enumerate(V_SCHEDULES):
+                if FULL:
+                    runs = list(itertools.product(("gpt", "bert"), (False, True)))
+                else:  # every schedule meets both models and both recomputation settings across the layouts
+                    turn = layout_index + schedule_index
+                    runs = [(("gpt", "bert")[turn % 2], (turn // 2) % 2 == 1)]
+                cases[world] += [(t, p, d, kind, schedule, recompute) for kind, recompute in runs]
+    return sorted(cases.items())
+
+
+def check_v_runs(rank, world_size, cases):
+    references, checked = {}, []
+    for t, p, d, kind, schedule, recompute in cases:
+        m = 2 * p
+        if (kind, d, m) not in references:
+            references[(kind, d, m)] = reference_run(kind, d, m)
+        initial, ref_losses, ref_final = references[(kind, d, m)]
+        what = f"{kind} {schedule} t={t} p={p} d={d} m={m} recompute={recompute}"
+        ps, losses, final = pipelined_run(kind, t, p, d, schedule, 2, initial, recompute, m=m)
+        if ps.is_last_stage:
+            assert ps.pp_rank == 0  # the V brings the last stage back to the first rank
+            for step in range(STEPS):
+                assert_close(losses[step], ref_losses[step][ps.dp_rank * m:(ps.dp_rank + 1) * m],
+                             f"{what} losses of step {step}")
+        for name, value in final.items():
+            assert_close(value, ref_final[name], f"{what} parameter {name}")
+        checked.append(what)
+    return checked
+
+
+@pytest.mark.timeout(3600 if FULL else 900)
+@pytest.mark.parametrize("world, cases", v_cases())
+def test_v_schedules_match_gradient_accumulation(world, cases):
+    results = run_distributed(world, check_v_runs, cases, timeout=3600 if FULL else 900)
+    assert len(results[0]) == len(cases)

@@ -33,6 +33,8 @@ def _layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
                         help="model chunks per pipeline rank (interleaved schedule)")
+    parser.add_argument("--pipeline-placement", choices=("looped", "v"), default="looped",
+                        help="where the chunks live: looped (interleaved) or v (zbv, v-half, v-min, dualpipev; v=2)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,7 +64,10 @@ def _layout(args) -> Layout:
              args.virtual_pipeline_model_parallel_size)
     if min(sizes) < 1:
         raise ConfigError(f"parallel sizes must be at least 1, got (t, p, d, v) = {sizes}.")
-    return Layout(*sizes)
+    if args.pipeline_placement == "v" and sizes[3] != 2:
+        raise ConfigError(f"--pipeline-placement v holds two chunks per rank; set "
+                          f"--virtual-pipeline-model-parallel-size 2, not {sizes[3]}.")
+    return Layout(*sizes, placement=args.pipeline_placement)
 
 
 def main(argv=None) -> int:

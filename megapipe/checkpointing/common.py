@@ -37,9 +37,11 @@ class Layout:
     data: int
     virtual_pipeline: int = 1
     stages: Optional[str] = None  # the stage plan, e.g. "0:2x2,2:4x1"
+    placement: str = "looped"  # where the virtual stages live (stage_placement.py): "looped" or "v"
 
     def __str__(self) -> str:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
+        v += " in a V" if self.placement == "v" else ""
         stages = f", stages {self.stages}" if self.stages else ""
         return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}{stages}"
 
@@ -50,7 +52,7 @@ class Layout:
     @staticmethod
     def of(ps, stages: Optional[str] = None) -> "Layout":
         """The layout of a run's ParallelState (and its stage plan, written as ``StagePlan.to_text``)."""
-        return Layout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages)
+        return Layout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value)
 
     @staticmethod
     def of_trainer(trainer) -> "Layout":

@@ -27,6 +27,7 @@ from megapipe.errors import CheckpointError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name
 from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.stage_placement import Placement
 
 GROUPS = {"tensor": "tensor_groups", "data": "data_groups", "pipeline": "pipeline_groups",
           "model_parallel": "model_parallel_groups", "embedding": "embedding_groups"}
@@ -47,8 +48,12 @@ def read_checkpoint(path: str) -> tuple[str, Common, dict[str, torch.Tensor]]:
 def rank_state(layout: Layout, rank: int) -> ParallelState:
     """The ParallelState of rank ``rank`` of ``layout``, without process groups."""
     ranks = RankLayout(layout.tensor, layout.pipeline, layout.data)
-    members = {name: next((g for g in getattr(ranks, method)() if rank in g), []) for name, method in GROUPS.items()}
-    return ParallelState(ranks, rank, layout.virtual_pipeline, {name: None for name in GROUPS}, members)
+    state = ParallelState(ranks, rank, layout.virtual_pipeline, {name: None for name in GROUPS},
+                          placement=Placement(layout.placement))
+    for name, method in GROUPS.items():
+        groups = ranks.embedding_groups(state.last_stage_pp_rank) if name == "embedding" else getattr(ranks, method)()
+        state.members[name] = next((g for g in groups if rank in g), [])
+    return state
 
 
 def _stand_in(config: ModelConfig, t: int) -> ModelConfig:

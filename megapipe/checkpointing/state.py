@@ -190,10 +190,22 @@ def apply_weights(targets: LoadTargets, optimizer=None) -> None:
 
 
 def apply_optimizer(targets: LoadTargets, optimizer) -> None:
-    """Hand the read state (whole tensors) to each optimizer, which keeps its shard, casts and places it."""
+    """Hand the read state (whole tensors) to each optimizer, which keeps its shard, casts and places it.
+
+    Two parameters of one rank with one checkpoint key (the tied embedding's copies when the V
+    placement puts the first and last stage together) read one buffer: each gets its own copy, as
+    an optimizer may keep the tensor it is given and update it in place."""
+    handed: set[int] = set()
+
+    def own(value: torch.Tensor) -> torch.Tensor:
+        if id(value) in handed:
+            return value.clone()
+        handed.add(id(value))
+        return value
+
     for precision in precision_optimizers(optimizer):
-        precision.load_param_states({id(entry.param): values for entry, values in targets.optimizer
-                                     if values and entry.optimizer is precision})
+        precision.load_param_states({id(entry.param): {name: own(value) for name, value in values.items()}
+                                     for entry, values in targets.optimizer if values and entry.optimizer is precision})
 
 
 def apply_rng(rng: dict[str, torch.Tensor], ps: ParallelState, device: torch.device) -> None:

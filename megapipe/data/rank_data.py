@@ -47,7 +47,7 @@ def stage_roles(ps: ParallelState) -> frozenset:
     if ps.stage_replicas is not None:
         stages, num_stages = [ps.pipeline_stage], len(ps.stage_replicas)
     else:
-        stages = [c * ps.pp_size + ps.pp_rank for c in range(ps.virtual_pipeline)]
+        stages = ps.chunk_stages()
         num_stages = ps.pp_size * ps.virtual_pipeline
     roles = set()
     for s in stages:

@@ -19,17 +19,17 @@ def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int
 
 def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: int = 1234,
                        sequence_parallel: bool = False, device=None) -> list[LanguageModelStage]:
-    """The model chunks this rank holds: one per virtual stage, virtual stage ``c * p + pp_rank``.
+    """The model chunks this rank holds: one per virtual stage, in chunk order; chunk c holds the layers
+    of virtual stage ``ps.chunk_stages()[c]``.
 
-    With v chunks per rank (interleaving) rank r holds virtual stages r, r + p, r + 2p, ...
-    (Megatron's layout), so the first stage has the embedding and the last has the head.
+    With v chunks per rank rank r holds virtual stages r, r + p, r + 2p, ... (looped, Megatron's
+    layout) or r and 2p - 1 - r (V); the first stage has the embedding and the last the head.
     """
     config.validate(ps.tp_size, ps.pp_size, ps.virtual_pipeline)
     stage_cls = MODEL_KINDS[kind]
     num_stages = ps.pp_size * ps.virtual_pipeline
     chunks = []
-    for chunk in range(ps.virtual_pipeline):
-        stage = chunk * ps.pp_size + ps.pp_rank
+    for stage in ps.chunk_stages():
         start, end = stage_layer_range(config.num_layers, num_stages, stage)
         chunks.append(stage_cls(config, ps, start, end, pre_process=stage == 0, post_process=stage == num_stages - 1,
                                 seed=seed, sequence_parallel=sequence_parallel, device=device))

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from megapipe.optim.grad_sync import DEFAULT_BUCKET_SIZE, GradSync, ParamPiece
+from megapipe.optim.grad_sync import DEFAULT_BUCKET_SIZE, GradSync, ParamPiece, is_tied_embedding_copy
 from megapipe.optim.sharding import ShardingLevel
 from megapipe.parallel_state import ParallelState
 
@@ -53,6 +53,10 @@ class GradBuffers:
         self.params = [p for params in by_chunk for p in params]
         self.syncs = [GradSync(params, ps, level, bucket_size, dtype, overlap_grad_reduce, overlap_param_gather)
                       for params in by_chunk]
+        # under the V placement the first and the last stage are chunks of one rank, each with a copy
+        # of the tied word embedding: their gradients are summed here instead of over the embedding group
+        self._tied_here = [p for p in self.params if is_tied_embedding_copy(p)]
+        self._tied_summed = False
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -77,17 +81,31 @@ class GradBuffers:
         """Clear every main gradient before the next batch's first microbatch."""
         for sync in self.syncs:
             sync.zero()
+        self._tied_summed = False
 
     def start_data_parallel_reduce(self) -> None:
         """Start every reduction not yet started (only the first call after :meth:`zero` does anything)."""
+        self._sum_tied_copies_here()
         for sync in self.syncs:
             sync.start_grad_sync()
 
     def finish_data_parallel_reduce(self) -> None:
         """Wait for the data-parallel average (starting what nobody started); tied-embedding and
         sequence-parallel sums included."""
+        self.start_data_parallel_reduce()
         for sync in self.syncs:
             sync.finish_grad_sync()
+
+    def _sum_tied_copies_here(self) -> None:
+        """Give both copies of the tied embedding held by this rank their summed gradient (once per step),
+        bit for bit the same, so the two copies stay equal after every update."""
+        if len(self._tied_here) != 2 or self._tied_summed:
+            return
+        first, second = (param.main_grad for param in self._tied_here)
+        total = first + second
+        first.copy_(total)
+        second.copy_(total)
+        self._tied_summed = True
 
     def publish_weights(self) -> None:
         for sync in self.syncs:

@@ -45,8 +45,9 @@ import numpy as np
 
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
-from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time, searched,
-                                             unties_embeddings, weight_versions)
+from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
+                                             placement_of, searched, unties_embeddings, weight_versions)
+from megapipe.stage_placement import Placement, rank_of_stage
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,15 @@ def ring_half_time(nbytes: float, members: int, link: Link) -> float:
     return (members - 1) / members * nbytes / link.reduce_bandwidth + (members - 1) * link.latency
 
 
+def _boundary(links, placement: Placement, p: int, stage: int, neighbour: int):
+    """The pipeline link between the ranks of ``stage`` and ``neighbour`` (``links[r]``: rank r to r + 1,
+    wrapping), or None when both are on one rank."""
+    a, b = rank_of_stage(placement, p, stage), rank_of_stage(placement, p, neighbour)
+    if a == b:
+        return None
+    return links[a] if (a + 1) % p == b else links[b]
+
+
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
     """Profile layer indices of virtual stage ``stage``: its blocks, the embedding first, the head last."""
     per = num_layers // num_stages
@@ -164,6 +174,7 @@ class CostModel:
         shape = self.profile.shape
         t, p, v, b = layout.tensor, layout.pipeline, layout.virtual, layout.micro_batch_size
         stages, n_layers = p * v, shape.num_layers
+        placement = placement_of(layout.schedule)
         timing, sizes = self.costs(b / t), self.costs(float(b))
         tensor_link, _, boundary_links, _ = self.links(t, p, layout.data)
         speed = self.cluster.compute_speed
@@ -174,7 +185,7 @@ class CostModel:
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
         for s in range(stages):
-            r, layers = s % p, stage_layers(n_layers, stages, s)
+            r, layers = rank_of_stage(placement, p, s), stage_layers(n_layers, stages, s)
             blocks = [l for l in layers if 1 <= l <= n_layers]
             ends = [l for l in layers if l not in blocks]  # embedding and head: never recomputed
             forward = timing.forward[layers].sum() / speed
@@ -182,8 +193,9 @@ class CostModel:
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
             tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
             hop = 0.0
-            for neighbour, link in ((s > 0, boundary_links[(s - 1) % p]), (s < stages - 1, boundary_links[r])):
-                if neighbour:
+            for neighbour in (s - 1, s + 1):
+                link = _boundary(boundary_links, placement, p, s, neighbour) if 0 <= neighbour < stages else None
+                if link is not None:  # a neighbour on this rank (the turn of a V) sends nothing
                     hop += sizes.output_bytes[blocks[-1]] / t / link.bandwidth + link.latency
             loads.forward[r] += forward + tp_forward + hop
             loads.backward[r] += back + tp_backward + hop
@@ -194,7 +206,8 @@ class CostModel:
             loads.stash[r] += stash[layers].sum()
             loads.unrecomputed_stash[r] += stash[ends].sum()
         if stages > 1:
-            loads.params[p - 1] += self.profile.output_weight_params / t  # the head's own output embedding
+            loads.params[rank_of_stage(placement, p, stages - 1)] += self.profile.output_weight_params / t  # the
+            # head's own output embedding (under the V, a copy on the first rank summed there)
         return loads
 
     def _data_parallel_times(self, layout: Layout, loads: "_RankLoads", m: int) -> np.ndarray:
@@ -217,7 +230,8 @@ class CostModel:
             gather = np.maximum(gather - np.arange(p) * loads.forward, 0.0)  # behind the wait for the first input
         times = reduce + gather + passes
         tied = self.profile.output_weight_params
-        if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p):
+        last = rank_of_stage(placement_of(layout.schedule), p, p * layout.virtual - 1)
+        if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p) and last != 0:
             for r in {0, p - 1}:
                 times[r] += ring_allreduce_time(tied / t * grad_bytes, 2, embedding_link)
         return times

@@ -18,7 +18,8 @@ from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.optim.sharding import SHARDING_STRATEGIES
 from megapipe.planner.schedule_costs import (CHUNKED, FLUSHING, SCHEDULES, SEARCHED, SEARCHED_LAYOUTS,
-                                             microbatch_problem)
+                                             microbatch_problem, placement_of)
+from megapipe.stage_placement import Placement
 from megapipe.planner.units import human_bytes
 
 
@@ -93,6 +94,8 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                     continue  # without a pipeline every schedule is gradient accumulation
                 chunks = [1] if schedule not in CHUNKED else [
                     v for v in range(2, request.max_virtual + 1) if shape.num_layers % (p * v) == 0]
+                if placement_of(schedule) is Placement.V:  # two chunks per rank in a V
+                    chunks = [2] if shape.num_layers % (2 * p) == 0 else []
                 for v in chunks:
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:

@@ -20,6 +20,11 @@ has no closed form: ``searched`` runs the search for the ranks' times (BI and BW
 backward each) within 1F1B's memory (p microbatches per rank) and reads the batch time and
 each rank's peak off its simulation; the planner searches up to ``SEARCHED_PASSES`` passes per
 rank (beyond that it leaves ``auto`` out), on its ``SEARCHED_LAYOUTS`` fastest layouts.
+On the V placement (two chunks per rank): ZBV holds p and takes interleaved zero bubble's time
+with v = 2; DualPipeV, whose overlapped pairs megapipe's executor runs one pass after the other,
+holds p + 1/2 (p on rank 0 at m = 2p - 1) and takes ZB-H1's time (both exact for equal ranks,
+``tests/test_planner_schedule_costs.py``). V-Half and V-Min are not planned: their end bubble
+has no closed form (the simulator gives it per p).
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "auto", "2bw", "pipedream")
-FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "auto")
+from megapipe.stage_placement import Placement
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev", "auto", "2bw",
+             "pipedream")
+FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev", "auto")
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "interleaved-zb")
 CHUNKED = ("interleaved", "interleaved-zb")
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (stage_placement.py)
+LEAST_V_MICROBATCHES = {"zbv": lambda p: 2 * p - 1, "dualpipev": lambda p: 2 * p - 1}
 SEARCHED = "auto"  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
 SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk
 SEARCHED_LAYOUTS = 8
@@ -62,6 +72,10 @@ def _searched(forward: tuple[float, ...], backward: tuple[float, ...], m: int, v
     return Searched(float(found.simulation.makespan), found.simulation.peak_activations)
 
 
+def placement_of(schedule: str) -> Placement:
+    return Placement.V if schedule in V_SHAPED else Placement.LOOPED
+
+
 def unties_embeddings(schedule: str, p: int) -> bool:
     """Without flushes the first and last stage update at different times, so megapipe's asynchronous
     schedules give a pipelined model its own output embedding instead of a tied copy to keep equal."""
@@ -72,6 +86,11 @@ def microbatch_problem(schedule: str, p: int, m: int, v: int) -> Optional[str]:
     """Why ``schedule`` cannot run m microbatches on p ranks with v chunks each, or None if it can."""
     if schedule not in SCHEDULES:
         return f"unknown schedule {schedule}"
+    if schedule in V_SHAPED:
+        least = LEAST_V_MICROBATCHES[schedule](p)
+        if v != 2 or p < 2 or m < least:
+            return f"{schedule} needs two chunks per rank, p >= 2 and at least {least} microbatches (v={v}, m={m})"
+        return None
     if (v > 1) != (schedule in CHUNKED):
         return "only the interleaved schedules have several chunks per rank, and they need at least two"
     if schedule == "interleaved" and (p < 2 or m % p):
@@ -99,6 +118,10 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> Fraction:
         return Fraction(p)
     if schedule == "zb-h2":
         return Fraction(min(2 * p - 1, m))
+    if schedule == "zbv":  # 2p chunks of half a rank each, 1F1B's first rank
+        return Fraction(p)
+    if schedule == "dualpipev":  # rank 0 runs no overlapped round at the least m, so one chunk fewer
+        return Fraction(2 * p + (0 if rank == 0 and m == 2 * p - 1 else 1), 2)
     if schedule == "interleaved-zb":  # rounds of p microbatches: (v - 1) p + p chunk-microbatches
         return Fraction(p)
     if schedule in FLUSHING:  # 1f1b: p - rank before the first backward, fewer if the batch is smaller
@@ -120,8 +143,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
     zero-bubble schedules idle only p-1 forwards, (p-1)/(3m) with a backward of two forwards."""
     if schedule not in FLUSHING:
         return Fraction(0)
-    if schedule in ZERO_BUBBLE or schedule == "auto":  # the search does at least as well as zb-h1
+    if schedule in ZERO_BUBBLE or schedule in ("auto", "zbv"):  # p - 1 chunks' forwards (the search: at most)
         return Fraction(p - 1, 3 * v * m)
+    if schedule == "dualpipev":  # its pairs run one pass after the other: ZB-H1's idle
+        return Fraction(p - 1, 3 * m)
     return Fraction(p - 1, v * m)
 
 
@@ -135,7 +160,9 @@ def pipeline_time(schedule: str, forward: Sequence[float], backward: Sequence[fl
     if schedule == "gpipe":  # all forwards, then all backwards: two flow shops
         return _phase_time(forward, m, v) + _phase_time(backward, m, v)
     both = [f + b for f, b in zip(forward, backward)]
-    if schedule in ZERO_BUBBLE:  # the weight gradients fill the backward's share of the fill and drain
+    if schedule == "dualpipev":  # the weight gradients fill the rest of fill and drain, as in ZB-H1
+        return m * max(both) + sum(forward) - max(forward)
+    if schedule in ZERO_BUBBLE or schedule == "zbv":  # the weight gradients fill the backward's share of fill, drain
         return m * max(both) + (sum(forward) - max(forward)) / v
     if schedule in FLUSHING:  # 1F1B alternates, so a rank's forward and backward form one step
         return _phase_time(both, m, v)

@@ -44,6 +44,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.replay import replay
 from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.stage_placement import Placement
 
 MEMORY_FLAG = "--schedule-memory-limit"
 
@@ -107,15 +108,13 @@ def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
     found = []
     for named in schedule_names():
         spec = schedule_spec(named)
-        if spec.asynchronous or (v > 1 and not spec.chunked):
-            continue
+        if spec.asynchronous or (v > 1 and not spec.chunked) or spec.placement is not Placement.LOOPED:
+            continue  # the search works on the looped placement
         try:
             lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
         except ConfigError:  # sizes it does not run
             continue
-        if all(a.stage % p == rank for rank, actions in enumerate(lists) for a in actions
-               if a.kind.is_compute):  # the looped placement the search works on
-            found.append(Schedule(named, p, m, v, lists))
+        found.append(Schedule(named, p, m, v, lists))
     return found
 
 

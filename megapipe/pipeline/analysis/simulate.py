@@ -42,7 +42,9 @@ class CostModel:
     """Times of forward, backward and optimizer step, and of messages (latency + bytes / bandwidth).
 
     A split backward's parts cost ``input_backward`` (BI) and ``weight_backward`` (BW); left
-    out, each is half of ``backward``.
+    out, each is half of ``backward``. ``overlap(f, b)`` is the time of a forward and a
+    backward run overlapped (DualPipe's F&B): ``max`` when one hides the other entirely,
+    ``operator.add`` when they gain nothing (what a single CPU thread does).
     """
 
     forward: StageCost = 1
@@ -53,6 +55,7 @@ class CostModel:
     latency: Real = 0
     message_bytes: Union[Real, Callable[[Message], Real]] = 0
     bandwidth: Optional[Real] = None  # bytes per time unit; None means infinitely fast
+    overlap: Callable[[Real, Real], Real] = max
 
     @classmethod
     def per_chunk(cls, v: int, forward: Real = 1, backward: Real = 2, **kwargs) -> "CostModel":
@@ -138,11 +141,12 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
     """
     if not schedule.has_communication:
         schedule = add_communication(schedule, costs.compute_time, costs.transfer_time)
-    steps = replay(schedule, costs.compute_time, costs.transfer_time)
+    steps = replay(schedule, costs.compute_time, costs.transfer_time, overlap=costs.overlap)
     timeline = Timeline(meta={"schedule": schedule.name, "p": schedule.p, "m": schedule.m, "v": schedule.v})
     messages, sent_bytes = [0] * schedule.p, [0] * schedule.p
+    for rank, start, end, action in _drawn(steps, costs):
+        timeline.record(rank, action, start, end)
     for step in steps:
-        timeline.record(step.rank, step.action, step.start, step.end)
         if step.action.kind.is_send:
             messages[step.rank] += 1
             sent_bytes[step.rank] += costs.message_size(message_of(step.action))
@@ -161,6 +165,26 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
         bytes_sent=tuple(sent_bytes),
         timeline=timeline,
     )
+
+
+def _drawn(steps, costs: CostModel):
+    """(rank, start, end, action) to record: an overlapped pair's time, which the replay gives its forward,
+    shared between its forward and backward in proportion to their own times, so both show."""
+    by_position = {(step.rank, step.index): step for step in steps}
+    drawn = {}
+    for step in steps:
+        drawn[(step.rank, step.index)] = (step.rank, step.start, step.end, step.action)
+        if not step.action.overlapped:
+            continue
+        index = step.index - 1
+        while not by_position[(step.rank, index)].action.kind.is_compute:
+            index -= 1
+        forward = by_position[(step.rank, index)]
+        f, b = costs.compute_time(step.rank, forward.action), costs.compute_time(step.rank, step.action)
+        split = forward.start + (forward.end - forward.start) * ratio(f, f + b) if f + b else forward.end
+        drawn[(step.rank, index)] = (step.rank, forward.start, split, forward.action)
+        drawn[(step.rank, step.index)] = (step.rank, split, forward.end, step.action)
+    return [drawn[(step.rank, step.index)] for step in steps]
 
 
 def _span(steps, rank: int) -> Real:

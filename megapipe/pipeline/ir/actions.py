@@ -1,10 +1,10 @@
 """The schedule IR: a pipeline schedule is, per pipeline rank, an ordered list of ``Action``\\ s.
 
-Stages. ``stage`` is always a *virtual* stage index ``0 .. p*v-1``. With v chunks per rank
-(interleaving), virtual stage ``s`` lives on pipeline rank ``s % p`` as its chunk ``s // p``
-(Megatron's layout: 16 layers, p=4, v=2 puts layers 1,2,9,10 on rank 0). Without
-interleaving v = 1 and stage = rank. An action always names a stage held by the rank whose
-list it is in.
+Stages. ``stage`` is always a *virtual* stage index ``0 .. p*v-1``. With v chunks per rank,
+the schedule's ``placement`` (``stage_placement.py``) says where each lives: looped (Megatron's
+interleaving, stage ``s`` on rank ``s % p`` as its chunk ``s // p``) or V (v = 2, rank r holds
+stages r and 2p-1-r). Without chunks v = 1 and stage = rank. An action always names a stage
+held by the rank whose list it is in.
 
 Kinds and what an executor does for each, in list order:
 
@@ -20,6 +20,13 @@ Kinds and what an executor does for each, in list order:
   linear layers for later; ``BW`` computes those and accumulates them (``split_backward.py``).
   A plain ``B`` is both at once. A stage and microbatch has either one ``B`` or one ``BI``
   followed by one ``BW`` on its rank; what the products need is held until ``BW``.
+* ``&B s.i`` (or ``&BI s.i``) -- a backward *overlapped* with the forward just before it among
+  its rank's computes (DualPipe's F&B pair, of another microbatch and usually the other
+  chunk): the pair starts once both have their inputs and, on an accelerator, the two hide
+  each other's communication and idle units; the simulator charges the pair
+  ``CostModel.overlap`` of the two times. The executor runs the forward, then the backward
+  (``overlapped`` changes no result, only when the pair's inputs must be there: both
+  receives are posted before the forward).
 * ``SEND_F s.i>r`` -- send the output of F s.i to pipeline rank r (which holds stage s+1).
 * ``RECV_F s.i<r`` -- receive the input of stage s, microbatch i, from pipeline rank r.
 * ``SEND_B s.i>r`` -- send the input gradient of B s.i to rank r (which holds stage s-1).
@@ -43,7 +50,7 @@ PipeDream (weight stashing) and 2BW set it on F and B to name the weight version
 stage the pass must use: version k of stage s is its weights after its first k UPDATEs. Its
 text form is a ``v`` suffix, e.g. ``F3.1v2``.
 
-Placement. Without replication stage s lives on rank ``s % p``. A schedule over a stage
+Placement. Without replication stage s lives where ``Schedule.placement`` puts it. A schedule over a stage
 plan with replicated stages (PipeDream's "2-1") has one list per worker, workers numbered
 stage by stage, and replica ``i % R`` of a stage with R replicas runs microbatch i (1F1B-RR);
 ``Schedule.rank_of(stage, microbatch)`` answers both cases.
@@ -54,8 +61,8 @@ batches (microbatches ``0 .. batches*m - 1``): warm-up, steady state, drain. The
 runs it as a periodic program, one batch per call (see ``program.py``).
 
 Text form, used in grids and schedule files: ``F3.1`` (forward, stage 3, microbatch 1),
-``B0.7``, ``BI2.3``, ``BW2.3``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``, ``UPDATE2.7``. ``parse_action`` reads it
-back.
+``B0.7``, ``BI2.3``, ``BW2.3``, ``&B5.0``, ``SEND_F3.1>0``, ``RECV_B2.5<3``, ``STEP``,
+``UPDATE2.7``. ``parse_action`` reads it back.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from enum import Enum
 from typing import Optional
 
 from megapipe.errors import ScheduleError
+from megapipe.stage_placement import Placement, chunk_of_stage, rank_of_stage, stages_of_rank
 from megapipe.stage_replicas import first_worker, stage_of_worker
 
 
@@ -124,7 +132,8 @@ class Action:
 
     ``stage`` and ``microbatch`` are ``None`` only for ``STEP``; ``peer`` is the pipeline rank
     at the other end and is set exactly for communication kinds; ``version`` only on F and B
-    (and the messages they cause) of asynchronous schedules.
+    (and the messages they cause) of asynchronous schedules; ``overlapped`` only on B or BI
+    that runs overlapped with the forward before it.
     """
 
     kind: ActionKind
@@ -132,6 +141,7 @@ class Action:
     microbatch: Optional[int] = None
     peer: Optional[int] = None
     version: Optional[int] = None
+    overlapped: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, ActionKind):
@@ -146,13 +156,16 @@ class Action:
         if self.kind.is_communication != (self.peer is not None):
             raise ScheduleError(f"{self.kind.value} {self.stage}.{self.microbatch}: communication actions need a peer "
                                 "rank and compute actions must not have one.")
+        if self.overlapped and not self.kind.makes_input_grad:
+            raise ScheduleError(f"{self.kind.value}{self.stage}.{self.microbatch}: only a B or BI can be overlapped "
+                                "with the forward before it; drop the &.")
         if self.kind is ActionKind.UPDATE and self.version is not None:
             raise ScheduleError(f"UPDATE{self.stage}.{self.microbatch} takes no version: it creates the next one.")
 
     def __str__(self) -> str:
         if self.kind is ActionKind.STEP:
             return "STEP"
-        text = f"{self.kind.value}{self.stage}.{self.microbatch}"
+        text = ("&" if self.overlapped else "") + f"{self.kind.value}{self.stage}.{self.microbatch}"
         if self.version is not None:
             text += f"v{self.version}"
         if self.peer is not None:
@@ -160,7 +173,8 @@ class Action:
         return text
 
 
-_ACTION_PATTERN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|BI|BW|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
+_ACTION_PATTERN = re.compile(
+    r"(&?)(SEND_F|RECV_F|SEND_B|RECV_B|UPDATE|F|BI|BW|B)(\d+)\.(\d+)(?:v(\d+))?(?:([<>])(\d+))?")
 
 
 def parse_action(text: str) -> Action:
@@ -170,16 +184,16 @@ def parse_action(text: str) -> Action:
         return Action(ActionKind.STEP)
     match = _ACTION_PATTERN.fullmatch(token)
     if match is None:
-        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, BI0.2, BW0.2, SEND_F3.1>0, RECV_B2.5<3, "
-                            "UPDATE1.3 or STEP.")
-    kind, stage, microbatch, version, arrow, peer = match.groups()
+        raise ScheduleError(f"cannot read action {token!r}; write e.g. F3.1, B0.2, BI0.2, BW0.2, &B0.2, SEND_F3.1>0, "
+                            "RECV_B2.5<3, UPDATE1.3 or STEP.")
+    overlapped, kind, stage, microbatch, version, arrow, peer = match.groups()
     kind = ActionKind(kind)
     if kind.is_communication and arrow != (">" if kind.is_send else "<"):
         expected = ">peer" if kind.is_send else "<peer"
         raise ScheduleError(f"action {token!r} needs its peer rank written as {expected}.")
     return Action(kind, int(stage), int(microbatch),
                   peer=None if peer is None else int(peer),
-                  version=None if version is None else int(version))
+                  version=None if version is None else int(version), overlapped=bool(overlapped))
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,8 @@ class Schedule:
     ``p`` pipeline ranks (workers), ``m`` microbatches per batch, ``v`` model chunks per rank,
     ``batches`` consecutive batches covered (1 for flush schedules, see the module
     docstring), ``replicas`` the number of workers of each stage when stages are replicated
-    (None: one per stage). ``actions[r]`` is rank r's list. Build one with ``build_schedule``
+    (None: one per stage), ``placement`` where the chunks of unreplicated stages live.
+    ``actions[r]`` is rank r's list. Build one with ``build_schedule``
     or ``load_schedule`` (both validate); the constructor only checks the shape.
     """
 
@@ -200,9 +215,14 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     batches: int = 1
     replicas: Optional[tuple[int, ...]] = None
+    placement: Placement = Placement.LOOPED
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
+        object.__setattr__(self, "placement", Placement(self.placement))
+        if self.placement is Placement.V and (self.v != 2 or self.replicas is not None):
+            raise ScheduleError(f"schedule {self.name!r}: the V placement holds two chunks per rank (v=2) and no "
+                                f"replicated stages, got v={self.v}.")
         if self.p < 1 or self.m < 1 or self.v < 1 or self.batches < 1:
             raise ScheduleError(f"schedule {self.name!r} needs p, m, v and batches of at least 1, got p={self.p}, "
                                 f"m={self.m}, v={self.v}, batches={self.batches}.")
@@ -230,13 +250,13 @@ class Schedule:
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank that runs ``stage`` for ``microbatch`` (round robin over a replicated stage)."""
         if self.replicas is None:
-            return stage % self.p
+            return rank_of_stage(self.placement, self.p, stage)
         return first_worker(self.replicas, stage) + microbatch % self.replicas[stage]
 
     def ranks_of_stage(self, stage: int) -> list[int]:
         """Every rank that holds ``stage`` (its replicas, in replica order)."""
         if self.replicas is None:
-            return [stage % self.p]
+            return [rank_of_stage(self.placement, self.p, stage)]
         first = first_worker(self.replicas, stage)
         return list(range(first, first + self.replicas[stage]))
 
@@ -248,13 +268,13 @@ class Schedule:
         return ranks[0]
 
     def chunk_of_stage(self, stage: int) -> int:
-        return 0 if self.replicas is not None else stage // self.p
+        return 0 if self.replicas is not None else chunk_of_stage(self.p, stage)
 
     def stages_on_rank(self, rank: int) -> list[int]:
         """The virtual stages rank ``rank`` holds, in chunk order."""
         if self.replicas is not None:
             return [stage_of_worker(self.replicas, rank)]
-        return [rank + chunk * self.p for chunk in range(self.v)]
+        return stages_of_rank(self.placement, self.p, self.v, rank)
 
     def microbatches_on(self, rank: int, stage: int) -> range:
         """The microbatches ``rank`` runs ``stage`` for (all of them unless the stage is replicated)."""

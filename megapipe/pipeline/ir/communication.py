@@ -2,7 +2,8 @@
 
 Rule. Replay the compute-only lists with compute times (``replay.replay``; by default F = 1
 and B = 2 per stage, messages free). A compute action whose output another rank consumes is
-followed, on its own rank, by its ``SEND`` (``SEND_B`` follows B or BI, never BW). The
+followed, on its own rank, by its ``SEND`` (``SEND_B`` follows B or BI, never BW; the forward
+of an overlapped pair sends after the pair, when the replay says its output exists). The
 sender also decides where the matching ``RECV`` goes: on the consumer's rank, right before
 the compute that is running (or next to start) when the send is posted, and never after the
 consumer. Receives from one sender are
@@ -21,9 +22,11 @@ Why the timing. Transfers start once both ends are posted (NCCL and gloo behave 
 tensors), so a receive posted late delays its message, and one posted too early holds a
 buffer for long. Posting it when the sender sends is neither.
 
-With p = 1 every neighbour is on the same rank and no message is added. With interleaving
-the edge from stage p-1 (last rank) to stage p (rank 0) becomes a message from the last rank
-to rank 0, and the gradient goes back the same way.
+With p = 1 every neighbour is on the same rank and no message is added. With the looped
+placement the edge from stage p-1 (last rank) to stage p (rank 0) becomes a message from the
+last rank to rank 0, and the gradient goes back the same way; with the V placement stages p-1
+and p share the last rank, so that edge carries no message, and stage p sends to rank p-2.
+An overlapped backward's receives go before the forward it runs with (its pair starts there).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Optional
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.segments import Cuts
-from megapipe.pipeline.ir.replay import Duration, Message, Transfer, outgoing_messages, replay
+from megapipe.pipeline.ir.replay import Duration, Message, Transfer, outgoing_messages, overlap_partners, replay
 
 
 def unit_duration(rank: int, action: Action) -> Real:
@@ -81,9 +84,13 @@ def lower_calls(schedule: Schedule, calls: Optional[Cuts], duration: Duration = 
     compute_ends = [[step.end for step in sorted((s for s in steps if s.rank == rank), key=lambda s: s.index)]
                     for rank in range(schedule.p)]
     bounds = [(0,) + rank_cuts + (len(actions),) for rank_cuts, actions in zip(cuts, schedule.actions)]
-    position = {(rank, _identity(action)): index for rank, actions in enumerate(schedule.actions)
-                for index, action in enumerate(actions)}
-    sends: dict[tuple[int, int], Action] = {}
+    position, pair_end = {}, {}  # an overlapped pair starts at its forward and ends after its backward
+    for rank, actions in enumerate(schedule.actions):
+        starts = overlap_partners(actions)
+        for index, action in enumerate(actions):
+            position[(rank, _identity(action))] = starts.get(index, index)
+        pair_end.update({(rank, forward): backward for backward, forward in starts.items()})
+    sends: defaultdict[tuple[int, int], list[Action]] = defaultdict(list)  # (rank, index of the compute before)
     receives: defaultdict[tuple[int, int], list[tuple[tuple[int, int], Action]]] = defaultdict(list)
     for step in sorted(steps, key=lambda s: (s.rank, s.index)):
         messages = outgoing_messages(schedule, step.action)
@@ -91,7 +98,7 @@ def lower_calls(schedule: Schedule, calls: Optional[Cuts], duration: Duration = 
             continue
         send, recv = messages
         receiver = send.peer
-        sends[(step.rank, step.index)] = send
+        sends[(step.rank, pair_end.get((step.rank, step.index), step.index))].append(send)
         call = _call_of(bounds[step.rank], step.index)
         low, high = bounds[receiver][call], bounds[receiver][call + 1]
         consumer = position[(receiver, _identity(_consumer(recv)))]
@@ -113,8 +120,7 @@ def lower_calls(schedule: Schedule, calls: Optional[Cuts], duration: Duration = 
             low, high = bounds[rank][call], bounds[rank][call + 1]
             for index in range(low, high):
                 lowered += before[(rank, call, index)] + [actions[index]]
-                if (rank, index) in sends:
-                    lowered.append(sends[(rank, index)])
+                lowered += sends.get((rank, index), [])
             lowered += before[(rank, call, high)]  # received after this rank's last compute of the call
         lists.append(lowered)
         starts.append(tuple(rank_starts))

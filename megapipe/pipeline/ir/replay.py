@@ -23,6 +23,11 @@ Waiting rules, under the executor contract of ``actions.py``:
 
 Actions of one rank run in list order; sends and receives take no compute time.
 
+Overlapped pairs. A backward marked ``overlapped`` and the forward before it among its rank's
+computes run as one unit: the forward waits for the backward's inputs too, the pair takes
+``overlap(forward time, backward time)`` (charged to the forward; the backward then takes no
+time of its own) and both results exist at its end.
+
 Transport (``transport.py``). Under ``Transport.GLOO`` a message arrives ``transfer`` after
 both of its ends are posted, and a compute waits for that arrival. Under ``Transport.NCCL`` a
 rank's consecutive sends and receives form one group; a group becomes active when it is
@@ -91,6 +96,18 @@ def outgoing_messages(schedule: Schedule, action: Action) -> Optional[tuple[Acti
         return None
     return (Action(send_kind, action.stage, action.microbatch, peer=receiver, version=action.version),
             Action(recv_kind, consumer_stage, action.microbatch, peer=sender, version=action.version))
+
+
+def overlap_partners(actions) -> dict[int, int]:
+    """Positions in one rank's list: each overlapped backward -> the compute before it (its forward)."""
+    partners, previous = {}, None
+    for index, action in enumerate(actions):
+        if not action.kind.is_compute:
+            continue
+        if action.overlapped and previous is not None:
+            partners[index] = previous
+        previous = index
+    return partners
 
 
 def _key(action: Action) -> Message:
@@ -175,25 +192,31 @@ def _no_time(*_) -> int:
 Barriers = Optional[list[list[int]]]
 
 
+Overlap = Callable[[Real, Real], Real]
+
+
 def replay(schedule: Schedule, duration: Duration = _no_time, transfer: Transfer = _no_time,
-           transport: Transport = Transport.GLOO, barriers: Barriers = None) -> list[ReplayedAction]:
+           transport: Transport = Transport.GLOO, barriers: Barriers = None,
+           overlap: Overlap = max) -> list[ReplayedAction]:
     """Run all ranks' lists in lock-step rounds and return every action with its times.
 
     Each round, every rank whose next action's waits were met before the round runs that one
     action, so the result is in an order a real run could produce. ``duration(rank, action)``
     is the compute time of F, B, STEP and UPDATE; ``transfer(message)`` the time a message
-    takes once it can move (module docstring, for each ``transport``). Raises ScheduleError
-    with the marked grid and the cycle of waits on a deadlock.
+    takes once it can move (module docstring, for each ``transport``); ``overlap(f, b)`` the
+    time of an overlapped pair. Raises ScheduleError with the marked grid and the cycle of
+    waits on a deadlock.
     """
-    return _Replay(schedule, duration, transfer, Transport(transport), barriers).run()
+    return _Replay(schedule, duration, transfer, Transport(transport), barriers, overlap).run()
 
 
 class _Replay:
     """The state of one replay; see ``replay``."""
 
     def __init__(self, schedule: Schedule, duration: Duration, transfer: Transfer, transport: Transport,
-                 barriers: Barriers):
+                 barriers: Barriers, overlap: Overlap):
         self.schedule, self.duration, self.transfer, self.transport = schedule, duration, transfer, transport
+        self.overlap = overlap
         self.explicit = schedule.has_communication
         p = schedule.p
         self.clock, self.position = [0] * p, [0] * p
@@ -201,6 +224,12 @@ class _Replay:
         self.sent: dict[Message, Real] = {}
         self.posted: dict[Message, Real] = {}
         self.waits = [[waits_of(schedule, rank, a) for a in actions] for rank, actions in enumerate(schedule.actions)]
+        self.partner_of: list[dict[int, int]] = []  # per rank: forward position -> its overlapped backward's
+        for rank, actions in enumerate(schedule.actions):
+            pairs = {forward: backward for backward, forward in overlap_partners(actions).items()}
+            for forward, backward in pairs.items():  # the pair starts when both parts can
+                self.waits[rank][forward] = self.waits[rank][forward] + self.waits[rank][backward]
+            self.partner_of.append(pairs)
         self.barriers = [list(b) for b in barriers] if barriers else [[] for _ in range(p)]
         if len({len(b) for b in self.barriers}) > 1 or len(self.barriers) != p:
             raise ValueError("every rank needs the same number of barrier positions")
@@ -336,7 +365,7 @@ class _Replay:
 
     def _run(self, rank: int, action: Action, start: Real) -> ReplayedAction:
         index = self.position[rank]
-        end = start + (self.duration(rank, action) if not action.kind.is_communication else 0)
+        end = start + self._compute_time(rank, index, action)
         self.clock[rank] = end
         if action.kind.is_communication:
             message = message_of(action)
@@ -350,6 +379,14 @@ class _Replay:
                 self.ended[made] = end
         self.position[rank] += 1
         return ReplayedAction(rank, index, action, start, end)
+
+    def _compute_time(self, rank: int, index: int, action: Action) -> Real:
+        if action.kind.is_communication or action.overlapped:
+            return 0  # an overlapped backward's time is in its pair's, charged to the forward
+        partner = self.partner_of[rank].get(index)
+        if partner is None:
+            return self.duration(rank, action)
+        return self.overlap(self.duration(rank, action), self.duration(rank, self.schedule.actions[rank][partner]))
 
     def _with_arrival(self, step: ReplayedAction) -> ReplayedAction:
         """A send or receive ends when its message arrives (never, if its partner is missing)."""

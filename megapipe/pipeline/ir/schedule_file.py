@@ -8,11 +8,13 @@ by spaces; blank lines and lines starting with ``#`` are skipped::
     F1.0 B1.0 F1.1 B1.1 STEP
 
 CSV (.csv): one action per row, ``rank,kind,stage,microbatch[,peer]``, an optional header row,
-rows of a rank in order; STEP rows leave stage and microbatch empty.
+rows of a rank in order; STEP rows leave stage and microbatch empty; an overlapped backward's
+kind is written ``&B`` (or ``&BI``).
 
-p is the number of ranks, m the highest microbatch + 1, and v the number of stages / p.
-Compute-only lists get their sends and receives inserted; lists that already have them are
-validated as written.
+p is the number of ranks, m the highest microbatch + 1, and v the number of stages / p. The
+placement is read off the lists: with v = 2 and the last stage 2p-1 on rank 0 it is the V
+(``stage_placement.py``), otherwise looped. Compute-only lists get their sends and receives
+inserted; lists that already have them are validated as written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedules import lower_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.ir.validate_updates import is_asynchronous
+from megapipe.stage_placement import Placement
 
 _CSV_HEADER = ["rank", "kind", "stage", "microbatch", "peer"]
 
@@ -44,7 +47,8 @@ def load_schedule(path, name: Optional[str] = None) -> Schedule:
 
 
 def load_training_schedule(path, p: int, m: int, v: int) -> Schedule:
-    """``--schedule-file`` of the training scripts: a flush schedule for exactly this run's p, m and v."""
+    """``--schedule-file`` of the training scripts: a flush schedule for exactly this run's p, m and v
+    (its placement is the file's, see the module docstring)."""
     schedule = load_schedule(path)
     if is_asynchronous(schedule):
         raise ConfigError(f"--schedule-file {path} updates with UPDATE actions; the training scripts run flush "
@@ -67,7 +71,8 @@ def save_schedule(schedule: Schedule, path) -> None:
         writer.writerow(_CSV_HEADER)
         for rank, actions in enumerate(schedule.actions):
             for a in actions:
-                writer.writerow([rank, a.kind.value, _blank(a.stage), _blank(a.microbatch), _blank(a.peer)])
+                kind = ("&" if a.overlapped else "") + a.kind.value
+                writer.writerow([rank, kind, _blank(a.stage), _blank(a.microbatch), _blank(a.peer)])
 
 
 def _blank(value: Optional[int]) -> str:
@@ -113,7 +118,8 @@ def _action_from_row(cells: list[str]) -> tuple[int, Action]:
     def number(text: str) -> Optional[int]:
         return int(text) if text else None
 
-    return int(rank), Action(ActionKind(kind), number(stage), number(microbatch), peer=number(peer))
+    return int(rank), Action(ActionKind(kind.removeprefix("&")), number(stage), number(microbatch), peer=number(peer),
+                             overlapped=kind.startswith("&"))
 
 
 def _schedule_from_lists(name: str, lists: list[list[Action]], path: Path) -> Schedule:
@@ -127,4 +133,7 @@ def _schedule_from_lists(name: str, lists: list[list[Action]], path: Path) -> Sc
     if stages % p:
         raise ScheduleError(f"{path} uses stages 0..{stages - 1} on {p} ranks, but the number of stages must be a "
                             f"multiple of the number of ranks (p x v); add or remove stages.")
-    return Schedule(name, p, max(a.microbatch for a in compute) + 1, stages // p, lists)
+    v = stages // p
+    on_first_rank = {a.stage for a in lists[0] if a.kind.is_compute}
+    placement = Placement.V if v == 2 and p > 1 and stages - 1 in on_first_rank else Placement.LOOPED
+    return Schedule(name, p, max(a.microbatch for a in compute) + 1, v, lists, placement=placement)

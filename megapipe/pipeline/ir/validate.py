@@ -7,7 +7,8 @@ schedules, whose UPDATE and weight-version rules ``validate_updates`` checks); o
 F comes before its B or BI, BI before its BW, a send after the compute that makes its tensor, STEP after all the
 rank's B and BW; if the schedule has SEND/RECV actions,
 every tensor crossing ranks has exactly one send and one receive, the receive comes before
-its consumer, and between two ranks receives are posted in the order the sender sends;
+its consumer (or the forward an overlapped consumer runs with), and between two ranks
+receives are posted in the order the sender sends;
 finally a replay of all lists (``replay.replay``) finds no deadlock under each transport model
 (``transport.py``: gloo and NCCL), which also covers F of stage s+1 running before F of stage s
 could have arrived.
@@ -22,7 +23,7 @@ from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.grid import format_grid
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS, Transport
-from megapipe.pipeline.ir.replay import input_producer, message_of, outgoing_messages, replay
+from megapipe.pipeline.ir.replay import input_producer, message_of, outgoing_messages, overlap_partners, replay
 from megapipe.pipeline.ir.validate_updates import check_updates_and_versions, is_asynchronous
 
 __all__ = ["validate_schedule", "format_grid"]
@@ -131,7 +132,14 @@ def _check_counts(schedule: Schedule) -> None:
 def _check_rank_order(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         done: set[tuple] = set()
+        partners = overlap_partners(actions)
         for index, action in enumerate(actions):
+            if action.overlapped:
+                forward = actions[partners[index]] if index in partners else None
+                if forward is None or forward.kind is not ActionKind.F or forward.microbatch == action.microbatch:
+                    _fail(schedule, rank, index, f"rank {rank} overlaps {action} with "
+                                                 f"{forward or 'nothing'}; an overlapped backward follows the "
+                                                 "forward of another microbatch it runs with.")
             if action.kind.makes_input_grad and (ActionKind.F, action.stage, action.microbatch) not in done:
                 _fail(schedule, rank, index, f"rank {rank} runs {action} before F{action.stage}.{action.microbatch}; "
                                              "a backward needs its forward first.")
@@ -185,14 +193,17 @@ def _check_messages(schedule: Schedule) -> None:
                 _fail(schedule, receiver, recv_at, f"rank {receiver}'s {recv} has no matching {send} on rank "
                                                    f"{rank}; add the send after {action}.")
     for rank, actions in enumerate(schedule.actions):
+        starts = overlap_partners(actions)  # an overlapped backward starts with its forward
         for index, action in enumerate(actions):
             producer = input_producer(schedule, action) if action.kind.is_compute else None
             if producer is None or schedule.rank_of(producer.stage, producer.microbatch) == rank:
                 continue
             _, recv = outgoing_messages(schedule, producer)
-            if positions[rank][_key(recv)] > index:
-                _fail(schedule, rank, index, f"rank {rank} runs {action} before posting the {recv} it consumes; "
-                                             "post the receive earlier.")
+            start = starts.get(index, index)
+            if positions[rank][_key(recv)] > start:
+                _fail(schedule, rank, start, f"rank {rank} runs {actions[start]} before posting the {recv} "
+                                             f"{'its pair ' if start != index else ''}consumes; post the receive "
+                                             "earlier.")
     _check_message_order(schedule)
 
 

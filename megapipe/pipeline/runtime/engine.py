@@ -103,6 +103,11 @@ class PipelineEngine:
                                                        vertical_sync=vertical_sync))
             self._groups = [(chunks, ps)]
         self.schedule = self.program.schedule
+        if self.schedule.placement is not ps.placement:
+            wanted = self.schedule.placement.value
+            raise ConfigError(f"--pipeline-schedule {self.schedule.name} places its stages {wanted}, but the model "
+                              f"chunks were built for the {ps.placement.value} placement; build the ParallelState "
+                              f"with placement={wanted!r}.")
         params_dtype = next(p.dtype for chunk in chunks for p in chunk.parameters())
         self.grads = [GradBuffers(group, group_ps, optimizer_config.grad_dtype(params_dtype),
                                   optimizer_config.bucket_size(ps.dp_size), optimizer_config.sharding,
@@ -124,7 +129,8 @@ class PipelineEngine:
                                          update=self._update, scale_loss=self.optimizer.scale_loss,
                                          scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
                                          stores=self.stores, versions_used=versions_used, passes=self.passes)
-        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas),
+        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas,
+                                                                                placement=ps.placement),
                                               boundary_shape, dtype, device, step=lambda: None,
                                               scatter_gather=scatter_gather, timeout=timeout, passes=self.passes)
 

@@ -21,15 +21,19 @@ from typing import Callable, Optional
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, Schedule
 from megapipe.pipeline.ir.communication import add_communication, lower_calls
+from megapipe.pipeline.ir.schedules.dualpipev import dualpipev
 from megapipe.pipeline.ir.schedules.gpipe import gpipe
 from megapipe.pipeline.ir.schedules.interleaved import interleaved
 from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
 from megapipe.pipeline.ir.schedules.pipedream import pipedream
 from megapipe.pipeline.ir.schedules.two_bw import two_bw
+from megapipe.pipeline.ir.schedules.v_shape import v_half, v_min
+from megapipe.pipeline.ir.schedules.zbv import zbv
 from megapipe.pipeline.ir.schedules.zero_bubble import interleaved_zb, zb_h1, zb_h2
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.runtime.weights import WeightPolicy
+from megapipe.stage_placement import Placement
 
 UNROLLED_BATCHES = 4
 """Batches in the unrolled form ``build_schedule`` returns for an asynchronous schedule."""
@@ -40,12 +44,14 @@ Generator = Callable[..., list[list[Action]]]
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A registered generator; ``chunked`` generators take (p, m, v), the others (p, m) and need v = 1;
-    asynchronous ones (weight policy other than single) take keywords and may allow chunks."""
+    asynchronous ones (weight policy other than single) take keywords and may allow chunks.
+    ``placement`` says where its chunks live (``stage_placement.py``)."""
 
     name: str
     generate: Generator
     chunked: bool = False
     weight_policy: WeightPolicy = WeightPolicy.SINGLE
+    placement: Placement = Placement.LOOPED
 
     @property
     def asynchronous(self) -> bool:
@@ -66,10 +72,11 @@ _REGISTRY: dict[str, ScheduleSpec] = {}
 
 
 def register_schedule(name: str, generate: Generator, chunked: bool = False,
-                      weight_policy: WeightPolicy = WeightPolicy.SINGLE) -> None:
+                      weight_policy: WeightPolicy = WeightPolicy.SINGLE,
+                      placement: Placement = Placement.LOOPED) -> None:
     if name in _REGISTRY:
         raise ValueError(f"a schedule named {name!r} is already registered")
-    _REGISTRY[name] = ScheduleSpec(name, generate, chunked, weight_policy)
+    _REGISTRY[name] = ScheduleSpec(name, generate, chunked, weight_policy, placement)
 
 
 def schedule_names() -> list[str]:
@@ -108,7 +115,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, batches: Optional[i
     if not spec.asynchronous:
         _check_flush_options(spec, batches, replicas, vertical_sync)
         lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
-        return lower_schedule(Schedule(name, p, m, v, lists))
+        return lower_schedule(Schedule(name, p, m, v, lists, placement=spec.placement))
     return build_segmented(name, p, m, v, batches or UNROLLED_BATCHES, replicas, vertical_sync).schedule
 
 
@@ -175,3 +182,7 @@ register_schedule("zb-h1", zb_h1)
 register_schedule("zb-h2", zb_h2)
 register_schedule("interleaved-zb", interleaved_zb, chunked=True)
 register_schedule("2bw", two_bw, chunked=True, weight_policy=WeightPolicy.DOUBLE_BUFFER)
+register_schedule("zbv", zbv, chunked=True, placement=Placement.V)
+register_schedule("v-half", v_half, chunked=True, placement=Placement.V)
+register_schedule("v-min", v_min, chunked=True, placement=Placement.V)
+register_schedule("dualpipev", dualpipev, chunked=True, placement=Placement.V)
