@@ -7,8 +7,12 @@ iteration fills the p - 1 units each rank idles at the ends, and no rank waits f
 partial state of the rank before it (rank r - 1 ends first); with tied embeddings the first
 stage would wait p - 1 for the last one's embedding gradient, all that was gained. 1F1B and
 ZB-H1 gain nothing: their first rank ends last (1F1B) or with the others (ZB-H1), so its next
-iteration, which every other rank waits for, cannot start earlier.
+iteration, which every other rank waits for, cannot start earlier. ZBV (the V placement, two
+chunks per rank, F = BI = BW = 1/2 per chunk) takes 3m per iteration instead of 3m + (p - 1)/2,
+and there the tied embedding costs nothing: both its copies live on rank 0.
 """
+
+from fractions import Fraction
 
 import pytest
 
@@ -49,3 +53,15 @@ def test_unrolled_lists_number_each_iterations_microbatches_apart():
         assert len(actions) == 3 * len(body)
         assert [(a.kind, a.stage, a.microbatch - 8) for a in actions[2 * len(body):]] == \
             [(a.kind, a.stage, a.microbatch) for a in body]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 7), (4, 8)])
+def test_zbv_takes_3m_per_iteration_and_its_tied_embedding_waits_for_nothing(p, m):
+    schedule = build_schedule("zbv", p, m, 2)
+    costs = CostModel.per_chunk(2)
+    one_batch = simulate(schedule, costs).makespan
+    assert one_batch == 3 * m + Fraction(p - 1, 2)
+    assert steady_iteration_time(schedule, costs, synchronized=True) == one_batch
+    assert steady_iteration_time(schedule, costs, synchronized=False) == 3 * m
+    free = replay_iterations(schedule, costs, 3, synchronized=False)
+    assert free.chain_wait == 0 and free.tied_embedding_wait == 0

@@ -8,17 +8,18 @@ is none, and each rank runs on into its next iteration as soon as its list and i
 What post-validation still waits for is checked on the replay instead of modelled: the partial
 state rank r receives at its step from rank r - 1 (a wait whenever rank r - 1 ends an iteration
 later than rank r), and with tied embeddings the gradient sum of the first and last stage (a
-wait of the earlier of the two for the later). ``chain_wait`` and ``tied_embedding_wait`` are the
+wait of the earlier of their ranks for the later; none under the V placement, where one rank
+holds both). ``chain_wait`` and ``tied_embedding_wait`` are the
 longest of those waits; when they are not 0 the iteration time without barriers is a lower bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Real
 
 from megapipe.pipeline.analysis.simulate import CostModel
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
+from megapipe.pipeline.ir.actions import ActionKind, Schedule
 from megapipe.pipeline.ir.replay import replay
 
 
@@ -39,8 +40,8 @@ def unrolled(schedule: Schedule, iterations: int) -> Schedule:
     lists = []
     for actions in schedule.compute_only().actions:
         body = [action for action in actions if action.kind is not ActionKind.STEP]
-        lists.append([Action(a.kind, a.stage, a.microbatch + k * m) for k in range(iterations) for a in body])
-    return Schedule(f"{schedule.name} x{iterations}", schedule.p, m, schedule.v, lists, batches=iterations)
+        lists.append([replace(a, microbatch=a.microbatch + k * m) for k in range(iterations) for a in body])
+    return replace(schedule.compute_only(), name=f"{schedule.name} x{iterations}", actions=lists, batches=iterations)
 
 
 def replay_iterations(schedule: Schedule, costs: CostModel, iterations: int, synchronized: bool) -> Iterations:
@@ -48,14 +49,15 @@ def replay_iterations(schedule: Schedule, costs: CostModel, iterations: int, syn
     lists = unrolled(schedule, iterations)
     per_iteration = [len(actions) // iterations for actions in lists.actions]
     barriers = [[n * k for k in range(1, iterations)] for n in per_iteration] if synchronized else None
-    steps = replay(lists, costs.compute_time, costs.transfer_time, barriers=barriers)
+    steps = replay(lists, costs.compute_time, costs.transfer_time, barriers=barriers, overlap=costs.overlap)
     ends = [[0] * schedule.p for _ in range(iterations)]
     for step in steps:
         k = step.index // per_iteration[step.rank]
         ends[k][step.rank] = max(ends[k][step.rank], step.end)
     p = schedule.p
     chain = max((row[r - 1] - row[r] for row in ends for r in range(1, p)), default=0)
-    tied = max((abs(row[p - 1] - row[0]) for row in ends), default=0) if p > 1 else 0
+    first, last = schedule.rank_of_stage(0), schedule.rank_of_stage(schedule.num_stages - 1)
+    tied = max(abs(row[last] - row[first]) for row in ends)  # 0 when one rank holds both (V placement)
     return Iterations(max(step.end for step in steps), tuple(map(tuple, ends)), max(chain, 0), tied)
 
 
