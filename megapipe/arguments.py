@@ -124,6 +124,9 @@ def _optimizer_flags(g) -> None:
                    help="all-gather the updated weight shards after the step; each chunk's next forward waits")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="fp16: accumulate and reduce gradients in fp32 (bf16 always does)")
+    g.add_argument("--enable-optimizer-post-validation", action="store_true",
+                   help="step each pipeline stage without first reducing the gradient norm and overflow flag "
+                        "across stages; validate afterwards and redo the step when it clipped or skipped")
 
 
 def _training_flags(g) -> None:
@@ -246,7 +249,8 @@ def config_from_args(kind: str, args: argparse.Namespace) -> Config:
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         use_distributed_optimizer=args.use_distributed_optimizer, ddp_bucket_size=args.ddp_bucket_size,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32)
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        enable_optimizer_post_validation=args.enable_optimizer_post_validation)
     # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
     # would leave its test split empty
     split = args.split or ("969,30,1" if args.data_path else "90,5,5")
@@ -296,6 +300,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         layout = PlanLayout(plan, par.tensor)
         data, pipeline, replicas = layout.data_size, layout.pipeline_size, layout.stage_replicas
     config.optimizer.validate()
+    config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)
     for flag, value in (("--micro-batch-size", train.micro_batch_size), ("--train-iters", train.train_iters),
                         ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
         if value < 1:

@@ -84,14 +84,20 @@ class ExitConditions:
     SIGTERM may reach one rank only, the clock differs between hosts and only one rank holds the
     cluster lease (``--cluster-lease``), so all three are agreed on with one all-reduce (MAX) at
     the iteration boundary; the exit interval needs no agreement.
+    ``lagged`` (optimizer post-validation, whose stages must not meet at the end of an
+    iteration): the all-reduce is started at one boundary, on a CPU group of its own, and read at
+    the next, so a rank never waits there for the others and the exit comes one iteration later.
     """
 
-    def __init__(self, config: Config, start_time: Optional[float] = None, lease=None):
+    def __init__(self, config: Config, start_time: Optional[float] = None, lease=None, lagged: bool = False):
         t = config.training
         self.exit_interval, self.exit_minutes = t.exit_interval, t.exit_duration_in_mins
         self.start = time.time() if start_time is None else start_time
         self.sigterm = False
         self.lease = lease  # a ClusterLease on the rank that talks to the scheduler, else None
+        self.lagged = lagged
+        self._group = None  # the lagged agreement's gloo group, made at the first boundary
+        self._pending = None  # (flags, work) of the lagged agreement started at the last boundary
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
@@ -101,12 +107,15 @@ class ExitConditions:
         """Collective over the world: the reason to stop after ``iteration``, the same on every rank."""
         minutes = (time.time() - self.start) / 60
         lease_ended = self.lease is not None and self.lease.stop_reason(iteration) is not None
-        flags = torch.tensor([float(self.sigterm),
-                              float(self.exit_minutes is not None and minutes > self.exit_minutes),
-                              float(lease_ended)], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        sigterm, out_of_time, lease_ended = flags.tolist()
+        flags = [float(self.sigterm), float(self.exit_minutes is not None and minutes > self.exit_minutes),
+                 float(lease_ended)]
+        if self.lagged and dist.is_initialized():
+            sigterm, out_of_time, lease_ended = self._agree_lagged(torch.tensor(flags))
+        else:
+            agreed = torch.tensor(flags, device=device)
+            if dist.is_initialized():
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            sigterm, out_of_time, lease_ended = agreed.tolist()
         if sigterm:
             return f"SIGTERM at iteration {iteration}"
         if lease_ended:
@@ -116,6 +125,17 @@ class ExitConditions:
         if self.exit_interval and iteration % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} at iteration {iteration}"
         return None
+
+    def _agree_lagged(self, flags: torch.Tensor) -> list[float]:
+        """Start agreeing on ``flags``; return what the ranks agreed on at the previous boundary."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        previous, self._pending = self._pending, (flags, work)
+        if previous is None:
+            return [0.0] * len(flags)
+        previous[1].wait()
+        return previous[0].tolist()
 
 
 def report_user_error(error: Exception) -> None:

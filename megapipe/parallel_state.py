@@ -187,6 +187,17 @@ class ParallelState:
         members = dict(self.members, pipeline=[self.rank], model_parallel=list(self.members["tensor"]), embedding=[])
         return ParallelState(self.layout, self.rank, 1, groups, members, self.rng_tracker)
 
+    def pipeline_side_group(self, role: str, timeout: Optional[datetime.timedelta] = None):
+        """A group of this rank's pipeline ranks with a communicator of its own, named by ``role``,
+        for small messages that must neither queue behind the pipeline's nor hold them up
+        (collective: every rank creates every pipeline group's twin, in the same order)."""
+        mine = None
+        for ranks in self.layout.pipeline_groups():
+            group = _group(role, ranks, timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     # ---- sizes and indices -----------------------------------------------------------------
     @property
     def world_size(self) -> int:

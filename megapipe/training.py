@@ -55,7 +55,8 @@ class Trainer:
 
     def __init__(self, kind: str, config: Config):
         self.kind, self.config = kind, config
-        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
+        # --exit-duration-in-mins counts from here; post-validation agrees on exits without a barrier
+        self.exit_conditions = ExitConditions(config, lagged=config.optimizer.enable_optimizer_post_validation)
         timeout = distributed_timeout(config)
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -140,7 +141,7 @@ class Trainer:
             self.state.iteration += 1
             self.state.consumed_samples += t.global_batch_size
             self.scheduler.step()
-            self.counters.add(result.step)  # on the device: this loop reads nothing back until it logs
+            self._count(result)
             self._add_losses(window_losses, result.batch)
             window_iters += 1
             if self.state.iteration % t.log_interval == 0:
@@ -157,13 +158,14 @@ class Trainer:
                     self.save(t.save)
                 if t.save:
                     self.wait_for_save()
-                self.engine.drain()
+                self._count(self.engine.drain())
                 self.logger.print(f"exiting on {reason}")
                 self.logger.close()
                 if lease is not None:
                     lease.finish(self.state.iteration)
                 return
-        self.engine.drain()  # an asynchronous pipeline finishes its microbatches in flight before the end
+        # an asynchronous pipeline finishes its microbatches in flight, a post-validated step is validated
+        self._count(self.engine.drain())
         self._count_steps()
         if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
             self.save(t.save)
@@ -179,6 +181,7 @@ class Trainer:
     def save(self, directory: str) -> None:
         from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
 
+        self._count(self.engine.settle())  # a post-validated step is validated (and redone if needed) first
         self._count_steps()  # the checkpoint's train state counts every skipped iteration so far
 
         checkpointing.save_checkpoint(directory, self)
@@ -218,6 +221,11 @@ class Trainer:
             dist.all_reduce(totals, group=self.ps.dp_group)
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
         return dict(zip(named, means.tolist()))
+
+    def _count(self, result) -> None:
+        """Add the steps that became final in an engine call to the device counters (no host read)."""
+        for step in result.settled:
+            self.counters.add(step)
 
     def _count_steps(self, last_step=None) -> None:
         """Read the device counters of skipped and NaN iterations into the train state."""

@@ -29,16 +29,13 @@ def _counted_grads(params: list[torch.Tensor], ps: ParallelState) -> list[torch.
     return [p.grad for p in params if p.grad is not None and counts_in_norm(p, ps.tp_rank)]
 
 
-def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
+def local_squared_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm (``param.grad``), an fp32 scalar.
 
-    ``sharded``: each data-parallel rank holds a disjoint piece of the gradients (a sharded
-    optimizer), so the squares are also summed over the data-parallel group.
-
-    Inf or NaN in any gradient on any model-parallel rank makes the result inf or NaN everywhere,
-    including the copies the norm does not count (they add 0 x their norm, which is NaN only
-    when they are not finite): without loss scaling this is the overflow check, and no rank can
-    step on a copy that went bad while its counted twin did not.
+    Inf or NaN in any gradient makes it inf or NaN, including the copies the norm does not count
+    (they add 0 x their norm, which is NaN only when they are not finite): without loss scaling
+    this is the overflow check, and no rank can step on a copy that went bad while its counted
+    twin did not.
     """
     with_grad = [p for p in params if p.grad is not None]
     device = with_grad[0].device if with_grad else (params[0].device if params else None)
@@ -48,6 +45,18 @@ def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: boo
         if grads:
             part = torch.stack(torch._foreach_norm(grads)).square().sum()
             squared += part if counted else 0.0 * part
+    return squared
+
+
+def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
+
+    ``sharded``: each data-parallel rank holds a disjoint piece of the gradients (a sharded
+    optimizer), so the squares are also summed over the data-parallel group. Inf or NaN in any
+    gradient on any model-parallel rank makes the result inf or NaN everywhere
+    (``local_squared_norm``).
+    """
+    squared = local_squared_norm(params, ps)
     all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:
         all_reduce(squared, ps.dp_group, ps.dp_size)

@@ -57,6 +57,8 @@ class OptimizerConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     accumulate_allreduce_grads_in_fp32: bool = False
+    # step each stage eagerly and validate afterwards instead of reducing across stages first
+    enable_optimizer_post_validation: bool = False
 
     @property
     def sharding(self) -> ShardingLevel:
@@ -84,7 +86,11 @@ class OptimizerConfig:
         self._validate_data_parallel()
 
     def check_pipeline_schedule(self, schedule: str, asynchronous: bool) -> None:
-        """Refuse a sharding level the named pipeline schedule cannot run."""
+        """Refuse a sharding level or post-validation where the named pipeline schedule cannot run it."""
+        if self.enable_optimizer_post_validation and asynchronous:
+            raise ConfigError(f"--enable-optimizer-post-validation cannot run --pipeline-schedule {schedule}: it "
+                              "validates the step that ends a flush, and this schedule has none (each stage "
+                              "already updates on its own); drop the flag or use a flush schedule such as zb-h2.")
         if self.sharding.shards_params and asynchronous:
             raise ConfigError(f"--data-parallel-sharding-strategy optim_grads_params cannot run --pipeline-schedule "
                               f"{schedule}: its weight versions are whole copies kept across passes; use optim_grads "
@@ -127,6 +133,22 @@ class OptimizerConfig:
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ConfigError(f"--loss-scale-window {self.loss_scale_window} and --hysteresis {self.hysteresis} "
                               "must be at least 1.")
+
+    def check_post_validation(self, pipeline: int, replicated_stages: bool) -> None:
+        """Refuse --enable-optimizer-post-validation where it has nothing to do or cannot chain the stages."""
+        if not self.enable_optimizer_post_validation:
+            return
+        if pipeline < 2:
+            raise ConfigError("--enable-optimizer-post-validation needs --pipeline-model-parallel-size of at least "
+                              "2: with one stage no step waits for another; drop the flag.")
+        if replicated_stages:
+            raise ConfigError("--enable-optimizer-post-validation cannot run a --pipeline-stages plan with "
+                              "replicated stages: the partial state is handed from stage to stage along one "
+                              "pipeline; replicate the whole pipeline (data parallelism) instead.")
+        if self.log_num_zeros_in_grad:
+            raise ConfigError("--enable-optimizer-post-validation cannot count zero gradients "
+                              "(log_num_zeros_in_grad): that count is a reduction across all stages before the "
+                              "step; turn the count off.")
 
     def _validate_schedule(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:

@@ -9,18 +9,21 @@ class serves both, so every precision has the same interface and the same step l
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from megapipe.errors import CheckpointError
-from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, global_grad_norm
+from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, local_squared_norm
 from megapipe.collectives import all_reduce
 from megapipe.optim.grad_buffer import GradBuffers
 from megapipe.optim.grad_sync import piece_of
 from megapipe.optim.loss_scaler import LossScaler
 from megapipe.parallel_state import ParallelState
+
+# Post-validation's hand-over: (overflow flag or None, squared norm) of this stage -> of the stages so far.
+StateChain = Callable[[Optional[torch.Tensor], torch.Tensor], tuple[Optional[torch.Tensor], torch.Tensor]]
 
 # Attributes the gradient norm reads; master copies carry them so the norm can run on main params.
 NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
@@ -110,21 +113,45 @@ class PrecisionOptimizer:
         """The tensor to call ``backward()`` on: the loss times the loss scale (fp16 only)."""
         return loss * self.loss_scaler.scale_on(loss.device) if self.loss_scaler is not None else loss
 
+    @property
+    def main_grads(self) -> list[torch.Tensor]:
+        """The finalized gradients the step reads, one per main param (views of the gradient buffers)."""
+        return self._main_grads
+
+    @torch.no_grad()
+    def refresh_model_weights(self) -> None:
+        """Make the model's weights those of the main params again (after the main params were set)."""
+        self._copy_masters_to_model()
+        self.grads.publish_weights()
+
     def zero_grad(self) -> None:
         """Clear the main gradients before the next batch."""
         self.grads.zero()
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Update the parameters from the finalized main gradients, or skip on overflow."""
+    def step(self, chain: Optional[StateChain] = None) -> StepResult:
+        """Update the parameters from the finalized main gradients, or skip on overflow.
+
+        The overflow flag and the squared gradient norm are all-reduced over the model-parallel
+        group. With ``chain`` (optimizer post-validation, ``post_validation.py``) they are reduced
+        over this stage's own ranks only and ``chain`` turns them into the state of the stages up
+        to this one (every stage on the last), which the step then uses: no collective across
+        the pipeline.
+        """
         self._attach_main_grads()
         try:
             device = self.grads.device
+            whole_model = chain is None
+            found = self._unscale_and_find_overflow(whole_model) if self.loss_scaler is not None else None
+            squared = local_squared_norm(self.main_params, self.ps)
+            self._reduce(squared, whole_model, dist.ReduceOp.SUM)
+            if chain is not None:
+                found, squared = chain(found, squared)
             overflow = torch.zeros((), dtype=torch.bool, device=device)
-            if self.loss_scaler is not None:  # without one, any non-finite gradient makes the norm below so
-                overflow = self._unscale_and_find_overflow()
+            if found is not None:  # without loss scaling, any non-finite gradient makes the norm so
+                overflow = found[0] > 0
                 self.loss_scaler.update(overflow)
-            grad_norm = global_grad_norm(self.main_params, self.ps, self.sharded)
+            grad_norm = squared.sqrt()
             skip = overflow | ~torch.isfinite(grad_norm)
             if self.clip_grad > 0:
                 clip_grads_by_total_norm(self.main_params, self.clip_grad, grad_norm)
@@ -138,6 +165,16 @@ class PrecisionOptimizer:
             # main.grad aliases the buffer for fp32 params; never let autograd accumulate into it.
             for main in self.main_params:
                 main.grad = None
+
+    def _reduce(self, tensor: torch.Tensor, whole_model: bool, op) -> None:
+        """Reduce over the model-parallel group (``whole_model``) or this stage's tensor group, and
+        over the data-parallel group when each replica holds a piece of the gradients."""
+        if whole_model:
+            all_reduce(tensor, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=op)
+        else:
+            all_reduce(tensor, self.ps.tp_group, self.ps.tp_size, op=op)
+        if self.sharded:
+            all_reduce(tensor, self.ps.dp_group, self.ps.dp_size, op=op)
 
     def _inner_step(self, skip: torch.Tensor) -> None:
         """Update unless ``skip``: torch's fused kernels take the flag on the device (``found_inf``,
@@ -153,8 +190,9 @@ class PrecisionOptimizer:
         for grad, main in zip(self._main_grads, self.main_params):
             main.grad = grad if grad.dtype == main.dtype else grad.to(main.dtype)
 
-    def _unscale_and_find_overflow(self) -> torch.Tensor:
-        """Divide gradients by the loss scale; True if any model-parallel rank saw inf or NaN.
+    def _unscale_and_find_overflow(self, whole_model: bool = True) -> torch.Tensor:
+        """Divide gradients by the loss scale; a 1-element tensor above 0 if any rank of the model
+        (``whole_model``) or of this stage saw inf or NaN.
 
         Every gradient is checked, including copies the norm leaves out (tensor-parallel
         duplicates, the last stage's embedding copy), so no rank can step on a bad gradient.
@@ -164,10 +202,8 @@ class PrecisionOptimizer:
         found = torch.zeros(1, dtype=torch.float32, device=device)
         inverse_scale = self.loss_scaler.scale_on(device).reciprocal().reshape(1)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
-        all_reduce(found, self.ps.mp_group, self.ps.tp_size * self.ps.pp_size, op=dist.ReduceOp.MAX)
-        if self.sharded:
-            all_reduce(found, self.ps.dp_group, self.ps.dp_size, op=dist.ReduceOp.MAX)
-        return found[0] > 0
+        self._reduce(found, whole_model, dist.ReduceOp.MAX)
+        return found
 
     def _copy_masters_to_model(self) -> None:
         if self._copy_back:
@@ -198,8 +234,7 @@ class PrecisionOptimizer:
             main.copy_(saved)
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self._copy_masters_to_model()
-        self.grads.publish_weights()
+        self.refresh_model_weights()
 
     # ---- whole-parameter view of the state (checkpoints in any layout) ----------------------------
     def param_states(self) -> dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -255,5 +290,4 @@ class PrecisionOptimizer:
             if main is not model and id(model) in weights:
                 whole = weights[id(model)]
                 main.copy_(whole if piece is None else piece_of(piece, whole))
-        self._copy_masters_to_model()
-        self.grads.publish_weights()
+        self.refresh_model_weights()

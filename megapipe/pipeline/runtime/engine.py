@@ -7,8 +7,11 @@ schedule (PipeDream, 2BW) every chunk is a stage with its own optimizer, which e
 steps on its own: gradients are averaged over the stage's replicas and the norm and overflow
 check cover the stage only, since meeting the other stages would be a flush. The pipeline
 then stays full between calls; ``drain()`` empties it (at the end of training; ``evaluate``
-drains first), and a checkpoint records what is in flight instead (``in_flight``). The
-training loop, the benchmarks and the tests all drive training through this one class.
+drains first), and a checkpoint records what is in flight instead (``in_flight``). With
+optimizer post-validation (``optim/post_validation.py``) a flush's STEP steps eagerly, reads
+the verdict on the previous step, and when that step is amended the batch runs again
+(``train_batch``); ``settle`` validates the last step. The training loop, the benchmarks and
+the tests all drive training through this one class.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
 from megapipe.optim.passes import SyncPasses
+from megapipe.optim.post_validation import PostValidation
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
@@ -35,6 +39,7 @@ from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.weights import WeightVersionStore
+from megapipe.tensor_parallel.random import capture_rng, restore_rng
 
 
 @dataclass
@@ -46,6 +51,9 @@ class TrainStepResult:
     step: Optional[StepResult]  # the last optimizer step of this call on this rank, if any
     peak_in_flight: int
     updates: list[StepResult] = field(default_factory=list)  # every step of this call (one per UPDATE)
+    # what the training loop counts, one per iteration: the call's last step, or under
+    # post-validation the earlier eager step validated in this call (its full state, or its redo)
+    settled: list[StepResult] = field(default_factory=list)
 
     @property
     def losses(self) -> list[float]:
@@ -110,6 +118,12 @@ class PipelineEngine:
         self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerGroup(self.optimizers)
         self.stores = [WeightVersionStore(chunk, spec.weight_policy) for chunk in chunks]
         self._steps: list[StepResult] = []
+        self._settled: list[StepResult] = []
+        self.validation = None  # with --enable-optimizer-post-validation (``optim/post_validation.py``)
+        if optimizer_config.enable_optimizer_post_validation:
+            optimizer_config.check_post_validation(ps.pp_size, ps.stage_replicas is not None)
+            self.validation = PostValidation(self.optimizer, ps, timeout)
+        self._redo_iteration = False  # the previous step is being amended: this call's list runs again
         self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
         self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
                                          update=self._update, scale_loss=self.optimizer.scale_loss,
@@ -134,30 +148,73 @@ class PipelineEngine:
         """A context in which every chunk's weights are whole (``optim_grads_params`` releases them between passes)."""
         return _all_whole(self.grads)
 
-    def _step(self) -> StepResult:
-        return self._update(0)
+    def _step(self) -> Optional[StepResult]:
+        if self.validation is None:
+            return self._update(0)
+        finalize_model_grads(self.chunks, self.ps, self.grads[0])
+        if self._settle():  # the weights this list ran on are being amended: no step, the list runs again
+            self._redo_iteration = True
+            return None
+        result = self.validation.step()
+        self._after_step(0, result)
+        return result
 
     def _update(self, group: int) -> StepResult:
         """Finalise the gradients of one optimizer's chunks (all of them for a flush) and step it."""
         chunks, group_ps = self._groups[group]
         finalize_model_grads(chunks, group_ps, self.grads[group])
         result = self.optimizers[group].step()
-        self.optimizers[group].zero_grad()
-        self.passes.updated([self.chunks.index(chunk) for chunk in chunks])
-        self._steps.append(result)
+        self._after_step(group, result)
         return result
+
+    def _after_step(self, group: int, result: StepResult) -> None:
+        self.optimizers[group].zero_grad()
+        self.passes.updated([self.chunks.index(chunk) for chunk in self._groups[group][0]])
+        self._steps.append(result)
+
+    def _settle(self) -> bool:
+        """Post-validation: read the verdict on the last eager step and redo it if needed (True then)."""
+        amend, validated = self.validation.settle()
+        if amend:
+            validated = self.validation.redo()
+            self.optimizer.zero_grad()
+            self.passes.updated(list(range(len(self.chunks))))
+        if validated is not None:
+            self._settled.append(validated)
+        return amend
+
+    def settle(self) -> TrainStepResult:
+        """Make the weights final: under post-validation, validate (and redo if needed) the last
+        eager step; before a checkpoint, an evaluation or the end of training. Collective."""
+        if self.validation is not None:
+            self._settle()
+        return self._result(BatchResult([], 0))
 
     def _result(self, batch) -> TrainStepResult:
         steps, self._steps = self._steps, []
-        return TrainStepResult(batch, steps[-1] if steps else None, batch.peak_in_flight, steps)
+        settled, self._settled = (self._settled, []) if self.validation is not None else (steps[-1:], [])
+        return TrainStepResult(batch, steps[-1] if steps else None, batch.peak_in_flight, steps, settled)
 
     def train_batch(self, microbatches: list[dict]) -> TrainStepResult:
+        """Run one batch. Under post-validation, when its STEP finds the previous eager step
+        amended, its forwards ran on weights that are gone: it runs again on the same
+        microbatches and random states, and every message of the first run was matched."""
         for chunk in self.chunks:
             chunk.train()
-        return self._result(self.executor.run(microbatches))
+        rng = capture_rng(self.ps.rng_tracker, self.executor.p2p.device) if self.validation is not None else None
+        batch = self.executor.run(microbatches)
+        if self._redo_iteration:
+            self._redo_iteration = False
+            self._steps = []
+            restore_rng(rng, self.ps.rng_tracker, self.executor.p2p.device)
+            batch = self.executor.run(microbatches)
+        return self._result(batch)
 
     def drain(self) -> TrainStepResult:
-        """Finish the microbatches still in flight (asynchronous schedules; nothing to do after a flush)."""
+        """Finish the microbatches still in flight (asynchronous schedules) and, under
+        post-validation, validate the last step: afterwards the weights are final."""
+        if self.validation is not None:
+            self._settle()
         return self._result(self.executor.drain())
 
     def in_flight(self) -> Optional[InFlight]:
@@ -187,6 +244,8 @@ class PipelineEngine:
         if self.executor.calls:
             with torch.enable_grad():
                 self.drain()
+        if self.validation is not None:  # evaluate final weights; the outcome is reported with the next call's
+            self._settle()
         for chunk in self.chunks:
             chunk.eval()
         return self.eval_executor.run(microbatches)
