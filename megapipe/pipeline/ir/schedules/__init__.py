@@ -159,7 +159,7 @@ def _check_sizes(spec: ScheduleSpec, p: int, m: int, v: int) -> None:
     if v > 1 and not spec.chunked:
         chunked = _flush_first(n for n in schedule_names() if _REGISTRY[n].chunked)
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage gives v={v} model chunks per rank, but "
-                          f"--pipeline-schedule {name} has none; use {' or '.join(chunked)} or drop the flag.")
+                          f"--pipeline-schedule {name} has none; use one of {', '.join(chunked)} or drop the flag.")
 
 
 def _check_flush_options(spec: ScheduleSpec, batches, replicas, vertical_sync: bool) -> None:
