@@ -2,8 +2,10 @@
 
     python benchmarks/bench_gavel_physical.py --round-seconds 20 --out benchmarks/results/gavel_physical_20s.json
 
-Cluster: two hosts (worker agents ``host-a`` and ``host-b`` on this machine), each with 2 fast and
-2 slow CPU devices (a rank per device, one thread each; slow devices throttled to half a CPU).
+Cluster: two hosts, each a network namespace of this machine (``megapipe/testing_hosts.py``; the
+loopback address where namespaces cannot be made) with its worker agent (``host-a``, ``host-b``)
+and 2 fast and 2 slow CPU devices (a rank per device, one thread each; slow devices throttled to
+half a CPU); a two-device job placed on both hosts talks over the bridge between them.
 Trace: 8 small GPT and BERT jobs of different lengths, priorities and sizes (1 or 2 devices),
 all submitted at time 0. Three physical runs of the scheduler service, side by side:
 
@@ -47,6 +49,7 @@ from megapipe.cluster.policies import make_policy  # noqa: E402
 from megapipe.cluster.scheduler import Scheduler  # noqa: E402
 from megapipe.cluster.simulator import simulate  # noqa: E402
 from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
+from megapipe.testing_hosts import NamespacesUnavailable, TestHosts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = {"host-a": "fast:2,slow:2", "host-b": "fast:2,slow:2"}
@@ -92,9 +95,23 @@ def device_speeds(work_dir: str, throttle: float = 0.5) -> dict:
 
 
 def physical_run(policy: str, renew: bool, round_seconds: float, work_dir: str) -> dict:
+    """One run of the trace on two test hosts (network namespaces), or on loopback hosts where none can be made."""
+    try:
+        hosts = TestHosts(len(HOSTS))
+    except NamespacesUnavailable as reason:
+        print(f"no test hosts ({reason}): the agents run on this machine's loopback address", file=sys.stderr)
+        hosts = None
+    try:
+        return _trace(policy, renew, round_seconds, work_dir, hosts)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _trace(policy: str, renew: bool, round_seconds: float, work_dir: str, hosts) -> dict:
     flags = () if renew else ("--no-lease-renewal",)
     started = time.time()
-    with LocalCluster(work_dir, policy, round_seconds, HOSTS, extra_serve_flags=flags) as cluster:
+    with LocalCluster(work_dir, policy, round_seconds, HOSTS, extra_serve_flags=flags, test_hosts=hosts) as cluster:
         ids = {name: cluster.submit(name, command, priority)["id"] for name, priority, command in TRACE}
 
         def finished() -> bool:
@@ -107,7 +124,7 @@ def physical_run(policy: str, renew: bool, round_seconds: float, work_dir: str) 
         cluster.wait_for(finished, 7200, "every job of the trace to finish")
         jobs = {name: cluster.job(job_id) for name, job_id in ids.items()}
     print(f"{policy} (renewals {'on' if renew else 'off'}): {time.time() - started:.0f} s", file=sys.stderr)
-    return {"policy": policy, "renew": renew, "jobs": jobs}
+    return {"policy": policy, "renew": renew, "jobs": jobs, "namespaces": hosts is not None}
 
 
 def measured_table(runs: list[dict]) -> ThroughputTable:
