@@ -1,7 +1,8 @@
 """A job stopped by a worker agent saves completely, however long its save takes, and exits 0.
 
 The agent stops a job with SIGTERM to every process group of its tree (torchrun's, and each
-worker's: torchrun starts them in sessions of their own); it starts torchrun as the Slurm backend does (``backends/torchrun.py``: SIGTERM ignored, not in torchrun's
+worker's: torchrun starts them in sessions of their own). It starts torchrun as the Slurm
+backend does (``backends/torchrun.py``: SIGTERM ignored, not in torchrun's
 ``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers 30 s
 later. The job here (two ranks, data parallel, through the agent's own ``JobProcess``) takes 40 s
 to save, on purpose (``slow_save_gpt.py``: a wait before megapipe's save, test only): it must
