@@ -1,7 +1,9 @@
 """The scheduler service end to end: real agents, real megapipe jobs, faults, bad input, the status page.
 
 One cluster for the module: the scheduler (heterogeneity-aware LAS, 12 s rounds, lease renewals
-on) and two hosts, each an agent with one fast and one slow CPU device (slow: half a CPU).
+on) and two hosts (network namespaces, ``testing_hosts.py``; skipped where they cannot be made),
+each an agent with one fast and one slow CPU device (slow: half a CPU) running its jobs' ranks
+inside its host.
 Three small GPT jobs run to their targets while the status page is checked in headless
 Chromium, an agent is killed mid-round (its one-device job resumes on the other host from its
 checkpoint; the agent comes back later) and the scheduler is killed and restarted on its
@@ -26,6 +28,7 @@ from megapipe.cluster.job_log import (continuity, iteration_layouts, iteration_l
                                       overlapping_runs, run_alone)
 from megapipe.cluster.lease import post_json
 from megapipe.cluster.local_cluster import TOOL, LocalCluster, free_port
+from megapipe.testing_hosts import NamespacesUnavailable, TestHosts
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,12 +45,17 @@ RELATIVE = 1e-5
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    try:
+        hosts = TestHosts(2)
+    except NamespacesUnavailable as reason:
+        pytest.skip(f"no test hosts: {reason}")
     cluster = LocalCluster(str(tmp_path_factory.mktemp("cluster")), "max_min_fairness_perf", 12,
-                           {"host-a": "fast:1,slow:1", "host-b": "fast:1,slow:1"})
+                           {"host-a": "fast:1,slow:1", "host-b": "fast:1,slow:1"}, test_hosts=hosts)
     try:
         yield cluster.start()
     finally:
         cluster.close()
+        hosts.close()
 
 
 def test_bad_input_is_one_sentence_and_the_service_keeps_running(cluster):

@@ -3,11 +3,13 @@
 It registers with the scheduler, then sends a heartbeat every ``HEARTBEAT_SECONDS`` with the
 exit codes of the ranks it started, and gets back the launches and stops for its host (the
 scheduler side is ``backends/agents.py``). A launch runs ``torchrun`` with one node rank for
-this host, as many processes as devices given, the job's output appended to its log.
+this host, as many processes as devices given, the job's output appended to its log; it is
+started as every backend starts it (``backends/torchrun.py``), so a stop's SIGTERM lets the
+workers save for as long as the save takes (up to the stop's grace period) and exit 0.
 
 CPU devices: every rank gets one thread. A type declared with a throttle (``--throttle
 slow:0.5``) gets that fraction of a CPU per device: ``throttle.py`` suspends and resumes the
-job's process group with that duty cycle, a CPU quota that needs no cgroup privileges, so slow
+job's process tree with that duty cycle, a CPU quota that needs no cgroup privileges, so slow
 devices are really slower and their speed is measured, not assumed.
 
 Hosts: on one machine several agents with different ``--host`` names stand for several hosts
@@ -18,6 +20,7 @@ namespace and passes that namespace's ``--address``.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from megapipe.cluster.backends.torchrun import node_shell_command
 from megapipe.cluster.lease import post_json
+from megapipe.cluster.process_tree import signal_tree
 from megapipe.errors import ConfigError
 
 HEARTBEAT_SECONDS = 0.3
@@ -61,14 +66,14 @@ def parse_throttle(text: str, devices: dict) -> dict:
 
 
 class JobProcess:
-    """The torchrun of one job on this host, in its own process group."""
+    """The torchrun of one job on this host, in a session of its own (its workers each in theirs)."""
 
     def __init__(self, launch: dict, throttle: float):
         slot = next(s for s in launch["hosts"] if s["host"] == launch["host"])
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(launch["hosts"])),
-                   "--node-rank", str(launch["node_rank"]), "--nproc-per-node", str(slot["devices"]),
-                   "--master-addr", launch["master_addr"], "--master-port", str(launch["master_port"]),
-                   str(ROOT / launch["command"][0]), *launch["command"][1:]]
+        endpoint = f"{launch['master_addr']}:{launch['master_port']}"
+        command = ["bash", "-c", node_shell_command(
+            sys.executable, len(launch["hosts"]), slot["devices"], str(launch["node_rank"]), shlex.quote(endpoint),
+            shlex.quote(f"megapipe-{launch['job_id']}-{launch['master_port']}"), launch["command"])]
         env = {**os.environ, **launch["env"], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         Path(launch["log_path"]).parent.mkdir(parents=True, exist_ok=True)
@@ -81,13 +86,11 @@ class JobProcess:
                                                str(throttle)], env=env, cwd=str(ROOT), start_new_session=True)
 
     def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_tree(self.process.pid, sig)  # torchrun's group and each worker's (``process_tree.py``)
 
     def stop(self, grace_seconds: float) -> None:
-        """SIGTERM (the training loop saves and exits), SIGKILL after ``grace_seconds``."""
+        """SIGTERM to every process of the job (the training loop saves and exits 0; torchrun ignores it and
+        exits 0 after its workers, ``backends/torchrun.py``), SIGKILL after ``grace_seconds``."""
         if self.throttler is not None:
             self.throttler.terminate()  # it resumes the job for good
             self.throttler.wait()

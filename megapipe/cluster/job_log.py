@@ -6,6 +6,8 @@ gives each iteration's loss as printed (its last print, should a killed run have
 iterations its checkpoint did not keep); ``overlapping_runs`` finds a run that printed while
 another of the same job was printing (the iterations go back without a new lease line).
 ``run_alone`` trains the same command uninterrupted, the reference for loss continuity.
+``MeasuredThroughput`` reads, as the log grows, the job's speed on each accelerator type from the
+iteration times it printed: the throughputs the scheduler uses once a job has run on a type.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 LEASE = re.compile(r"^\[cluster\] lease (\d+) on (.*?): (\S+\.py .*)$")
 ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.E]+) \|")
+ITERATION_TIME = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*?\| elapsed time per iteration \(ms\): ([0-9.]+) \|")
+SLOT = re.compile(r"^\S+:(\S+)x\d+$")  # host:TYPExN, as the lease line names each host of an allocation
 SCHEDULER_FLAGS = ("--save", "--load", "--cluster-lease")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,3 +133,56 @@ def continuity(text: str, reference: dict[int, str], submitted: list[str], devic
             "bit_exact_throughout": bit_exact_before and exact_until == end,
             "max_relative": max((abs(float(got[i]) - float(reference[i])) / abs(float(reference[i])) for i in got),
                                 default=0.0)}
+
+
+class MeasuredThroughput:
+    """Iterations/s of a job on each accelerator type, from the iteration lines of its log.
+
+    Each line gives the mean time per iteration of the iterations since the previous line; a
+    lease's first line is left out (it holds the start-up: lazy initialisation, the first
+    iteration's allocations; the scheduler counts starting as overhead). Every later window,
+    renewals and evaluations included, is time the job held its devices, so a type's rate is all
+    those iterations over all that time, summed over every lease on the type. ``update`` reads
+    what was appended since the last call (a line still being written waits for the next)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+        self.worker_type: Optional[str] = None  # of the current lease
+        self.last_iteration: Optional[int] = None  # logged in the current lease
+        self.totals: dict = {}  # worker type -> [iterations, seconds]
+
+    def update(self) -> dict[str, float]:
+        """Read new lines; returns iterations/s per type measured so far."""
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(self.offset)
+                data = log.read()
+        except FileNotFoundError:
+            data = b""
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            self._line(line)
+        return self.rates()
+
+    def _line(self, line: str) -> None:
+        lease = LEASE.match(line)
+        if lease:
+            types = {SLOT.match(slot.strip())[1] for slot in lease[2].split(",")}
+            self.worker_type = types.pop() if len(types) == 1 else None  # an allocation has one type
+            self.last_iteration = None
+            return
+        match = ITERATION_TIME.match(line)
+        if not match or self.worker_type is None:
+            return
+        iteration, milliseconds = int(match[1]), float(match[2])
+        if self.last_iteration is not None and iteration > self.last_iteration:
+            done = iteration - self.last_iteration
+            totals = self.totals.setdefault(self.worker_type, [0, 0.0])
+            totals[0] += done
+            totals[1] += done * milliseconds / 1000
+        self.last_iteration = iteration
+
+    def rates(self) -> dict[str, float]:
+        return {t: done / seconds for t, (done, seconds) in self.totals.items() if seconds > 0}
+

@@ -3,8 +3,10 @@
 ``LocalCluster`` starts ``tools/cluster.py serve`` and one ``tools/cluster.py worker`` per
 host name, each in its own process group, and stops every one of them on ``close`` (agents
 stop their jobs first). Hosts are agents with different ``--host`` names on the loopback
-address; with network-namespace test hosts each agent would run inside its namespace with that
-namespace's ``--address`` instead.
+address, or, given ``test_hosts`` (``megapipe/testing_hosts.py``), real hosts: each agent runs
+inside its own network namespace with that host's ``--address``, so its jobs' ranks live there
+and reach ranks on the other host over the bridge; the scheduler listens on the bridge's address
+(the gateway every host reaches), where agents, jobs' leases and this class's requests find it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 from megapipe.cluster.lease import post_json
 
@@ -33,13 +36,18 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, work_dir: str, policy: str, round_seconds: float, hosts: dict, throttle: str = "slow:0.5",
-                 extra_serve_flags: tuple = ()):
+                 extra_serve_flags: tuple = (), test_hosts=None):
         """``hosts``: host name -> devices (``fast:2,slow:2``), one agent each; none for a backend without
-        agents (``extra_serve_flags`` such as ``--backend slurm``)."""
+        agents (``extra_serve_flags`` such as ``--backend slurm``). ``test_hosts``: a ``TestHosts`` with
+        at least as many hosts; the i-th agent runs inside its i-th host."""
+        if test_hosts is not None and len(test_hosts) < len(hosts):
+            raise ValueError(f"{len(hosts)} agents need as many test hosts; make TestHosts({len(hosts)}).")
         self.work_dir, self.policy, self.round_seconds = work_dir, policy, round_seconds
         self.hosts, self.throttle, self.extra = hosts, throttle, list(extra_serve_flags)
+        self.test_hosts = test_hosts
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.listen = "127.0.0.1" if test_hosts is None else test_hosts.gateway
+        self.address = f"{self.listen}:{self.port}"
         self.journal = os.path.join(work_dir, "journal.db")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -47,22 +55,30 @@ class LocalCluster:
         self.agents: dict[str, subprocess.Popen] = {}
         os.makedirs(work_dir, exist_ok=True)
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log_name: str, inside: Optional[int] = None) -> subprocess.Popen:
+        """``tools/cluster.py ARGS`` in a session of its own, inside test host ``inside`` if given."""
         log = open(os.path.join(self.work_dir, log_name), "a")
-        return subprocess.Popen([sys.executable, TOOL, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                start_new_session=True)
+        command = [sys.executable, TOOL, *args]
+        if inside is not None:
+            command = self.test_hosts.command(inside, command)  # ip netns exec: the same process, moved
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def start_scheduler(self) -> None:
-        self.scheduler = self._spawn(["serve", "--port", str(self.port), "--journal", self.journal, "--policy",
-                                      self.policy, "--round-seconds", str(self.round_seconds), *self.extra],
-                                     "scheduler.log")
+        self.scheduler = self._spawn(["serve", "--port", str(self.port), "--host", self.listen, "--journal",
+                                      self.journal, "--policy", self.policy, "--round-seconds",
+                                      str(self.round_seconds), *self.extra], "scheduler.log")
         self.wait_for(lambda: self._answers(), 60, "the scheduler to answer")
 
     def start_agent(self, host: str) -> None:
         types = {entry.split(":")[0] for entry in self.hosts[host].split(",")}
         throttle = ",".join(entry for entry in self.throttle.split(",") if entry.split(":")[0] in types)
-        self.agents[host] = self._spawn(["worker", "--scheduler", self.address, "--devices", self.hosts[host],
-                                         "--host", host, "--throttle", throttle], f"agent-{host}.log")
+        args = ["worker", "--scheduler", self.address, "--devices", self.hosts[host], "--host", host,
+                "--throttle", throttle]
+        inside = None
+        if self.test_hosts is not None:
+            inside = list(self.hosts).index(host)
+            args += ["--address", self.test_hosts[inside].address]
+        self.agents[host] = self._spawn(args, f"agent-{host}.log", inside)
 
     def start(self) -> "LocalCluster":
         self.start_scheduler()

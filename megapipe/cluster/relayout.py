@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from megapipe.cluster.backends.base import HostSlots
 from megapipe.cluster.job_spec import JobSpec
+from megapipe.cluster.throughputs import planner_steps_per_second
 from megapipe.errors import ConfigError
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
@@ -40,13 +41,24 @@ def _shape(spec: JobSpec) -> ModelShape:
                       not model.untie_embeddings_and_output_weights)
 
 
+def _cluster(hosts: tuple[HostSlots, ...], speed: float) -> Cluster:
+    """``hosts`` (equal devices on each) as the planner's cluster, at relative ``speed``."""
+    return Cluster(nodes=len(hosts), gpus_per_node=hosts[0].devices, compute_speed=speed,
+                   name=hosts[0].worker_type, **CPU_DEVICE)
+
+
+def _request(spec: JobSpec) -> PlanRequest:
+    return PlanRequest(spec.config.training.global_batch_size, schedules=FLUSHING, recompute=(False,),
+                       shardings=("no_shard",), micro_batch_sizes=(spec.config.training.micro_batch_size,))
+
+
+def _profile(spec: JobSpec):
+    return analytic_gpt_profile(_shape(spec), CPU_FLOPS, dtype="float32")
+
+
 def best_layout(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float):
     """The planner's best flush layout for ``hosts`` (equal devices on each) at relative ``speed``."""
-    cluster = Cluster(nodes=len(hosts), gpus_per_node=hosts[0].devices, compute_speed=speed,
-                      name=hosts[0].worker_type, **CPU_DEVICE)
-    request = PlanRequest(spec.config.training.global_batch_size, schedules=FLUSHING, recompute=(False,),
-                          shardings=("no_shard",), micro_batch_sizes=(spec.config.training.micro_batch_size,))
-    return plan(analytic_gpt_profile(_shape(spec), CPU_FLOPS, dtype="float32"), cluster, request).best
+    return plan(_profile(spec), _cluster(hosts, speed), _request(spec)).best
 
 
 def layout_command(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float) -> list[str]:
@@ -65,12 +77,13 @@ def layout_command(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float) ->
 
 
 def predicted_iterations_per_second(spec: JobSpec, worker_type: str, speed: float) -> float:
-    """Iterations/s of the job on one host's worth of its devices of ``worker_type``."""
+    """Iterations/s of the job on one host's worth of its devices of ``worker_type`` (part 1's
+    ``planner_steps_per_second`` for this model on that type); 0.0 where no layout fits."""
+    cluster = _cluster((HostSlots("any", worker_type, spec.devices),), speed)
     try:
-        estimate = best_layout(spec, (HostSlots("any", worker_type, spec.devices),), speed)
+        return planner_steps_per_second(_profile(spec), {worker_type: cluster}, _request(spec))[worker_type]
     except ConfigError:
         return 0.0
-    return estimate.samples_per_second / spec.config.training.global_batch_size
 
 
 def _without(flags: list[str], names: tuple) -> list[str]:

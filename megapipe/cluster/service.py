@@ -27,6 +27,7 @@ from megapipe.cluster.backends.agents import LOST, AgentsBackend
 from megapipe.cluster.backends.base import HostSlots, Launch
 from megapipe.cluster.cluster_spec import ClusterSpec
 from megapipe.cluster.job_spec import parse_job
+from megapipe.cluster.job_log import MeasuredThroughput
 from megapipe.cluster.jobs import Job
 from megapipe.cluster.journal import Journal
 from megapipe.cluster.mechanism import RoundMechanism
@@ -86,7 +87,8 @@ class ClusterService:
         self.runs: dict[int, Run] = {}
         self.specs: dict = {}
         self.rates: dict = {}  # (job id, worker type) -> measured iterations/s
-        self.measured: dict = {}  # (job id, worker type) -> (iterations, seconds) behind the rate
+        self.logs: dict[int, MeasuredThroughput] = {}  # job id -> the reader of its log's iteration times
+        self.costs: dict = {}  # job id -> seconds of its starts and stops (``_costs``; this incarnation's only)
         self.fenced: dict[int, float] = {}  # job id -> last time a run this service did not launch reported
         self.cancelled: set = set()
         self.finished: set = set()  # done, until the round's booking retires them
@@ -210,11 +212,8 @@ class ClusterService:
             return {"expires_in": max(0.0, run.lease_end - self.clock.now())}
 
     def _note_progress(self, job_id: int, run: Run, report: dict, now: float) -> None:
-        """Iteration and speed of a run; the measured iterations/s replace the planner's prediction.
-
-        A type's rate is every iteration the job trained there over the time they took, summed over
-        its runs there (from each run's first iteration on: starting and loading are overhead).
-        """
+        """Iteration of a run, its speed (for the lease's renewal margin), and its start-up time: from
+        the launch to its first iteration, overhead of a preemption on a relaunch."""
         iteration = int(report.get("iteration", run.iteration))
         run.seconds_per_iteration = float(report.get("seconds_per_iteration") or 0.0)
         if run.first_progress is None:
@@ -223,22 +222,29 @@ class ClusterService:
                 started = max(0.0, now - run.launched_at - run.seconds_per_iteration)
                 if run.lease > 1:  # a relaunch: launching and loading the checkpoint is preemption overhead
                     self._add_overhead(job_id, started)
+                    self._costs(job_id)["restarts"].append(started)
                 else:  # the first start, which any job pays
                     self.journal.update(job_id, fixed=started)
-        elif iteration > run.iteration:
-            worker_type = run.hosts[0].worker_type
-            done, seconds = self.measured.get((job_id, worker_type), (0, 0.0))
-            done, seconds = done + iteration - run.iteration, seconds + now - run.last_report
-            self.measured[(job_id, worker_type)] = (done, seconds)
-            first = (job_id, worker_type) not in self.rates
-            self.rates[(job_id, worker_type)] = done / max(seconds, 1e-6)
-            job = self.scheduler.active.get(job_id)
-            if job is not None:
-                rate = self.rates[(job_id, worker_type)]
-                self.table.add_job_type(job.job_type, job.scale_factor, {worker_type: rate})
-                self.scheduler.needs_allocation |= first
+                    self._costs(job_id)["first_start"] = started
         if iteration > run.iteration:  # last_report: when the job last advanced
             run.iteration, run.last_report = iteration, now
+
+    def _measure(self, job_id: int) -> None:
+        """The job's iterations/s on each type it ran on, from the iteration times in its log
+        (``MeasuredThroughput``); a type's measured rate replaces the planner's prediction for it."""
+        reader = self.logs.get(job_id)
+        if reader is None:
+            reader = self.logs[job_id] = MeasuredThroughput(self.journal.job(job_id).log_path)
+        for worker_type, rate in reader.update().items():
+            first = (job_id, worker_type) not in self.rates
+            self.rates[(job_id, worker_type)] = rate
+            self.table.add_job_type(f"job{job_id}", self.specs[job_id].devices, {worker_type: rate})
+            self.scheduler.needs_allocation |= first  # the allocation was computed without it
+
+    def _costs(self, job_id: int) -> dict:
+        """Seconds the job spent not training, per kind (what a simulator of this cluster needs): its first
+        start, each relaunch (to the first iteration), each stop (to its ranks' exit) and its last exit."""
+        return self.costs.setdefault(job_id, {"first_start": None, "restarts": [], "stops": [], "exit": None})
 
     def _add_overhead(self, job_id: int, seconds: float) -> None:
         row = self.journal.job(job_id)
@@ -252,6 +258,8 @@ class ClusterService:
         with self.lock:
             live = {job_id: run.iteration for job_id, run in self.runs.items()}
             rates = dict(self.rates)
+            costs = {job_id: dict(c, restarts=list(c["restarts"]), stops=list(c["stops"]))
+                     for job_id, c in self.costs.items()}
             placements = {str(j): [[s.host, s.worker_type, s.devices] for s in hosts]
                           for j, hosts in self.placements.items()}
             round_info = {"number": self.rounds, "seconds": self.round_seconds,
@@ -273,7 +281,7 @@ class ClusterService:
                 "jct": row.jct, "elapsed": (row.finished or now) - row.submitted, "error": row.error,
                 "throughput": {t: r for (j, t), r in rates.items() if j == row.id} or row.throughputs,
                 "overhead_seconds": row.overhead, "fixed_seconds": row.fixed, "leases": row.lease,
-                "relayouts": row.relayouts})
+                "relayouts": row.relayouts, "costs": costs.get(row.id)})
         done = [j["jct"] for j in jobs if j["state"] == "done"]
         return {"jobs": jobs, "round": round_info, "average_jct": sum(done) / len(done) if done else None,
                 "workers": [{"host": host, "devices": devices,
@@ -353,6 +361,7 @@ class ClusterService:
                 self.agents.forget_lost()
             self.hosts, self.alive = self.backend.nodes(), self.backend.running_job_ids()
             for job_id, run in list(self.runs.items()):
+                self._measure(job_id)
                 if run.stop_requested is None and any(slot.host not in self.hosts for slot in run.hosts):
                     self._revoke(job_id)  # its ranks on the other hosts cannot go on without the lost ones
                 code = self.backend.poll(job_id)
@@ -425,6 +434,7 @@ class ClusterService:
     def _ended(self, job_id: int, code: int) -> None:
         """A run's ranks all ended: done, failed (its error kept, devices freed), or back in the queue."""
         run = self.runs.pop(job_id)
+        self._measure(job_id)  # its last lines
         row = self.journal.job(job_id)
         iterations = read_latest(row.save_dir) or 0
         throughputs = {t: r for (j, t), r in self.rates.items() if j == job_id}
@@ -432,12 +442,14 @@ class ClusterService:
         if row.state == "cancelled":
             return
         if iterations >= row.target_iters:  # the last iteration's report to the exit: final save and evaluation
-            self.journal.update(job_id, state="done", finished=time.time(),
-                                fixed=row.fixed + max(0.0, self.clock.now() - run.last_report))
+            exit_seconds = max(0.0, self.clock.now() - run.last_report)
+            self._costs(job_id)["exit"] = exit_seconds
+            self.journal.update(job_id, state="done", finished=time.time(), fixed=row.fixed + exit_seconds)
             self.finished.add(job_id)  # the round's booking takes it out of the scheduler
             return
         if run.stop_requested is not None:
             self._add_overhead(job_id, self.clock.now() - run.stop_requested)
+            self._costs(job_id)["stops"].append(self.clock.now() - run.stop_requested)
         if code == LOST:
             self.fenced[job_id] = time.monotonic()  # ranks elsewhere may still be saving
         elif code != 0 and run.stop_requested is None:

@@ -13,10 +13,8 @@ and after the grace period kills what is left. Everything goes through Slurm's o
 (``SlurmError``).
 
 SIGTERM reaches every process of a task (Slurm signals the task's whole process tree), torchrun
-included. torchrun would answer it by killing its workers within 30 s and exiting with an error,
-so the task starts torchrun with SIGTERM ignored and without torchrun's own handler for it
-(``--signals-to-handle``): the workers install the training loop's handler, save, and exit 0,
-and torchrun then exits 0 as after any successful run.
+included; the task starts torchrun as every backend does (``torchrun.py``: SIGTERM ignored and
+not handled by torchrun), so the workers save and exit 0, and so does torchrun.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from megapipe.cluster.backends.base import HostSlots, Launch
+from megapipe.cluster.backends.torchrun import node_shell_command
 from megapipe.errors import SlurmError
 
 # Slurm job states after which nothing of the job runs any more (JOB_STATE_BASE of slurm.h, ended)
@@ -85,13 +84,10 @@ def batch_script(launch: Launch, python: str, partition: Optional[str], cpus_per
 
 
 def _task(launch: Launch, devices: int, python: str) -> str:
-    """One node's task: torchrun with SIGTERM left to the workers (see the module docstring)."""
-    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(len(launch.hosts)),
-                "--nproc-per-node", str(devices), "--rdzv-backend", "static",
-                "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
-    node = ' --node-rank "$SLURM_NODEID" --rdzv-endpoint "$MEGAPIPE_RDZV_ENDPOINT" --rdzv-id "$MEGAPIPE_RDZV_ID" '
-    inner = ("trap '' TERM; exec " + shlex.join(torchrun) + node + shlex.join(launch.command))
-    return "bash -c " + shlex.quote(inner)
+    """One node's task: torchrun with SIGTERM left to the workers (``torchrun.py``)."""
+    return "bash -c " + shlex.quote(node_shell_command(python, len(launch.hosts), devices, '"$SLURM_NODEID"',
+                                                       '"$MEGAPIPE_RDZV_ENDPOINT"', '"$MEGAPIPE_RDZV_ID"',
+                                                       launch.command))
 
 
 def _describe(hosts: tuple[HostSlots, ...]) -> str:

@@ -1,0 +1,79 @@
+"""A job stopped by a worker agent saves completely, however long its save takes, and exits 0.
+
+The agent stops a job with SIGTERM to every process group of its tree (torchrun's, and each
+worker's: torchrun starts them in sessions of their own). It starts torchrun as the Slurm
+backend does (``backends/torchrun.py``: SIGTERM ignored, not in torchrun's
+``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers 30 s
+later. The job here (two ranks, data parallel, through the agent's own ``JobProcess``) takes 40 s
+to save, on purpose (``slow_save_gpt.py``: a wait before megapipe's save, test only): it must
+still write the checkpoint of the iteration it stopped at, and every process must exit 0. A
+torchrun that handled SIGTERM would have killed the saving workers after 30 s and exited with
+an error, leaving no checkpoint.
+"""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megapipe.checkpointing.paths import read_latest
+from megapipe.cluster.agent import JobProcess
+from megapipe.cluster.local_cluster import free_port
+from megapipe.cluster.process_tree import process_groups, signal_tree
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "64",
+         "--train-iters", "100000", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1"]
+SAVE_SECONDS = 40  # longer than the 30 s torchrun allows its workers after a SIGTERM it handles
+
+
+def test_a_job_stopped_by_its_agent_finishes_a_long_save_and_exits_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLOW_SAVE_SECONDS", str(SAVE_SECONDS))
+    checkpoints, log = str(tmp_path / "checkpoints"), tmp_path / "job.log"
+    command = ["tests/slow_save_gpt.py", *MODEL, "--save", checkpoints, "--load", checkpoints]
+    launch = {"job_id": 0, "command": command, "hosts": [{"host": "here", "worker_type": "fast", "devices": 2}],
+              "host": "here", "node_rank": 0, "master_addr": "127.0.0.1", "master_port": free_port(), "env": {},
+              "log_path": str(log)}
+    job = JobProcess(launch, throttle=1.0)
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(r"^ iteration\s+3/", log.read_text(), re.M):
+            assert job.exit_code() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        stopped = time.monotonic()
+        job.stop(grace_seconds=180)  # SIGTERM to the group, SIGKILL only after the grace period
+        took = time.monotonic() - stopped
+    finally:
+        job.stop(grace_seconds=0)
+    output = log.read_text()
+    assert job.exit_code() == 0, output[-3000:]
+    iteration = int(re.search(r"exiting on SIGTERM at iteration (\d+)", output)[1])
+    assert f"[test-only slow save] waiting {SAVE_SECONDS} s before saving iteration {iteration}" in output
+    assert took >= SAVE_SECONDS  # the save really outlasted torchrun's 30 s
+    assert read_latest(checkpoints) == iteration  # published only once every shard is written
+
+
+def test_the_process_tree_holds_every_workers_group(tmp_path):
+    """torchrun starts each worker in a session of its own: the groups of the whole tree are found and signalled."""
+    child_code = ("import signal, sys, time\n"
+                  "signal.signal(signal.SIGTERM, lambda *_: (print('child: SIGTERM', flush=True), sys.exit(0)))\n"
+                  "import os; print(os.getpid(), flush=True)\ntime.sleep(600)\n")  # its pid once it is ready
+    script = ("import subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}], start_new_session=True)\n"
+              "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert process_groups(parent.pid) == [parent.pid, child]  # each leads its own group
+        signal_tree(parent.pid, signal.SIGTERM)
+        assert parent.wait(timeout=30) == -signal.SIGTERM
+        assert parent.stdout.readline() == "child: SIGTERM\n"  # the child, in its own group, got it too
+    finally:
+        signal_tree(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
