@@ -143,7 +143,7 @@ def _rank_order(t: int, d: int):
 
 
 def _boundary_pairs(rank, t: int, replicas, p: int, r: int) -> list[list[int]]:
-    """The (sender, receiver) pairs of pipeline link r (rank r to r + 1, wrapping) in the given data-parallel replicas."""
+    """The (sender, receiver) pairs of pipeline link r (rank r to r + 1, wrapping) in the given replicas."""
     return [[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in replicas]
 
 
