@@ -114,6 +114,12 @@ def probe_host(rank, world_size, sizes, repeats, model, probes):
     return times, probe_rounds(rank, probe, probes)
 
 
+def inputs_per_step(plan: StagePlan) -> int:
+    """Microbatches per call: 1F1B-RR sends microbatch i to replica i % R of the input stage, so one
+    per replica keeps every replica busy in each step."""
+    return plan.stages[0].replicas
+
+
 def train_plans(rank, world_size, plans, model, warmup, rounds):
     """Per plan, this rank's seconds for STEPS steady-state PipeDream steps, one entry per round."""
     config = ModelConfig(**model)
@@ -122,20 +128,21 @@ def train_plans(rank, world_size, plans, model, warmup, rounds):
         ps = initialize_plan_state(plan)
         ps.seed(1234, torch.device("cpu"))
         chunks = build_planned_stage("gpt", config, ps, plan.layer_ranges)
-        engine = PipelineEngine(chunks, ps, OptimizerConfig(optimizer="adam", lr=1e-4), "pipedream", 1,
+        m = inputs_per_step(plan)
+        engine = PipelineEngine(chunks, ps, OptimizerConfig(optimizer="adam", lr=1e-4), "pipedream", m,
                                 (config.seq_length, MICRO_BATCH, config.hidden_size),
                                 timeout=datetime.timedelta(seconds=600))
-        batches = [synthetic_batch("gpt", config, MICRO_BATCH, torch.device("cpu"), seed=100 * ps.dp_rank + i)
-                   for i in range(STEPS + 1)]
+        batches = [[synthetic_batch("gpt", config, MICRO_BATCH, torch.device("cpu"), seed=10 * step + i)
+                    for i in range(m)] for step in range(STEPS + 1)]
         runs.append((engine, batches))
     times = [[] for _ in plans]
     for round_index in range(warmup + rounds):
         for index, (engine, batches) in enumerate(runs):
-            engine.train_batch(batches[:1])  # refill the pipeline: the timed steps are steady-state ones
+            engine.train_batch(batches[0])  # refill the pipeline: the timed steps are steady-state ones
             dist.barrier()
             start = time.perf_counter()
             for step in range(STEPS):
-                engine.train_batch(batches[1 + step:2 + step])
+                engine.train_batch(batches[1 + step])
             dist.barrier()
             if round_index >= warmup:
                 times[index].append(time.perf_counter() - start)
@@ -182,7 +189,7 @@ def main() -> None:
             choice = as_plan(partition)
             per_rank = run_distributed(HOSTS, train_plans, plans, MODEL, args.warmup, args.rounds, hosts=hosts,
                                        timeout=3600, collective_timeout=600)
-        samples = [STEPS * MICRO_BATCH * plan.workers // plan.num_stages for plan in plans]
+        samples = [STEPS * MICRO_BATCH * inputs_per_step(plan) for plan in plans]
         measured = [count / statistics.median(max(pair) for pair in zip(*(rank[i] for rank in per_rank)))
                     for i, count in enumerate(samples)]
         print(f"load average {os.getloadavg()[0]:.1f}; partitioner: {describe(choice)}, "
