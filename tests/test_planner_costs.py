@@ -2,10 +2,12 @@
 the section 4.3 communication volumes on hierarchical links, and the simulator's batch times."""
 
 import operator
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 
+from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import CostModel as SimulatorCosts, simulate
 from megapipe.planner.cluster import Cluster
@@ -133,7 +135,11 @@ def test_pipeline_boundaries_send_bsh_over_t_each_way_on_the_link_they_cross():
     result = estimate(Layout(t, p, 1, b, "1f1b"), machines=machines, batch=batch)
     m = batch // b
     hop = E * S * H * b / t / inter
-    assert result.pipeline_comm_time == pytest.approx(m * 2 * hop)  # activation forward, gradient backward
+    # Sends overlap compute; each rank waits for what it receives: rank 1 the activation, rank 0 the gradient.
+    assert result.pipeline_comm_time == pytest.approx(m * hop)
+    # On gloo a receive's notice queues behind the tensor just sent the other way on the same connection.
+    gloo = estimate(Layout(t, p, 1, b, "1f1b"), machines=replace(machines, backend="gloo"), batch=batch)
+    assert gloo.pipeline_comm_time == pytest.approx(m * 2 * hop)
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
@@ -170,8 +176,10 @@ def test_the_v_sends_nothing_at_its_turn_and_keeps_both_embedding_copies_on_the_
     v_shape = estimate(Layout(1, p, 1, 1, "zbv", 2), profile, machines, batch=batch)
     looped = estimate(Layout(1, p, 1, 1, "interleaved", 2), profile, machines, batch=batch)
     hop = E * S * H / inter
-    assert v_shape.pipeline_comm_time == pytest.approx(batch * 2 * 2 * hop)  # stages 0-1 and 2-3 cross, 1-2 not
-    assert looped.pipeline_comm_time == pytest.approx(batch * 3 * 2 * hop)  # 0-1, 1-2 and 2-3 all cross
+    # a rank waits for each tensor it receives across a boundary: under the V 0-1 and 2-3 cross, 1-2 not, so
+    # rank 1 receives stage 1's input and stage 2's gradient; looped, 0-1, 1-2 and 2-3 all cross
+    assert v_shape.pipeline_comm_time == pytest.approx(batch * 2 * hop)
+    assert looped.pipeline_comm_time == pytest.approx(batch * 3 * hop)
     assert v_shape.data_comm_time == 0  # the tied copies are summed on rank 0, not over an embedding group
     per_param = E + GRAD + OPTIMIZER
     first_rank = (L // 2 * PARAMS + 2 * vocab_params) * per_param + 2 * (L // 2) * STASH  # p microbatches
@@ -246,3 +254,66 @@ def test_processes_sharing_cores_take_at_least_their_total_work_over_the_cores()
     pipe = estimate(Layout(1, 4, 1, 2, "1f1b"), machines=shared, batch=batch)
     assert data.batch_time == pytest.approx(work / 2)
     assert pipe.batch_time == pytest.approx(max(work / 2, (8 + 3) * 3 * FORWARD * 2 * 2))
+
+
+def simulated_makespan(schedule, p, m, per_node, transfer_time):
+    """The simulator's batch for the synthetic profile's equal stages (b = 1) when a message between
+    ranks on different nodes of ``per_node`` takes ``transfer_time`` (the simulator's message model:
+    it moves once its send and its receive are both posted, as gloo's and NCCL's do) and others are free."""
+    forward = Fraction(L // p) * Fraction(FORWARD)
+
+    def transfer(message):
+        kind, stage, _ = message
+        other = stage + 1 if kind is ActionKind.F else stage - 1
+        return transfer_time if stage // per_node != other // per_node else 0
+
+    costs = SimulatorCosts(forward=forward, backward=2 * forward, message_bytes=transfer, bandwidth=1)
+    return float(simulate(build_schedule(schedule, p, m), costs).makespan)
+
+
+def predicted_makespan(schedule, p, m, per_node, transfer_time):
+    inter = E * S * H / transfer_time  # one boundary tensor at b = 1 takes transfer_time between nodes
+    machines = cluster(nodes=p // per_node, per_node=per_node, intra=1e30, inter=inter)
+    return estimate(Layout(1, p, 1, 1, schedule), machines=machines, batch=m).batch_time
+
+
+@pytest.mark.parametrize("p,per_node", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("ratio", [Fraction(1, 2), 2, 5])  # transfer time over a stage's forward + backward
+def test_gpipe_with_slow_links_is_the_simulated_makespan(p, per_node, ratio):
+    # A receive is posted just before the compute that consumes it, so a rank waits for each input's
+    # transfer: in the forward flow shop rank r's step is its forward plus the transfer from r - 1, in the
+    # backward one its backward plus the transfer from r + 1. Exact for any links.
+    step = 3 * (L // p) * FORWARD
+    m = 2 * p
+    assert predicted_makespan("gpipe", p, m, per_node, ratio * step) == pytest.approx(
+        simulated_makespan("gpipe", p, m, per_node, ratio * step), rel=1e-9)
+
+
+@pytest.mark.parametrize("ratio", [Fraction(1, 2), 2, 5])
+def test_1f1b_with_slow_links_against_the_simulator(ratio):
+    # Two stages across the link, from m = 2p microbatches: exact; each rank waits for one transfer per
+    # microbatch, not two (sends overlap compute). Four stages with the link in the middle (2 nodes of 2):
+    # the two ranks at the link each wait for one transfer per microbatch. Fill and drain charge every
+    # other rank's step once: up to 4% above the simulated batch for fast links; for transfers of several
+    # steps, the p - r microbatches 1F1B keeps in flight do not cover the round trip over the link in
+    # the warm-up, and the simulated batch is up to 11% longer (at m = p; 4% at m = 4p).
+    step = 3 * (L // 2) * FORWARD
+    for m in (4, 8, 16):
+        assert predicted_makespan("1f1b", 2, m, 1, ratio * step) == pytest.approx(
+            simulated_makespan("1f1b", 2, m, 1, ratio * step), rel=1e-9)
+    step = 3 * (L // 4) * FORWARD
+    for m in (4, 8, 16):
+        predicted = predicted_makespan("1f1b", 4, m, 2, ratio * step)
+        assert 0.88 <= predicted / simulated_makespan("1f1b", 4, m, 2, ratio * step) <= 1.04
+
+
+def test_data_parallel_pipelines_take_turns_on_a_shared_uplink():
+    # (1, 2, 2) on 2 nodes of 2 sharing one uplink: each replica's boundary has the whole uplink to itself
+    # (independent pipelines interleave their transfers), while the batch takes at least the time the
+    # uplink needs to carry both replicas' tensors, each direction once per microbatch.
+    uplink, m = 1e3, 8  # a transfer takes about 10 steps of a stage
+    machines = replace(cluster(nodes=2, per_node=2, intra=1e30, inter=1e30), node_uplink_bandwidth=uplink)
+    result = estimate(Layout(1, 2, 2, 1, "1f1b"), machines=machines, batch=2 * m)
+    message = E * S * H / uplink
+    assert result.pipeline_comm_time == pytest.approx(m * message)
+    assert result.batch_time == pytest.approx(m * 2 * message)  # the shared uplink bounds the batch

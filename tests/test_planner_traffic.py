@@ -83,13 +83,15 @@ def test_the_cost_model_reports_what_its_layout_sends():
 
 def test_a_shared_node_uplink_is_split_between_the_flows_leaving_a_node():
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
-                      inter_node_bandwidth=50.0, node_uplink_bandwidth=100.0)
-    assert cluster.group_link([[0, 1, 2, 3]]).bandwidth == 100  # ring 0-1-2-3: one flow leaves each node
+                      inter_node_bandwidth=80.0, node_uplink_bandwidth=100.0)
+    assert cluster.group_link([[0, 1, 2, 3]]).bandwidth == 80  # ring 0-1-2-3: one flow leaves each node, at its
+    #                                                             device's own 80, below the uplink's 100
     assert cluster.group_link([[0, 2], [1, 3]]).bandwidth == 50  # two groups leave node 0 together
     assert cluster.group_link([[0, 1], [2, 3]]).bandwidth == 1e9  # inside the nodes
     own_nics = Cluster(nodes=2, gpus_per_node=2, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
                        inter_node_bandwidth=50.0)
     assert own_nics.group_link([[0, 1, 2, 3]]).bandwidth == 50  # each device has its own link
+    assert own_nics.group_link([[0, 2], [1, 3]]).bandwidth == 50
 
 
 def test_hopper_presets_are_eight_gpu_nodes():

@@ -9,13 +9,16 @@ A JSON description::
 Bandwidths are bytes per second per device; optional keys: ``intra_node_latency`` and
 ``inter_node_latency`` (seconds per message or collective step), ``intra_node_reduce_bandwidth``
 and ``inter_node_reduce_bandwidth`` (the bandwidth term of a ring all-reduce, when reducing
-costs more than sending, as with gloo on busy CPUs; default the link's), ``reserved_memory`` (bytes
+costs more than sending, as with gloo on busy CPUs; default the link's), ``intra_node_reduce_latency``
+and ``inter_node_reduce_latency`` (seconds per step of a collective, when a step, which needs both
+peers running, costs more than a message; default the link's latency), ``reserved_memory`` (bytes
 per device the runtime takes), ``compute_speed`` (device speed relative to the device the
 profile was measured on), ``shared_cores`` (the devices are processes sharing this many cores,
 each worth one device at full speed, as when a CPU runs more processes than it has cores: a
 batch then takes at least all devices' compute over that many), ``achieved_flops`` (what a device reaches on large GEMMs, for
 closed-form profiles), ``node_uplink_bandwidth`` (a node's one link to the others, shared by
-whatever leaves the node at once; unset, each device has ``inter_node_bandwidth`` of its own),
+whatever leaves the node at once, each flow still at most ``inter_node_bandwidth``; unset, each
+device has ``inter_node_bandwidth`` of its own),
 ``peak_flops``, ``backend`` (``nccl`` or ``gloo``: the collectives'
 algorithms, see ``traffic.py``) and ``name``. Global rank r sits on node
 ``r // gpus_per_node``, the order torchrun assigns.
@@ -33,11 +36,16 @@ from megapipe.errors import ConfigError
 _REQUIRED = ("nodes", "gpus_per_node", "memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth")
 
 
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes per second
     latency: float  # seconds per message
     reduce_bandwidth: float  # bytes per second in a ring all-reduce's 2 (n-1)/n |bytes| term
+    reduce_latency: float  # seconds per step of a collective
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class Cluster:
     inter_node_latency: float = 0.0
     intra_node_reduce_bandwidth: Optional[float] = None
     inter_node_reduce_bandwidth: Optional[float] = None
+    intra_node_reduce_latency: Optional[float] = None
+    inter_node_reduce_latency: Optional[float] = None
     reserved_memory: float = 0.0
     compute_speed: float = 1.0
     shared_cores: Optional[float] = None
@@ -73,8 +83,9 @@ class Cluster:
                     "node_uplink_bandwidth"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must be positive.")
-        for key in ("intra_node_latency", "inter_node_latency", "reserved_memory"):
-            if getattr(self, key) < 0:
+        for key in ("intra_node_latency", "inter_node_latency", "reserved_memory", "intra_node_reduce_latency",
+                    "inter_node_reduce_latency"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ConfigError(f"{source} has {key} {getattr(self, key)}; it must not be negative.")
         if self.backend not in ("nccl", "gloo"):
             raise ConfigError(f"{source} has backend {self.backend!r}; use 'nccl' or 'gloo'.")
@@ -97,14 +108,17 @@ class Cluster:
         """The slowest link a collective or message among ``ranks`` crosses: intra-node if they share a node."""
         if len({self.node_of(r) for r in ranks}) <= 1:
             return Link(self.intra_node_bandwidth, self.intra_node_latency,
-                        self.intra_node_reduce_bandwidth or self.intra_node_bandwidth)
+                        self.intra_node_reduce_bandwidth or self.intra_node_bandwidth,
+                        _or(self.intra_node_reduce_latency, self.intra_node_latency))
         return Link(self.inter_node_bandwidth, self.inter_node_latency,
-                    self.inter_node_reduce_bandwidth or self.inter_node_bandwidth)
+                    self.inter_node_reduce_bandwidth or self.inter_node_bandwidth,
+                    _or(self.inter_node_reduce_latency, self.inter_node_latency))
 
     def group_link(self, groups: list[list[int]]) -> Link:
         """The link that limits collectives (or messages) running at once in every group of ``groups``,
         each a ring in the order given: the slowest pair's link; with a shared node uplink, its
-        bandwidth split between the groups whose ring leaves the busiest node at the same time."""
+        bandwidth split between the groups whose ring leaves the busiest node at the same time, and no
+        more than one device's ``inter_node_bandwidth`` per flow."""
         link = min((self.link(group) for group in groups),
                    key=lambda link: (link.bandwidth, link.reduce_bandwidth, -link.latency))
         if self.node_uplink_bandwidth is None or all(len({self.node_of(r) for r in g}) <= 1 for g in groups):
@@ -115,9 +129,9 @@ class Cluster:
                        if self.node_of(group[i]) != self.node_of(group[(i + 1) % len(group)])}
             for node in senders:
                 leaving[node] = leaving.get(node, 0) + 1
-        bandwidth = self.node_uplink_bandwidth / max(leaving.values())
+        bandwidth = min(link.bandwidth, self.node_uplink_bandwidth / max(leaving.values()))
         reduce = min(link.reduce_bandwidth, bandwidth) if self.inter_node_reduce_bandwidth else bandwidth
-        return Link(bandwidth, link.latency, reduce)
+        return Link(bandwidth, link.latency, reduce, link.reduce_latency)
 
     def to_dict(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}

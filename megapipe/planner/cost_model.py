@@ -7,7 +7,20 @@ rank's time (it is on the critical path):
   tensor parallelism: 2 all-reduces of b s h elements per block forward, 2 backward (2 more when
     recomputing), 1 after the embedding and 1 into the head: 8 b s h (t-1)/t per block in all;
   pipeline parallelism: each stage boundary carries b s h / t per tensor rank (scatter/gather)
-    forward and the same backward, 2 |A| / bandwidth per neighbour as in THROUGHPUT(.);
+    forward and the same backward. Sends are asynchronous and overlap compute, but a transfer
+    moves only once its receive is posted (gloo's and NCCL's rendezvous), and the lowered lists
+    post a receive just before the compute that consumes it: so a rank waits, per microbatch,
+    for the transfer of each tensor it receives, |A| / bandwidth + latency, added to the forward
+    that takes the activation and to the backward that takes the gradient (not, as in seed 002's
+    THROUGHPUT(.), 2 |A| / bandwidth per neighbour on both). On gloo the wait is two transfers when
+    the schedule alternates forwards and backwards: a receive's notice to the sender queues behind
+    the tensor just sent the other way on the same connection (``exposed_transfers``; measured by
+    ``benchmarks/bench_planner_network.py``). A boundary's bandwidth is that of one pipeline
+    replica (its t tensor ranks send at once and share the node's uplink); the d replicas take
+    turns, so the uplink bounds only the batch: m times what all of them send across the busiest
+    link in one direction (full duplex). The schedule's closed form then treats these waits as
+    part of each rank's forward and backward: exact for GPipe and for two stages under 1F1B, within
+    a few percent of the simulator for longer 1F1B pipelines (``tests/test_planner_costs.py``);
   data parallelism: a ring all-reduce of each rank's gradients, 2 (d-1)/d |W| bytes, once per
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
     PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)). A sharded
@@ -20,7 +33,8 @@ rank's time (it is on the critical path):
     word embedding is also summed between the first and the last stage (2BW and PipeDream
     untie it instead: the last stage holds its own output embedding of the same size).
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
-rank order tensor-innermost, then data, then pipeline, so t shares a node first.
+rank order tensor-innermost, then data, then pipeline, so t shares a node first; a collective's
+steps cost the link's ``reduce_latency``, which on busy CPUs exceeds a message's latency.
 The optimizer step (seconds per parameter from the profile) follows the flush, or for 2BW and
 PipeDream runs in each stage's stream of backwards. When the devices are processes sharing
 fewer cores (``Cluster.shared_cores``), a batch also takes at least all their compute over the
@@ -113,16 +127,47 @@ def collective_time(collective: str, nbytes: float, members: int, link: Link, ba
     if members <= 1 or nbytes == 0:
         return 0.0
     steps = (2 if collective == "all_reduce" else 1) * (members - 1)
-    return link_bytes(collective, nbytes, members, backend) / link.reduce_bandwidth + steps * link.latency
+    return link_bytes(collective, nbytes, members, backend) / link.reduce_bandwidth + steps * link.reduce_latency
 
 
-def _boundary(links, placement: Placement, p: int, stage: int, neighbour: int):
-    """The pipeline link between the ranks of ``stage`` and ``neighbour`` (``links[r]``: rank r to r + 1,
-    wrapping), or None when both are on one rank."""
+def exposed_transfers(schedule: str, backend: str) -> int:
+    """Transfer times a rank waits for each tensor it receives from a neighbour (module docstring): one,
+    or two on gloo when the schedule alternates forwards and backwards, because a receive's notice to
+    the sender queues behind the tensor just sent the other way on the same connection."""
+    return 2 if backend == "gloo" and schedule != "gpipe" else 1
+
+
+def _rank_order(t: int, d: int):
+    """Global rank of (tensor, data, pipeline) indices, tensor-innermost."""
+    return lambda ti, di, pi: ti + t * (di + d * pi)
+
+
+def _boundary_pairs(rank, t: int, replicas, p: int, r: int) -> list[list[int]]:
+    """The (sender, receiver) pairs of pipeline link r (rank r to r + 1, wrapping) in the given replicas."""
+    return [[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in replicas]
+
+
+def _slowness(link: Link) -> tuple:
+    return (link.bandwidth, link.reduce_bandwidth, -link.latency)
+
+
+def _boundary_index(placement: Placement, p: int, stage: int, neighbour: int) -> Optional[int]:
+    """The pipeline link r (rank r to r + 1, wrapping) between the ranks of ``stage`` and ``neighbour``,
+    or None when both are on one rank (the turn of a V)."""
     a, b = rank_of_stage(placement, p, stage), rank_of_stage(placement, p, neighbour)
     if a == b:
         return None
-    return links[a] if (a + 1) % p == b else links[b]
+    return a if (a + 1) % p == b else b
+
+
+def _boundary(links, placement: Placement, p: int, stage: int, neighbour: int) -> Optional[Link]:
+    index = _boundary_index(placement, p, stage, neighbour)
+    return None if index is None else links[index]
+
+
+def _transfer(nbytes: float, link: Optional[Link]) -> float:
+    """Seconds one message of ``nbytes`` takes over ``link`` (none: both ends on one rank)."""
+    return 0.0 if link is None else nbytes / link.bandwidth + link.latency
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
@@ -154,17 +199,25 @@ class CostModel:
 
     @lru_cache(maxsize=None)
     def links(self, t: int, p: int, d: int) -> tuple[Link, Link, tuple[Link, ...], Link]:
-        """Tensor-group, data-group, per-boundary pipeline (rank r to r+1, wrapping) and embedding-group links."""
-        def rank(ti, di, pi):
-            return ti + t * (di + d * pi)
+        """Tensor-group, data-group, per-boundary pipeline (rank r to r+1, wrapping) and embedding-group links.
 
+        A boundary's link is that of one pipeline replica: its t tensor ranks send at the same moment
+        and share their node's uplink, while the d replicas are independent pipelines that take turns
+        on it (``boundary_uplinks`` bounds what all of them send together)."""
         slowest = self.cluster.group_link
+        rank = _rank_order(t, d)
         tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
         data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
-        boundaries = tuple(slowest([[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in range(d)])
+        boundaries = tuple(min((slowest(_boundary_pairs(rank, t, [di], p, r)) for di in range(d)), key=_slowness)
                            for r in range(p))
         embedding = slowest([[rank(ti, di, 0), rank(ti, di, p - 1)] for ti in range(t) for di in range(d)])
         return tensor, data, boundaries, embedding
+
+    @lru_cache(maxsize=None)
+    def boundary_uplinks(self, t: int, p: int, d: int) -> tuple[Link, ...]:
+        """Per boundary (rank r to r+1, wrapping), the link all t x d pairs across it share when they send at once."""
+        rank = _rank_order(t, d)
+        return tuple(self.cluster.group_link(_boundary_pairs(rank, t, range(d), p, r)) for r in range(p))
 
     def _rank_loads(self, layout: Layout) -> "_RankLoads":
         """Per pipeline rank and microbatch: seconds of compute and communication, parameters and stashes."""
@@ -190,16 +243,20 @@ class CostModel:
             back = backward[layers].sum() / speed
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
             tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
-            hop = 0.0
-            for neighbour in (s - 1, s + 1):
-                link = _boundary(boundary_links, placement, p, s, neighbour) if 0 <= neighbour < stages else None
-                if link is not None:  # a neighbour on this rank (the turn of a V) sends nothing
-                    hop += sizes.output_bytes[blocks[-1]] / message_split / link.bandwidth + link.latency
-            loads.forward[r] += forward + tp_forward + hop
-            loads.backward[r] += back + tp_backward + hop
+            message = sizes.output_bytes[blocks[-1]] / message_split
+            waits = exposed_transfers(layout.schedule, self.cluster.backend)
+            receive_forward, receive_backward = (
+                waits * _transfer(message, _boundary(boundary_links, placement, p, s, neighbour))
+                if 0 <= neighbour < stages else 0.0 for neighbour in (s - 1, s + 1))
+            loads.forward[r] += forward + tp_forward + receive_forward
+            loads.backward[r] += back + tp_backward + receive_backward
             loads.compute[r] += forward + back
             loads.tensor[r] += tp_forward + tp_backward
-            loads.pipe[r] += 2 * hop
+            loads.pipe[r] += receive_forward + receive_backward
+            link = _boundary_index(placement, p, s, s + 1) if s + 1 < stages else None
+            if link is not None:  # per microbatch each direction of the link carries this boundary's tensor once
+                loads.link_bytes[link] += message
+                loads.link_messages[link] += 1
             loads.params[r] += params[layers].sum()
             loads.stash[r] += stash[layers].sum()
             loads.unrecomputed_stash[r] += stash[ends].sum()
@@ -286,6 +343,7 @@ class CostModel:
         else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)
             pipe = pipeline_time(layout.schedule, loads.forward, loads.backward + steps / m, m, v)
             batch_time = max(pipe, data)
+        batch_time = max(batch_time, m * self._busiest_link(layout, loads))
         if self.cluster.shared_cores is not None:  # processes on fewer cores: idle ranks lend theirs
             work = t * d * float(m * loads.compute.sum() + steps.sum())
             batch_time = max(batch_time, work / self.cluster.shared_cores)
@@ -297,6 +355,13 @@ class CostModel:
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))))
+
+    def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
+        """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all
+        data-parallel replicas and tensor ranks send across it (full duplex: the other direction is as busy)."""
+        uplinks = self.boundary_uplinks(layout.tensor, layout.pipeline, layout.data)
+        return max((loads.link_bytes[r] / link.bandwidth + loads.link_messages[r] * link.latency
+                    for r, link in enumerate(uplinks)), default=0.0)
 
     def traffic(self, layout: Layout, loads: Optional["_RankLoads"] = None) -> Traffic:
         """Payload bytes per batch that ``layout`` sends between the cluster's nodes."""
@@ -322,4 +387,6 @@ class _RankLoads:
         self.forward, self.backward, self.compute = np.zeros(p), np.zeros(p), np.zeros(p)
         self.tensor, self.pipe = np.zeros(p), np.zeros(p)
         self.params, self.stash, self.unrecomputed_stash = np.zeros(p), np.zeros(p), np.zeros(p)
+        self.link_bytes, self.link_messages = np.zeros(p), np.zeros(p)  # per link r (rank r to r+1, wrapping)
+        #                                      and direction, what one pair sends per microbatch
         self.block_stash, self.block_input = block_stash, block_input

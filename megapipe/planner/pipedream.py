@@ -28,9 +28,14 @@ def fold_ends(values: np.ndarray) -> np.ndarray:
 
 
 def topology(cluster: Cluster) -> list[Level]:
+    """Devices within a node, then nodes; a device's inter-node bandwidth is its share of a shared node
+    uplink when every device of the node sends at once (the partitioner's stages all run at once)."""
     levels = [Level(cluster.gpus_per_node, cluster.intra_node_bandwidth)]
     if cluster.nodes > 1:
-        levels.append(Level(cluster.nodes, cluster.inter_node_bandwidth))
+        per_device = cluster.inter_node_bandwidth
+        if cluster.node_uplink_bandwidth is not None:
+            per_device = min(per_device, cluster.node_uplink_bandwidth / cluster.gpus_per_node)
+        levels.append(Level(cluster.nodes, per_device))
     return levels
 
 
