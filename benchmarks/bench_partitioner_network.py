@@ -38,18 +38,15 @@ import datetime
 import os
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from bench_planner_network import LINK_SIZES, slope
-from bench_planner_vs_measured import probe_rounds
+from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
 from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
-from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.plan_layout import initialize_plan_state
 from megapipe.planner.cluster import Cluster
@@ -89,29 +86,8 @@ def as_plan(partition) -> StagePlan:
 def probe_host(rank, world_size, sizes, repeats, model, probes):
     """Seconds per one-way message between the hosts (half a ping-pong) for each size, and one block's
     forward+backward alone and on both ranks at once (``probe_rounds``)."""
-    times = []
-    for size in sizes:
-        x = torch.zeros(size // 4)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-        times.append((time.perf_counter() - start) / (2 * repeats))
-    config = ModelConfig(**model)
-    block = TransformerLayer(config, ParallelState.single(), 0, seed=1)
-    x = torch.randn(config.seq_length, MICRO_BATCH, config.hidden_size, requires_grad=True)
-
-    def probe() -> float:
-        start = time.perf_counter()
-        block(x).sum().backward()
-        return time.perf_counter() - start
-
-    return times, probe_rounds(rank, probe, probes)
+    times = [one_way_seconds(rank, torch.zeros(size // 4), repeats) for size in sizes]
+    return times, probe_rounds(rank, block_probe(model, MICRO_BATCH), probes)
 
 
 def inputs_per_step(plan: StagePlan) -> int:

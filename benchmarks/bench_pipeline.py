@@ -363,6 +363,20 @@ def print_speed(rows: list[dict]) -> None:
     pairs = [ratio for r in rows for ratio in r["ratios"]]
     print(f"All {len(pairs)} pairs: geometric mean of megapipe / PyTorch = "
           f"{math.exp(statistics.mean(math.log(x) for x in pairs)):.3f}")
+    print_best_against_1f1b(rows)
+
+
+def print_best_against_1f1b(rows: list[dict]) -> None:
+    """The fastest megapipe schedule of each p against PyTorch's Schedule1F1B measured in the same world (the
+    medians of two rows, timed minutes apart, so noisier than a paired ratio)."""
+    for p in sorted({r["p"] for r in rows}):
+        theirs = next((r["torch"] for r in rows if r["p"] == p and r["schedule"] == "1f1b"), None)
+        if theirs is None:
+            continue
+        best = min((r for r in rows if r["p"] == p), key=lambda r: r["megapipe"])
+        print(f"p={p}: the fastest megapipe schedule, {label(best['schedule'], best['v'])}, "
+              f"{best['megapipe']:.3f} s/step = {best['megapipe'] / theirs:.2f} of PyTorch's Schedule1F1B "
+              f"({theirs:.3f} s/step)")
 
 
 def print_bubble(rows: list[dict]) -> None:

@@ -71,11 +71,11 @@ LAYOUTS = [
 
 
 # ---- what runs in the spawned processes ------------------------------------------------------
-def block_probe(model: dict):
-    """One block's forward+backward at PROBE_BATCH on a fixed input, as a callable."""
+def block_probe(model: dict, batch: int = PROBE_BATCH):
+    """One block's forward+backward at ``batch`` on a fixed input, as a callable."""
     config = ModelConfig(**model)
     block = TransformerLayer(config, ParallelState.single(), 0, seed=1)
-    x = torch.randn(config.seq_length, PROBE_BATCH, config.hidden_size, requires_grad=True)
+    x = torch.randn(config.seq_length, batch, config.hidden_size, requires_grad=True)
 
     def run() -> float:
         start = time.perf_counter()
@@ -96,22 +96,28 @@ def probe_rounds(rank, probe, rounds: int) -> tuple[list[float], list[float]]:
     return alone, together
 
 
+def one_way_seconds(rank, x: torch.Tensor, repeats: int) -> float:
+    """Seconds per one-way message of ``x`` between ranks 0 and 1: half a ping-pong, averaged over ``repeats``
+    (the other ranks only join the barrier)."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+    return (time.perf_counter() - start) / (2 * repeats)
+
+
 def calibrate(rank, world_size, sizes, repeats, model, probes):
     """Seconds per one-way message (ranks 0 and 1) and per all-reduce (all ranks) for each size in bytes,
     and the block probe's seconds alone and when all ranks run it at once."""
     messages, reductions = [], []
     for size in sizes:
         x = torch.zeros(size // 4)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            elif rank == 1:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-        messages.append((time.perf_counter() - start) / (2 * repeats))
+        messages.append(one_way_seconds(rank, x, repeats))
         dist.barrier()
         start = time.perf_counter()
         for _ in range(repeats):
