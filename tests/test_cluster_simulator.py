@@ -11,7 +11,7 @@ from megapipe.cluster.jobs import Job as Job_
 from megapipe.cluster.metrics import completion_times, summarise
 from megapipe.cluster.policies import make_policy
 from megapipe.cluster.scheduler import Scheduler
-from megapipe.cluster.simulator import StartStopCosts, simulate
+from megapipe.cluster.simulator import simulate
 from megapipe.cluster.throughputs import ThroughputTable
 from megapipe.cluster.trace import format_job, generate_trace, read_trace, write_trace
 from cluster_helpers import DATA, load_cluster_tool, small_jobs, small_table
@@ -173,17 +173,3 @@ def test_estimated_table_and_learning_measured_pairs(table):
     for worker_type, key in ran:
         truth = table.colocated(key[0], key[1], worker_type)
         assert scheduler.policy_table.pairs[worker_type][key] == pytest.approx(truth, rel=0.02)
-
-
-@pytest.mark.parametrize("renew,jct", [(True, 20.0), (False, 30.0)])
-def test_start_stop_and_exit_seconds_come_off_the_rounds_they_happen_in(renew, jct):
-    """One job of 150 steps at 10 steps/s on one worker, 10 s rounds; it takes 2 s to start, 4 s to restart,
-    1 s to stop and 3 s to exit. Renewed: 8 s of training (80 steps), then 7 s and the exit: 20 s.
-    Not renewed, it stops and restarts every round: 80 steps by 10 s, then 5 s of stop and restart and 50
-    steps by 20 s, then 5 s more, 20 steps and the exit: 30 s."""
-    table = ThroughputTable()
-    table.add_job_type("a", 1, {"v100": 10.0})
-    scheduler = Scheduler(make_policy("max_min_fairness"), table, ClusterSpec({"v100": 1}), 10.0, 0.0)
-    simulate(scheduler, [Job_(0, "a", 150)], costs={0: StartStopCosts(first_start=2, restart=4, stop=1, exit=3)},
-             renew=renew)
-    assert completion_times(scheduler.records) == {0: pytest.approx(jct)}
