@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from bench_planner_network import LINK_SIZES, slope
-from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
+from bench_planner_vs_measured import block_probe, one_way_seconds, print_markdown, probe_rounds
 from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
 from megapipe.optim import OptimizerConfig
@@ -180,13 +180,11 @@ def main() -> None:
         chosen = measured[plans.index(choice)] if choice in plans else float("nan")
         summary.append((rate, bandwidth, choice, chosen / measured[best], plans[best], measured[0],
                         max(measured[1:])))
-    print("\n| link | measured MB/s | partitioner's choice | its measured share of the best | measured best | "
-          "measured samples/s: replicated vs best pipeline |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for rate, bandwidth, choice, share, best, replicated, pipelined in summary:
-        print(f"| {rate:g} Mbit/s | {bandwidth / 1e6:.1f} | {describe(choice)} | {share:.0%} | {describe(best)} | "
-              f"{replicated:.2f} vs {pipelined:.2f} |")
-
+    print_markdown(["link", "measured MB/s", "partitioner's choice", "its measured share of the best", "measured best",
+                    "measured samples/s: replicated vs best pipeline"],
+                   [[f"{rate:g} Mbit/s", f"{bandwidth / 1e6:.1f}", describe(choice), f"{share:.0%}", describe(best),
+                     f"{replicated:.2f} vs {pipelined:.2f}"]
+                    for rate, bandwidth, choice, share, best, replicated, pipelined in summary])
 
 if __name__ == "__main__":
     main()

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 import bench_planner_vs_measured
-from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, probe_time, profile_once,
-                                       spearman, train_layouts)
+from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, print_markdown, probe_time,
+                                       profile_once, spearman, train_layouts)
 from megapipe.config import ModelConfig
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
@@ -244,13 +244,11 @@ def main() -> None:
               f"the measured best; PipeDream's partitioner: {partitioner}; measured: data parallel {dp:.2f}, pipeline "
               f"across hosts {pp:.2f} samples/s")
         summary.append((rate, rho, chosen, chosen_measured / max(measured), partitioner, dp, pp))
-    print("\n| link | Spearman | planner's choice | its measured share of the best | PipeDream's partitioner | "
-          "measured samples/s: DP (1,1,4) vs PP across hosts (1,2,2) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for rate, rho, chosen, share, partitioner, dp, pp in summary:
-        print(f"| {rate:g} Mbit/s | {rho:.2f} | {chosen} | {share:.0%} | {partitioner} | {dp:.2f} vs {pp:.2f} "
-              f"({'PP' if pp > dp else 'DP'} faster) |")
-
+    print_markdown(["link", "Spearman", "planner's choice", "its measured share of the best", "PipeDream's partitioner",
+                    "measured samples/s: DP (1,1,4) vs PP across hosts (1,2,2)"],
+                   [[f"{rate:g} Mbit/s", f"{rho:.2f}", str(chosen), f"{share:.0%}", str(partitioner),
+                     f"{dp:.2f} vs {pp:.2f} ({'PP' if pp > dp else 'DP'} faster)"]
+                    for rate, rho, chosen, share, partitioner, dp, pp in summary])
 
 if __name__ == "__main__":
     main()

@@ -70,6 +70,14 @@ LAYOUTS = [
 ]
 
 
+def print_markdown(header: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table after a blank line, as the README's tables are written."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 # ---- what runs in the spawned processes ------------------------------------------------------
 def block_probe(model: dict, batch: int = PROBE_BATCH):
     """One block's forward+backward at ``batch`` on a fixed input, as a callable."""
