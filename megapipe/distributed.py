@@ -3,19 +3,45 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
+from megapipe.errors import ConfigError
+
+logger = logging.getLogger("megapipe")
+
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MEGAPIPE_TIMEOUT", "300")))
 
 
+DEVICE_VARIABLE = "MEGAPIPE_DEVICE"
+
+
 def default_device() -> torch.device:
-    """The local accelerator when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
+    """The device this process computes on: ``MEGAPIPE_DEVICE`` (``cpu`` or ``cuda``) when set, else
+    the local accelerator when there is one, else the CPU.
+
+    Each process of a node takes the GPU numbered by its ``LOCAL_RANK``; a rank beyond the visible
+    GPUs is refused, since two ranks on one GPU make NCCL fail or hang. ``MEGAPIPE_DEVICE=cpu``
+    keeps a run (and the test suite) on the CPU and gloo on a machine that has GPUs.
+    """
+    requested = os.environ.get(DEVICE_VARIABLE, "").strip().lower()
+    if requested not in ("", "cpu", "cuda"):
+        raise ConfigError(f"{DEVICE_VARIABLE}={requested} is not a device megapipe runs on; set it to cpu or "
+                          "cuda, or unset it to use a GPU when there is one.")
+    if requested == "cpu" or (not requested and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{DEVICE_VARIABLE}=cuda, but torch sees no CUDA device here (torch.cuda.is_available() "
+                          "is False); unset it to train on the CPU, or install a CUDA build of torch.")
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"LOCAL_RANK {local_rank} has no GPU of its own: this node shows {count} CUDA device(s); "
+                          f"start at most {count} processes per node (torchrun --nproc-per-node {count}) or make "
+                          "more GPUs visible (CUDA_VISIBLE_DEVICES).")
+    return torch.device("cuda", local_rank)
 
 
 def default_backend(device: torch.device) -> str:
@@ -26,7 +52,11 @@ def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torc
     """Join the process group described by torchrun's environment (or a world of one).
 
     Returns the device this process computes on. Every collective inherits ``timeout``, so a
-    peer that dies makes the others fail with an error instead of hanging.
+    peer that dies makes the others fail with an error instead of hanging. On a GPU the world's
+    NCCL communicator is created at once for this process's device (``device_id``), and every
+    later NCCL group is split from it instead of being created lazily at its first collective.
+    Gloo's interface is chosen whatever the default backend: NCCL runs have gloo side groups too
+    (lagged agreements, asynchronous saves).
     """
     device = device or default_device()
     if device.type == "cuda":
@@ -36,10 +66,23 @@ def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torc
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        if default_backend(device) == "gloo":
-            choose_gloo_interface()
-        dist.init_process_group(default_backend(device), timeout=timeout)
+        choose_gloo_interface()
+        eager = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(default_backend(device), timeout=timeout, **eager)
+        if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and dist.get_rank() == 0:
+            logger.warning(SINGLE_CONNECTION_WARNING)
     return device
+
+
+# Megatron-LM asks for one hardware queue per GPU so that a tensor-parallel collective issued
+# before a matmul also runs before it. megapipe sends pipeline messages on communicators (and
+# streams) of their own, which wait for a peer on another stage; through a single queue a
+# collective issued later on the tensor group would wait behind such a receive, and ranks that
+# issue them in different orders would wait for each other forever.
+SINGLE_CONNECTION_WARNING = (
+    "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this GPU on one hardware queue, so a tensor-parallel "
+    "collective can wait behind a pipeline receive that waits for it in turn; unset it for megapipe, whose "
+    "pipeline and tensor-parallel communicators must progress independently.")
 
 
 def choose_gloo_interface() -> None:
