@@ -5,6 +5,11 @@ Each fused op then asks ``active_backend().family(op, tensor)`` which kernel fam
 that tensor: a backend only names a preference order, and a family that cannot run an op on a
 tensor's device (apex has no GeLU kernel, Triton needs CUDA tensors) yields to the next one,
 ending with eager PyTorch, so a choice never produces a wrong result or an error.
+
+A family counts as available on CUDA only once one small kernel of it has compiled, launched and
+given the right value (``run_problem``), so a package that imports but cannot run there (a Triton
+without a C compiler, an apex built for another torch) is passed over, with the reason, at start-up
+rather than failing at the first layer.
 """
 
 from __future__ import annotations
@@ -35,49 +40,79 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _first_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _probe_apex(device: torch.device) -> None:
+    """apex's fused LayerNorm on a few values: its CUDA extension must load, launch and be right."""
+    import torch.nn.functional as F
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
+    x = torch.linspace(-1.0, 1.0, 16, device=device).view(2, 8)
+    weight, bias = torch.full((8,), 2.0, device=device), torch.full((8,), 0.5, device=device)
+    got = fused_layer_norm_affine(x, weight, bias, weight.shape, 1e-5)
+    if not torch.allclose(got, F.layer_norm(x, weight.shape, weight, bias, 1e-5), rtol=1e-4, atol=1e-5):
+        raise RuntimeError("its LayerNorm gave a wrong result")
+
+
+def _probe_triton(device: torch.device) -> None:
+    """megapipe's Triton bias-GeLU on one element: Triton must compile it (a C compiler and Python's
+    headers build the launcher), launch it on ``device`` and get it right."""
+    from megapipe.fusions import triton_elementwise
+
+    x, bias = torch.full((1, 1), 0.75, device=device), torch.full((1,), 0.25, device=device)
+    got = triton_elementwise.bias_gelu_forward(x, bias, "tanh")
+    if not torch.allclose(got, torch.nn.functional.gelu(x + bias, approximate="tanh"), rtol=1e-5, atol=1e-6):
+        raise RuntimeError("its bias-GeLU kernel gave a wrong result")
+
+
+_PROBES = {"apex": _probe_apex, "triton": _probe_triton}
+
+
 @functools.cache
-def apex_problem() -> str | None:
-    """Why apex's fused kernels cannot be used, or None when they can."""
-    if importlib.util.find_spec("apex") is None:
-        return "apex not importable"
-    if importlib.util.find_spec("fused_layer_norm_cuda") is None:
-        return "apex has no CUDA extensions"
+def importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@functools.cache
+def run_problem(family: str, device: torch.device) -> str | None:
+    """Why ``family``'s kernels fail on ``device`` when run once (None when they ran and were right).
+
+    Finding a package is not enough: a Triton without a C compiler or Python headers on the image,
+    or an apex built for another torch or CUDA, imports and then fails at its first kernel.
+    """
+    try:
+        _PROBES[family](device)
+    except Exception as error:  # noqa: BLE001 - any failure of the probe means: do not use this family
+        return f"{family} imports but fails to run ({_first_line(error)})"
     return None
 
 
-@functools.cache
-def triton_problem() -> str | None:
-    """Why Triton kernels cannot be used, or None when they can (on CUDA, or interpreted)."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton not importable"
-    return None
-
-
-@functools.cache
-def compile_problem(device_type: str) -> str | None:
-    """Why torch.compile cannot generate kernels for this device type, or None when it can."""
-    if device_type == "cuda":  # inductor writes Triton kernels for CUDA
-        return None if triton_problem() is None else "torch.compile on CUDA needs triton"
-    if device_type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
+def compile_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot generate kernels for this device, or None when it can."""
+    if device.type == "cuda":  # inductor writes Triton kernels for CUDA
+        problem = _why_not("triton", device)
+        return None if problem is None else f"torch.compile on CUDA needs a working triton ({problem})"
+    if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         return "torch.compile on CPU needs a C++ compiler"
     return None
 
 
 def _why_not(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run kernels on ``device``, or None when it can."""
-    if name == "apex":
-        problem = apex_problem()
-        return problem or (None if device.type == "cuda" else "apex needs CUDA")
-    if name == "triton":
-        problem = triton_problem()
-        if problem:
-            return problem
-        if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
-            return None
-        return "triton needs CUDA"
     if name == "compile":
-        return compile_problem(device.type)
-    return None
+        return compile_problem(device)
+    if name not in _PROBES:
+        return None
+    if not importable(name):
+        return f"{name} not importable"
+    if device.type == "cuda":
+        return run_problem(name, device)
+    if name == "triton" and device.type == "cpu" and triton_interpret():
+        return None
+    return f"{name} needs CUDA"
 
 
 @dataclass(frozen=True)
