@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megapipe.config import TrainingConfig
-from megapipe.errors import ConfigError
+from megapipe.optional import require
 
 
 @dataclass
@@ -77,17 +77,14 @@ class TrainLogger:
         if not enabled:
             return
         if config.wandb_project:
-            import wandb
-
+            wandb = require("wandb", "--wandb-project")
             os.environ.setdefault("WANDB_MODE", "offline")  # no network here: runs sync later with `wandb sync`
             self.wandb = wandb.init(project=config.wandb_project, name=config.wandb_exp_name,
                                     dir=config.wandb_save_dir, config=run_config)
         if config.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise ConfigError("--tensorboard-dir needs the tensorboard package; pip install tensorboard or "
-                                  "drop the flag.") from error
+            require("tensorboard", "--tensorboard-dir")
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tensorboard = SummaryWriter(log_dir=config.tensorboard_dir)
 
     def print(self, text: str) -> None:

@@ -25,7 +25,6 @@ from fractions import Fraction
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, ScheduleError  # noqa: E402
-from megapipe.pipeline.analysis.plot import draw_simulation, draw_timeline  # noqa: E402
 from megapipe.pipeline.analysis.schedule_search import comparison, search_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
@@ -82,6 +81,8 @@ def search(args: argparse.Namespace):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        from megapipe.pipeline.analysis.plot import draw_simulation, draw_timeline
+
         if args.timeline:
             timeline = Timeline.load(args.timeline)
             output = args.output or os.path.splitext(args.timeline)[0] + ".png"

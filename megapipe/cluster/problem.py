@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
 
 from megapipe.cluster.cluster_spec import ClusterSpec
 from megapipe.cluster.jobs import Job
 from megapipe.cluster.throughputs import UNCONSOLIDATED, ThroughputTable
+from megapipe.cluster.lp import cp
 
 
 @dataclass

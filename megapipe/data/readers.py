@@ -13,6 +13,7 @@ import os
 from typing import Iterator, Sequence
 
 from megapipe.errors import ConfigError, DataError
+from megapipe.optional import require
 
 JSONL_EXTENSIONS = (".jsonl", ".json")
 PARQUET_EXTENSIONS = (".parquet",)
@@ -72,8 +73,7 @@ def _read_text(path: str, document_per_file: bool) -> Iterator[dict[str, str]]:
 
 
 def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[dict[str, str]]:
-    import datasets  # heavy import, only needed for Parquet
-
+    datasets = require("datasets", "Reading Parquet input")
     rows = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True)
     for row_number, row in enumerate(rows):
         yield {key: _text_field(row, key, f"{path} row {row_number}") for key in keys}

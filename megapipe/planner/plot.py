@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from megapipe.optional import require
 
+matplotlib = require("matplotlib", "--plot-out")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402

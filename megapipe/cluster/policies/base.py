@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import cvxpy as cp
 import numpy as np
 
 from megapipe.cluster.problem import Problem
+from megapipe.cluster.lp import cp
 
 
 class Policy(ABC):

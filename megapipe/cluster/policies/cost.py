@@ -11,12 +11,12 @@ not rented, so the mechanism never runs a job where its allocation is zero (``sk
 
 from __future__ import annotations
 
-import cvxpy as cp
 import numpy as np
 
 from megapipe.cluster.policies.base import Policy, shape_of, solve, variable
 from megapipe.cluster.policies.ordering import _fastest
 from megapipe.errors import ConfigError
+from megapipe.cluster.lp import cp
 
 
 class MaxSumThroughput(Policy):

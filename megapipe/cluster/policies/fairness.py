@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import cvxpy as cp
 
 from megapipe.cluster.policies.base import Policy, scaled_throughput, shape_of, solve, variable
+from megapipe.cluster.lp import cp
 
 
 class MaxMinFairness(Policy):

@@ -8,10 +8,10 @@ been running since it arrived under an isolated share as well).
 
 from __future__ import annotations
 
-import cvxpy as cp
 import numpy as np
 
 from megapipe.cluster.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.lp import cp
 
 
 class FinishTimeFairness(Policy):

@@ -6,9 +6,9 @@ exact where the original system bisected on the makespan.
 
 from __future__ import annotations
 
-import cvxpy as cp
 
 from megapipe.cluster.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.lp import cp
 
 
 class MinTotalDuration(Policy):

@@ -9,10 +9,10 @@ the first job, and the ranked weights extend it to every job.
 
 from __future__ import annotations
 
-import cvxpy as cp
 import numpy as np
 
 from megapipe.cluster.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.lp import cp
 
 
 def _fastest(problem) -> np.ndarray:

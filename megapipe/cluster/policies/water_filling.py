@@ -15,11 +15,11 @@ import functools
 import os
 import sys
 
-import cvxpy as cp
 import numpy as np
 
 from megapipe.cluster.policies.base import Policy, shape_of, variable
 from megapipe.errors import ConfigError
+from megapipe.cluster.lp import cp
 
 ENTITY_POLICIES = ("fairness", "fifo")
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from matplotlib.colors import to_rgb
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from megapipe.optional import require
+
+require("matplotlib", "Pictures of schedules and timelines")
+
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.analysis.simulate import SimulationResult
