@@ -312,3 +312,21 @@ def test_state_dict_resumes_exactly():
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(opt2.main_params, opt.main_params))
     assert opt2.loss_scale == opt.loss_scale and sched2.lr == sched.lr
+
+
+def test_a_trained_model_is_freed_once_its_last_user_lets_go():
+    """Gradient syncs hook every parameter; the hooks must not keep the model (on a GPU: weights,
+    main gradients and optimizer state) alive once nothing else refers to it."""
+    import gc
+    import weakref
+
+    ps = ParallelState.single()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    grads = GradBuffers([model], ps)
+    optimizer = build_optimizer([model], OptimizerConfig(lr=0.1), ps, grads)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    alive = [weakref.ref(p) for p in model.parameters()] + [weakref.ref(grads.buffer)]
+    del model, grads, optimizer
+    gc.collect()
+    assert [ref() for ref in alive] == [None] * len(alive)

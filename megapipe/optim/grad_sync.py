@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -132,6 +133,21 @@ class ReductionRecord:
     finished: Optional[float] = None
 
 
+def _weak_hook(sync: "GradSync"):
+    """``sync._hook`` without a strong reference to ``sync``: a parameter's hooks live on its C++ side,
+    where Python's garbage collector cannot see the cycle parameter -> hook -> GradSync -> parameter,
+    so a strong one would keep every model whose gradients were ever synced alive (and on a GPU, its
+    weights, gradients and optimizer state) after its last user let it go."""
+    ref = weakref.ref(sync)
+
+    def hook(param: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._hook(param)
+
+    return hook
+
+
 class GradSync:
     """Gradients and weights of one model chunk over the data-parallel group (see the module docstring)."""
 
@@ -162,8 +178,9 @@ class GradSync:
         self.pieces: list[ParamPiece] = []
         if level.shards_optimizer:
             self._shard_weights(total, device)
+        hook = _weak_hook(self)
         for param in params:
-            param.register_post_accumulate_grad_hook(self._hook)
+            param.register_post_accumulate_grad_hook(hook)
 
     def _is_late(self, param: torch.Tensor) -> bool:
         return ((self.ps.pp_size > 1 and is_tied_embedding_copy(param))
