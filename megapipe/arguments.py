@@ -17,6 +17,7 @@ import torch
 
 from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig, TrainingConfig
 from megapipe.errors import ConfigError
+from megapipe.flops import check_device_peak
 from megapipe.llama_flags import apply_preset, llama_flags, llama_options
 from megapipe.operations import validate_operations
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
@@ -150,7 +151,8 @@ def _training_flags(g) -> None:
     g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--device-peak-tflops", type=float, default=None,
-                   help="peak dense TFLOP/s of one device, for model FLOPs utilisation")
+                   help="peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are "
+                        "looked up by name)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10,
                    help="how long a collective waits for a peer before failing")
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit every N iterations")
@@ -310,6 +312,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    check_device_peak(train.device_peak_tflops)
     validate_operations(kind, config)
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)

@@ -169,6 +169,11 @@ def manual_seed(seed: int, device: torch.device) -> None:
         torch.manual_seed(seed)
 
 
+def device_name(device: torch.device) -> str:
+    """The device's model as CUDA reports it ("NVIDIA H100 80GB HBM3"), or its type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``; a no-op on the CPU, where every op has finished on return."""
     if device.type == "cuda":

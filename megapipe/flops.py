@@ -12,9 +12,16 @@ the key/value projections and SwiGLU has three MLP matrices instead of two
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
+from megapipe.errors import ConfigError
 
-# Dense bf16/fp16 tensor-core peaks, TFLOP/s, for model FLOPs utilisation when not given.
-KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0, "A10": 125.0, "L4": 121.0}
+# Dense bf16 (V100: fp16) tensor-core peaks in TFLOP/s, from the vendor's data sheets, by a part of the
+# name CUDA reports ("NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL");
+# the first match counts, so a variant comes before its family.
+KNOWN_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H200 NVL", 835.0), ("H200", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("V100", 125.0), ("A10", 125.0), ("L4", 121.0),
+)
 
 
 def layer_forward_flops(config: ModelConfig, tokens: int, seq_length: int) -> float:
@@ -54,7 +61,12 @@ def parameter_count(config: ModelConfig) -> float:
 
 
 def device_peak_tflops(device_name: str) -> float | None:
-    for key, value in KNOWN_PEAK_TFLOPS.items():
-        if key in device_name:
-            return value
-    return None
+    """The dense bf16 peak of a device by its CUDA name; None for a device not in the table."""
+    return next((peak for part, peak in KNOWN_PEAK_TFLOPS if part in device_name), None)
+
+
+def check_device_peak(value: float | None) -> None:
+    """``--device-peak-tflops`` is a positive number of TFLOP/s (or unset: looked up by name)."""
+    if value is not None and not value > 0:
+        raise ConfigError(f"--device-peak-tflops {value:g} must be above 0: it is one device's dense bf16 peak "
+                          "in TFLOP/s (989 for an H100 SXM); drop the flag to look up a known GPU by name.")

@@ -24,7 +24,7 @@ from megapipe.arguments import parse_config
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
-from megapipe.distributed import init_distributed, peak_memory_gib
+from megapipe.distributed import device_name, init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.operations import ExitConditions, distributed_timeout
@@ -107,8 +107,7 @@ class Trainer:
                                    self.m)
         self.flops = flops_per_iteration(config.model, t.global_batch_size,
                                          recompute=config.model.recompute_granularity == "full")
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak_tflops = t.device_peak_tflops or device_peak_tflops(name)
+        self.peak_tflops = t.device_peak_tflops or device_peak_tflops(device_name(self.device))
 
     # ---- loop ---------------------------------------------------------------------------------
     def train(self) -> None:

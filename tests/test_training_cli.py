@@ -45,6 +45,7 @@ def losses(output: str) -> dict[int, float]:
      "--schedule-memory-limit 0.5 is below one microbatch's activations per rank, which every schedule holds; "
      "the least value that works is 1."),
     (["--schedule-memory-limit", "3"], "read only by --pipeline-schedule auto"),
+    (["--device-peak-tflops", "0"], "--device-peak-tflops 0 must be above 0"),
     (["--pipeline-schedule", "auto", "--schedule-profile", "none.json"], "profile none.json does not exist"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):

@@ -1,13 +1,15 @@
-"""The training loop in-process: fp16 loss scaling survives an overflow; FLOP counts are exact."""
+"""The training loop in-process: fp16 loss scaling survives an overflow; FLOP counts are exact; device
+peaks for model FLOPs utilisation."""
 
 import math
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megapipe.arguments import parse_config
 from megapipe.config import ModelConfig
-from megapipe.flops import flops_per_iteration
+from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks
 from megapipe.parallel_state import ParallelState
 from megapipe.testing import run_distributed
@@ -67,3 +69,13 @@ def test_flop_formula_equals_counted_matmuls():
         loss = model(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(5, config.seq_length)})
         loss.backward()
     assert counter.get_total_flops() == flops_per_iteration(config, global_batch_size=5, recompute=False)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA B200", 2250.0), ("NVIDIA RTX 9999", None),
+])
+def test_device_peaks_are_looked_up_by_the_exact_part(name, peak):
+    """Data-sheet dense bf16 peaks: an H100 PCIe is not an SXM part; an unknown GPU has none (MFU needs
+    --device-peak-tflops then)."""
+    assert device_peak_tflops(name) == peak
