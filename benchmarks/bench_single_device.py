@@ -1,22 +1,27 @@
 """One GPT training step on one device: megapipe against Hugging Face and megatron-core.
 
-Times a whole training step (forward, backward, optimizer step with gradient clipping) of the
-same GPT shape, batch and sequence under each system and prints tokens/s and model FLOPs
-utilisation (MFU), with the ratio to Hugging Face ``GPT2LMHeadModel`` trained the plain way:
+Times a whole training step as real training runs it (``--micro-batches`` forward and backward
+passes accumulating gradients, then the optimizer step with gradient clipping) of the same GPT
+shape, batch and sequence under each system and prints tokens/s and model FLOPs utilisation
+(MFU) of the forward and backward passes and of the whole step, with the ratio to Hugging Face
+``GPT2LMHeadModel`` trained the plain way:
 
 - megapipe: bf16 weights with fp32 master weights and fp32 main gradients, fused kernels on;
-  the same with every fusion off (``--no-bias-gelu-fusion --no-bias-dropout-fusion
-  --no-masked-softmax-fusion``); with selective recomputation; with full recomputation.
+  the same with the elementwise fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion``;
+  attention stays with scaled-dot-product attention, whose explicit alternative would hold the
+  [b, heads, s, s] scores of every layer); with selective recomputation; with full recomputation.
 - Hugging Face: fp32 weights under bf16 autocast, fused ``torch.optim.AdamW`` with weight
   decay off for biases and norms, ``clip_grad_norm_`` (what ``Trainer(bf16=True)`` does), SDPA
   attention; ``--hf-precision bf16`` trains bf16 weights instead, ``both`` times both.
-- megatron-core: ``GPTModel`` with its local layer spec, Float16Module, DDP and its optimizer
+- megatron-core: ``GPTModel`` with its fastest layer spec available (Transformer Engine's where
+  it is installed, else the local one), Float16Module, DDP and its optimizer
   (``benchmarks/mcore_gpt.py``); where it cannot run, the row gives the reason.
 
 FLOPs per step are model FLOPs, the same formula for every system (``megapipe.flops``, seed 002
 eq. 4.2 without the recomputation term), so recomputation shows up as lower MFU. On CUDA the
-peak is the device's dense bf16 peak; on CPU it is measured: the best bf16 throughput of a large
-square matmul with the threads used. Before timing, the script checks in fp32 with dropout off
+peak is the device's dense bf16 peak (by its exact name, or ``--device-peak-tflops``; without
+either MFU is left out); on CPU it is measured: the best bf16 throughput of a large square matmul
+with the threads used. On CUDA the phases are timed with device events. Before timing, the script checks in fp32 with dropout off
 that megapipe and Hugging Face give the same loss (and gradient norm) from the same weights.
 
 On CPU the systems are interleaved round by round in one process (medians over rounds), so
@@ -54,8 +59,9 @@ import torch  # noqa: E402
 
 from megapipe import fusions  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.distributed import default_device, peak_memory_gib, synchronize  # noqa: E402
-from megapipe.flops import device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
+from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
+                                  release_cached_memory, reset_peak_memory, synchronize)
+from megapipe.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
@@ -123,7 +129,8 @@ def make_batch(shape: Shape, device: torch.device, seed: int) -> dict:
 # ---- the systems ---------------------------------------------------------------------------------
 
 class System(abc.ABC):
-    """A model with its optimizer; ``build()`` may raise (the row then says why), ``step(batch)`` trains once."""
+    """A model with its optimizer; ``build()`` may raise (the row then says why). A training step is
+    ``forward_backward`` on each micro-batch (gradients accumulate), then ``optimizer_step``."""
 
     name = ""
     precision = ""
@@ -133,13 +140,17 @@ class System(abc.ABC):
         """Create the model and optimizer."""
 
     @abc.abstractmethod
-    def step(self, batch: dict) -> torch.Tensor:
-        """One training step; returns the loss."""
+    def forward_backward(self, batch: dict, micro_batches: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss scaled by 1 / ``micro_batches``; returns the loss."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> None:
+        """Clip, step and zero the accumulated gradients."""
 
     def free(self) -> None:
         """Drop the model and optimizer (sequential mode on CUDA)."""
-        self.__dict__.update({key: None for key in ("model", "optimizer", "grads", "_step", "_teardown")
-                              if key in self.__dict__})
+        self.__dict__.update({key: None for key in ("model", "optimizer", "grads", "_forward_backward",
+                                                    "_optimizer_step", "_teardown") if key in self.__dict__})
 
 
 class Megapipe(System):
@@ -159,13 +170,15 @@ class Megapipe(System):
         self.optimizer = build_optimizer([self.model], OptimizerConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, bf16=True), ps, self.grads)
 
-    def step(self, batch: dict) -> torch.Tensor:
+    def forward_backward(self, batch: dict, micro_batches: int) -> torch.Tensor:
         loss = self.model(None, batch)
-        self.optimizer.scale_loss(loss).backward()
+        self.optimizer.scale_loss(loss / micro_batches).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
         finalize_model_grads([self.model], self.ps, self.grads)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return loss.detach()
 
 
 class HuggingFace(System):
@@ -185,16 +198,18 @@ class HuggingFace(System):
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, fused=True)
 
-    def step(self, batch: dict) -> torch.Tensor:
+    def forward_backward(self, batch: dict, micro_batches: int) -> torch.Tensor:
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.mode == "autocast"
                     else contextlib.nullcontext())
         with autocast:
             loss = self.model(input_ids=batch["tokens"], labels=batch["tokens"]).loss
-        loss.backward()
+        (loss / micro_batches).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_GRAD)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
 
 
 class MegatronCore(System):
@@ -216,12 +231,15 @@ class MegatronCore(System):
             raise ImportError("megatron-core is not installed (pip install megatron-core)")
         self.name = f"megatron-core {version} GPTModel"
         padded = model_config(self.shape, torch.bfloat16, self.dropout).padded_vocab_size(1)
-        self._step, self._teardown, self.detail = build_mcore_gpt(
+        self._forward_backward, self._optimizer_step, self._teardown, self.detail = build_mcore_gpt(
             self.shape.num_layers, self.shape.hidden_size, self.shape.heads, self.shape.seq_length, padded,
             self.dropout, LR, WEIGHT_DECAY, CLIP_GRAD, self.device)
 
-    def step(self, batch: dict) -> torch.Tensor:
-        return self._step(batch)
+    def forward_backward(self, batch: dict, micro_batches: int) -> torch.Tensor:
+        return self._forward_backward(batch, micro_batches)
+
+    def optimizer_step(self) -> None:
+        self._optimizer_step()
 
     def free(self) -> None:
         if getattr(self, "_teardown", None) is not None:
@@ -232,8 +250,8 @@ class MegatronCore(System):
 def build_systems(shape: Shape, device: torch.device, hf_precision: str, dropout: float) -> list[System]:
     systems: list[System] = [
         Megapipe("megapipe", shape, device, dropout),
-        Megapipe("megapipe, fusions off", shape, device, dropout, bias_gelu_fusion=False,
-                 bias_dropout_fusion=False, masked_softmax_fusion=False),
+        Megapipe("megapipe, elementwise fusions off", shape, device, dropout, bias_gelu_fusion=False,
+                 bias_dropout_fusion=False),
         Megapipe("megapipe, selective recompute", shape, device, dropout, recompute_granularity="selective"),
         Megapipe("megapipe, full recompute", shape, device, dropout, recompute_granularity="full",
                  recompute_method="uniform", recompute_num_layers=1),
@@ -295,7 +313,8 @@ def measure_cpu_peak_tflops(seconds: float = 1.0, n: int = 2048) -> float:
 @dataclass
 class Result:
     system: System
-    times: list[float]  # seconds per step, one median per round
+    times: list[float]  # seconds per whole step, one median per round
+    pass_times: list[float]  # seconds of the step's forward and backward passes, one median per round
     peak_gib: Optional[float] = None
     error: Optional[str] = None
     final_loss: Optional[float] = None
@@ -303,6 +322,10 @@ class Result:
     @property
     def seconds(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def pass_seconds(self) -> float:
+        return statistics.median(self.pass_times)
 
 
 def one_line(error: BaseException) -> str:
@@ -319,24 +342,45 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = CLOCKS["wall"]
 
 
-def timed_steps(system: System, batches: list[dict], steps: int, device: torch.device) -> tuple[float, torch.Tensor]:
-    """Median seconds of ``steps`` steps (each synchronised) and the last loss."""
-    times = []
-    loss = None
+class PhaseTimer:
+    """Stamps between a step's phases: device events on an accelerator (read once the step is done),
+    else ``clock``."""
+
+    def __init__(self, device: torch.device):
+        self.device_clock = DeviceClock(device) if device.type != "cpu" else None
+
+    def mark(self):
+        return self.device_clock.mark() if self.device_clock is not None else clock()
+
+    def seconds(self, marks: list) -> list[float]:
+        return self.device_clock.seconds(marks) if self.device_clock is not None else marks
+
+
+def timed_steps(system: System, batches: list[dict], steps: int, micro_batches: int,
+                device: torch.device) -> tuple[float, float, torch.Tensor]:
+    """Medians over ``steps`` training steps of (whole step, its forward and backward passes) in
+    seconds, and the last loss."""
+    whole, passes, loss = [], [], None
+    timer = PhaseTimer(device)
     for i in range(steps):
         synchronize(device)
-        start = clock()
-        loss = system.step(batches[i % len(batches)])
-        synchronize(device)
-        times.append(clock() - start)
-    return statistics.median(times), loss
+        marks = [timer.mark()]
+        for j in range(micro_batches):
+            loss = system.forward_backward(batches[(i * micro_batches + j) % len(batches)], micro_batches)
+        marks.append(timer.mark())
+        system.optimizer_step()
+        marks.append(timer.mark())
+        start, passes_done, end = timer.seconds(marks)
+        whole.append(end - start)
+        passes.append(passes_done - start)
+    return statistics.median(whole), statistics.median(passes), loss
 
 
-def build_and_warm(system: System, batches: list[dict], warmup: int, device: torch.device) -> Optional[str]:
+def build_and_warm(system: System, batches: list[dict], args, device: torch.device) -> Optional[str]:
     """Build ``system`` and run its warm-up steps; the one-line reason when it cannot run."""
     try:
         system.build()
-        timed_steps(system, batches, warmup, device)
+        timed_steps(system, batches, args.warmup, args.micro_batches, device)
         return None
     except Exception as error:  # noqa: BLE001 - any failure of a system becomes its row's reason
         system.free()
@@ -344,13 +388,20 @@ def build_and_warm(system: System, batches: list[dict], warmup: int, device: tor
         return one_line(error)
 
 
+def time_round(result: Result, batches: list[dict], args, device: torch.device) -> None:
+    seconds, pass_seconds, loss = timed_steps(result.system, batches, args.steps, args.micro_batches, device)
+    result.times.append(seconds)
+    result.pass_times.append(pass_seconds)
+    result.final_loss = loss.item()
+
+
 def run_interleaved(systems, batches, args, device, peak_probe: Optional[Callable[[], float]]):
     """Build every system, then time them round-robin ``args.rounds`` times (the CPU way)."""
     results = []
     for system in systems:
         started = time.perf_counter()
-        error = build_and_warm(system, batches, args.warmup, device)
-        results.append(Result(system, [], error=error))
+        error = build_and_warm(system, batches, args, device)
+        results.append(Result(system, [], [], error=error))
         print(f"  built {system.name}: {'ok' if error is None else error} ({time.perf_counter() - started:.0f} s)",
               flush=True)
     peaks = []
@@ -358,9 +409,7 @@ def run_interleaved(systems, batches, args, device, peak_probe: Optional[Callabl
         started = time.perf_counter()
         for result in results:
             if result.error is None:
-                seconds, loss = timed_steps(result.system, batches, args.steps, device)
-                result.times.append(seconds)
-                result.final_loss = loss.item()
+                time_round(result, batches, args, device)
         if peak_probe is not None:
             peaks.append(peak_probe())
         print(f"  round {round_ + 1}/{args.rounds}: "
@@ -373,14 +422,11 @@ def run_sequential(systems, batches, args, device):
     """Build, time and free one system at a time (the CUDA way: several large models do not fit together)."""
     results = []
     for system in systems:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        result = Result(system, [], error=build_and_warm(system, batches, args.warmup, device))
+        reset_peak_memory(device)
+        result = Result(system, [], [], error=build_and_warm(system, batches, args, device))
         try:
             for _ in range(args.rounds if result.error is None else 0):
-                seconds, loss = timed_steps(system, batches, args.steps, device)
-                result.times.append(seconds)
-                result.final_loss = loss.item()
+                time_round(result, batches, args, device)
         except Exception as error:  # noqa: BLE001 - e.g. out of memory in a timed step
             result.error = one_line(error)
         if result.error is None:
@@ -390,21 +436,24 @@ def run_sequential(systems, batches, args, device):
             print(f"  {system.name}: not run: {result.error}", flush=True)
         system.free()
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cached_memory(device)
         results.append(result)
     return results
 
 
-def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: float,
-                device: torch.device) -> list[dict]:
+def _percent(value: Optional[float]) -> str:
+    return f"{value:6.1%}" if value is not None else f"{'-':>6s}"
+
+
+def print_table(results: list[Result], shape: Shape, micro_batches: int, flops: float,
+                peak_tflops: Optional[float]) -> list[dict]:
     """Print the shape's table; return its rows as plain values (for ``--json``)."""
-    tokens = shape.micro_batch * shape.seq_length
+    tokens = micro_batches * shape.micro_batch * shape.seq_length
     rows = []
     baseline = next((r for r in results if isinstance(r.system, HuggingFace) and r.error is None), None)
     show_memory = any(r.peak_gib is not None for r in results)
-    header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
-              f"{'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
+    header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+              f"{'MFU f+b':>7s} {'MFU':>6s} {'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
     print(header)
     print("-" * len(header))
     for r in results:
@@ -413,13 +462,15 @@ def print_table(results: list[Result], shape: Shape, flops: float, peak_tflops: 
             rows.append({"system": r.system.name, "error": r.error})
             continue
         achieved = flops / r.seconds / 1e12
-        ratio = f"{baseline.seconds / r.seconds:6.2f}" if baseline is not None else f"{'-':>6s}"
+        mfu = achieved / peak_tflops if peak_tflops else None
+        mfu_passes = flops / r.pass_seconds / 1e12 / peak_tflops if peak_tflops else None
+        vs_hf = baseline.seconds / r.seconds if baseline is not None else None
         rows.append({"system": r.system.name, "precision": r.system.precision, "ms_per_step": r.seconds * 1e3,
-                     "tokens_per_s": tokens / r.seconds, "tflops": achieved, "mfu": achieved / peak_tflops,
-                     "vs_hf": baseline.seconds / r.seconds if baseline is not None else None,
-                     "peak_gib": r.peak_gib})
+                     "passes_ms": r.pass_seconds * 1e3, "tokens_per_s": tokens / r.seconds, "tflops": achieved,
+                     "mfu": mfu, "mfu_passes": mfu_passes, "vs_hf": vs_hf, "peak_gib": r.peak_gib})
         row = (f"{r.system.name:44s} {r.system.precision:36s} {r.seconds * 1e3:9.1f} {tokens / r.seconds:10.0f} "
-               f"{achieved:8.3f} {achieved / peak_tflops:6.1%} {ratio}")
+               f"{achieved:8.3f} {_percent(mfu_passes):>7s} {_percent(mfu)} "
+               + (f"{vs_hf:6.2f}" if vs_hf is not None else f"{'-':>6s}"))
         if show_memory:
             row += f" {r.peak_gib:8.1f}" if r.peak_gib is not None else f" {'-':>8s}"
         spread = (max(r.times) - min(r.times)) / r.seconds if len(r.times) > 1 else 0.0
@@ -438,8 +489,10 @@ def parse_args(device: torch.device):
                         help=f"comma-separated shapes from {', '.join(SHAPES)} "
                              "(default: cpu-small on CPU, gpt-350m,gpt-1.3b on CUDA)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="sequences per step (default: per shape, " +
+                        help="sequences per micro-batch (default: per shape, " +
                              ", ".join(f"{k} {v.micro_batch}" for k, v in SHAPES.items()) + ")")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches accumulated per optimizer step (default: 8 CUDA, 2 CPU)")
     parser.add_argument("--seq-length", type=int, default=None, help="override the shape's sequence length")
     parser.add_argument("--vocab-size", type=int, default=None, help=f"override the vocabulary (default {GPT2_VOCAB})")
     parser.add_argument("--hf-precision", choices=("autocast", "bf16", "both"), default="autocast",
@@ -447,8 +500,10 @@ def parse_args(device: torch.device):
                              "or both rows")
     parser.add_argument("--fusion-backend", default="auto", help="megapipe's fusion backend (auto, apex, triton, "
                                                                  "compile, eager)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default: 2 CPU, 5 CUDA)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default: 2 CPU, 10 CUDA)")
+    parser.add_argument("--device-peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak, for a device megapipe does not know by name")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default: 2 CPU, 3 CUDA)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds; the median counts (default: 4 CPU, 3 CUDA)")
     parser.add_argument("--dropout", type=float, default=DROPOUT, help="hidden and attention dropout")
     parser.add_argument("--skip-check", action="store_true", help="skip the fp32 same-loss check")
@@ -463,6 +518,10 @@ def parse_args(device: torch.device):
                              "processes does not count (default: cpu with one CPU thread, else wall)")
     args = parser.parse_args()
     cuda = device.type == "cuda"
+    try:
+        check_device_peak(args.device_peak_tflops)
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads is None and not cuda:
         args.threads = 1
     if args.clock is None:
@@ -470,14 +529,32 @@ def parse_args(device: torch.device):
     if args.clock == "cpu" and (cuda or args.threads != 1):
         parser.error("--clock cpu needs --threads 1 on a CPU device: it counts one thread's CPU time.")
     args.shape = args.shape or ("gpt-350m,gpt-1.3b" if cuda else "cpu-small")
-    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
-    args.steps = args.steps if args.steps is not None else (10 if cuda else 2)
+    args.micro_batches = args.micro_batches or (8 if cuda else 2)
+    args.warmup = args.warmup if args.warmup is not None else 2
+    args.steps = args.steps if args.steps is not None else (3 if cuda else 2)
     args.rounds = args.rounds if args.rounds is not None else (3 if cuda else 4)
     args.sequential = args.sequential or cuda
     for name in args.shape.split(","):
         if name not in SHAPES:
             parser.error(f"--shape {name} is unknown; use one of {', '.join(SHAPES)}.")
     return args
+
+
+def device_peak(args, device: torch.device) -> tuple[Optional[float], Optional[Callable[[], float]], str]:
+    """(peak TFLOP/s or None, the CPU's re-measuring probe or None, how the peak was found)."""
+    if device.type == "cpu":
+        peak = measure_cpu_peak_tflops()
+        return peak, measure_cpu_peak_tflops, (
+            f"peak measured: best bf16 2048^3 matmul on {torch.get_num_threads()} thread(s)"
+            + ("" if args.sequential else ", re-measured after every round, the best kept") + f"; {args.clock} clock")
+    name = device_name(device)
+    if args.device_peak_tflops:
+        return args.device_peak_tflops, None, f"peak {args.device_peak_tflops:g} TFLOP/s (--device-peak-tflops)"
+    peak = device_peak_tflops(name)
+    if peak is None:
+        return None, None, (f"no dense bf16 peak is known for {name}, so MFU is left out; pass "
+                            "--device-peak-tflops N (its data sheet's dense bf16 TFLOP/s)")
+    return peak, None, f"peak {peak:.0f} TFLOP/s (dense bf16 of {name})"
 
 
 def main() -> None:
@@ -490,24 +567,12 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*|.*Apex.*|.*apex.*")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     backend = fusions.select_backend(args.fusion_backend, device)
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = device_peak_tflops(name)
-        if peak is None:
-            raise SystemExit(f"no known bf16 peak for {name}; add it to megapipe.flops.KNOWN_PEAK_TFLOPS.")
-        peak_note = f"peak {peak:.0f} TFLOP/s (dense bf16 of {name})"
-        peak_probe = None
-    else:
-        name = "CPU"
-        peak_probe = measure_cpu_peak_tflops
-        peak = peak_probe()
-        peak_note = (f"peak measured: best bf16 2048^3 matmul on {torch.get_num_threads()} thread(s)"
-                     + ("" if args.sequential else ", re-measured after every round, the best kept")
-                     + f"; {args.clock} clock")
+    name = device_name(device)
+    peak, peak_probe, peak_note = device_peak(args, device)
     print(f"device {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"megapipe fusion backend {backend.name} ({backend.reason})")
-    report = {"device": name, "torch": torch.__version__, "fusion_backend": backend.name, "shapes": {}}
+    report = {"device": name, "torch": torch.__version__, "fusion_backend": backend.name,
+              "micro_batches": args.micro_batches, "shapes": {}}
 
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
@@ -515,12 +580,13 @@ def main() -> None:
                                                       ("seq_length", args.seq_length),
                                                       ("vocab_size", args.vocab_size)) if v is not None})
         config = model_config(shape, torch.bfloat16, args.dropout)
-        flops = flops_per_iteration(config, shape.micro_batch, recompute=False)
-        head = 6 * shape.micro_batch * shape.seq_length * shape.hidden_size * config.padded_vocab_size(1)
+        sequences = args.micro_batches * shape.micro_batch
+        flops = flops_per_iteration(config, sequences, recompute=False)
+        head = 6 * sequences * shape.seq_length * shape.hidden_size * config.padded_vocab_size(1)
         print(f"\n== {shape_name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.heads} heads, "
-              f"sequence {shape.seq_length}, micro-batch {shape.micro_batch}, vocabulary {shape.vocab_size} "
-              f"(padded {config.padded_vocab_size(1)}), {parameter_count(config) / 1e6:.0f}M parameters, "
-              f"dropout {args.dropout}")
+              f"sequence {shape.seq_length}, {args.micro_batches} micro-batches of {shape.micro_batch} per step, "
+              f"vocabulary {shape.vocab_size} (padded {config.padded_vocab_size(1)}), "
+              f"{parameter_count(config) / 1e6:.0f}M parameters, dropout {args.dropout}")
         print(f"model FLOPs per step {flops / 1e9:.1f} GFLOP (logit layer {head / flops:.0%}); "
               f"{args.warmup} warm-up steps, then {args.rounds} rounds x {args.steps} timed steps")
         if not args.skip_check:
@@ -531,19 +597,21 @@ def main() -> None:
             results, measured = run_sequential(systems, batches, args, device), None
         else:
             results, measured = run_interleaved(systems, batches, args, device, peak_probe)
-        peak_tflops = max(peak, measured or 0.0)
-        print(f"\nMFU = model FLOPs per second / {peak_tflops:.3f} TFLOP/s: {peak_note}")
-        report["shapes"][shape_name] = print_table(results, shape, flops, peak_tflops, device)
+        peak_tflops = max(peak, measured or 0.0) if peak is not None else None
+        print(f"\nMFU = model FLOPs per second / peak: {peak_note}")
+        report["shapes"][shape_name] = print_table(results, shape, args.micro_batches, flops, peak_tflops)
         for r in results:
             if r.error is None and not math.isfinite(r.final_loss):
                 print(f"warning: {r.system.name} ended with loss {r.final_loss}")
         for system in systems:
             system.free()
-    print("\nvs HF = Hugging Face step time / this system's step time (> 1: faster than Hugging Face). "
+    print("\nMFU f+b: the forward and backward passes alone; MFU: the whole step (optimizer step included). "
+          "vs HF = Hugging Face step time / this system's step time (> 1: faster than Hugging Face). "
           "Model FLOPs exclude recomputation.")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":

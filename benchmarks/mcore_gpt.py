@@ -1,6 +1,7 @@
-"""megatron-core's GPTModel (local layer spec) trained the way Megatron-LM trains it, for the
-single-device benchmark: Float16Module (bf16 weights), megatron-core's DistributedDataParallel
-(fp32 main-gradient buffer) and its mixed-precision optimizer (fp32 masters, AdamW).
+"""megatron-core's GPTModel trained the way Megatron-LM trains it, for the single-device benchmark:
+its fastest layer spec available (Transformer Engine's where transformer_engine imports, else the
+local one), Float16Module (bf16 weights), megatron-core's DistributedDataParallel (fp32
+main-gradient buffer) and its mixed-precision optimizer (fp32 masters, AdamW).
 
 Only the building is here; ``bench_single_device.py`` times the returned step function. On a
 machine where megatron-core cannot run (no CUDA: its RNG tracker and tensor-parallel layers call
@@ -33,12 +34,22 @@ def _import_mcore():
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
     return (parallel_state, tensor_parallel, DistributedDataParallel, DistributedDataParallelConfig, GPTModel,
-            get_gpt_layer_local_spec, OptimizerConfig, get_megatron_optimizer, Float16Module, TransformerConfig)
+            gpt_layer_specs, OptimizerConfig, get_megatron_optimizer, Float16Module, TransformerConfig)
+
+
+def fastest_spec(gpt_layer_specs) -> tuple[object, str]:
+    """(layer spec, its name): Transformer Engine's fused layers when they import, else the local spec."""
+    if _has_module("transformer_engine"):
+        try:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), "Transformer Engine spec"
+        except (ImportError, AssertionError):  # an engine build that megatron-core refuses
+            pass
+    return gpt_layer_specs.get_gpt_layer_local_spec(), "local spec"
 
 
 def mcore_version() -> str | None:
@@ -58,16 +69,17 @@ def fused_kernels() -> dict[str, bool]:
 
 def build_mcore_gpt(num_layers: int, hidden_size: int, heads: int, seq_length: int, padded_vocab_size: int,
                     dropout: float, lr: float, weight_decay: float, clip_grad: float,
-                    device: torch.device) -> tuple[Callable[[dict], torch.Tensor], Callable[[], None], str]:
-    """(step(batch) -> loss, teardown(), description) for megatron-core's GPT on ``device``.
+                    device: torch.device) -> tuple[Callable[[dict, int], torch.Tensor], Callable[[], None],
+                                                   Callable[[], None], str]:
+    """(forward_backward(batch, micro_batches) -> loss, optimizer_step(), teardown(), description) for
+    megatron-core's GPT on ``device``; gradients accumulate in its buffer until the optimizer step.
 
     ``batch`` holds ``tokens``, ``labels`` and ``loss_mask`` ([b, s]) as for megapipe. Raises
     whatever megatron-core raises when it cannot run here; torch.distributed (a world of one) and
     megatron-core's parallel state are torn down again in that case.
     """
     (parallel_state, tensor_parallel, DistributedDataParallel, DistributedDataParallelConfig, GPTModel,
-     get_gpt_layer_local_spec, OptimizerConfig, get_megatron_optimizer, Float16Module,
-     TransformerConfig) = _import_mcore()
+     gpt_layer_specs, OptimizerConfig, get_megatron_optimizer, Float16Module, TransformerConfig) = _import_mcore()
     from megapipe.distributed import init_distributed
 
     import torch.distributed as dist
@@ -93,7 +105,8 @@ def build_mcore_gpt(num_layers: int, hidden_size: int, heads: int, seq_length: i
             bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=False, persist_layer_norm=False,
             masked_softmax_fusion=kernels["masked_softmax_fusion"],
             gradient_accumulation_fusion=kernels["gradient_accumulation_fusion"])
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        spec, spec_name = fastest_spec(gpt_layer_specs)
+        model = GPTModel(config=config, transformer_layer_spec=spec,
                          vocab_size=padded_vocab_size, max_sequence_length=seq_length, pre_process=True,
                          post_process=True, share_embeddings_and_output_weights=True,
                          position_embedding_type="learned_absolute")
@@ -111,20 +124,23 @@ def build_mcore_gpt(num_layers: int, hidden_size: int, heads: int, seq_length: i
 
     position_ids = {}
 
-    def step(batch: dict) -> torch.Tensor:
+    def forward_backward(batch: dict, micro_batches: int) -> torch.Tensor:
         tokens = batch["tokens"]
         if tokens.shape not in position_ids:
             position_ids[tokens.shape] = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
         # attention_mask None: the local spec's causal softmax builds the causal mask itself
         per_token = model(tokens, position_ids[tokens.shape], None, labels=batch["labels"])
         mask = batch["loss_mask"].float()
         loss = (per_token.float() * mask).sum() / mask.sum()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
+        (loss / micro_batches).backward()
         return loss.detach()
 
-    fused = ", ".join(name for name, ok in kernels.items() if ok) or "no apex/TE kernels"
-    return step, teardown, f"local spec, bf16 Float16Module + DDP + AdamW, fp32 masters ({fused})"
+    def optimizer_step() -> None:
+        model.finish_grad_sync()
+        optimizer.step()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+
+    fused = ", ".join(name for name, ok in kernels.items() if ok) or "no apex kernels"
+    return (forward_backward, optimizer_step, teardown,
+            f"{spec_name}, bf16 Float16Module + DDP + AdamW, fp32 masters ({fused})")

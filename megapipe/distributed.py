@@ -180,6 +180,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting ``peak_memory_gib`` afresh (on an accelerator; the host's peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the device, for the next program's peak."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocated on the accelerator, resident on the CPU."""
     if device.type == "cuda":
