@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -65,6 +66,12 @@ class IterationStats:
             if value is not None:
                 values[name] = value
         return values
+
+
+def losses_in_log(text: str, name: str = "lm loss") -> dict[int, float]:
+    """{iteration: loss} read back from the iteration lines of a training log (``IterationLog.line``)."""
+    pattern = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?" + re.escape(name) + r": ([0-9.E+-]+)")
+    return {int(i): float(value) for i, value in pattern.findall(text)}
 
 
 class TrainLogger:

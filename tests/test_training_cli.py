@@ -1,18 +1,18 @@
 """The training entry points, run as users run them (subprocesses: plain python and torchrun)."""
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
+
+from megapipe.train_logger import losses_in_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
         "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--lr", "3e-3", "--lr-warmup-iters", "0"]
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
 
 
 def run(args, nproc=None, timeout=300, env_extra=None, cache=None):
@@ -27,7 +27,7 @@ def run(args, nproc=None, timeout=300, env_extra=None, cache=None):
 
 
 def losses(output: str) -> dict[int, float]:
-    return {int(i): float(v) for i, v in LOSS.findall(output)}
+    return losses_in_log(output)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,0 +1,36 @@
+"""Host synchronisations of whole training iterations (``Trainer.count_synchronisations``: CUDA's
+sync debug mode on a GPU, every host read of a tensor on the CPU) outside log intervals: none, for a
+flush schedule and PipeDream-2BW at m = 2 and m = 8, in bf16 with gradient clipping."""
+
+from __future__ import annotations
+
+from megapipe.acceptance.record import Context, Record
+from megapipe.arguments import parse_config
+from megapipe.training import Trainer
+
+COUNTED = 3
+FLAGS = ["--mock-data", "--vocab-size", "1024", "--train-iters", "100", "--log-interval", "100",
+         "--eval-interval", "100", "--eval-iters", "1", "--untie-embeddings-and-output-weights", "--bf16"]
+GPU_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+             "--micro-batch-size", "2"]
+CPU_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "1"]
+CASES = (("1f1b", 2), ("1f1b", 8), ("2bw", 2), ("2bw", 8))
+
+
+def count(flags: list[str]) -> str:
+    trainer = Trainer("gpt", parse_config("gpt", flags, world_size=1))
+    try:
+        found = trainer.count_synchronisations(COUNTED)
+    finally:
+        trainer.engine.drain()
+        trainer.exit_conditions.close()
+    assert found == 0, f"{found} in {COUNTED} iterations"
+    return f"0 in {COUNTED} iterations"
+
+
+def run(record: Record, context: Context) -> None:
+    model = CPU_MODEL if context.dry_run else GPU_MODEL
+    for schedule, m in CASES:
+        flags = FLAGS + model + ["--pipeline-schedule", schedule, "--global-batch-size", str(m * int(model[-1]))]
+        record.check(f"{schedule}, m = {m}", lambda: count(flags))
