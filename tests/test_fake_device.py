@@ -2,24 +2,19 @@
 step through the pipeline engine on fake accelerator tensors, where a tensor made on the host by
 mistake (a mask, an arange, a scale, a random state) fails as it would on a GPU."""
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
+from fake_device_helpers import DEVICE_MISMATCH, H, S, V, model_config, pipeline_rank, stubbed_transport
 from megapipe import fusions
-from megapipe.config import ModelConfig
 from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.fusions.backend import BACKENDS
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 
-B, S, H, V = 2, 16, 32, 100
+B = 2
 RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 UNFUSED = dict(bias_gelu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
 CASES = {
@@ -39,14 +34,6 @@ CASES = {
 }
 
 
-def model_config(kind: str, precision: str = "fp32", **options) -> ModelConfig:
-    bert = kind == "bert"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    options = dict(dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=V), **options)
-    return ModelConfig(params_dtype=dtype, num_tokentypes=2 if bert else 0, post_layernorm=bert,
-                       activation="gelu" if bert else "gelu_tanh", **options)
-
-
 def microbatch(kind: str, device: torch.device) -> dict:
     batch = {"tokens": torch.randint(0, V, (B, S), device=device), "labels": torch.randint(0, V, (B, S), device=device),
              "loss_mask": torch.ones(B, S, device=device)}
@@ -55,35 +42,6 @@ def microbatch(kind: str, device: torch.device) -> dict:
                      padding_mask=torch.ones(B, S, dtype=torch.long, device=device),
                      is_random=torch.zeros(B, dtype=torch.long, device=device))
     return batch
-
-
-class _Done:
-    """The handle of a stubbed send, receive or collective: already complete."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-class _Group:
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
-@contextlib.contextmanager
-def stubbed_transport():
-    """Pipeline messages and collectives of a process with no process group: an NCCL-like backend
-    whose sends, receives and all-reduces complete at once (receives keep their fresh buffers)."""
-    with mock.patch.object(dist, "get_backend", lambda group=None: "nccl"), \
-            mock.patch.object(dist, "P2POp", lambda *args, **kwargs: None), \
-            mock.patch.object(dist, "batch_isend_irecv", lambda ops: [_Done() for _ in ops]), \
-            mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: _Done()):
-        yield
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -123,14 +81,6 @@ def test_middle_and_last_stages_run_from_a_received_hidden_state(kind):
             assert hidden.grad.device == FAKE_DEVICE
 
 
-def _pipeline_rank(rank: int, pipeline: int, virtual: int) -> ParallelState:
-    """Pipeline rank ``rank`` of a t = d = 1 layout, with stand-in groups (the transport is stubbed)."""
-    members = {"tensor": [rank], "data": [rank], "pipeline": list(range(pipeline)),
-               "model_parallel": list(range(pipeline)), "embedding": [0, pipeline - 1]}
-    groups = {name: None if len(ranks) == 1 else _Group(len(ranks)) for name, ranks in members.items()}
-    return ParallelState(RankLayout(1, pipeline, 1), rank, virtual, groups, members)
-
-
 @pytest.mark.parametrize("kind, schedule, pipeline, virtual", [
     ("gpt", "1f1b", 3, 1), ("bert", "1f1b", 3, 1), ("gpt", "interleaved", 2, 2)])
 def test_each_pipeline_rank_trains_through_the_executor_with_the_transport_stubbed(kind, schedule, pipeline, virtual):
@@ -138,7 +88,7 @@ def test_each_pipeline_rank_trains_through_the_executor_with_the_transport_stubb
     receives answered with fresh device buffers, sends and collectives completing at once."""
     m = 2 * pipeline
     for rank in range(pipeline):
-        ps = _pipeline_rank(rank, pipeline, virtual)
+        ps = pipeline_rank(rank, pipeline, virtual)
         with fake_accelerator(), stubbed_transport():
             config = model_config(kind, num_layers=2 * pipeline * virtual)
             ps.seed(1234, FAKE_DEVICE)
@@ -161,7 +111,7 @@ class HostMask(torch.nn.Module):
 
 
 def test_a_tensor_made_on_the_host_by_mistake_fails():
-    with fake_accelerator(), pytest.raises(FakeTensorDeviceMismatchError):
+    with fake_accelerator(), pytest.raises(RuntimeError, match=DEVICE_MISMATCH):
         HostMask()(torch.randn(4, 4, device=FAKE_DEVICE))
 
 
@@ -179,7 +129,7 @@ def test_device_memory_counts_live_storages_and_the_peak():
 def _evaluation_peak_bytes(m: int) -> tuple[int, int]:
     """Peak device bytes of one evaluation call on the middle rank of a 3-stage GPT pipeline, and the
     bytes of one received boundary tensor."""
-    ps = _pipeline_rank(1, 3, 1)
+    ps = pipeline_rank(1, 3, 1)
     with fake_accelerator(), stubbed_transport():
         fusions.select_backend("eager", FAKE_DEVICE)
         config = model_config("gpt", num_layers=3)

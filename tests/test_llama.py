@@ -214,6 +214,18 @@ def test_kv_cache_decode_equals_recomputation_without_cache():
         assert sequence[len(prompt):] == new
 
 
+def test_sampling_with_a_seed_does_not_depend_on_the_microbatches():
+    """Each sequence draws from its own generator, seeded from the request's seed and the sequence's
+    index, so splitting the batch differently, or dropping its last sequence, changes no sequence's tokens."""
+    chunk, ps, config = _single(_hf_models()["llama"])
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.3,
+                             seed=7)
+    whole = generate([chunk], ps, config, _prompts(), sampled, microbatches=1)
+    assert generate([chunk], ps, config, _prompts(), sampled, microbatches=4) == whole
+    assert generate([chunk], ps, config, _prompts()[:3], sampled, microbatches=2) == whole[:3]
+    assert len({tuple(tokens) for tokens in whole}) == len(whole)  # the rows did not draw alike
+
+
 def test_stop_tokens_and_max_new_tokens():
     chunk, ps, config = _single(_hf_models()["llama"])
     prompts = _prompts()

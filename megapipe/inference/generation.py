@@ -4,12 +4,22 @@ Every rank runs ``generate`` with the same prompts. The batch is split into micr
 move through the pipeline one after the other: while the last stage samples microbatch j's
 next token, the earlier stages already compute microbatches j+1, j+2, ... With as many
 microbatches as stages every stage is busy at every step (the naive decode, one microbatch,
-leaves p-1 of p stages idle). Messages: the first stage sends each step a header (go, j,
-first column, end column) and the hidden states down the pipeline; the last stage sends the
-chosen tokens and done flags back to the first stage, which decides the next step. All sends
-are asynchronous and every pair of ranks receives in the order it sent, so no order of
-arrival can deadlock. Tensor ranks of a stage compute the same thing in lockstep; the last
-stage gathers the vocabulary-parallel logits, so each of its tensor ranks samples the same token.
+leaves p-1 of p stages idle). Messages (``PeerMessages``): the first stage sends each step a
+header (j + 1, or 0 to stop) and the hidden states down the pipeline; the last stage sends the
+chosen tokens and done flags back to the first stage, which decides the next step. Each stage
+knows which columns a microbatch's next step covers (one step moves them on by one), so the
+header says only which microbatch comes. Sends are asynchronous and every pair of ranks
+receives in the order it sent; at p = 2 the two directions share one pair of ranks, whose
+messages NCCL runs in issue order, so there the first stage takes its pending answers before it
+sends on (still after its own compute, which keeps both stages busy). Tensor ranks of a stage
+compute the same thing in lockstep; the last stage gathers the vocabulary-parallel logits, so
+each of its tensor ranks samples the same token.
+
+Tokens, masks, done flags and generators live on the device; the host keeps column numbers. A
+decode step reads the device only where a host decision needs it: a later stage reads the
+header (which microbatch, or stop), and the first stage reads a microbatch's done flags when the
+request has stop tokens (without them every row stops at the frame's end, a host number). Per
+request, the frame and the stop ids go to the device and the answer (counts and tokens) comes back.
 """
 
 from __future__ import annotations
@@ -18,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megapipe.config import ModelConfig
 from megapipe.inference.frame import Frame
 from megapipe.inference.kv_cache import KVCache
-from megapipe.inference.sampling import SamplingParams, next_tokens
+from megapipe.inference.sampling import SamplingParams, next_tokens, sequence_generators
 from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.runtime.peer_messages import PeerMessages
 from megapipe.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 
@@ -61,23 +71,25 @@ def check_request(prompts: list, params: SamplingParams, config: ModelConfig, pa
 
 @dataclass
 class Microbatch:
-    """One slice of the request's rows, its cache and where its decode stands."""
+    """One slice of the request's rows, on the device: its frame, cache and generators, and where its
+    decode stands (columns ``[first, end)`` are the next forward's inputs)."""
 
-    rows: slice
     frame: Frame
     params: SamplingParams
+    stops: torch.Tensor  # the request's stop token ids
     cache: KVCache
     generators: list
     pad_id: int
-    first: int = 0  # columns [first, end) are the next forward's inputs
+    first: int = 0
     end: int = 0
-    generated: torch.Tensor = field(default=None)
-    done: torch.Tensor = field(default=None)
+    generated: torch.Tensor = field(default=None)  # [b] new tokens counted so far
+    done: torch.Tensor = field(default=None)  # [b]
 
     def __post_init__(self):
+        device = self.frame.tokens.device
         self.first, self.end = 0, self.frame.start
-        self.generated = torch.zeros(self.size, dtype=torch.long)
-        self.done = torch.zeros(self.size, dtype=torch.bool)
+        self.generated = torch.zeros(self.size, dtype=torch.long, device=device)
+        self.done = torch.zeros(self.size, dtype=torch.bool, device=device)
 
     @property
     def size(self) -> int:
@@ -85,25 +97,27 @@ class Microbatch:
 
     @property
     def finished(self) -> bool:
-        return bool(self.done.all()) or self.end >= self.frame.tokens.shape[1]
+        """Whether the microbatch is over."""
+        if self.end >= self.frame.width:
+            return True
+        # with stop tokens, once a token was chosen: a read of the device (the decode's one synchronisation)
+        return bool(self.params.stop_tokens) and self.end > self.frame.start and bool(self.done.all())
 
-    def inputs(self, device) -> dict:
+    def inputs(self) -> dict:
         self.cache.offset = self.first
         f = self.frame
-        return {"tokens": f.tokens[:, self.first:self.end].to(device),
-                "position_ids": f.positions[:, self.first:self.end].to(device),
-                "attention_mask": f.attention_mask(self.first, self.end).to(device),
-                "kv_cache": self.cache, "last_logits_only": True}
+        return {"tokens": f.tokens[:, self.first:self.end], "position_ids": f.positions[:, self.first:self.end],
+                "attention_mask": f.attention_mask(self.first, self.end), "kv_cache": self.cache,
+                "last_logits_only": True}
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The token of column ``end`` for each row, from the logits of column ``end - 1``; [b, 2] (token, done)."""
         f, col = self.frame, self.end
         sampled = next_tokens(logits, f.tokens[:, :col], ~f.pad[:, :col], self.params, self.generators)
         forced = f.is_prompt[:, col]
-        new = torch.where(forced, f.tokens[:, col], sampled.cpu())
-        new = torch.where(self.done, torch.full_like(new, self.pad_id), new)
+        new = torch.where(forced, f.tokens[:, col], sampled).masked_fill(self.done, self.pad_id)
         counted = ~forced & ~self.done
-        stop = torch.isin(new, torch.tensor(list(self.params.stop_tokens), dtype=torch.long))
+        stop = torch.isin(new, self.stops)
         done = self.done | (counted & (stop | (self.generated + counted.long() >= self.params.max_new_tokens)))
         return torch.stack((new, done.long()), dim=1)
 
@@ -113,29 +127,11 @@ class Microbatch:
         counted = ~self.frame.is_prompt[:, self.end] & ~self.done
         self.generated += counted.long()
         self.done = chosen[:, 1].bool()
+        self.step()
+
+    def step(self) -> None:
+        """The next forward takes the column just chosen."""
         self.first, self.end = self.end, self.end + 1
-
-
-class Link:
-    """This rank's pipeline messages (asynchronous sends, in-order receives)."""
-
-    def __init__(self, ps: ParallelState):
-        self.ps = ps
-        self.pending = []
-
-    def send(self, tensor: torch.Tensor, to: int) -> None:
-        self.pending = [(work, sent) for work, sent in self.pending if not work.is_completed()]
-        self.pending.append((dist.isend(tensor.contiguous(), to), tensor))
-
-    def recv(self, shape, dtype, source: int, device) -> torch.Tensor:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensor, source)
-        return tensor
-
-    def finish(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 def _logits(out: torch.Tensor, ps: ParallelState, config: ModelConfig) -> torch.Tensor:
@@ -157,67 +153,74 @@ def generate(chunks: list, ps: ParallelState, config: ModelConfig, prompts: list
                               "--num-layers-per-virtual-pipeline-stage.")
     model = chunks[0]
     model.eval()
-    frame = Frame.build(prompts, params.max_new_tokens, padding, pad_id)
+    device = next(model.parameters()).device
+    frame = Frame.build(prompts, params.max_new_tokens, padding, pad_id).to(device)
+    stops = torch.tensor(params.stop_tokens, dtype=torch.long).to(device)
     count = max(1, min(microbatches or ps.pp_size, len(prompts)))
     bounds = [round(i * len(prompts) / count) for i in range(count + 1)]
-    device = next(model.parameters()).device
-    batches = [Microbatch(slice(a, b), frame.rows(slice(a, b)), params, KVCache(frame.tokens.shape[1]),
-                          [torch.Generator().manual_seed(params.seed + row) for row in range(a, b)], pad_id)
+    batches = [Microbatch(frame.rows(slice(a, b)), params, stops, KVCache(frame.width),
+                          sequence_generators(params.seed, range(a, b), device), pad_id)
                for a, b in zip(bounds, bounds[1:])]
-    link = Link(ps)
+    link = PeerMessages(ps, device)
     with torch.inference_mode():
         if ps.is_first_stage:
-            _drive(model, ps, config, batches, link, device)
+            _drive(model, ps, config, batches, link)
         else:
-            _follow(model, ps, config, batches, link, device)
+            _follow(model, ps, config, batches, link)
     link.finish()
     if not (ps.is_first_stage or ps.is_last_stage):
         return None
-    counts = torch.cat([mb.generated for mb in batches]).tolist()
-    return [frame.generated(row, count) for row, count in enumerate(counts)]
+    return frame.new_tokens(torch.cat([mb.generated for mb in batches]).cpu().tolist())
 
 
-def _drive(model, ps, config, batches, link, device) -> None:
+def _drive(model, ps, config, batches, link) -> None:
     """The first stage: runs each unfinished microbatch in turn, waiting for its previous token."""
-    in_flight: list[int] = []
+    in_flight: list[int] = []  # microbatches sent down the pipeline, oldest first
+
+    def take_answer():  # the last stage answers in the order it was asked
+        k = in_flight.pop(0)
+        batches[k].advance(link.recv((batches[k].size, 2), torch.long, ps.prev_rank, "chosen tokens"))
+
     active = [not mb.finished for mb in batches]
     while any(active):
         for j, mb in enumerate(batches):
             if not active[j]:
                 continue
-            while j in in_flight:  # the last stage answers in the order it was asked
-                k = in_flight.pop(0)
-                batches[k].advance(link.recv((batches[k].size, 2), torch.long, ps.prev_rank, "cpu"))
+            while j in in_flight:
+                take_answer()
             if mb.finished:
                 active[j] = False
                 continue
-            out = model(None, mb.inputs(device))
+            out = model(None, mb.inputs())
             if ps.is_last_stage:
                 mb.advance(mb.choose(_logits(out, ps, config)))
                 continue
-            link.send(torch.tensor([1, j, mb.first, mb.end]), ps.next_rank)
-            link.send(out, ps.next_rank)
+            while in_flight and ps.next_rank == ps.prev_rank:  # p = 2: NCCL runs the pair's messages in order
+                take_answer()
+            link.send_int(j + 1, ps.next_rank, "step header")
+            link.send(out, ps.next_rank, "hidden states")
             in_flight.append(j)
     if not ps.is_last_stage:
-        link.send(torch.tensor([0, 0, 0, 0]), ps.next_rank)
+        link.send_int(0, ps.next_rank, "stop header")
 
 
-def _follow(model, ps, config, batches, link, device) -> None:
+def _follow(model, ps, config, batches, link) -> None:
     """Later stages: compute whatever arrives; the last stage answers with the chosen tokens."""
     while True:
-        go, j, first, end = link.recv((4,), torch.long, ps.prev_rank, "cpu").tolist()
-        if not go:
+        j = link.recv_int(ps.prev_rank, "step header") - 1  # a read of the device: what to compute, or stop
+        if j < 0:
             if not ps.is_last_stage:
-                link.send(torch.tensor([0, 0, 0, 0]), ps.next_rank)
+                link.send_int(0, ps.next_rank, "stop header")
             return
         mb = batches[j]
-        mb.first, mb.end = first, end
-        hidden = link.recv((end - first, mb.size, config.hidden_size), config.params_dtype, ps.prev_rank, device)
-        out = model(hidden, mb.inputs(device))
+        hidden = link.recv((mb.end - mb.first, mb.size, config.hidden_size), config.params_dtype, ps.prev_rank,
+                           "hidden states")
+        out = model(hidden, mb.inputs())
         if ps.is_last_stage:
             chosen = mb.choose(_logits(out, ps, config))
-            link.send(chosen, ps.next_rank)
+            link.send(chosen, ps.next_rank, "chosen tokens")
             mb.advance(chosen)
         else:
-            link.send(torch.tensor([1, j, first, end]), ps.next_rank)
-            link.send(out, ps.next_rank)
+            link.send_int(j + 1, ps.next_rank, "step header")
+            link.send(out, ps.next_rank, "hidden states")
+            mb.step()

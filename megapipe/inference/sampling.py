@@ -3,7 +3,8 @@
 The order is Hugging Face's (penalty, then temperature, top-k, top-p). Each sequence draws
 from its own generator, seeded from the request's seed and the sequence's index in the
 request, so a sampled continuation does not depend on how the batch was split into
-microbatches or on the parallel layout.
+microbatches or on the parallel layout. Everything runs on the logits' device, generators
+included, and nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def sequence_generators(seed: int, rows: range, device: torch.device) -> list:
+    """One generator per sequence of ``rows`` (indices in the request), on the device that samples."""
+    return [torch.Generator(device=device).manual_seed(seed + row) for row in rows]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, seen: torch.Tensor, penalty: float):
@@ -55,9 +61,18 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def next_tokens(logits: torch.Tensor, history: torch.Tensor, seen: torch.Tensor, params: SamplingParams,
                 generators: list) -> torch.Tensor:
-    """One token per row of ``logits`` [b, V]; ``generators`` holds one generator per row."""
+    """One token per row of ``logits`` [b, V]; ``history``, ``seen`` [b, n] are on the logits' device
+    and ``generators`` holds one generator per row, on that device too."""
     logits = apply_repetition_penalty(logits.float(), history, seen, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    return draw(filter_logits(logits, params).softmax(dim=-1), generators)
+
+
+def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One index per row of ``probs`` [b, V], drawn as ``torch.multinomial`` draws one sample (the
+    index of the largest p / q, q ~ Exp(1)), each row's noise from its own generator; unlike
+    ``torch.multinomial`` it checks no probability on the host (a synchronisation in some PyTorch
+    versions), and the batch takes one division and one argmax."""
+    noise = torch.stack([torch.empty_like(row).exponential_(generator=g) for row, g in zip(probs, generators)])
+    return (probs / noise).argmax(dim=-1)

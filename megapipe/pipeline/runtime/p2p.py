@@ -13,6 +13,11 @@ A group is posted only once every earlier group of the rank has completed, and w
 receive waits for its whole group, so a list that would hang under NCCL hangs here too and
 fails with the timeout's sentence instead of passing on gloo's more forgiving progress.
 
+Every message must live on the device the run computes on (``check_on_device``): NCCL carries
+only device tensors, and a host tensor bound for it would fail there with NCCL's own words. The
+check holds on every backend, so a host tensor fails by name also on gloo and on the fake device
+of the CPU tests (where the run's device is not the host).
+
 Scatter/gather (seed 002 4.4.1): a stage boundary tensor is replicated across the tensor
 group, so instead of t identical copies each tensor rank sends only its 1/t slice to its
 peer in the next stage, and the receivers all-gather the slices over the tensor group.
@@ -70,6 +75,16 @@ def strict_transport_requested() -> bool:
     return os.environ.get("MEGAPIPE_STRICT_TRANSPORT", "0") not in ("", "0")
 
 
+def check_on_device(tensor: torch.Tensor, device: torch.device, what: str) -> None:
+    """Refuse, in one sentence, a pipeline message that is not on the run's device (``cuda`` names
+    the current CUDA device, so it matches any index)."""
+    device = torch.device(device)
+    if tensor.device.type != device.type or device.index not in (None, tensor.device.index):
+        raise RuntimeError(f"the {what} sent or received between pipeline stages is on {tensor.device} but this run "
+                           f"computes on {device}; pipeline messages must be on the run's device (create the tensor "
+                           "there, device=...), as NCCL carries no host tensors.")
+
+
 class StageP2P:
     """Posts and completes the stage-boundary messages of one rank."""
 
@@ -107,6 +122,7 @@ class StageP2P:
             else:
                 buffer = torch.empty(self.message_numel, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, peer, self.ps.pp_group))
+            check_on_device(buffer, self.device, f"{action} tensor")
             transfers.append(Transfer(action, buffer))
         works = dist.batch_isend_irecv(ops)
         shared = Completion(list(works))
