@@ -24,7 +24,7 @@ from megapipe.arguments import parse_config
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
-from megapipe.distributed import init_distributed, peak_memory_gib
+from megapipe.distributed import count_synchronisations, init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.operations import ExitConditions, distributed_timeout
@@ -55,14 +55,13 @@ class Trainer:
 
     def __init__(self, kind: str, config: Config):
         self.kind, self.config = kind, config
-        # --exit-duration-in-mins counts from here; post-validation agrees on exits without a barrier
-        self.exit_conditions = ExitConditions(config, lagged=config.optimizer.enable_optimizer_post_validation)
+        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
         timeout = distributed_timeout(config)
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.cluster.lease import ClusterLease
 
-            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease)
+            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
         par, t = config.parallel, config.training
         plan = par.stage_plan()
         if plan is None:
@@ -175,7 +174,31 @@ class Trainer:
             self.evaluate("validation")
         if self._saves_after(self.state.iteration):
             self.save(t.save)
-        return self.exit_conditions.reason(self.state.iteration, self.device)
+        return self.exit_conditions.reason(self.state.iteration)
+
+    def count_synchronisations(self, iterations: int, warmup: int = 1) -> int:
+        """How often the host waits for the device in ``iterations`` training iterations (everything
+        ``train_iteration`` does) after ``warmup`` iterations that make lazy state; 0 when the loop
+        keeps its values on the device, as it must between log intervals. On a GPU CUDA's sync debug
+        mode counts, on the CPU every host read of a tensor (``distributed.counting_synchronisations``).
+        The iterations train the model from where the run stands; none of the counted ones may be
+        a log, evaluation, save or exit iteration, whose host reads are meant::
+
+            trainer = Trainer("gpt", parse_config("gpt", flags))   # e.g. --log-interval 100
+            assert trainer.count_synchronisations(10) == 0
+        """
+        t = self.config.training
+        first, last = self.state.iteration + warmup + 1, self.state.iteration + warmup + iterations
+        for flag, interval in (("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
+                               ("--save-interval", t.save_interval if t.save else None),
+                               ("--exit-interval", t.exit_interval)):
+            if interval and (last // interval) * interval >= first:
+                raise ValueError(f"{flag} {interval} falls within iterations {first}-{last}, whose host "
+                                 f"synchronisations are counted; raise it above {last} or count fewer iterations.")
+        batches = self.train_batches()
+        for _ in range(warmup):
+            self.train_iteration(batches)
+        return count_synchronisations(lambda: self.train_iteration(batches), iterations, self.device)
 
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save-interval`` saves a checkpoint after ``iteration``."""
@@ -194,7 +217,8 @@ class Trainer:
         self._close()
 
     def _close(self) -> None:
-        """Close the logger and give the cluster lease back."""
+        """Complete the exit agreement in flight, close the logger and give the cluster lease back."""
+        self.exit_conditions.close()
         self.logger.close()
         if self.exit_conditions.lease is not None:
             self.exit_conditions.lease.finish(self.state.iteration)
