@@ -1,8 +1,12 @@
 """GPU acceptance (``-m cuda``, run by tools/gpu_check.sh): fused and Triton kernels against eager in
-fp32 and bf16, recomputation, one-GPU training through pretrain_gpt.py with each fusion backend, and
-a checkpoint saved and resumed on the GPU. Skipped where no CUDA device exists."""
+fp32 and bf16, recomputation, one-GPU training through pretrain_gpt.py with each fusion backend, a
+checkpoint saved and resumed on the GPU, and training iterations that never wait for the GPU.
+Skipped where no CUDA device exists."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +18,8 @@ from megapipe.distributed import default_device
 from megapipe.fusions import backend
 from megapipe.models import build_model_chunks
 from megapipe.parallel_state import ParallelState
-from test_training_cli import TINY, losses, run
+from test_iteration_syncs import CASES, ONE_PROCESS_ONLY
+from test_training_cli import ROOT, TINY, losses, run
 
 DEVICE = default_device()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")]
@@ -130,3 +135,21 @@ def test_checkpoint_saved_and_resumed_on_the_gpu(tmp_path):
     assert sorted(got) == [3, 4]
     for i in got:
         assert got[i] == pytest.approx(expected[i], rel=1e-5)
+
+
+# In a process of its own (a process group in pytest's would leak into later tests): one line per case
+COUNT_SYNCHRONISATIONS = ("import sys; sys.path.insert(0, 'tests'); import test_iteration_syncs as t\n"
+                          "for schedule, m, extra in t.CASES + t.ONE_PROCESS_ONLY:\n"
+                          "    print('synchronisations', schedule, m, *extra, '=', t.syncs_of(1, schedule, m, extra),"
+                          " flush=True)")
+
+
+def test_training_iterations_never_wait_for_the_gpu():
+    """``test_iteration_syncs``'s one-process cases (1F1B and 2BW at m = 2 and 8, fp16 and bf16) on
+    the GPU, counted by CUDA's sync debug mode: no synchronisation outside log intervals."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    result = subprocess.run([sys.executable, "-c", COUNT_SYNCHRONISATIONS], capture_output=True, text=True,
+                            cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = re.findall(r"^synchronisations (.*) = (\d+)$", result.stdout, re.MULTILINE)
+    assert len(counts) == len(CASES + ONE_PROCESS_ONLY) and all(count == "0" for _, count in counts), result.stdout
