@@ -140,14 +140,14 @@ def make_loss_fn(ps: ParallelState):
 
 
 class MegapipeRunner:
-    """One training step with megapipe's ``PipelineEngine``, recording its timeline."""
+    """One training step with megapipe's ``PipelineEngine``, recording its timeline (unless told not to)."""
 
-    def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str):
+    def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str, record_timeline: bool = True):
         self.settings = settings
         self.timeline = Timeline()
         shape = (settings.seq_length, settings.micro_batch_size, settings.hidden_size)
         self.engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, settings.num_microbatches, shape,
-                                     timeline=self.timeline)
+                                     timeline=self.timeline if record_timeline else None)
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[float]:
         b = self.settings.micro_batch_size

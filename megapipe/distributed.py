@@ -1,10 +1,19 @@
-"""Starting torch.distributed and choosing the device, the only place that knows about CUDA."""
+"""Starting torch.distributed and choosing the device, the only place that knows about CUDA.
+
+Also where the host waits for the device: ``counting_synchronisations`` lists every such wait in
+a block of code (CUDA's own sync debug mode on a GPU, every host read of a tensor's value on the
+CPU), and ``count_synchronisations`` counts them over N calls of a step.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import sys
+import warnings
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -243,3 +252,64 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+# The Tensor methods that read a value to the host: each waits for the device on an accelerator.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+@contextlib.contextmanager
+def counting_synchronisations(device: torch.device) -> Iterator[list[str]]:
+    """Within the block, every point where the host waits for ``device``, as a list of
+    ``"what at file:line"`` that grows as they happen.
+
+    On CUDA: what ``torch.cuda.set_sync_debug_mode("warn")`` reports (a device-to-host copy, a
+    stream or device synchronisation, an op whose output size depends on the data). Elsewhere
+    (the CPU, where nothing waits): every read of a tensor's value on the host (``HOST_READS``,
+    patched on ``torch.Tensor`` for the block), each of which waits on an accelerator. A read of a
+    host tensor counts there too; host memory read through ``Tensor.numpy()`` does not (a device
+    tensor refuses it), nor does a copy to the host (``.cpu()``) or an op whose output size depends
+    on the data, which the CUDA count covers.
+    """
+    found: list[str] = []
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield found
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        found += [f"{CUDA_SYNC_WARNING} at {w.filename}:{w.lineno}" for w in caught
+                  if CUDA_SYNC_WARNING in str(w.message)]
+        return
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name: str):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            found.append(f"Tensor.{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield found
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def count_synchronisations(step: Callable[[], object], iterations: int, device: torch.device) -> int:
+    """How often the host waits for ``device`` in ``iterations`` calls of ``step`` (see
+    ``counting_synchronisations``). Warm ``step`` up first: lazy state made at a first call may
+    read the device once. ``Trainer.count_synchronisations`` runs training iterations this way."""
+    with counting_synchronisations(device) as found:
+        for _ in range(iterations):
+            step()
+    return len(found)

@@ -3,8 +3,10 @@
 * ``validate_operations``: the operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
   ``--distributed-timeout-minutes``, ``--skip-train``, ``--load``, ``--mock-data``, the two
   scheduler-on-resume flags), checked before any process group, one sentence per mistake.
-* ``ExitConditions``: Megatron's exits. ``--exit-interval`` is known on every rank; SIGTERM and
-  ``--exit-duration-in-mins`` are agreed on with one all-reduce so that all ranks stop together.
+* ``ExitConditions``: Megatron's exits. ``--exit-interval`` is known on every rank; SIGTERM,
+  ``--exit-duration-in-mins`` and the cluster lease are agreed on so that all ranks stop together,
+  off the hot path: an all-reduce on a CPU group started at one iteration boundary and read at
+  the next (``LaggedAgreement``), and none at all when there is nothing to agree on.
 * ``report_user_error``: under torchrun every rank usually finds the same mistake; only the first
   rank to find it prints it, the others exit with the same code in silence.
 * ``explain_lost_peers``: a collective or pipeline message that failed because a peer went away
@@ -79,43 +81,48 @@ def _same_path(a: str, b: Optional[str]) -> bool:
 
 
 class ExitConditions:
-    """Why training should stop before ``--train-iters``, or None.
+    """Why training should stop before ``--train-iters``, or None: the same answer on every rank.
 
-    SIGTERM may reach one rank only, the clock differs between hosts and only one rank holds the
-    cluster lease (``--cluster-lease``), so all three are agreed on with one all-reduce (MAX) at
-    the iteration boundary; the exit interval needs no agreement.
-    ``lagged`` (optimizer post-validation, whose stages must not meet at the end of an
-    iteration): the all-reduce is started at one boundary, on a CPU group of its own, and read at
-    the next, so a rank never waits there for the others and the exit comes one iteration later.
+    ``--exit-interval`` is known on every rank and needs no agreement. SIGTERM may reach one rank
+    only, the clock differs between hosts and only rank 0 holds the cluster lease
+    (``--cluster-lease``), so in a world of more than one rank these are agreed on, lagged
+    (``LaggedAgreement``): a rank's flags are started at one iteration boundary and read at the
+    next, so no rank waits for another and no device value is read; such an exit comes one
+    iteration after the flag was raised (``lag``). With nothing to agree on (``exit_on_sigterm``
+    off, so no SIGTERM handler, no ``--exit-duration-in-mins`` and no ``--cluster-lease``) or in a
+    world of one rank, a boundary runs no collective at all.
     """
 
-    def __init__(self, config: Config, start_time: Optional[float] = None, lease=None, lagged: bool = False):
+    def __init__(self, config: Config, start_time: Optional[float] = None, lease=None):
         t = config.training
         self.exit_interval, self.exit_minutes = t.exit_interval, t.exit_duration_in_mins
         self.start = time.time() if start_time is None else start_time
         self.sigterm = False
         self.lease = lease  # a ClusterLease on the rank that talks to the scheduler, else None
-        self.lagged = lagged
-        self._group = None  # the lagged agreement's gloo group, made at the first boundary
-        self._pending = None  # (flags, work) of the lagged agreement started at the last boundary
-        signal.signal(signal.SIGTERM, self._handle)
+        # exits one rank may see alone: a SIGTERM it handles, its clock, the lease (the same on every rank)
+        self.watched = t.exit_on_sigterm or t.exit_duration_in_mins is not None or t.cluster_lease is not None
+        self._agreement: Optional[LaggedAgreement] = None  # made at the first boundary that needs it
+        if t.exit_on_sigterm:
+            signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.sigterm = True
 
-    def reason(self, iteration: int, device: torch.device) -> Optional[str]:
-        """Collective over the world: the reason to stop after ``iteration``, the same on every rank."""
+    @property
+    def lag(self) -> int:
+        """Iterations between a rank's flag and the exit it causes: 1 when the ranks agree on it, else 0."""
+        return int(self.watched and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def reason(self, iteration: int) -> Optional[str]:
+        """The reason to stop after ``iteration``, the same on every rank; every rank calls it at every boundary."""
         minutes = (time.time() - self.start) / 60
-        lease_ended = self.lease is not None and self.lease.stop_reason(iteration) is not None
-        flags = [float(self.sigterm), float(self.exit_minutes is not None and minutes > self.exit_minutes),
-                 float(lease_ended)]
-        if self.lagged and dist.is_initialized():
-            sigterm, out_of_time, lease_ended = self._agree_lagged(torch.tensor(flags))
-        else:
-            agreed = torch.tensor(flags, device=device)
-            if dist.is_initialized():
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            sigterm, out_of_time, lease_ended = agreed.tolist()
+        flags = [self.sigterm, self.lease is not None and self.lease.stop_reason(iteration) is not None,
+                 self.exit_minutes is not None and minutes > self.exit_minutes]
+        if self.lag:
+            if self._agreement is None:
+                self._agreement = LaggedAgreement()
+            flags = self._agreement.exchange(flags)
+        sigterm, lease_ended, out_of_time = flags
         if sigterm:
             return f"SIGTERM at iteration {iteration}"
         if lease_ended:
@@ -126,16 +133,40 @@ class ExitConditions:
             return f"--exit-interval {self.exit_interval} at iteration {iteration}"
         return None
 
-    def _agree_lagged(self, flags: torch.Tensor) -> list[float]:
-        """Start agreeing on ``flags``; return what the ranks agreed on at the previous boundary."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        previous, self._pending = self._pending, (flags, work)
+    def close(self) -> None:
+        """Complete the agreement still in flight (every rank started it, so this does not wait long)."""
+        if self._agreement is not None:
+            self._agreement.close()
+
+
+class LaggedAgreement:
+    """Whether any rank raised each of a few flags, learnt one boundary late without waiting.
+
+    ``exchange(flags)`` starts an all-reduce (MAX) of this rank's flags on a gloo group of its own
+    (no pipeline message or device collective queues behind it) and returns what all ranks raised
+    at the previous call (nothing at the first). That earlier all-reduce has completed unless some
+    rank is a whole iteration behind. The flags live in host memory and are read through numpy
+    (which refuses a device tensor): no device synchronisation. Every rank must call ``exchange``
+    at the same boundaries; the first call builds the group, a collective over the world.
+    """
+
+    def __init__(self):
+        self._group = dist.new_group(backend="gloo")
+        self._pending = None  # (flags, work) of the all-reduce started at the last call
+
+    def exchange(self, flags: list[bool]) -> list[bool]:
+        mine = torch.tensor(flags, dtype=torch.float32)
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        previous, self._pending = self._pending, (mine, work)
         if previous is None:
-            return [0.0] * len(flags)
+            return [False] * len(flags)
         previous[1].wait()
-        return previous[0].tolist()
+        return [bool(value) for value in previous[0].numpy()]
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
 
 
 def report_user_error(error: Exception) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from megapipe.arguments import parse_config
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
-from megapipe.distributed import device_name, init_distributed, peak_memory_gib
+from megapipe.distributed import count_synchronisations, device_name, init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.operations import ExitConditions, distributed_timeout
@@ -55,14 +55,13 @@ class Trainer:
 
     def __init__(self, kind: str, config: Config):
         self.kind, self.config = kind, config
-        # --exit-duration-in-mins counts from here; post-validation agrees on exits without a barrier
-        self.exit_conditions = ExitConditions(config, lagged=config.optimizer.enable_optimizer_post_validation)
+        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
         timeout = distributed_timeout(config)
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.cluster.lease import ClusterLease
 
-            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease)
+            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
         par, t = config.parallel, config.training
         plan = par.stage_plan()
         if plan is None:
@@ -133,49 +132,95 @@ class Trainer:
             self.evaluate("test")
             self.logger.close()
             return
-        batches = self.batches.batches("train", self.state.consumed_samples)
-        window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
+        batches = self.train_batches()
         while self.state.iteration < t.train_iters:
-            result = self.engine.train_batch(next(batches))
-            self.state.iteration += 1
-            self.state.consumed_samples += t.global_batch_size
-            self.scheduler.step()
-            self._count(result)
-            self._add_losses(window_losses, result.batch)
-            window_iters += 1
-            if self.state.iteration % t.log_interval == 0:
-                self._log(window_losses, time.time() - window_start, window_iters, result)
-                window_losses, window_start, window_iters = self._no_losses(), time.time(), 0
-            if self.state.iteration % t.eval_interval == 0:
-                self.evaluate("validation")
-            saved = t.save and t.save_interval and self.state.iteration % t.save_interval == 0
-            if saved:
-                self.save(t.save)
-            reason = self.exit_conditions.reason(self.state.iteration, self.device)
+            reason = self.train_iteration(batches)
             if reason is not None:
-                if t.save and not saved:
-                    self.save(t.save)
-                if t.save:
-                    self.wait_for_save()
-                self._count(self.engine.drain())
-                self.logger.print(f"exiting on {reason}")
-                self.logger.close()
-                if lease is not None:
-                    lease.finish(self.state.iteration)
+                self._exit(reason)
                 return
         # an asynchronous pipeline finishes its microbatches in flight, a post-validated step is validated
         self._count(self.engine.drain())
         self._count_steps()
-        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
+        if t.save and not self._saves_after(self.state.iteration):
             self.save(t.save)
         if self.state.iteration % t.eval_interval:
             self.evaluate("validation")
         self.evaluate("test")
         if t.save:
             self.wait_for_save()
+        self._close()
+
+    def train_batches(self) -> Iterator[list[dict]]:
+        """The training batches from where the run stands; the logging window starts now."""
+        self._window = _LogWindow(self._no_losses())
+        return self.batches.batches("train", self.state.consumed_samples)
+
+    def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
+        """Train on the next batch of ``batches`` (``train_batches``), then log, evaluate and save where
+        their intervals say; the reason to stop after this iteration (the same on every rank), or None."""
+        t = self.config.training
+        result = self.engine.train_batch(next(batches))
+        self.state.iteration += 1
+        self.state.consumed_samples += t.global_batch_size
+        self.scheduler.step()
+        self._count(result)
+        self._add_losses(self._window.losses, result.batch)
+        self._window.iterations += 1
+        if self.state.iteration % t.log_interval == 0:
+            self._log(result)
+            self._window = _LogWindow(self._no_losses())
+        if self.state.iteration % t.eval_interval == 0:
+            self.evaluate("validation")
+        if self._saves_after(self.state.iteration):
+            self.save(t.save)
+        return self.exit_conditions.reason(self.state.iteration)
+
+    def count_synchronisations(self, iterations: int, warmup: int = 1) -> int:
+        """How often the host waits for the device in ``iterations`` training iterations (everything
+        ``train_iteration`` does) after ``warmup`` iterations that make lazy state; 0 when the loop
+        keeps its values on the device, as it must between log intervals. On a GPU CUDA's sync debug
+        mode counts, on the CPU every host read of a tensor (``distributed.counting_synchronisations``).
+        The iterations train the model from where the run stands; none of the counted ones may be
+        a log, evaluation, save or exit iteration, whose host reads are meant::
+
+            trainer = Trainer("gpt", parse_config("gpt", flags))   # e.g. --log-interval 100
+            assert trainer.count_synchronisations(10) == 0
+        """
+        t = self.config.training
+        first, last = self.state.iteration + warmup + 1, self.state.iteration + warmup + iterations
+        for flag, interval in (("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
+                               ("--save-interval", t.save_interval if t.save else None),
+                               ("--exit-interval", t.exit_interval)):
+            if interval and (last // interval) * interval >= first:
+                raise ValueError(f"{flag} {interval} falls within iterations {first}-{last}, whose host "
+                                 f"synchronisations are counted; raise it above {last} or count fewer iterations.")
+        batches = self.train_batches()
+        for _ in range(warmup):
+            self.train_iteration(batches)
+        return count_synchronisations(lambda: self.train_iteration(batches), iterations, self.device)
+
+    def _saves_after(self, iteration: int) -> bool:
+        """Whether ``--save-interval`` saves a checkpoint after ``iteration``."""
+        t = self.config.training
+        return bool(t.save and t.save_interval and iteration % t.save_interval == 0)
+
+    def _exit(self, reason: str) -> None:
+        """Stop early: save (unless this iteration just did), finish what is in flight, exit cleanly."""
+        t = self.config.training
+        if t.save:
+            if not self._saves_after(self.state.iteration):
+                self.save(t.save)
+            self.wait_for_save()
+        self._count(self.engine.drain())
+        self.logger.print(f"exiting on {reason}")
+        self._close()
+
+    def _close(self) -> None:
+        """Complete the exit agreement in flight, close the logger and give the cluster lease back."""
+        self.exit_conditions.close()
         self.logger.close()
-        if lease is not None:
-            lease.finish(self.state.iteration)
+        if self.exit_conditions.lease is not None:
+            self.exit_conditions.lease.finish(self.state.iteration)
 
     def save(self, directory: str) -> None:
         from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
@@ -235,11 +280,11 @@ class Trainer:
             self.logger.print(f"skipped {skipped} iteration(s) up to iteration {self.state.iteration}: "
                               f"{skip_reason(last_step, self.engine.optimizer.loss_scale)}")
 
-    def _log(self, losses, elapsed, iters, result) -> None:
+    def _log(self, result) -> None:
         t = self.config.training
         self._count_steps(result.step)
-        losses = self._data_parallel_means(losses)
-        seconds = elapsed / iters
+        losses = self._data_parallel_means(self._window.losses)
+        seconds = (time.time() - self._window.start) / self._window.iterations
         tflops = self.flops / seconds / self.ps.world_size / 1e12
         step = result.step
         self.logger.log(IterationStats(
@@ -267,6 +312,15 @@ class Trainer:
         losses = self._data_parallel_means(named)
         self.logger.log_evaluation(split, self.state.iteration, losses)
         return losses
+
+
+@dataclasses.dataclass
+class _LogWindow:
+    """The iterations since the last log line: per loss name [device sum, count], start time, count."""
+
+    losses: dict[str, list]
+    start: float = dataclasses.field(default_factory=time.time)
+    iterations: int = 0
 
 
 def _placement(par) -> Placement:

@@ -34,6 +34,7 @@ from megapipe.arguments import parse_config
 from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
+from megapipe.distributed import counting_synchronisations
 from megapipe.models import build_model_chunks
 from megapipe.operations import ExitConditions
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
@@ -45,7 +46,6 @@ from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.stage_placement import Placement
 from megapipe.testing import run_distributed
-from test_runtime_costs import counting_host_reads
 from test_training_cli import TINY, run
 
 SEQ, MICRO, M, STEPS = 8, 2, 4, 5
@@ -89,8 +89,9 @@ def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation
     for step in range(STEPS):
         batches = [random_microbatch(MODEL_KIND["gpt"], config.vocab_size, MICRO, SEQ,
                                      seed=1000 * step + ps.dp_rank * M + i) for i in range(M)]
-        with counting_host_reads(reads) if step == 2 else contextlib.nullcontext():
+        with counting_synchronisations(torch.device("cpu")) if step == 2 else contextlib.nullcontext([]) as found:
             result = engine.train_batch(batches)
+        reads += found
         scheduler.step()
         losses.append(torch.stack(result.batch.loss_tensors) if result.batch.loss_tensors else None)
         settled += result.settled
@@ -112,12 +113,14 @@ def expected_rollbacks(outcomes, clip_grad):
 
 def lagged_exit_reasons(rank):
     """Rank 1 gets SIGTERM during iteration 1: every rank agrees on it one boundary later."""
-    no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None))
-    conditions = ExitConditions(no_limits, lagged=True)
+    no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None,
+                                                         exit_on_sigterm=True, cluster_lease=None))
+    conditions = ExitConditions(no_limits)
     reasons = []
     for iteration in (1, 2, 3):
         conditions.sigterm = conditions.sigterm or (rank == 1 and iteration == 1)
-        reasons.append(conditions.reason(iteration, torch.device("cpu")))
+        reasons.append(conditions.reason(iteration))
+    conditions.close()
     return reasons
 
 

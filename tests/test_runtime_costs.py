@@ -1,8 +1,9 @@
 """What the pipeline runtime costs beyond the maths: host synchronisations and held activations.
 
 * Host synchronisations are counted by patching every ``Tensor`` method that reads a value to
-  the host; on an accelerator each is a stall of the device queue. A training step must make
-  the same number whatever the number of microbatches m.
+  the host (``distributed.count_synchronisations``); on an accelerator each is a stall of the
+  device queue. A training step must make none, whatever the number of microbatches m
+  (``test_iteration_syncs.py`` counts the training loop's whole iteration).
 * Held activation bytes are counted from the tensors themselves: autograd's saved tensors (seen
   by ``torch.autograd.graph.saved_tensors_hooks``) of every microbatch still waiting for its
   backward, plus the stage outputs the executor keeps for those backwards, as unique storages.
@@ -11,38 +12,15 @@
   (forwards in flight - 1) boundary tensors (less the one-element placeholder each keeps).
 """
 
-import contextlib
-
 import torch
 
+from megapipe.distributed import count_synchronisations
 from megapipe.models import build_model_chunks
 from megapipe.parallel_state import ParallelState
-from megapipe.pipeline.runtime import executor as executor_module
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
 from test_pipeline_training import MICRO, SEQ, microbatch, model_config, optimizer_config
-
-_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-
-@contextlib.contextmanager
-def counting_host_reads(counter: list):
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def counted(name):
-        def read(self, *args, **kwargs):
-            counter.append(name)
-            return originals[name](self, *args, **kwargs)
-        return read
-
-    for name in _READS:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _reads_per_step(m: int) -> int:
@@ -52,11 +30,10 @@ def _reads_per_step(m: int) -> int:
     engine = PipelineEngine(chunks, ps, optimizer_config(), "1f1b", m, (SEQ, MICRO, config.hidden_size))
     engine.train_batch([microbatch("gpt", config, 0, i) for i in range(m)])  # warm-up (lazy state)
     batch = [microbatch("gpt", config, 1, i) for i in range(m)]
-    reads: list = []
-    with counting_host_reads(reads):
-        result = engine.train_batch(batch)
-    assert len(result.batch.loss_tensors) == m
-    return len(reads)
+    results = []
+    reads = count_synchronisations(lambda: results.append(engine.train_batch(batch)), 1, torch.device("cpu"))
+    assert len(results[0].batch.loss_tensors) == m
+    return reads
 
 
 def test_host_reads_per_step_do_not_grow_with_microbatches():

@@ -2,12 +2,12 @@
 
 A job placed by the scheduler service holds a lease that ends with the round. One rank (global
 rank 0) reports its iteration to ``ADDRESS`` about once a second (how the scheduler sees
-progress and measures throughput) and, when the next iteration would overrun the lease, asks
-to renew it. The scheduler answers with the seconds left in the renewed lease when the job
-keeps its workers next round, or with ``stop`` (a new allocation, a cancel, a restarted
-scheduler); the training loop then saves a checkpoint and exits cleanly, and resumes from it
-on its next allocation. With the scheduler unreachable the lease runs out and the job stops
-the same way.
+progress and measures throughput) and, when the next iteration would overrun the lease (or
+the iterations the ranks take to agree on a stop, ``exit_lag``), asks to renew it. The scheduler
+answers with the seconds left in the renewed lease when the job keeps its workers next round,
+or with ``stop`` (a new allocation, a cancel, a restarted scheduler); the training loop then
+saves a checkpoint and exits cleanly, and resumes from it on its next allocation. With the
+scheduler unreachable the lease runs out and the job stops the same way.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
 class ClusterLease:
     """Reports progress and renews the lease; ``stop_reason`` says when the job must save and exit."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, exit_lag: int = 0):
         self.address = address
+        self.exit_lag = exit_lag  # iterations between a stop reported here and the exit (the ranks' agreement)
         self.deadline: Optional[float] = None  # local monotonic time the lease ends; None until granted
         self.last_report = -float("inf")
         self.trained = False  # an iteration was reported (the first one at once: it ends the start-up)
@@ -58,7 +59,8 @@ class ClusterLease:
         self.last_iteration_time = now
         if self.stopped:
             return self.stopped
-        ends_soon = self.deadline is not None and now + 1.5 * self.seconds_per_iteration >= self.deadline
+        ahead = 1.5 + self.exit_lag  # the next iteration, with a margin, and those before a stop takes effect
+        ends_soon = self.deadline is not None and now + ahead * self.seconds_per_iteration >= self.deadline
         if ends_soon or not self.trained or now - self.last_report >= REPORT_SECONDS:
             self._report(iteration, renew=ends_soon)
             self.trained = True
