@@ -1,8 +1,14 @@
-"""The all-reduce every module uses: a no-op for a group of one.
+"""The collectives every module uses: the all-reduce (a no-op for a group of one) and the
+single-tensor reduce-scatter and all-gather.
 
 ``ParallelState.single()`` stores ``None`` for every group, and ``None`` means "the whole
 world" to ``torch.distributed``; skipping groups of one keeps single-process runs free of
 collectives and keeps a one-member group from ever reaching the default group by mistake.
+
+The single-tensor reduce-scatter and all-gather are named ``reduce_scatter_single`` and
+``all_gather_single`` from torch 2.13 on; torch 2.11 (the GPU machines' stack) has the same
+operations, with the same arguments, as ``reduce_scatter_tensor`` and ``all_gather_into_tensor``.
+This module is the one place that knows.
 """
 
 from __future__ import annotations
@@ -16,6 +22,22 @@ import torch.distributed as dist
 def group_size(group) -> int:
     """Members of ``group``; ``None`` (what ``ParallelState.single()`` holds) counts as one."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Sum ``input`` over ``group`` and keep this rank's slice (``output``: 1/size of it, along
+    dimension 0); returns the work handle when ``async_op``."""
+    return _reduce_scatter(output, input, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Concatenate every rank's ``input`` along dimension 0 into ``output``, in rank order;
+    returns the work handle when ``async_op``."""
+    return _all_gather(output, input, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group, size: Optional[int] = None, op=dist.ReduceOp.SUM,

@@ -4,6 +4,7 @@ and pipeline messages held to NCCL's rules on gloo (the strict transport of
 ``pipeline/runtime/p2p.py``), so every multi-rank run on CPU would also finish on NCCL. ``make_test_hosts`` gives tests several
 hosts (network namespaces) on this machine."""
 
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,7 +16,34 @@ os.environ.setdefault("MEGAPIPE_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 
+from megapipe.distributed import default_device  # noqa: E402
 from megapipe.testing_hosts import NamespacesUnavailable, TestHosts  # noqa: E402
+
+
+def _import_triton_interpreted() -> None:
+    """On a machine without CUDA, import Triton with its CPU interpreter on, before anything else does.
+
+    Triton decides when it is imported whether its own library functions (``tl.sum``, ``tl.max``,
+    ``tl.rand``) are interpreted, and torch imports it early (``torch.utils.flop_counter`` does in
+    torch 2.11): a kernel interpreted later would call compiled library functions and fail ("Cannot
+    call @triton.jit'd outside of the scope of a kernel"). ``TRITON_INTERPRET`` is put back afterwards:
+    it is also the switch megapipe reads, which only the Triton kernel tests turn on
+    (``tests/fusion_helpers.py``).
+    """
+    if importlib.util.find_spec("triton") is None or default_device().type == "cuda":
+        return
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+_import_triton_interpreted()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from megapipe.distributed import default_device
 from megapipe.fusions import backend
 
 # torch.compile costs 10-45 s per function on this machine, so it is tested only on request.
@@ -24,10 +25,23 @@ def family(request, monkeypatch):
     if name == "triton":
         if not HAS_TRITON:
             pytest.skip("triton not importable")
+        if default_device().type == "cuda":
+            pytest.skip("Triton runs compiled in this process (test_cuda.py runs its kernels on the GPU); "
+                        "one process cannot also interpret them")
+        assert triton_library_interpreted(), "triton was imported before tests/conftest.py turned its interpreter on"
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     previous = backend.activate(backend.FusionBackend(name, "test"))
     yield name
     backend.activate(previous)
+
+
+def triton_library_interpreted() -> bool:
+    """Whether Triton's own library functions run in its interpreter in this process (decided when
+    triton was imported; tests/conftest.py imports it so on machines without CUDA)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 @pytest.fixture

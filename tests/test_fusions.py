@@ -128,7 +128,7 @@ def _reference_with_mask(x, bias, residual, keep, p):
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
 def test_bias_dropout_add_eval_and_train_fp32(family, p):
     if family == "triton" and p > 0:
-        pytest.skip("Triton draws its own Philox mask: see test_triton_dropout_mask_is_consistent")
+        pytest.skip("Triton draws its own Philox mask: see test_triton_bias_dropout_add_equals_reference_with_its_mask")
     x, bias, residual, g = _inputs()
     for training in (False, True):
         torch.manual_seed(1234)
@@ -148,7 +148,7 @@ def test_bias_dropout_add_eval_and_train_fp32(family, p):
 
 def test_bias_dropout_add_bf16(family):
     if family == "triton":
-        pytest.skip("Triton draws its own Philox mask: see test_triton_dropout_mask_is_consistent")
+        pytest.skip("Triton draws its own Philox mask: see test_triton_bias_dropout_add_equals_reference_with_its_mask")
     x, bias, residual, g = _inputs(torch.bfloat16)
     torch.manual_seed(7)
     fused = fusions.bias_dropout_add(x, bias, residual, 0.2, training=True)
@@ -201,26 +201,58 @@ def test_bias_dropout_add_without_bias(family):
     assert_fp32_close(out, residual + x)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
-def test_triton_dropout_mask_is_consistent(family):
-    """Triton's in-kernel mask: every element is dropped or scaled, the backward pass uses the
-    forward's mask, the drop rate is p, and the seed comes from the default generator."""
+def _triton_inputs(dtype, with_bias):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4, 96, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(96, generator=g).to(dtype).requires_grad_() if with_bias else None
+    residual = torch.randn(64, 4, 96, generator=g).to(dtype).requires_grad_()
+    return x, bias, residual, torch.randn(64, 4, 96, generator=g).to(dtype)
+
+
+def _triton_keep_mask(shape, p, seed):
+    """The mask Triton's kernel draws after ``torch.manual_seed(seed)``: Philox numbers of the seed and
+    the flat element index, whatever the dtype or bias; read here by dropping ones onto zeros."""
+    torch.manual_seed(seed)
+    return fusions.bias_dropout_add(torch.ones(shape), None, torch.zeros(shape), p, training=True) != 0
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_triton_bias_dropout_add_equals_reference_with_its_mask(family, p, dtype, with_bias):
+    """Forward and backward equal the reference with the kernel's own mask: every element is dropped
+    or scaled by 1/(1-p), and the backward kernel, which draws the mask again from the saved seed,
+    drops the same elements as the forward one."""
+    if family != "triton":
+        pytest.skip("Triton only (the other families draw F.dropout's mask, tested above)")
+    x, bias, residual, grad_out = _triton_inputs(dtype, with_bias)
+    keep = _triton_keep_mask(x.shape, p, seed=11)
+    assert keep.all() if p == 0 else not keep.all()
+    torch.manual_seed(11)
+    out = fusions.bias_dropout_add(x, bias, residual, p, training=True)
+    inputs = _present(x, bias, residual)
+    exact = [t.detach().float().requires_grad_() for t in inputs]  # bf16 values are exact in fp32
+    expected = _reference_with_mask(exact[0], exact[1] if with_bias else 0.0, exact[-1], keep, p)
+    got, want = (out, *grads(out, grad_out, *inputs)), (expected, *grads(expected, grad_out.float(), *exact))
+    for actual, reference in zip(got, want):
+        if dtype == torch.float32:
+            assert_fp32_close(actual, reference)
+        else:
+            assert_bf16_rounded(actual, reference.detach(), family)
+
+
+def test_triton_dropout_draws_rate_p_from_the_default_generator(family):
+    """The drop rate is p, and the seed comes from the default generator: the same after the same
+    ``torch.manual_seed``, another on the next call."""
     if family != "triton":
         pytest.skip("Triton only")
     p = 0.3
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 4, 96, generator=g, requires_grad=True)
-    bias, residual = torch.randn(96, generator=g, requires_grad=True), torch.randn(64, 4, 96, generator=g)
-    grad_out = torch.randn(64, 4, 96, generator=g)
-    torch.manual_seed(11)
-    out = fusions.bias_dropout_add(x, bias, residual, p, training=True)
-    keep = out != residual  # x + bias is never exactly 0 for random normals
-    expected = _reference_with_mask(x, bias, residual, keep, p)
-    assert_fp32_close(out, expected)
-    for got, want in zip(grads(out, grad_out, x, bias), grads(expected, grad_out, x, bias)):
-        assert_fp32_close(got, want)
+    x, bias, residual, _ = _triton_inputs(torch.float32, with_bias=True)
+    keep = _triton_keep_mask(x.shape, p, seed=11)
     # 24576 Bernoulli(0.7) draws: standard deviation of the kept fraction is 0.003; allow 5 sigma.
     assert abs(keep.float().mean().item() - (1 - p)) < 0.015
+    torch.manual_seed(11)
+    out = fusions.bias_dropout_add(x, bias, residual, p, training=True)
     torch.manual_seed(11)
     assert torch.equal(fusions.bias_dropout_add(x, bias, residual, p, training=True), out)
     assert not torch.equal(fusions.bias_dropout_add(x, bias, residual, p, training=True), out)

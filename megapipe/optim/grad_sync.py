@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.collectives import all_reduce, all_reduce_coalesced
+from megapipe.collectives import all_gather_into, all_reduce, all_reduce_coalesced, reduce_scatter_into
 from megapipe.optim.sharding import ShardingLevel
 from megapipe.parallel_state import ParallelState
 
@@ -261,8 +261,7 @@ class GradSync:
             self._grad_shards[bucket.index].copy_(grads)
             work = None
         else:
-            work = dist.reduce_scatter_single(self._grad_shards[bucket.index], grads, group=self.ps.dp_group,
-                                              async_op=True)
+            work = reduce_scatter_into(self._grad_shards[bucket.index], grads, self.ps.dp_group, async_op=True)
         self._works[bucket.index] = work
 
     def start_grad_sync(self) -> None:
@@ -336,7 +335,7 @@ class GradSync:
             if self.dp == 1:
                 full.copy_(shard)
             else:
-                self._weight_works.append(dist.all_gather_single(full, shard, group=self.ps.dp_group, async_op=True))
+                self._weight_works.append(all_gather_into(full, shard, self.ps.dp_group, async_op=True))
 
     def renew_weights(self) -> None:
         """Move the parameters to a fresh copy of the weight buffer, leaving the old storage to a
@@ -381,7 +380,7 @@ class GradSync:
             if self.dp == 1:
                 full[bucket.start:bucket.end].copy_(shard)
             else:
-                dist.all_gather_single(full[bucket.start:bucket.end], shard, group=self.ps.dp_group)
+                all_gather_into(full[bucket.start:bucket.end], shard, self.ps.dp_group)
         return {id(param): full[offset:offset + param.numel()].view_as(param).clone()
                 for bucket in self.buckets for param, offset in zip(bucket.params, bucket.offsets)}
 

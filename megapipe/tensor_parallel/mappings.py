@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megapipe.collectives import all_reduce, group_size
-
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megapipe.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -53,7 +50,7 @@ def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, x.contiguous(), group=group)
+    all_gather_into(out, x.contiguous(), group)
     return out
 
 
@@ -64,7 +61,7 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     if x.shape[0] % world:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {world}")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_into(out, x.contiguous(), group=group)
+    reduce_scatter_into(out, x.contiguous(), group)
     return out
 
 
