@@ -248,17 +248,19 @@ class MegatronCore(System):
 
 
 def build_systems(shape: Shape, device: torch.device, hf_precision: str, dropout: float) -> list[System]:
-    systems: list[System] = [
-        Megapipe("megapipe", shape, device, dropout),
+    """megapipe, Hugging Face, megapipe's variants, megatron-core: the rows users compare come first,
+    so a run stopped early (a time limit) still has them."""
+    systems: list[System] = [Megapipe("megapipe", shape, device, dropout)]
+    for precision in (("autocast", "bf16") if hf_precision == "both" else (hf_precision,)):
+        systems.append(HuggingFace(shape, device, dropout, precision))
+    systems += [
         Megapipe("megapipe, elementwise fusions off", shape, device, dropout, bias_gelu_fusion=False,
                  bias_dropout_fusion=False),
         Megapipe("megapipe, selective recompute", shape, device, dropout, recompute_granularity="selective"),
         Megapipe("megapipe, full recompute", shape, device, dropout, recompute_granularity="full",
                  recompute_method="uniform", recompute_num_layers=1),
+        MegatronCore(shape, device, dropout),
     ]
-    for precision in (("autocast", "bf16") if hf_precision == "both" else (hf_precision,)):
-        systems.append(HuggingFace(shape, device, dropout, precision))
-    systems.append(MegatronCore(shape, device, dropout))
     return systems
 
 
@@ -377,9 +379,13 @@ def timed_steps(system: System, batches: list[dict], steps: int, micro_batches: 
 
 
 def build_and_warm(system: System, batches: list[dict], args, device: torch.device) -> Optional[str]:
-    """Build ``system`` and run its warm-up steps; the one-line reason when it cannot run."""
+    """Build ``system`` (its build time printed) and run its warm-up steps; the one-line reason when it
+    cannot run."""
     try:
+        started = time.perf_counter()
         system.build()
+        synchronize(device)
+        print(f"  {system.name}: built in {time.perf_counter() - started:.1f} s", flush=True)
         timed_steps(system, batches, args.warmup, args.micro_batches, device)
         return None
     except Exception as error:  # noqa: BLE001 - any failure of a system becomes its row's reason
@@ -399,11 +405,10 @@ def run_interleaved(systems, batches, args, device, peak_probe: Optional[Callabl
     """Build every system, then time them round-robin ``args.rounds`` times (the CPU way)."""
     results = []
     for system in systems:
-        started = time.perf_counter()
         error = build_and_warm(system, batches, args, device)
         results.append(Result(system, [], [], error=error))
-        print(f"  built {system.name}: {'ok' if error is None else error} ({time.perf_counter() - started:.0f} s)",
-              flush=True)
+        if error is not None:
+            print(f"  {system.name}: not run: {error}", flush=True)
     peaks = []
     for round_ in range(args.rounds):
         started = time.perf_counter()
@@ -418,8 +423,9 @@ def run_interleaved(systems, batches, args, device, peak_probe: Optional[Callabl
     return results, max(peaks) if peaks else None
 
 
-def run_sequential(systems, batches, args, device):
-    """Build, time and free one system at a time (the CUDA way: several large models do not fit together)."""
+def run_sequential(systems, batches, args, device, after_each: Callable[[list], None]):
+    """Build, time and free one system at a time (the CUDA way: several large models do not fit together);
+    ``after_each(results so far)`` once each system is done."""
     results = []
     for system in systems:
         reset_peak_memory(device)
@@ -438,6 +444,7 @@ def run_sequential(systems, batches, args, device):
         gc.collect()
         release_cached_memory(device)
         results.append(result)
+        after_each(results)
     return results
 
 
@@ -445,40 +452,45 @@ def _percent(value: Optional[float]) -> str:
     return f"{value:6.1%}" if value is not None else f"{'-':>6s}"
 
 
-def print_table(results: list[Result], shape: Shape, micro_batches: int, flops: float,
-                peak_tflops: Optional[float]) -> list[dict]:
-    """Print the shape's table; return its rows as plain values (for ``--json``)."""
+def table_rows(results: list[Result], shape: Shape, micro_batches: int, flops: float,
+               peak_tflops: Optional[float]) -> list[dict]:
+    """Every system's figures as plain values (for ``--json`` and the table)."""
     tokens = micro_batches * shape.micro_batch * shape.seq_length
-    rows = []
     baseline = next((r for r in results if isinstance(r.system, HuggingFace) and r.error is None), None)
-    show_memory = any(r.peak_gib is not None for r in results)
+    rows = []
+    for r in results:
+        if r.error is not None:
+            rows.append({"system": r.system.name, "error": r.error})
+            continue
+        achieved = flops / r.seconds / 1e12
+        rows.append({"system": r.system.name, "precision": r.system.precision, "ms_per_step": r.seconds * 1e3,
+                     "passes_ms": r.pass_seconds * 1e3, "tokens_per_s": tokens / r.seconds, "tflops": achieved,
+                     "mfu": achieved / peak_tflops if peak_tflops else None,
+                     "mfu_passes": flops / r.pass_seconds / 1e12 / peak_tflops if peak_tflops else None,
+                     "vs_hf": baseline.seconds / r.seconds if baseline is not None else None,
+                     "peak_gib": r.peak_gib, "spread": (max(r.times) - min(r.times)) / r.seconds})
+    return rows
+
+
+def print_table(rows: list[dict], results: list[Result]) -> None:
+    show_memory = any(row.get("peak_gib") is not None for row in rows)
     header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
               f"{'MFU f+b':>7s} {'MFU':>6s} {'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
     print(header)
     print("-" * len(header))
-    for r in results:
-        if r.error is not None:
-            print(f"{r.system.name:44s} not run: {r.error}")
-            rows.append({"system": r.system.name, "error": r.error})
+    for row in rows:
+        if "error" in row:
+            print(f"{row['system']:44s} not run: {row['error']}")
             continue
-        achieved = flops / r.seconds / 1e12
-        mfu = achieved / peak_tflops if peak_tflops else None
-        mfu_passes = flops / r.pass_seconds / 1e12 / peak_tflops if peak_tflops else None
-        vs_hf = baseline.seconds / r.seconds if baseline is not None else None
-        rows.append({"system": r.system.name, "precision": r.system.precision, "ms_per_step": r.seconds * 1e3,
-                     "passes_ms": r.pass_seconds * 1e3, "tokens_per_s": tokens / r.seconds, "tflops": achieved,
-                     "mfu": mfu, "mfu_passes": mfu_passes, "vs_hf": vs_hf, "peak_gib": r.peak_gib})
-        row = (f"{r.system.name:44s} {r.system.precision:36s} {r.seconds * 1e3:9.1f} {tokens / r.seconds:10.0f} "
-               f"{achieved:8.3f} {_percent(mfu_passes):>7s} {_percent(mfu)} "
-               + (f"{vs_hf:6.2f}" if vs_hf is not None else f"{'-':>6s}"))
+        line = (f"{row['system']:44s} {row['precision']:36s} {row['ms_per_step']:9.1f} {row['tokens_per_s']:10.0f} "
+                f"{row['tflops']:8.3f} {_percent(row['mfu_passes']):>7s} {_percent(row['mfu'])} "
+                + (f"{row['vs_hf']:6.2f}" if row["vs_hf"] is not None else f"{'-':>6s}"))
         if show_memory:
-            row += f" {r.peak_gib:8.1f}" if r.peak_gib is not None else f" {'-':>8s}"
-        spread = (max(r.times) - min(r.times)) / r.seconds if len(r.times) > 1 else 0.0
-        print(row + (f"   (rounds spread {spread:.0%})" if spread > 0.15 else ""))
+            line += f" {row['peak_gib']:8.1f}" if row["peak_gib"] is not None else f" {'-':>8s}"
+        print(line + (f"   (rounds spread {row['spread']:.0%})" if row["spread"] > 0.15 else ""))
     for r in results:
         if isinstance(r.system, MegatronCore) and r.error is None and r.system.detail:
             print(f"megatron-core: {r.system.detail}")
-    return rows
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -540,6 +552,14 @@ def parse_args(device: torch.device):
     return args
 
 
+def write_report(path: Optional[str], report: dict) -> None:
+    """The report so far, replaced atomically (a run stopped by a time limit keeps the systems done)."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def device_peak(args, device: torch.device) -> tuple[Optional[float], Optional[Callable[[], float]], str]:
     """(peak TFLOP/s or None, the CPU's re-measuring probe or None, how the peak was found)."""
     if device.type == "cpu":
@@ -593,13 +613,19 @@ def main() -> None:
             print(check_same_maths(shape, device), flush=True)
         batches = [make_batch(shape, device, seed) for seed in range(2)]
         systems = build_systems(shape, device, args.hf_precision, args.dropout)
+
+        def report_rows(results, measured=None):
+            peak_tflops = max(peak, measured or 0.0) if peak is not None else None
+            report["shapes"][shape_name] = table_rows(results, shape, args.micro_batches, flops, peak_tflops)
+            write_report(args.json, report)
+
         if args.sequential:
-            results, measured = run_sequential(systems, batches, args, device), None
+            results, measured = run_sequential(systems, batches, args, device, report_rows), None
         else:
             results, measured = run_interleaved(systems, batches, args, device, peak_probe)
-        peak_tflops = max(peak, measured or 0.0) if peak is not None else None
+        report_rows(results, measured)
         print(f"\nMFU = model FLOPs per second / peak: {peak_note}")
-        report["shapes"][shape_name] = print_table(results, shape, args.micro_batches, flops, peak_tflops)
+        print_table(report["shapes"][shape_name], results)
         for r in results:
             if r.error is None and not math.isfinite(r.final_loss):
                 print(f"warning: {r.system.name} ended with loss {r.final_loss}")
@@ -608,10 +634,6 @@ def main() -> None:
     print("\nMFU f+b: the forward and backward passes alone; MFU: the whole step (optimizer step included). "
           "vs HF = Hugging Face step time / this system's step time (> 1: faster than Hugging Face). "
           "Model FLOPs exclude recomputation.")
-    if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":

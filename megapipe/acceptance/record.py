@@ -22,13 +22,14 @@ class Check:
 
 @dataclass(frozen=True)
 class Context:
-    """Where a step runs: its device, a scratch folder, whether it is a CPU dry run, and extra
-    arguments for the benchmark."""
+    """Where a step runs: its device, a scratch folder, whether it is a CPU dry run, extra arguments
+    for the benchmark, and the step's deadline (seconds from its start)."""
 
     device: torch.device
     work: str
     dry_run: bool
     benchmark_args: tuple = ()
+    budget_seconds: float = float("inf")
 
 
 def first_line(error: BaseException) -> str:

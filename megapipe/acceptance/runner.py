@@ -52,6 +52,7 @@ def run_step(step: Step, budget: float, work: str, log, dry_run: bool, benchmark
     os.makedirs(step_work, exist_ok=True)
     command = [sys.executable, "-m", "megapipe.acceptance.step", step.module, "--record", record, "--work", step_work]
     command += (["--dry-run"] if dry_run else []) + [f"--benchmark-arg={arg}" for arg in benchmark_args]
+    command += [f"--budget={budget:.0f}"]
     log.write(f"\n===== {step.name} (budget {budget:.0f} s): {step.what}\n")
     log.flush()
     started = time.monotonic()

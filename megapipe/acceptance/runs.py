@@ -39,14 +39,21 @@ def start(script: str, args: list[str], nproc: Optional[int] = None, env: Option
 class Finished:
     """A command's exit code and output, with what the checks read from it."""
 
-    def __init__(self, what: str, process: subprocess.Popen):
-        self.what = what
-        self.stdout, self.stderr = process.communicate()
+    def __init__(self, what: str, process: subprocess.Popen, timeout: Optional[float] = None):
+        self.what, self.timed_out = what, False
+        try:
+            self.stdout, self.stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            self.stdout, self.stderr = process.communicate()
+            self.timed_out = True
         self.returncode = process.returncode
         print(f"--- {what}: exit {self.returncode}\n{self.stdout[-3000:]}{self.stderr[-3000:]}", flush=True)
 
     def succeeded(self) -> None:
         """Raise naming the command and its last error line unless it exited 0."""
+        if self.timed_out:
+            raise AssertionError(f"{self.what} did not finish in its time")
         if self.returncode != 0:
             errors = [line for line in self.stderr.splitlines() if line.strip()]
             said = next((line for line in reversed(errors) if line.startswith("error:")), errors[-1] if errors else "")

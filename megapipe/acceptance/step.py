@@ -26,11 +26,12 @@ def main(argv=None) -> int:
     parser.add_argument("--work", required=True, help="scratch folder of the step")
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, with small shapes")
     parser.add_argument("--benchmark-arg", action="append", default=[], help="an extra argument of the benchmark")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before the runner stops the step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     record = Record(args.record)
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
-    context = Context(device, args.work, args.dry_run, tuple(args.benchmark_arg))
+    context = Context(device, args.work, args.dry_run, tuple(args.benchmark_arg), args.budget)
     try:
         module, _, function = args.module.partition(":")
         getattr(importlib.import_module(module), function or "run")(record, context)
