@@ -25,8 +25,9 @@ The systems take turns step by step, the order rotating every round, each step b
 barriers (a noisy machine slows all alike). Reported: each system's median seconds per step and
 CPU seconds per step (all ranks), and per pair of systems the median of the per-round ratios
 with the lowest and highest ratio and the quartiles, and the median ratio of CPU time (host
-work, which other load inflates less than wall time). No thresholds: on a shared 2-core machine
-single rounds can be off by tens of percent.
+work, which other load inflates less than wall time); and per rank the median time of a
+trainer step spent outside ``PipelineEngine.train_batch``, the loop's own work. No thresholds: on
+a shared 2-core machine single rounds can be off by tens of percent.
 """
 
 from __future__ import annotations
@@ -68,13 +69,29 @@ def trainer_flags(settings: Settings, p: int, rounds: int) -> list[str]:
 
 
 class TrainerStep:
-    """One iteration of ``pretrain_gpt.py``'s loop."""
+    """One iteration of ``pretrain_gpt.py``'s loop; ``outside`` collects the seconds of each spent
+    outside the pipeline step (``PipelineEngine.train_batch``): the loop's own work."""
 
     def __init__(self, trainer: Trainer):
         self.trainer, self.batches = trainer, trainer.train_batches()
+        self.outside: list[float] = []
 
     def __call__(self) -> None:
-        reason = self.trainer.train_iteration(self.batches)
+        engine, start = self.trainer.engine, time.perf_counter()
+        train_batch, inside = engine.train_batch, []
+
+        def timed(microbatches):
+            begin = time.perf_counter()
+            result = train_batch(microbatches)
+            inside.append(time.perf_counter() - begin)
+            return result
+
+        engine.train_batch = timed
+        try:
+            reason = self.trainer.train_iteration(self.batches)
+        finally:
+            del engine.train_batch  # the method again
+        self.outside.append(time.perf_counter() - start - sum(inside))
         assert reason is None, reason
 
 
@@ -132,12 +149,14 @@ def world(rank: int, world_size: int, settings: Settings, rounds: int, extra: li
         for _ in range(WARMUP_STEPS):
             timed(systems[name])
     wall, cpu = ({name: [] for name in names} for _ in range(2))
+    systems["pretrain_gpt"].outside.clear()
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             seconds, cpu_seconds = timed(systems[name])
             wall[name].append(seconds)
             cpu[name].append(cpu_seconds)
-    return {"wall": wall, "cpu": cpu, "check": check if trainer.ps.is_last_stage else None,
+    return {"wall": wall, "cpu": cpu, "outside": systems["pretrain_gpt"].outside,
+            "check": check if trainer.ps.is_last_stage else None,
             "same_model": same_model(trainer, settings)}
 
 
@@ -176,7 +195,9 @@ def main(argv=None) -> int:
         print(ratio_row(wall, cpu, "pretrain_gpt", other))
     if "torch Schedule1F1B" in names:
         print(ratio_row(wall, cpu, "executor", "torch Schedule1F1B"))
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    outside = ", ".join(f"rank {rank} {1e3 * statistics.median(r['outside']):.2f}" for rank, r in enumerate(results))
+    print(f"\npretrain_gpt's own work per step, outside PipelineEngine.train_batch (median ms): {outside}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if not results[0]["same_model"]:
         print("the flags after -- change the model: the executor runs bench_pipeline's model, no loss comparison")
         return 0

@@ -262,10 +262,11 @@ CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
 @contextlib.contextmanager
 def counting_synchronisations(device: torch.device) -> Iterator[list[str]]:
     """Within the block, every point where the host waits for ``device``, as a list of
-    ``"what at file:line"`` that grows as they happen.
+    ``"what at file:line"`` (complete when the block ends).
 
-    On CUDA: what ``torch.cuda.set_sync_debug_mode("warn")`` reports (a device-to-host copy, a
-    stream or device synchronisation, an op whose output size depends on the data). Elsewhere
+    On CUDA: what ``torch.cuda.set_sync_debug_mode("warn")`` reports as warnings (a device-to-host
+    copy, a stream or device synchronisation, an op whose output size depends on the data); the
+    block's other warnings are shown as usual when it ends. Elsewhere
     (the CPU, where nothing waits): every read of a tensor's value on the host (``HOST_READS``,
     patched on ``torch.Tensor`` for the block), each of which waits on an accelerator. A read of a
     host tensor counts there too; host memory read through ``Tensor.numpy()`` does not (a device
@@ -282,8 +283,11 @@ def counting_synchronisations(device: torch.device) -> Iterator[list[str]]:
                 yield found
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        found += [f"{CUDA_SYNC_WARNING} at {w.filename}:{w.lineno}" for w in caught
-                  if CUDA_SYNC_WARNING in str(w.message)]
+        for w in caught:
+            if CUDA_SYNC_WARNING in str(w.message):
+                found.append(f"{CUDA_SYNC_WARNING} at {w.filename}:{w.lineno}")
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         return
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 

@@ -17,6 +17,7 @@ iteration, saves and exits 0.
 
 import os
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -66,6 +67,24 @@ def test_the_count_sees_every_host_read():
     assert [entry.split(" at ")[0] for entry in found] == [
         "Tensor.__bool__", "Tensor.__float__", "Tensor.__int__", "Tensor.tolist", "Tensor.__index__"]
     assert all(os.path.basename(__file__) in entry for entry in found), found  # where each read is
+
+
+def test_on_cuda_the_sync_debug_mode_counts_each_warning(monkeypatch):
+    """The CUDA path's wiring, with the debug mode's switch and its warnings played here: every
+    warning counts, repeated from one line too (no once-per-location filter), other warnings are
+    shown, and the mode is restored."""
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        assert modes[-1] == "warn"
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    with pytest.warns(UserWarning, match="something else"):
+        assert count_synchronisations(step, 3, torch.device("cuda")) == 3
+    assert modes == [0, "warn", 0]
 
 
 def one_process_checks(rank, world_size):
