@@ -75,6 +75,22 @@ def strict_transport_requested() -> bool:
     return os.environ.get("MEGAPIPE_STRICT_TRANSPORT", "0") not in ("", "0")
 
 
+def wait_for_peer(work, transport: Transport, timeout, ps: ParallelState, what: str, peer: str,
+                  more_time: str) -> None:
+    """Complete one message's ``work``: on NCCL by ordering the streams (the host does not block), on
+    gloo within ``timeout``, else a PipelineTimeout naming this rank, the message and the silent peer."""
+    if transport is Transport.NCCL:
+        work.wait()
+        return
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        raise PipelineTimeout(
+            f"rank {ps.rank} (pipeline stage {ps.pp_rank}) waited more than {timeout.total_seconds():.0f} s on "
+            f"{what} with {peer}, which never answered; check that rank's log for an error or raise "
+            f"{more_time}. ({error})") from error
+
+
 def check_on_device(tensor: torch.Tensor, device: torch.device, what: str) -> None:
     """Refuse, in one sentence, a pipeline message that is not on the run's device (``cuda`` names
     the current CUDA device, so it matches any index)."""
@@ -146,20 +162,11 @@ class StageP2P:
         """Complete a transfer, or fail with a sentence naming who never answered."""
         if transfer.done:
             return
+        action = transfer.action
         for work in transfer.works:
-            if self.transport is Transport.NCCL:
-                work.wait()  # orders the streams; the host does not block
-                continue
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as error:
-                action = transfer.action
-                peer = self.ps.stage_rank(action.peer)
-                raise PipelineTimeout(
-                    f"rank {self.ps.rank} (pipeline stage {self.ps.pp_rank}) waited more than "
-                    f"{self.timeout.total_seconds():.0f} s on {action} with global rank {peer} (pipeline stage "
-                    f"{action.peer}), which never answered; check that rank's log for an error or raise "
-                    f"--distributed-timeout-minutes. ({error})") from error
+            wait_for_peer(work, self.transport, self.timeout, self.ps, f"{action}",
+                          f"global rank {self.ps.stage_rank(action.peer)} (pipeline stage {action.peer})",
+                          "--distributed-timeout-minutes")
         transfer.done = True
 
     def received(self, transfer: Transfer) -> torch.Tensor:

@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.distributed import DEFAULT_TIMEOUT
-from megapipe.errors import PipelineTimeout
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.ir.transport import Transport
-from megapipe.pipeline.runtime.p2p import check_on_device, strict_transport_requested
+from megapipe.pipeline.runtime.p2p import check_on_device, strict_transport_requested, wait_for_peer
 
 
 @dataclass
@@ -73,13 +72,5 @@ class PeerMessages:
         self.sends.clear()
 
     def _wait(self, work, what: str, peer: int) -> None:
-        if self.transport is Transport.NCCL:
-            work.wait()  # orders the streams; the host does not block
-            return
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as error:
-            raise PipelineTimeout(
-                f"rank {self.ps.rank} (pipeline stage {self.ps.pp_rank}) waited more than "
-                f"{self.timeout.total_seconds():.0f} s on the {what} with global rank {peer}, which never answered; "
-                f"check that rank's log for an error or raise MEGAPIPE_TIMEOUT. ({error})") from error
+        wait_for_peer(work, self.transport, self.timeout, self.ps, f"the {what}", f"global rank {peer}",
+                      "MEGAPIPE_TIMEOUT")
