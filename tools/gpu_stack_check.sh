@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU machines' software stack checked on a CPU, in the environment tools/gpu_stack_env.sh made
+# (torch 2.11, Triton 3.6): three iterations of pretrain_gpt.py at each data-parallel sharding level
+# on two processes, then the tests that exercise torch's APIs, Triton's kernels among them (in
+# Triton's interpreter). CI runs it after the main suite (.ci/run).
+#
+#     bash tools/gpu_stack_check.sh VENV_DIR
+set -euo pipefail
+VENV=${1:?usage: bash tools/gpu_stack_check.sh VENV_DIR}
+cd "$(dirname "$0")/.."
+PY="$VENV/bin/python"
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PYTHONPATH=$PWD
+
+echo "pretrain_gpt.py, 3 iterations at d=2, each data-parallel sharding level (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+SMALL_GPT=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2
+           --global-batch-size 8 --train-iters 3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 256)
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+for sharding in "--data-parallel-sharding-strategy no_shard" \
+                "--data-parallel-sharding-strategy optim" \
+                "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
+                "--data-parallel-sharding-strategy optim_grads" \
+                "--data-parallel-sharding-strategy optim_grads_params"; do
+    echo "  $sharding"
+    # shellcheck disable=SC2086  # $sharding holds flags
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 pretrain_gpt.py "${SMALL_GPT[@]}" $sharding \
+        > "$LOG" 2>&1 || { cat "$LOG"; exit 1; }
+    grep -E "iteration +3/" "$LOG"
+done
+
+# The tests of the code that calls torch's version-sensitive APIs: process groups and collectives,
+# gradient sync at each sharding level, the pipeline runtime and recomputation, distributed
+# checkpoints, fake tensors, generation, and the fused kernels. One list, chosen to take about four
+# minutes on 2 cores; the whole suite passes on this stack too (python -m pytest -q in VENV_DIR).
+TESTS=(
+    tests/test_parallel_state.py tests/test_tensor_parallel.py tests/test_pipeline_p2p.py  # process groups, collectives
+    tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels
+    tests/test_optim_precision.py
+    tests/test_pipeline_training.py tests/test_weight_versions.py tests/test_split_backward.py  # pipeline runtime
+    tests/test_recompute.py
+    tests/test_checkpoint_sharded.py tests/test_checkpoint_resume.py                       # checkpoints (DCP)
+    tests/test_fake_device.py                                                              # fake tensors
+    tests/test_generation_server.py                                                        # inference
+    tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
+)
+"$PY" -m pytest -q "${TESTS[@]}"
