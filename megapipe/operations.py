@@ -95,6 +95,7 @@ class ExitConditions:
 
     def __init__(self, config: Config, start_time: Optional[float] = None, lease=None):
         t = config.training
+        self.config = config
         self.exit_interval, self.exit_minutes = t.exit_interval, t.exit_duration_in_mins
         self.start = time.time() if start_time is None else start_time
         self.sigterm = False
@@ -120,7 +121,7 @@ class ExitConditions:
                  self.exit_minutes is not None and minutes > self.exit_minutes]
         if self.lag:
             if self._agreement is None:
-                self._agreement = LaggedAgreement()
+                self._agreement = LaggedAgreement(distributed_timeout(self.config))
             flags = self._agreement.exchange(flags)
         sigterm, lease_ended, out_of_time = flags
         if sigterm:
@@ -147,11 +148,13 @@ class LaggedAgreement:
     at the previous call (nothing at the first). That earlier all-reduce has completed unless some
     rank is a whole iteration behind. The flags live in host memory and are read through numpy
     (which refuses a device tensor): no device synchronisation. Every rank must call ``exchange``
-    at the same boundaries; the first call builds the group, a collective over the world.
+    at the same boundaries; the first call builds the group, a collective over the world. The group
+    has the job's timeout: an all-reduce left in flight when a peer is lost fails within it, so the
+    rank's exit (which waits for its groups' work) is not held for gloo's default half hour.
     """
 
-    def __init__(self):
-        self._group = dist.new_group(backend="gloo")
+    def __init__(self, timeout: datetime.timedelta):
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending = None  # (flags, work) of the all-reduce started at the last call
 
     def exchange(self, flags: list[bool]) -> list[bool]:

@@ -56,7 +56,7 @@ class Trainer:
     def __init__(self, kind: str, config: Config):
         self.kind, self.config = kind, config
         self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
-        timeout = distributed_timeout(config)
+        self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.cluster.lease import ClusterLease

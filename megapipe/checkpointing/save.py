@@ -9,6 +9,7 @@ group of its own while training goes on; ``latest`` moves only once that write i
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -53,7 +54,7 @@ def _save(directory: str, trainer, started: float) -> None:
               flush=True)
 
     if t.async_save:
-        writer = trainer.checkpoint_writer = trainer.checkpoint_writer or AsyncWriter()
+        writer = trainer.checkpoint_writer = trainer.checkpoint_writer or AsyncWriter(trainer.timeout)
         writer.start({key: _cpu_copy(shard) for key, shard in shards.items()}, staging, finish)
         return
     write_shards(shards, staging)
@@ -85,11 +86,12 @@ class AsyncWriter:
     """Writes staged CPU copies on a background thread over a process group of its own.
 
     The group keeps the writer's collectives apart from training's; it is created on the
-    first asynchronous save, which every rank reaches at the same iteration.
+    first asynchronous save, which every rank reaches at the same iteration, with the job's timeout
+    (a write left waiting for a lost peer then fails within it instead of holding the exit).
     """
 
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, timeout: datetime.timedelta):
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
 
