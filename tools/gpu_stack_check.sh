@@ -34,13 +34,17 @@ done
 # minutes on 2 cores; the whole suite passes on this stack too (python -m pytest -q in VENV_DIR).
 TESTS=(
     tests/test_parallel_state.py tests/test_tensor_parallel.py tests/test_pipeline_p2p.py  # process groups, collectives
+    tests/test_collectives.py tests/test_peer_messages.py tests/test_device_choice.py
     tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels
     tests/test_optim_precision.py
     tests/test_pipeline_training.py tests/test_weight_versions.py tests/test_split_backward.py  # pipeline runtime
-    tests/test_recompute.py
+    tests/test_recompute.py tests/test_iteration_syncs.py
     tests/test_checkpoint_sharded.py tests/test_checkpoint_resume.py                       # checkpoints (DCP)
-    tests/test_fake_device.py                                                              # fake tensors
-    tests/test_generation_server.py                                                        # inference
+    tests/test_fake_device.py tests/test_fake_device_inference.py                          # fake tensors
+    tests/test_generation_server.py tests/test_sampling.py                                 # inference
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
+    tests/test_fusion_backend.py
+    tests/test_bare_image.py tests/test_acceptance.py   # the GPU image's packages alone; the acceptance, dry
+    tests/test_cuda.py tests/test_cuda_inference.py     # collected (they run on a GPU)
 )
 "$PY" -m pytest -q "${TESTS[@]}"
