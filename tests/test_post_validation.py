@@ -114,7 +114,8 @@ def expected_rollbacks(outcomes, clip_grad):
 def lagged_exit_reasons(rank):
     """Rank 1 gets SIGTERM during iteration 1: every rank agrees on it one boundary later."""
     no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None,
-                                                         exit_on_sigterm=True, cluster_lease=None))
+                                                         exit_on_sigterm=True, cluster_lease=None,
+                                                         distributed_timeout_minutes=1))
     conditions = ExitConditions(no_limits)
     reasons = []
     for iteration in (1, 2, 3):
