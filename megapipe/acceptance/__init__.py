@@ -8,7 +8,8 @@ raw output of every step (``steps.log``) and the checks as data (``results.json`
 window is never spent finding a mistake a CPU would have found.
 
 Each step is a module with ``run(record, context)``; ``record`` keeps each check as
-it is made (a step cut short by its deadline still reports what it did).
+it is made (a step cut short by its deadline still reports what it did). The steps check CUDA
+itself (its kernels, versions and attention backends), so unlike the library they name it directly.
 """
 
 from __future__ import annotations
