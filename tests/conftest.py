@@ -15,8 +15,8 @@ os.environ.setdefault("MEGAPIPE_DEVICE", "cpu")
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from megapipe.distributed import default_device  # noqa: E402
 from megapipe.testing_hosts import NamespacesUnavailable, TestHosts  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def _import_triton_interpreted() -> None:
     it is also the switch megapipe reads, which only the Triton kernel tests turn on
     (``tests/fusion_helpers.py``).
     """
-    if importlib.util.find_spec("triton") is None or default_device().type == "cuda":
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
         return
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

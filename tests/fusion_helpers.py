@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 
-from megapipe.distributed import default_device
 from megapipe.fusions import backend
 
 # torch.compile costs 10-45 s per function on this machine, so it is tested only on request.
@@ -16,28 +15,45 @@ COMPILE_TESTS = os.environ.get("MEGAPIPE_TEST_COMPILE") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def _interpret_triton(monkeypatch) -> None:
+    """Run Triton's kernels in its CPU interpreter for this test, or skip where that cannot be."""
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    if not triton_library_interpreted():
+        pytest.skip("Triton compiles in this process (a CUDA machine, where tests/conftest.py leaves its "
+                    "interpreter off); tests/test_cuda.py checks its kernels on the GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(params=["eager", "compile", "triton"])
 def family(request, monkeypatch):
-    """Runs a test once per kernel family; Triton runs in its CPU interpreter."""
+    """Runs a test once per kernel family; Triton runs in its CPU interpreter. A test for some
+    families only names them: ``@pytest.mark.parametrize("family", [...], indirect=True)``."""
     name = request.param
     if name == "compile" and not COMPILE_TESTS:
         pytest.skip("set MEGAPIPE_TEST_COMPILE=1 to test the torch.compile kernels")
     if name == "triton":
-        if not HAS_TRITON:
-            pytest.skip("triton not importable")
-        if default_device().type == "cuda":
-            pytest.skip("Triton runs compiled in this process (test_cuda.py runs its kernels on the GPU); "
-                        "one process cannot also interpret them")
-        assert triton_library_interpreted(), "triton was imported before tests/conftest.py turned its interpreter on"
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        _interpret_triton(monkeypatch)
     previous = backend.activate(backend.FusionBackend(name, "test"))
     yield name
+    backend.activate(previous)
+
+
+@pytest.fixture
+def triton_family(monkeypatch):
+    """Triton's kernels alone, in its CPU interpreter (for what only Triton does, such as its own
+    dropout mask)."""
+    _interpret_triton(monkeypatch)
+    previous = backend.activate(backend.FusionBackend("triton", "test"))
+    yield "triton"
     backend.activate(previous)
 
 
 def triton_library_interpreted() -> bool:
     """Whether Triton's own library functions run in its interpreter in this process (decided when
     triton was imported; tests/conftest.py imports it so on machines without CUDA)."""
+    if not HAS_TRITON:
+        return False
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 

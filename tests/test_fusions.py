@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fusion_helpers import HAS_TRITON, assert_bf16_rounded, assert_fp32_close, grads
-from fusion_helpers import eager_backend, family, restore_backend  # noqa: F401 (fixtures)
+from fusion_helpers import eager_backend, family, restore_backend, triton_family  # noqa: F401 (fixtures)
 
 from megapipe import fusions
 from megapipe.fusions import backend
@@ -125,10 +125,10 @@ def _reference_with_mask(x, bias, residual, keep, p):
     return residual + (x + bias) * keep.to(x.dtype) / (1 - p)
 
 
+# Triton draws its own Philox mask, not F.dropout's: test_triton_bias_dropout_add_equals_reference_with_its_mask
+@pytest.mark.parametrize("family", ["eager", "compile"], indirect=True)
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
 def test_bias_dropout_add_eval_and_train_fp32(family, p):
-    if family == "triton" and p > 0:
-        pytest.skip("Triton draws its own Philox mask: see test_triton_bias_dropout_add_equals_reference_with_its_mask")
     x, bias, residual, g = _inputs()
     for training in (False, True):
         torch.manual_seed(1234)
@@ -146,9 +146,8 @@ def test_bias_dropout_add_eval_and_train_fp32(family, p):
             assert_fp32_close(got, want)
 
 
+@pytest.mark.parametrize("family", ["eager", "compile"], indirect=True)  # Triton's mask: tested below
 def test_bias_dropout_add_bf16(family):
-    if family == "triton":
-        pytest.skip("Triton draws its own Philox mask: see test_triton_bias_dropout_add_equals_reference_with_its_mask")
     x, bias, residual, g = _inputs(torch.bfloat16)
     torch.manual_seed(7)
     fused = fusions.bias_dropout_add(x, bias, residual, 0.2, training=True)
@@ -219,12 +218,10 @@ def _triton_keep_mask(shape, p, seed):
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_triton_bias_dropout_add_equals_reference_with_its_mask(family, p, dtype, with_bias):
+def test_triton_bias_dropout_add_equals_reference_with_its_mask(triton_family, p, dtype, with_bias):
     """Forward and backward equal the reference with the kernel's own mask: every element is dropped
     or scaled by 1/(1-p), and the backward kernel, which draws the mask again from the saved seed,
     drops the same elements as the forward one."""
-    if family != "triton":
-        pytest.skip("Triton only (the other families draw F.dropout's mask, tested above)")
     x, bias, residual, grad_out = _triton_inputs(dtype, with_bias)
     keep = _triton_keep_mask(x.shape, p, seed=11)
     assert keep.all() if p == 0 else not keep.all()
@@ -238,14 +235,12 @@ def test_triton_bias_dropout_add_equals_reference_with_its_mask(family, p, dtype
         if dtype == torch.float32:
             assert_fp32_close(actual, reference)
         else:
-            assert_bf16_rounded(actual, reference.detach(), family)
+            assert_bf16_rounded(actual, reference.detach(), triton_family)
 
 
-def test_triton_dropout_draws_rate_p_from_the_default_generator(family):
+def test_triton_dropout_draws_rate_p_from_the_default_generator(triton_family):
     """The drop rate is p, and the seed comes from the default generator: the same after the same
     ``torch.manual_seed``, another on the next call."""
-    if family != "triton":
-        pytest.skip("Triton only")
     p = 0.3
     x, bias, residual, _ = _triton_inputs(torch.float32, with_bias=True)
     keep = _triton_keep_mask(x.shape, p, seed=11)
