@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 from megapipe import fusions  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
+from megapipe.errors import first_line  # noqa: E402
 from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
                                   release_cached_memory, reset_peak_memory, synchronize)
 from megapipe.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
@@ -332,8 +333,7 @@ class Result:
 
 def one_line(error: BaseException) -> str:
     """``Type: message`` on one line, with the innermost megatron-core function it came from."""
-    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-    text = text if len(text) <= 90 else text[:87] + "..."
+    text = first_line(error, 90)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if "megatron" in f.filename.replace("\\", "/")]
     if frames:
         text += f" (in {frames[0].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"

@@ -31,3 +31,10 @@ class PeerLost(RuntimeError):
     def __init__(self, message: str, store_reachable: bool = True):
         super().__init__(message)
         self.store_reachable = store_reachable
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``error`` on one line of at most ``limit`` characters, for a summary or a
+    reason shown next to other text."""
+    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."

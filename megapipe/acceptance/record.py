@@ -11,6 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megapipe.errors import first_line
+
 
 @dataclass
 class Check:
@@ -30,11 +32,6 @@ class Context:
     dry_run: bool
     benchmark_args: tuple = ()
     budget_seconds: float = float("inf")
-
-
-def first_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class Record:

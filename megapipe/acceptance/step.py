@@ -15,7 +15,8 @@ import traceback
 
 import torch
 
-from megapipe.acceptance.record import Context, Record, first_line
+from megapipe.acceptance.record import Context, Record
+from megapipe.errors import first_line
 
 
 def main(argv=None) -> int:

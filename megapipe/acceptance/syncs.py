@@ -5,16 +5,13 @@ flush schedule and PipeDream-2BW at m = 2 and m = 8, in bf16 with gradient clipp
 from __future__ import annotations
 
 from megapipe.acceptance.record import Context, Record
+from megapipe.acceptance.runs import CPU_MODEL, GPU_MODEL
 from megapipe.arguments import parse_config
 from megapipe.training import Trainer
 
 COUNTED = 3
 FLAGS = ["--mock-data", "--vocab-size", "1024", "--train-iters", "100", "--log-interval", "100",
          "--eval-interval", "100", "--eval-iters", "1", "--untie-embeddings-and-output-weights", "--bf16"]
-GPU_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
-             "--micro-batch-size", "2"]
-CPU_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-             "--micro-batch-size", "1"]
 CASES = (("1f1b", 2), ("1f1b", 8), ("2bw", 2), ("2bw", 8))
 
 
@@ -30,7 +27,7 @@ def count(flags: list[str]) -> str:
 
 
 def run(record: Record, context: Context) -> None:
-    model = CPU_MODEL if context.dry_run else GPU_MODEL
+    model = (CPU_MODEL if context.dry_run else GPU_MODEL) + ["--micro-batch-size", "1"]  # the last value counts
     for schedule, m in CASES:
-        flags = FLAGS + model + ["--pipeline-schedule", schedule, "--global-batch-size", str(m * int(model[-1]))]
+        flags = FLAGS + model + ["--pipeline-schedule", schedule, "--global-batch-size", str(m)]
         record.check(f"{schedule}, m = {m}", lambda: count(flags))

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megapipe.errors import first_line
+
 logger = logging.getLogger("megapipe.fusions")
 
 BACKENDS = ("apex", "triton", "compile", "eager")
@@ -38,11 +40,6 @@ OPS_BY_FAMILY = {
 def triton_interpret() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels then run, slowly, on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _first_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _probe_apex(device: torch.device) -> None:
@@ -86,7 +83,7 @@ def run_problem(family: str, device: torch.device) -> str | None:
     try:
         _PROBES[family](device)
     except Exception as error:  # noqa: BLE001 - any failure of the probe means: do not use this family
-        return f"{family} imports but fails to run ({_first_line(error)})"
+        return f"{family} imports but fails to run ({first_line(error, 160)})"
     return None
 
 
