@@ -64,3 +64,21 @@ def make_test_hosts():
     yield make
     for hosts in made:
         hosts.close()
+
+
+TIERS = ("unit", "distributed", "system")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Refuse to run a collection in which a test has no tier or more than one (``pyproject.toml``
+    describes them): ``-m unit`` is only the fast, single-process inner loop while every test is
+    marked with what it really starts."""
+    wrong = []
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} tests need exactly one of the markers {', '.join(TIERS)} (set pytestmark = "
+            "pytest.mark.<tier> in the file, or mark the test):\n" + "\n".join(wrong[:50]))

@@ -25,6 +25,7 @@ def fake_steps(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
 
 
+@pytest.mark.system
 def test_every_step_runs_and_the_summary_says_what_went_wrong(fake_steps, tmp_path):
     results = runner.run_all(str(tmp_path), dry_run=True, only=[], benchmark_args=[])
     assert [r.outcome for r in results] == ["passed", "failed", "failed", "crashed", "timed out", "passed"]
@@ -41,6 +42,7 @@ def test_every_step_runs_and_the_summary_says_what_went_wrong(fake_steps, tmp_pa
     assert "RuntimeError: the device fell off the bus" in (tmp_path / "steps.log").read_text()
 
 
+@pytest.mark.unit
 def test_the_exit_code_is_zero_only_when_every_step_passed(fake_steps, tmp_path):
     from megapipe.acceptance.__main__ import main
 
@@ -48,6 +50,7 @@ def test_the_exit_code_is_zero_only_when_every_step_passed(fake_steps, tmp_path)
     assert main(["--dry-run", "--only", "passes,fails", "--out", str(tmp_path)]) == 1
 
 
+@pytest.mark.unit
 def test_an_unknown_step_is_one_sentence(capsys):
     from megapipe.acceptance.__main__ import main
 
@@ -56,11 +59,13 @@ def test_an_unknown_step_is_one_sentence(capsys):
     assert "--only speed: no such step; use some of stack, kernels" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_the_budgets_fit_one_ten_minute_window():
     """Eight minutes of steps on a bare machine leave two of a window for its start and the copy back."""
     assert sum(step.budget_seconds for step in STEPS) <= 8 * 60
 
 
+@pytest.mark.system
 def test_a_dry_run_of_the_quick_steps_passes_on_the_cpu(tmp_path):
     results = runner.run_all(str(tmp_path), dry_run=True, only=["stack", "kernels", "attention"], benchmark_args=[])
     assert [r.outcome for r in results] == ["passed"] * 3, (tmp_path / "summary.md").read_text()

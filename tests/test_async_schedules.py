@@ -17,6 +17,8 @@ from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.schedules.round_robin import noam
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 
+pytestmark = pytest.mark.unit
+
 # F = 1, B = 2 per stage (as in the papers' figures); "2-1" of Fig 2.7: the replicated stage takes twice as long.
 FIG_2_7 = CostModel(forward=[2, 1], backward=[4, 2])
 

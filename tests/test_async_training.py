@@ -34,6 +34,8 @@ from megapipe.stage_plan import StagePlan
 from megapipe.testing import run_distributed
 from pipedream_emulator import emulate, stashing, two_bw, vertical_sync
 
+pytestmark = pytest.mark.distributed
+
 RTOL = 1e-5
 SLOW_WORLD = pytest.mark.timeout(900)  # a busy 2-core machine runs these worlds several times slower than an idle one
 SEQ, MICRO, LAYERS, BATCHES, LR = 4, 2, 4, 3, 0.05

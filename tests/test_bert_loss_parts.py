@@ -36,6 +36,7 @@ def bert_batch(config: ModelConfig, b: int = 3, s: int = 16) -> dict:
             "loss_mask": loss_mask, "is_random": torch.tensor([0, 1, 1])}
 
 
+@pytest.mark.unit
 def test_parts_are_the_masked_lm_and_sentence_order_losses():
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
                          hidden_dropout=0.0, attention_dropout=0.0, num_tokentypes=2, post_layernorm=True,
@@ -56,6 +57,7 @@ def test_parts_are_the_masked_lm_and_sentence_order_losses():
     assert not parts["lm loss"].requires_grad  # parts are for logging; the sum is what trains
 
 
+@pytest.mark.system
 def test_pretrain_bert_logs_lm_and_sop_loss(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", MEGAPIPE_CACHE=str(tmp_path))
     result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py")] + TINY

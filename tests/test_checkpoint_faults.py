@@ -91,6 +91,7 @@ def fault_messages(tmp_path_factory):
                            timeout=300)[0]
 
 
+@pytest.mark.distributed
 def test_each_damaged_checkpoint_is_one_sentence_and_the_model_is_untouched(fault_messages):
     for expected, message in fault_messages.items():
         if expected != "shape":
@@ -98,6 +99,7 @@ def test_each_damaged_checkpoint_is_one_sentence_and_the_model_is_untouched(faul
             assert "\n" not in message and message.endswith("."), message
 
 
+@pytest.mark.distributed
 def test_a_different_model_names_the_first_mismatching_tensor_and_both_shapes(fault_messages):
     message = fault_messages["shape"]
     assert "'model/embedding.word_embeddings.weight' has shape [261, 32] in the checkpoint but [261, 64]" in message
@@ -117,6 +119,7 @@ def _killed_while_saving(rank, world_size, root, cache):
     save_checkpoint(os.path.join(root, "ckpt"), trainer)
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, tmp_path_factory):
     with pytest.raises(DistributedFailure) as failure:
         run_distributed(2, _killed_while_saving, str(tmp_path), session_cache(tmp_path_factory), timeout=300,
@@ -130,6 +133,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, tm
     assert directory == paths.iteration_dir(root, 2) and common.iteration == 2 and tensors
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dies_in", ["rename", "write_file_durably"])
 def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, dies_in):
     root = str(tmp_path)

@@ -124,6 +124,7 @@ def round_trip(tmp_path_factory):
     return models, batches, logits, exported, conversions
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
 @pytest.mark.parametrize("t, p", [(2, 1), (1, 2)])
 def test_imported_model_gives_transformers_logits(round_trip, kind, t, p):
@@ -137,6 +138,7 @@ def test_imported_model_gives_transformers_logits(round_trip, kind, t, p):
     assert conversions[kind].source_layout is None and conversions[kind].target_layout == Layout(2, 1, 1)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
 def test_exported_checkpoint_loads_in_transformers_unchanged(round_trip, kind):
     models, batches, _, exported, _ = round_trip
@@ -147,6 +149,7 @@ def test_exported_checkpoint_loads_in_transformers_unchanged(round_trip, kind):
     assert torch.equal(_hf_logits(kind, exported[kind], batches[kind]), _hf_logits(kind, models[kind], batches[kind]))
 
 
+@pytest.mark.unit
 def test_unsupported_architecture_is_one_sentence(tmp_path):
     config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                         intermediate_size=32, vocab_size=50)
@@ -164,6 +167,7 @@ def _convert_tool():
     return module
 
 
+@pytest.mark.distributed
 def test_convert_tool_prints_what_it_did_and_errors_in_one_line(round_trip, tmp_path, capsys):
     tool = _convert_tool()
     source = str(tmp_path / "missing")

@@ -18,7 +18,7 @@ import pytest
 from checkpoint_helpers import layout_flags, session_cache, train
 from megapipe.testing import run_distributed
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 CASES = {
     "2bw-interleaved": (2, layout_flags(1, 2, "2bw") + ["--num-layers-per-virtual-pipeline-stage", "1"]),

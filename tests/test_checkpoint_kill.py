@@ -20,7 +20,7 @@ from checkpoint_helpers import TINY_GPT, layout_flags, session_cache
 from launch_helpers import REPO, Job, standalone
 
 # two torchrun launches: minutes on a busy 2-core machine, beyond the suite's 300 s default
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 STOP_SECONDS = 60
 RUN_SECONDS = 300

@@ -47,7 +47,7 @@ from megapipe.checkpointing.state import is_rank_local
 from megapipe.testing import run_distributed
 
 # one world runs 24 short trainings: minutes on a busy 2-core machine, beyond the suite's 300 s default
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 SCHEDULES = ["1f1b", "gpipe", "interleaved", "zb-h1", "pipedream", "2bw"]
 LAYOUTS = {"t2p2d1": (2, 2), "t1p2d2": (1, 2)}

@@ -22,7 +22,7 @@ import pytest
 from checkpoint_helpers import layout_flags, session_cache, train
 from megapipe.testing import run_distributed
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 RTOL = 1e-5
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]

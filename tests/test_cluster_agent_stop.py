@@ -24,7 +24,7 @@ from megapipe.cluster.agent import JobProcess
 from megapipe.cluster.local_cluster import free_port
 from megapipe.cluster.process_tree import process_groups, signal_tree
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "64",

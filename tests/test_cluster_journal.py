@@ -19,6 +19,8 @@ from megapipe.cluster.journal import Journal
 from megapipe.cluster.relayout import best_layout, layout_command
 from megapipe.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256"]
 

@@ -24,7 +24,7 @@ import pytest
 from megapipe.cluster.job_log import iteration_losses, run_alone
 from megapipe.cluster.local_cluster import free_port
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 JOB = ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
        "64", "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",

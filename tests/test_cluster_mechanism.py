@@ -8,6 +8,8 @@ import pytest
 from megapipe.cluster.cluster_spec import ClusterSpec
 from megapipe.cluster.mechanism import RoundMechanism
 
+pytestmark = pytest.mark.unit
+
 ROUND = 360.0
 
 

@@ -24,6 +24,7 @@ def example_problem():
     return build_problem(jobs, table, ClusterSpec({"v100": 1, "k80": 1}))
 
 
+@pytest.mark.system
 def test_section_5_3_worked_example():
     """LAS-perf on T = [[40, 10], [12, 4], [100, 50]] with one V100 and one K80 gives the chapter's X."""
     problem = example_problem()
@@ -45,6 +46,7 @@ def assert_valid(problem, x):
     assert np.abs(x[~problem.runnable()]).max(initial=0) <= tolerance
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_every_policy_satisfies_constraints(name):
     policy = make_policy(name, seed=1)
@@ -56,6 +58,7 @@ def test_every_policy_satisfies_constraints(name):
     assert x.sum() > 0
 
 
+@pytest.mark.unit
 def test_placement_sensitive_columns_share_accelerators():
     table = small_table()
     for name in "abc":
@@ -94,6 +97,7 @@ OBJECTIVES = {  # policy -> (objective of a throughput vector, maximise?)
 }
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_optimum_matches_brute_force(name):
     """No grid point beats the solver, and the best grid point is within the grid's resolution of it."""
@@ -114,6 +118,7 @@ def test_optimum_matches_brute_force(name):
     assert x[:, columns].shape == (2, 2)
 
 
+@pytest.mark.system
 def test_water_filling_chapter_example():
     """4 identical jobs (weights 3, 1, 1, 1) on 4 identical GPUs: after water filling every job has a full GPU."""
     table = ThroughputTable()
@@ -127,6 +132,7 @@ def test_water_filling_chapter_example():
     assert single[0, 0] == pytest.approx(3 * single[1, 0], rel=1e-4)  # weights divide the max-min objective
 
 
+@pytest.mark.system
 def test_hierarchical_fifo_entity_gives_its_share_to_its_first_job():
     table = ThroughputTable()
     table.add_job_type("same", 1, {"v100": 10.0})

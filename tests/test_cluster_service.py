@@ -30,7 +30,7 @@ from megapipe.cluster.lease import post_json
 from megapipe.cluster.local_cluster import TOOL, LocalCluster, free_port
 from megapipe.testing_hosts import NamespacesUnavailable, TestHosts
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data", "--vocab-size", "256",

@@ -17,7 +17,7 @@ from megapipe.cluster.backends.slurm_testbed import SlurmTestbed, SlurmUnavailab
 from megapipe.cluster.job_log import continuity, iteration_losses, overlapping_runs, run_alone
 from megapipe.cluster.local_cluster import LocalCluster, free_port
 
-pytestmark = [pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+pytestmark = [pytest.mark.system, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
               pytest.mark.timeout(900)]
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

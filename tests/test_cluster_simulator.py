@@ -16,6 +16,8 @@ from megapipe.cluster.throughputs import ThroughputTable
 from megapipe.cluster.trace import format_job, generate_trace, read_trace, write_trace
 from cluster_helpers import DATA, load_cluster_tool, small_jobs, small_table
 
+pytestmark = pytest.mark.unit
+
 cli = load_cluster_tool()
 
 

@@ -23,7 +23,7 @@ from megapipe.cluster.backends.slurm_testbed import SlurmTestbed, SlurmUnavailab
 from megapipe.errors import SlurmError
 from test_training_cli import ROOT, TINY, losses
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [pytest.mark.system, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 NODES = {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}, "node3": {"fast": 2, "slow": 2}}
 ITERATIONS = 150  # a stop after iteration 3 lands by iteration 25 here, under load (SIGTERM takes a few)

@@ -18,6 +18,8 @@ from megapipe.cluster.relayout import predicted_iterations_per_second
 from megapipe.cluster.service import ClusterService
 from megapipe.train_logger import IterationStats
 
+pytestmark = pytest.mark.unit
+
 JOB = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data",
        "--vocab-size", "256", "--train-iters", "100"]

@@ -5,7 +5,11 @@
 import pathlib
 import re
 
+import pytest
+
 import megapipe
+
+pytestmark = pytest.mark.unit
 
 VERSIONED = re.compile(r"\b(reduce_scatter_single|all_gather_single|reduce_scatter_tensor|all_gather_into_tensor)\b")
 

@@ -8,7 +8,7 @@ import torch
 from megapipe.acceptance import STEPS
 from megapipe.acceptance.runner import run_step
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.system, pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize("step", [s for s in STEPS if s.name != "benchmark"], ids=lambda s: s.name)

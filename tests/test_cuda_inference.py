@@ -19,7 +19,7 @@ from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
 
 DEVICE = default_device()
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")]
+pytestmark = [pytest.mark.unit, pytest.mark.cuda, pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19], [20, 21]]
 SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.3, seed=7)
 

@@ -11,6 +11,8 @@ from megapipe.data.tokenizer import build_tokenizer
 from megapipe.data.tokenizer.training import train_bpe
 from megapipe.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.unit
+
 TOK = build_tokenizer("ByteLevelTokenizer")
 SENTENCE_LENGTH = 3
 

@@ -9,6 +9,8 @@ from megapipe.data.builder import build_train_valid_test_datasets
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.unit
+
 BYTE_LEVEL = build_tokenizer("ByteLevelTokenizer")
 
 

@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.tokenizer import build_tokenizer
+
+pytestmark = pytest.mark.system
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The first document. It is short.", "Another one, with a comma!", "Third: the last."]

@@ -15,6 +15,8 @@ from megapipe.data.index_cache import load_or_build
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.errors import DataError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):

@@ -42,6 +42,7 @@ def expected_windows(indexed, documents, num_samples, seq_length, seed):
     return [stream[j * seq_length:(j + 1) * seq_length + 1] for j in served[:num_samples]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("num_samples, seq_length", [(7, 16), (120, 24), (1, 1)])
 def test_samples_are_slices_of_the_shuffled_document_stream(indexed, tmp_path, num_samples, seq_length):
     documents = np.arange(3, 35)
@@ -55,6 +56,7 @@ def test_samples_are_slices_of_the_shuffled_document_stream(indexed, tmp_path, n
         assert item["loss_mask"].dtype == np.float32 and item["loss_mask"].tolist() == [1.0] * seq_length
 
 
+@pytest.mark.unit
 def test_order_is_prefix_stable_so_longer_runs_extend_shorter_ones(indexed, tmp_path):
     """A run asking for more samples (a larger --train-iters) serves the shorter run's samples first,
     across epoch boundaries, with its own cached index."""
@@ -66,6 +68,7 @@ def test_order_is_prefix_stable_so_longer_runs_extend_shorter_ones(indexed, tmp_
         assert np.array_equal(short[i]["tokens"], long[i]["tokens"])
 
 
+@pytest.mark.unit
 def test_eod_mask_loss_zeroes_positions_whose_input_is_eod(tmp_path):
     prefix = write_dataset(str(tmp_path / "ds"), [[[1, 2, BYTE_LEVEL.eod]], [[3, BYTE_LEVEL.eod]]] * 10)
     ds = GPTDataset(IndexedDataset(prefix), np.arange(20), 10, 8, seed=0, cache_dir=str(tmp_path / "c"),
@@ -75,6 +78,7 @@ def test_eod_mask_loss_zeroes_positions_whose_input_is_eod(tmp_path):
         assert item["loss_mask"].tolist() == [0.0 if t == BYTE_LEVEL.eod else 1.0 for t in item["tokens"]]
 
 
+@pytest.mark.unit
 def test_index_is_built_once_and_reused(indexed, tmp_path, monkeypatch):
     builds = []
     original = gpt_dataset.build_sample_index
@@ -92,6 +96,7 @@ def test_index_is_built_once_and_reused(indexed, tmp_path, monkeypatch):
         "description.json", "document_order.npy", "sample_order.npy", "sample_start.npy"]
 
 
+@pytest.mark.unit
 def test_failed_build_leaves_no_index_behind(tmp_path):
     def crash():
         raise RuntimeError("interrupted")
@@ -103,6 +108,7 @@ def test_failed_build_leaves_no_index_behind(tmp_path):
     assert arrays["a"].tolist() == [0, 1, 2]
 
 
+@pytest.mark.unit
 def test_a_rank_that_loses_the_publishing_race_uses_the_winners_index(tmp_path):
     description = {"kind": "race"}
 
@@ -115,6 +121,7 @@ def test_a_rank_that_loses_the_publishing_race_uses_the_winners_index(tmp_path):
     assert len(os.listdir(tmp_path)) == 1
 
 
+@pytest.mark.distributed
 def test_processes_building_the_same_index_at_once_agree(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
@@ -129,6 +136,7 @@ def test_processes_building_the_same_index_at_once_agree(tmp_path):
     assert len(os.listdir(tmp_path)) == 1  # one published folder, no temporary leftovers
 
 
+@pytest.mark.unit
 def test_split_string_parsing_and_document_ranges():
     assert parse_split("969,30,1") == [969.0, 30.0, 1.0]
     assert parse_split("98/2") == [98.0, 2.0, 0.0]
@@ -139,6 +147,7 @@ def test_split_string_parsing_and_document_ranges():
             parse_split(bad)
 
 
+@pytest.mark.unit
 def test_train_valid_test_use_disjoint_documents_in_proportion(tmp_path):
     documents = [[[d] * 20] for d in range(200)]  # document d is made only of token d
     prefix = write_dataset(str(tmp_path / "ds"), documents)
@@ -153,6 +162,7 @@ def test_train_valid_test_use_disjoint_documents_in_proportion(tmp_path):
     assert none_split[1] is None and none_split[2] is None
 
 
+@pytest.mark.unit
 def test_split_without_tokens_is_reported(tmp_path):
     prefix = write_dataset(str(tmp_path / "ds"), [[[1, 2, 3]]] * 3)
     with pytest.raises(DataError, match="the valid split of .* has no tokens but 4 samples were asked for"):

@@ -10,6 +10,8 @@ from data_helpers import random_documents, write_dataset
 from megapipe.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, dtype_for_vocab
 from megapipe.errors import DataError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def documents():

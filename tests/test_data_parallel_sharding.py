@@ -168,6 +168,7 @@ def full_matrix() -> dict[int, list[tuple]]:
 CASES = full_matrix() if os.environ.get("MEGAPIPE_FULL_DP_MATRIX") == "1" else SUITE
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_sharding_levels_and_overlap_match_no_shard(world):
@@ -205,6 +206,7 @@ def two_replica_runs():
     return run_distributed(2, two_replicas, timeout=300)
 
 
+@pytest.mark.distributed
 def test_memory_per_rank_is_one_over_d(two_replica_runs):
     d = 2
     held = two_replica_runs[0][0]
@@ -238,6 +240,7 @@ def check_overlap_timeline(rank, world_size):
         (last_backward.start, last_backward.end), len(engine.syncs[0].buckets)
 
 
+@pytest.mark.distributed
 def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_runs):
     for _, (reductions, (b_start, b_end), buckets) in two_replica_runs:
         assert buckets > 2 and len(reductions) == buckets
@@ -247,6 +250,7 @@ def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_r
         assert all(r[2] is not None for r in reductions)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs,words", [
     (dict(data_parallel_sharding_strategy="zero9"), "--data-parallel-sharding-strategy zero9 is unknown"),
     (dict(overlap_param_gather=True), "--overlap-param-gather needs a sharded optimizer"),
@@ -258,6 +262,7 @@ def test_bad_data_parallel_flags(kwargs, words):
         OptimizerConfig(lr=1e-3, **kwargs).validate()
 
 
+@pytest.mark.unit
 def test_zero3_refuses_asynchronous_schedules():
     config = OptimizerConfig(lr=1e-3, data_parallel_sharding_strategy="optim_grads_params")
     config.validate()
@@ -266,11 +271,13 @@ def test_zero3_refuses_asynchronous_schedules():
     config.check_pipeline_schedule("interleaved", asynchronous=False)
 
 
+@pytest.mark.unit
 def test_use_distributed_optimizer_is_optim():
     assert OptimizerConfig(lr=1e-3, use_distributed_optimizer=True).sharding.strategy == "optim"
     assert OptimizerConfig(lr=1e-3).sharding.strategy == "no_shard"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags,words", [
     (["--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights",
       "--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params cannot run --pipeline-schedule 2bw"),
@@ -285,6 +292,7 @@ def test_command_line_refuses_before_any_process_group(flags, words):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_sharded_masters_and_loss_scaling_match_no_shard_in_one_process(precision):
     """bf16 and fp16 weights with fp32 masters (fp16: dynamic loss scaling, with a first step that

@@ -12,6 +12,8 @@ from megapipe.data.sentences import split_sentences
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
 from megapipe.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.unit
+
 DOCUMENTS = [
     "First document. It has two sentences!",
     "",

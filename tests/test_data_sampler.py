@@ -10,6 +10,8 @@ from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.samplers import PretrainingSampler, build_pretraining_data_loader
 from megapipe.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.unit
+
 
 def all_ranks(total, consumed, micro_batch_size, dp):
     return [list(PretrainingSampler(total, consumed, micro_batch_size, r, dp)) for r in range(dp)]

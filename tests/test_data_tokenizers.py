@@ -10,6 +10,8 @@ from megapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megapipe.data.tokenizer.training import train_bpe, train_sentencepiece, train_wordpiece
 from megapipe.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 TRICKY_TEXTS = [
     "Hello world",
     "  leading spaces, trailing tab\t",

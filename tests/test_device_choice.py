@@ -17,6 +17,7 @@ def gpus(monkeypatch):
     return show
 
 
+@pytest.mark.unit
 def test_each_local_rank_takes_its_own_gpu(gpus, monkeypatch):
     gpus(2)
     monkeypatch.delenv("MEGAPIPE_DEVICE", raising=False)
@@ -24,6 +25,7 @@ def test_each_local_rank_takes_its_own_gpu(gpus, monkeypatch):
     assert distributed.default_device() == torch.device("cuda", 1)
 
 
+@pytest.mark.system
 def test_a_local_rank_beyond_the_gpus_is_refused(gpus, monkeypatch):
     gpus(2)
     monkeypatch.delenv("MEGAPIPE_DEVICE", raising=False)
@@ -33,6 +35,7 @@ def test_a_local_rank_beyond_the_gpus_is_refused(gpus, monkeypatch):
         distributed.default_device()
 
 
+@pytest.mark.unit
 def test_megapipe_device_cpu_keeps_a_gpu_host_on_the_cpu(gpus, monkeypatch):
     gpus(8)
     monkeypatch.setenv("MEGAPIPE_DEVICE", "cpu")
@@ -40,6 +43,7 @@ def test_megapipe_device_cpu_keeps_a_gpu_host_on_the_cpu(gpus, monkeypatch):
     assert distributed.default_backend(distributed.default_device()) == "gloo"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value,count,message", [
     ("gpu", 1, "MEGAPIPE_DEVICE=gpu is not a device megapipe runs on; set it to cpu or cuda"),
     ("cuda", 0, "MEGAPIPE_DEVICE=cuda, but torch sees no CUDA device here"),

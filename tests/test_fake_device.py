@@ -14,6 +14,8 @@ from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 
+pytestmark = pytest.mark.unit
+
 B = 2
 RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 UNFUSED = dict(bias_gelu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)

@@ -23,6 +23,8 @@ from megapipe.pipeline.ir.actions import parse_action
 from megapipe.pipeline.runtime.p2p import StageP2P
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 NEW = 5
 # Llama's pieces: RMSNorm, rotary positions, SwiGLU, grouped-query attention

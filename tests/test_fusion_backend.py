@@ -7,6 +7,8 @@ import torch
 from fusion_helpers import restore_backend  # noqa: F401 (fixture)
 from megapipe.fusions import backend
 
+pytestmark = pytest.mark.unit
+
 CUDA = torch.device("cuda")
 
 

@@ -13,6 +13,8 @@ from fusion_helpers import eager_backend, family, restore_backend, triton_family
 from megapipe import fusions
 from megapipe.fusions import backend
 
+pytestmark = pytest.mark.unit
+
 S, B, H = 7, 3, 33  # odd sizes: no dimension is a multiple of a vector width or block
 
 

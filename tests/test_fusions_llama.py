@@ -16,6 +16,8 @@ from fusion_helpers import eager_backend, family  # noqa: F401 (fixtures)
 
 from megapipe import fusions
 
+pytestmark = pytest.mark.unit
+
 S, B, F_WIDTH = 7, 3, 33  # odd sizes
 HEADS, D = 3, 10
 

@@ -11,6 +11,8 @@ from fusion_helpers import eager_backend, family  # noqa: F401 (fixtures)
 from megapipe import fusions
 from megapipe.fusions import cross_entropy as ce
 
+pytestmark = pytest.mark.unit
+
 S, B, H = 7, 3, 96
 EPS = 1e-5
 

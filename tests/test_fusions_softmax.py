@@ -12,6 +12,8 @@ from fusion_helpers import eager_backend, family  # noqa: F401 (fixtures)
 from megapipe import fusions
 from megapipe.fusions import softmax as softmax_module
 
+pytestmark = pytest.mark.unit
+
 B, HEADS, SQ, SK = 3, 3, 7, 9
 SCALE = 0.37
 

@@ -16,6 +16,8 @@ from megapipe.models.hf_mapping import (bert_from_hf, bert_model_config, bert_to
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.parallel_state import ParallelState
 
+pytestmark = pytest.mark.unit
+
 RTOL = 1e-5
 
 

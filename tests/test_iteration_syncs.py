@@ -58,6 +58,7 @@ def syncs_of(p: int, schedule: str, m: int, extra=()) -> int:
     return count
 
 
+@pytest.mark.unit
 def test_the_count_sees_every_host_read():
     assert count_synchronisations(lambda: torch.ones(2).sum().item(), 3, torch.device("cpu")) == 3
     values = torch.arange(3.0)
@@ -69,6 +70,7 @@ def test_the_count_sees_every_host_read():
     assert all(os.path.basename(__file__) in entry for entry in found), found  # where each read is
 
 
+@pytest.mark.unit
 def test_on_cuda_the_sync_debug_mode_counts_each_warning(monkeypatch):
     """The CUDA path's wiring, with the debug mode's switch and its warnings played here: every
     warning counts, repeated from one line too (no once-per-location filter), other warnings are
@@ -99,6 +101,7 @@ def one_process_checks(rank, world_size):
     return counts, len(found)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_one_process_iterations_read_nothing_from_the_device():
     """A world of one in a process of its own (a process group here would leak into later tests)."""
@@ -131,6 +134,7 @@ def exits_without_agreement():
         dist.all_reduce, dist.new_group = collectives
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_two_stage_pipeline_iterations_read_nothing_from_the_device():
     for counts, verdicts, exits in run_distributed(2, pipeline_checks, timeout=540):
@@ -139,6 +143,7 @@ def test_two_stage_pipeline_iterations_read_nothing_from_the_device():
         assert exits == (0, [None, "--exit-interval 2 at iteration 2"])
 
 
+@pytest.mark.unit
 def test_exit_duration_stops_both_stages_one_iteration_later_and_saves(tmp_path):
     """Each rank's clock says stop after iteration 1; the ranks learn it of each other at the next
     boundary, so both save iteration 2 and exit 0 (a world of one stops after iteration 1:

@@ -21,6 +21,8 @@ from megapipe.pipeline.analysis.simulate import CostModel, simulate
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule
 
+pytestmark = pytest.mark.unit
+
 UNIT = CostModel(forward=1, backward=2)  # BI = BW = 1
 
 

@@ -135,6 +135,7 @@ def assert_close(actual, expected):
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * expected.abs().max().item())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
 def test_imported_logits_equal_transformers_on_every_layout(world, name):
     models, _, tokens, _, _, results, _ = world
@@ -144,6 +145,7 @@ def test_imported_logits_equal_transformers_on_every_layout(world, name):
         assert_close(results[("logits", name, t, p)], expected)
 
 
+@pytest.mark.distributed
 def test_greedy_generation_equals_transformers_on_every_layout(world):
     models, _, _, prompts, _, results, _ = world
     expected = _reference_generation(models["llama"], prompts)
@@ -155,6 +157,7 @@ def test_greedy_generation_equals_transformers_on_every_layout(world):
                     assert results[("greedy", padding, m, t, p, stage)] == expected, (t, p, padding, m, stage)
 
 
+@pytest.mark.distributed
 def test_sampling_with_a_seed_is_the_same_on_every_layout(world):
     results = world[5]
     reference = results[("sampled", 1, 1, 0)]
@@ -164,6 +167,7 @@ def test_sampling_with_a_seed_is_the_same_on_every_layout(world):
         assert results[("sampled", t, p, 0)] == reference, (t, p)
 
 
+@pytest.mark.distributed
 def test_log_likelihoods_equal_transformers(world):
     models, _, _, _, pairs, results, _ = world
     expected = _reference_scores(models["llama"], pairs)
@@ -178,6 +182,7 @@ def _greedy_next(model, context):
         return int(model(torch.tensor([context])).logits[0, -1].argmax())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
 def test_export_reloads_in_transformers_bit_exact_with_tokenizer(world, name):
     models, checkpoints, _, _, _, _, root = world
@@ -200,6 +205,7 @@ def _single(model):
     return chunk, ps, config
 
 
+@pytest.mark.unit
 def test_kv_cache_decode_equals_recomputation_without_cache():
     chunk, ps, config = _single(_hf_models()["qwen2"])
     prompts = _prompts()
@@ -214,6 +220,7 @@ def test_kv_cache_decode_equals_recomputation_without_cache():
         assert sequence[len(prompt):] == new
 
 
+@pytest.mark.unit
 def test_sampling_with_a_seed_does_not_depend_on_the_microbatches():
     """Each sequence draws from its own generator, seeded from the request's seed and the sequence's
     index, so splitting the batch differently, or dropping its last sequence, changes no sequence's tokens."""
@@ -226,6 +233,7 @@ def test_sampling_with_a_seed_does_not_depend_on_the_microbatches():
     assert len({tuple(tokens) for tokens in whole}) == len(whole)  # the rows did not draw alike
 
 
+@pytest.mark.unit
 def test_stop_tokens_and_max_new_tokens():
     chunk, ps, config = _single(_hf_models()["llama"])
     prompts = _prompts()
@@ -238,6 +246,7 @@ def test_stop_tokens_and_max_new_tokens():
         assert stopped[row] == tokens[:cut]
 
 
+@pytest.mark.unit
 def test_generation_bad_input_is_one_sentence():
     chunk, ps, config = _single(_hf_models()["llama"])
     with pytest.raises(GenerationError, match=r"^a prompt of 97 tokens is longer than --max-position-embeddings 96; "
@@ -247,6 +256,7 @@ def test_generation_bad_input_is_one_sentence():
         generate([chunk], ps, config, [[1] * 90], SamplingParams(max_new_tokens=7))
 
 
+@pytest.mark.unit
 def test_flop_formula_counts_swiglu_and_grouped_query_attention():
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=300,
                          seq_length=24, ffn_hidden_size=96, swiglu=True, position_embedding_type="rope",
@@ -259,6 +269,7 @@ def test_flop_formula_counts_swiglu_and_grouped_query_attention():
     assert counter.get_total_flops() == flops_per_iteration(config, global_batch_size=3, recompute=False)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fields, message", [
     (dict(num_attention_heads=8, num_query_groups=3),
      "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
@@ -272,6 +283,7 @@ def test_model_option_errors_are_one_sentence(fields, message):
         ModelConfig(hidden_size=64, **fields).validate(tensor_parallel=t)
 
 
+@pytest.mark.unit
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                         intermediate_size=32, vocab_size=50)
@@ -282,6 +294,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), Layout(1, 1, 1))
 
 
+@pytest.mark.unit
 def test_bert_encoder_without_heads_is_refused_or_gets_named_heads(tmp_path):
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                      intermediate_size=32, vocab_size=50, max_position_embeddings=16)

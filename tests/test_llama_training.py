@@ -9,6 +9,7 @@ scale, fp32 in another order), and training moved the weights.
 
 import os
 
+import pytest
 import torch
 import transformers
 from test_training_cli import run
@@ -20,6 +21,8 @@ from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.models import build_model_chunks
 from megapipe.parallel_state import ParallelState
 from megapipe.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 LLAMA_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
                "--num-query-groups", "2", "--ffn-hidden-size", "64", "--swiglu", "--position-embedding-type", "rope",

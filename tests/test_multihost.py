@@ -21,7 +21,7 @@ from checkpoint_helpers import TINY_GPT, layout_flags, session_cache
 from launch_helpers import REPO, Job, on_host, standalone
 from megapipe.checkpointing.offline import read_checkpoint
 
-pytestmark = pytest.mark.timeout(420)  # three torchrun launches per layout on a busy 2-core machine
+pytestmark = [pytest.mark.system, pytest.mark.timeout(420)]  # three torchrun launches per layout on a busy 2-core machine
 SECONDS = 240
 LOGGED = re.compile(r"(iteration\s+\d+/|validation loss|test loss)")
 

@@ -29,7 +29,7 @@ from launch_helpers import REPO, Job, losses, on_host
 from megapipe.checkpointing import paths
 from megapipe.checkpointing.offline import read_checkpoint
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 TIMEOUT_SECONDS = 30
 STOP_SECONDS = TIMEOUT_SECONDS + 60  # the timeout, then the launchers' shutdown of their workers
 RUN_SECONDS = 240

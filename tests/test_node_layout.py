@@ -13,6 +13,7 @@ from megapipe.node_layout import check_nodes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.unit
 def test_a_node_count_the_layout_cannot_divide_names_the_node_count_to_launch():
     with pytest.raises(ConfigError) as error:
         check_nodes(6, 2, tensor=2, pipeline=2)  # 3 nodes of 2: 6 ranks, t x p = 4
@@ -21,6 +22,7 @@ def test_a_node_count_the_layout_cannot_divide_names_the_node_count_to_launch():
                                 "sizes.")
 
 
+@pytest.mark.unit
 def test_a_tensor_group_across_nodes_is_warned_about_in_one_sentence():
     warning = check_nodes(8, 2, tensor=4, pipeline=1)
     assert warning.startswith("warning: --tensor-model-parallel-size 4 does not divide the 2 processes per node")
@@ -34,6 +36,7 @@ def _script(hosts, node: int, master: str, timeout: int) -> subprocess.Completed
     return hosts.run(node, ["bash", os.path.join(REPO, "examples", "train_gpt_multinode.sh")], env=env, timeout=60)
 
 
+@pytest.mark.system
 def test_the_launch_script_refuses_an_unreachable_rendezvous_within_its_timeout(make_test_hosts):
     hosts = make_test_hosts(2)
     nobody = hosts[0].address.rsplit(".", 1)[0] + ".200"  # on the hosts' network, but no host has it

@@ -22,6 +22,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, message", [
     (["--skip-train"], "--skip-train evaluates a checkpoint and needs --load DIR"),
     (["--exit-interval", "0"], "--exit-interval 0 must be at least 1"),
@@ -41,6 +42,7 @@ def test_bad_operations_flags_name_the_flag_in_one_sentence(argv, message):
     assert text.startswith(message) and text.count(". ") == 0 and text.endswith("."), text
 
 
+@pytest.mark.unit
 def test_load_may_name_a_missing_save_directory_that_starts_the_job(tmp_path):
     directory = str(tmp_path / "new")
     assert parse_config("gpt", ["--load", directory, "--save", directory]).training.load == directory
@@ -52,6 +54,7 @@ def _scheduler(decay_iters: int) -> LRScheduler:
                                                   lr_decay_iters=decay_iters), train_iters=decay_iters)
 
 
+@pytest.mark.unit
 def test_schedule_on_resume_follows_megatrons_two_flags():
     saved = _scheduler(6)
     saved.step(3)
@@ -69,6 +72,7 @@ def test_schedule_on_resume_follows_megatrons_two_flags():
     assert checkpoint.optimizer.param_groups[0]["lr"] == saved.lr
 
 
+@pytest.mark.unit
 def test_resuming_with_more_iterations_repeats_the_longer_run(tmp_path):
     """A run of 3 iterations saved, resumed with --train-iters 6, logs the uninterrupted 6-iteration
     run's losses for iterations 4-6 digit for digit: the sample order does not depend on --train-iters.
@@ -91,6 +95,7 @@ def test_resuming_with_more_iterations_repeats_the_longer_run(tmp_path):
     assert overridden.returncode == 0 and sorted(losses(overridden.stdout)) == list(range(4, 9)), overridden.stderr
 
 
+@pytest.mark.unit
 def test_exit_interval_and_duration_save_and_exit_then_skip_train_evaluates(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     stopped = run(TINY + ["--save", ckpt, "--exit-interval", "2"], cache=tmp_path)
@@ -109,6 +114,7 @@ def test_exit_interval_and_duration_save_and_exit_then_skip_train_evaluates(tmp_
         assert line and float(line[2]) == pytest.approx(torch.tensor(float(line[1])).exp().item(), rel=1e-6)
 
 
+@pytest.mark.system
 def test_user_errors_under_torchrun_are_printed_once(tmp_path):
     """Before the process group (a flag) rank 0 prints; after it (an empty --load directory, found by
     both ranks) the first rank to find it does; either way one line per job."""

@@ -11,6 +11,8 @@ from megapipe.optim import (DynamicLossScaler, GradBuffers, LRScheduler, Optimiz
 from megapipe.optim.grad_sync import bucket_boundaries
 from megapipe.parallel_state import ParallelState
 
+pytestmark = pytest.mark.unit
+
 PS = ParallelState.single()
 
 

@@ -8,6 +8,8 @@ import torch
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.optim import LRSchedule, LRScheduler, OptimizerConfig
 
+pytestmark = pytest.mark.unit
+
 MAX_LR, MIN_LR, WARMUP, DECAY = 3e-4, 3e-5, 10, 100
 
 

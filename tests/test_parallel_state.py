@@ -40,6 +40,7 @@ def expected_groups(t: int, p: int, d: int) -> dict:
     }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_rank_layout_groups(world):
     for t, p, d in splits(world):
@@ -83,17 +84,20 @@ def check_built_groups(rank, world_size):
     return seen
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_built_groups_in_a_real_world(world):
     results = run_distributed(world, check_built_groups, timeout=240)
     assert all(r == splits(world) for r in results)
 
 
+@pytest.mark.unit
 def test_single_process_state():
     ps = ParallelState.single()
     assert (ps.tp_size, ps.pp_size, ps.dp_size, ps.is_first_stage, ps.is_last_stage) == (1, 1, 1, True, True)
 
 
+@pytest.mark.unit
 def test_world_size_mismatch_is_one_sentence():
     with pytest.raises(ConfigError, match="world size 6 does not equal tensor 2 x pipeline 2 x data 2"):
         RankLayout.for_world(6, 2, 2, 2)

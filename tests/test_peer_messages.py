@@ -6,12 +6,15 @@ strict transport both ranks fail with the timeout's sentence instead."""
 
 import datetime
 
+import pytest
 import torch
 
 from megapipe.errors import PipelineTimeout
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
 from megapipe.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 TIMEOUT = datetime.timedelta(seconds=2)
 

@@ -15,6 +15,8 @@ from megapipe.testing import run_distributed
 
 from test_pipeline_training import MICRO, SEQ, microbatch, model_config, optimizer_config
 
+pytestmark = pytest.mark.distributed
+
 M = 4
 
 

@@ -27,6 +27,8 @@ from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 RTOL = 1e-5
 SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]

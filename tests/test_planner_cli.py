@@ -37,6 +37,7 @@ def write_cluster(path, **overrides):
     return path
 
 
+@pytest.mark.system
 def test_uniform_plan_file_command_and_plot(tmp_path, capsys):
     plan_path, plot_path = tmp_path / "plan.json", tmp_path / "plan.png"
     code, out, _ = run(["--model", "gpt-1.3b", "--cluster", "v100-16gb-8x8", "--global-batch-size", 512, "--top", 3,
@@ -65,6 +66,7 @@ def test_uniform_plan_file_command_and_plot(tmp_path, capsys):
     assert out.count("\n") > 5 and "samples/s" in out
 
 
+@pytest.mark.system
 def test_pipedream_plan_has_uneven_replicated_stages(tmp_path, capsys):
     # A 50k vocabulary: the tied embedding is costly to synchronise, the head costly to compute.
     cluster = write_cluster(tmp_path / "four.json", memory_per_gpu=4 * 2 ** 30, intra_node_bandwidth=1e9)
@@ -86,6 +88,7 @@ def test_pipedream_plan_has_uneven_replicated_stages(tmp_path, capsys):
     assert stage_plan.replicas == tuple(replicas)
 
 
+@pytest.mark.unit
 def test_an_interleaved_plan_lists_model_chunks_and_runs_by_its_command(tmp_path, capsys):
     plan_path = tmp_path / "interleaved.json"
     code, _, _ = run(["--model", "gpt-1.3b", "--cluster", "a100-80gb-1x8", "--global-batch-size", 64,
@@ -99,6 +102,7 @@ def test_an_interleaved_plan_lists_model_chunks_and_runs_by_its_command(tmp_path
     assert [c["rank"] for c in chunks] == [k % p for k in range(len(chunks))]
 
 
+@pytest.mark.unit
 def test_a_cluster_with_zero_gpus_is_one_sentence(tmp_path, capsys):
     cluster = write_cluster(tmp_path / "empty.json", gpus_per_node=0)
     code, _, err = run(["--model", "gpt-1.3b", "--cluster", cluster, "--global-batch-size", 8], capsys)
@@ -106,6 +110,7 @@ def test_a_cluster_with_zero_gpus_is_one_sentence(tmp_path, capsys):
     assert err == "error: cluster empty has gpus_per_node 0; it must be a whole number of at least 1.\n"
 
 
+@pytest.mark.unit
 def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
     profile = tmp_path / "small.json"
     analytic_gpt_profile(ModelShape("gpt", 4, 64, 4, 32, 128, 256), 1e12).save(profile)
@@ -117,6 +122,7 @@ def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv,message", [
     (["--global-batch-size", 8], "no model given"),
     (["--model", "gpt-1.3b"], "--global-batch-size is required"),

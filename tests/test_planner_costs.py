@@ -14,6 +14,8 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape
 
+pytestmark = pytest.mark.unit
+
 L, S, H, HEADS, V = 8, 4, 16, 4, 32
 E = 2  # bytes per element (16-bit)
 FORWARD = 1e-3  # seconds per sample and block

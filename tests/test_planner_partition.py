@@ -11,6 +11,8 @@ import pytest
 from megapipe.errors import ConfigError
 from megapipe.planner.partition import (Level, PartitionProblem, StageMemory, in_flight_counts, partition)
 
+pytestmark = pytest.mark.unit
+
 
 # ---- independent references ---------------------------------------------------------------------
 def compositions(total, parts):

@@ -32,6 +32,7 @@ def small_profile():
     return analytic_gpt_profile(SMALL, 1e12, micro_batch_sizes=(1, 2, 4, 8))
 
 
+@pytest.mark.unit
 def test_algorithm1_returns_the_fastest_choice_that_fits():
     rng = np.random.default_rng(0)
     for _ in range(100):
@@ -78,12 +79,14 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
     return found
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("devices,batch", [(8, 16), (8, 12), (4, 8), (6, 6)])
 def test_the_search_considers_exactly_the_valid_layouts(devices, batch):
     request = PlanRequest(batch, max_micro_batch_size=8, max_virtual=4)
     assert set(enumerate_layouts(SMALL, devices, request)) == valid_by_the_rules(SMALL, devices, batch, 8, 4)
 
 
+@pytest.mark.unit
 def test_the_plan_is_the_fastest_layout_that_fits():
     profile = small_profile()
     model = CostModel(profile, small_cluster(), Training(32))
@@ -102,6 +105,7 @@ def test_the_plan_is_the_fastest_layout_that_fits():
                                                 if (e.layout.data, e.layout.pipeline) == (d, p))
 
 
+@pytest.mark.system
 def test_the_searched_schedule_is_planned_on_the_fastest_layouts_and_never_slower_than_zb_h1():
     profile = small_profile()
     cluster = small_cluster()
@@ -119,6 +123,7 @@ def test_the_searched_schedule_is_planned_on_the_fastest_layouts_and_never_slowe
     assert forward == pytest.approx(list(searched[0].rank_times[0]), rel=1e-5)
 
 
+@pytest.mark.unit
 def test_no_configuration_fits_names_the_smallest_requirement():
     profile = small_profile()
     model = CostModel(profile, small_cluster(), Training(32))
@@ -133,6 +138,7 @@ def test_no_configuration_fits_names_the_smallest_requirement():
         plan(profile, cluster, PlanRequest(32, max_micro_batch_size=8))
 
 
+@pytest.mark.unit
 def test_a_batch_no_layout_can_divide():
     shape = ModelShape("gpt", 2, 64, 2, 32, 128, 256)  # t and p at most 2: d is 2, 4 or 8 on 8 devices
     profile = analytic_gpt_profile(shape, 1e12)
@@ -141,6 +147,7 @@ def test_a_batch_no_layout_can_divide():
         plan(profile, small_cluster(), PlanRequest(3))
 
 
+@pytest.mark.unit
 def test_pipedream_partition_of_a_profile_covers_every_block_once():
     profile, cluster = small_profile(), small_cluster(nodes=1, per_node=4)
     result = partition_profile(profile, cluster, 2, Training(2))
@@ -152,6 +159,7 @@ def test_pipedream_partition_of_a_profile_covers_every_block_once():
     assert len(units) == SMALL.num_layers
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt-1.3b", "gpt-2.2b", "gpt-3.8b"])
 def test_big_gpts_on_64_v100s_get_sensible_plans(name):
     # The seeds: tensor parallelism stays inside a node; 2BW (tensor size 1) runs deep pipelines of

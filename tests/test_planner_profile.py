@@ -18,6 +18,8 @@ from megapipe.planner.presets import MODELS, parameter_count
 from megapipe.planner.profile import ModelProfile, ModelShape, interpolate
 from megapipe.planner.profiler import profile_model
 
+pytestmark = pytest.mark.unit
+
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, seq_length=16,
               make_vocab_size_divisible_by=32)
 

@@ -14,6 +14,8 @@ from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, sim
 from megapipe.planner.schedule_costs import (bubble_fraction, in_flight, microbatch_problem, pipeline_time,
                                              weight_versions)
 
+pytestmark = pytest.mark.unit
+
 
 def per_rank(costs, p):
     """Sum per-virtual-stage costs over the chunks of each rank (virtual stage s lives on rank s % p)."""

@@ -18,6 +18,7 @@ def estimate(sharding: str, overlap: bool = False, machines=None, m: int = 2):
     return model.estimate(Layout(1, 1, D, 1, "1f1b", sharding=sharding))
 
 
+@pytest.mark.unit
 def test_memory_per_rank_counts_each_level():
     # stash 0: the estimate is the weights, gradients and optimizer state alone
     shard = W / D
@@ -28,6 +29,7 @@ def test_memory_per_rank_counts_each_level():
                                                                   + OPTIMIZER * shard)
 
 
+@pytest.mark.unit
 def test_sharded_levels_reduce_scatter_gradients_and_all_gather_weights():
     bandwidth = 1e9
     ring = (D - 1) / D / bandwidth
@@ -38,6 +40,7 @@ def test_sharded_levels_reduce_scatter_gradients_and_all_gather_weights():
     assert estimate("optim_grads_params", m=m).data_comm_time == pytest.approx(ring * W * GRAD + 2 * m * ring * W * E)
 
 
+@pytest.mark.unit
 def test_overlap_hides_the_reduction_behind_the_last_backward():
     slow = cluster(intra=1e6)  # a reduction longer than a backward: only the backward's share is hidden
     plain, overlapped = estimate("no_shard", machines=slow), estimate("no_shard", overlap=True, machines=slow)
@@ -46,6 +49,7 @@ def test_overlap_hides_the_reduction_behind_the_last_backward():
     assert overlapped.batch_time == pytest.approx(plain.batch_time - backward)
 
 
+@pytest.mark.system
 def test_plan_chooses_a_sharded_optimizer_when_replicas_do_not_fit_and_prints_it():
     profile = synthetic_profile(stash=0.0)
     no_shard = W * (E + GRAD + OPTIMIZER)

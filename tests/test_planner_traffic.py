@@ -13,6 +13,8 @@ from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import TrafficInputs, crossing_links, cross_node_traffic, link_bytes
 
+pytestmark = pytest.mark.unit
+
 A, W, M = 1000.0, 5000.0, 4
 
 

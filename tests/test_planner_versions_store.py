@@ -44,6 +44,8 @@ from megapipe.planner.profile import ModelShape
 from megapipe.planner.schedule_costs import weight_versions
 from megapipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 P = M = 4
 SEQ, MICRO, BATCHES = 8, 2, 3
 SCHEDULES = ("1f1b", "2bw", "pipedream")

@@ -18,6 +18,8 @@ from megapipe.pipeline.analysis.timeline import Timeline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import plot_schedule  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def box_colors(figure):
     """Face colours of all drawn boxes, one entry per box."""

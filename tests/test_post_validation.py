@@ -163,6 +163,7 @@ def check_post_validation(rank, world_size):
     return exits, report
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_post_validation_equals_synchronous_step():
     results = run_distributed(4, check_post_validation, timeout=600)
@@ -171,6 +172,7 @@ def test_post_validation_equals_synchronous_step():
         assert report == results[0][1] and len(report) == 3 * sum(len(schedules_of(p, sharding)) for _, p, _, sharding in LAYOUTS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, world_size, message", [
     ([], 1, "--enable-optimizer-post-validation needs --pipeline-model-parallel-size of at least 2"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights"],
@@ -186,6 +188,7 @@ def test_post_validation_refuses_what_it_cannot_run(argv, world_size, message):
         parse_config("gpt", ["--enable-optimizer-post-validation", "--num-layers", "4"] + argv, world_size=world_size)
 
 
+@pytest.mark.unit
 def test_training_script_with_post_validation_logs_what_the_synchronous_step_logs(tmp_path):
     """pretrain_gpt.py at p = 2, zb-h2, --clip-grad below every norm (each step redone), an
     evaluation and an exit that saves: the same losses, gradient norms and skip counts."""

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megapipe.arguments import parse_config
 from megapipe.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 FLAGS = ["--num-layers", "3", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "2", "--log-interval", "1",
          "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",

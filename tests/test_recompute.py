@@ -55,6 +55,7 @@ def assert_identical(a, b):
     assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["gpt", "bert", "llama"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(str(x) for x in v.values()))
 def test_recompute_is_bit_for_bit_with_dropout(kind, variant):
@@ -84,6 +85,7 @@ def tensor_and_pipeline_parallel(rank, world_size):
     return True
 
 
+@pytest.mark.distributed
 def test_recompute_under_tensor_parallelism_and_inside_a_pipeline_schedule():
     assert run_distributed(2, tensor_and_pipeline_parallel, timeout=240) == [True, True]
 
@@ -117,6 +119,7 @@ def measure(cfg, layers):
     return bytes_.total("forward"), bytes_.total("backward")
 
 
+@pytest.mark.unit
 def test_saved_activation_memory_follows_the_formula():
     """c A_input + (l / c) A_intermediate (seed 002 section 4.3.5) for l = 4 layers."""
     base = dict(hidden_dropout=0.0, attention_dropout=0.0)

@@ -12,6 +12,7 @@
   (forwards in flight - 1) boundary tensors (less the one-element placeholder each keeps).
 """
 
+import pytest
 import torch
 
 from megapipe.distributed import count_synchronisations
@@ -36,6 +37,7 @@ def _reads_per_step(m: int) -> int:
     return reads
 
 
+@pytest.mark.unit
 def test_host_reads_per_step_do_not_grow_with_microbatches():
     # none at all here: losses stay on the device and torch's fused AdamW (CPU and CUDA) takes the
     # skip flag on the device; a kernel without that support would read the flag once per step
@@ -101,6 +103,7 @@ def held_bytes_run(rank, world_size, deallocate: bool):
     return peak, boundary, losses
 
 
+@pytest.mark.distributed
 def test_freeing_sent_outputs_lowers_held_bytes_by_one_boundary_tensor_per_forward_in_flight():
     kept = run_distributed(2, held_bytes_run, False, timeout=180)
     freed = run_distributed(2, held_bytes_run, True, timeout=180)

@@ -1,9 +1,12 @@
 """Token sampling against PyTorch's own sampler: ``draw`` picks, from each row's generator, the index
 ``torch.multinomial`` picks for one sample, on distributions with and without filtered-out tokens."""
 
+import pytest
 import torch
 
 from megapipe.inference.sampling import SamplingParams, draw, filter_logits, sequence_generators
+
+pytestmark = pytest.mark.unit
 
 
 def test_draw_picks_what_torch_multinomial_picks():

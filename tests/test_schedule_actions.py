@@ -5,6 +5,8 @@ import pytest
 from megapipe.errors import ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("action", [
     Action(ActionKind.F, 3, 1),

@@ -23,6 +23,8 @@ from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, sched
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
 
+pytestmark = pytest.mark.unit
+
 
 def costs(p, v, slow_rank=None, factor=Fraction(3, 2)):
     """F = BI = BW = 1 per whole stage (1/v per chunk), ``slow_rank``'s stages ``factor`` times slower."""

@@ -11,6 +11,8 @@ from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
 from megapipe.pipeline.ir.schedules import build_schedule, register_schedule, schedule_names
 from megapipe.pipeline.ir.validate import validate_schedule
 
+pytestmark = pytest.mark.unit
+
 
 def lists_from_text(text):
     return [[parse_action(token) for token in line.split()] for line in text.strip().splitlines()]

@@ -8,6 +8,8 @@ from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 
+pytestmark = pytest.mark.unit
+
 PS = range(1, 9)
 
 

@@ -19,6 +19,8 @@ from megapipe.parallel_state import ParallelState
 from megapipe.split_backward import apply_weight_gradients, deferring_weight_gradients
 from test_pipeline_training import MICRO, SEQ, model_config
 
+pytestmark = pytest.mark.unit
+
 
 def gradients(kind: str, recompute: bool, split: bool):
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ from megapipe.parallel_state import ParallelState, RankLayout
 from megapipe.plan_layout import PlanLayout
 from megapipe.stage_plan import PlannedStage, StagePlan, read_stage_plan
 
+pytestmark = pytest.mark.unit
+
 
 def test_flag_and_json_forms_read_the_same_plan(tmp_path):
     plan = StagePlan.parse("0:12x2,12:24")

@@ -88,10 +88,12 @@ def check_tensor_parallel(rank, world_size):
     return True
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_matches_single_process():
     assert run_distributed(4, check_tensor_parallel, timeout=240) == [True] * 4
 
 
+@pytest.mark.unit
 def test_model_config_errors_name_the_flag():
     from megapipe.errors import ConfigError
 
@@ -105,6 +107,7 @@ def test_model_config_errors_name_the_flag():
         ModelConfig(num_layers=10).validate(pipeline_parallel=4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("vocab,t,expected", [(50257, 1, 50304), (50257, 2, 50432), (256, 2, 256), (1, 8, 1024)])
 def test_vocab_padding(vocab, t, expected):
     # Megatron's rule: the next multiple of make_vocab_size_divisible_by (128) x t

@@ -44,6 +44,7 @@ def _retransmitted_segments(hosts, index: int) -> int:
     return int(values[header.index("RetransSegs")])
 
 
+@pytest.mark.system
 def test_hosts_reach_each_other_count_every_frame_and_survive_a_cut(make_test_hosts):
     hosts = make_test_hosts(2)
     assert len({h.address for h in hosts.hosts}) == 2 and all(len(h.port) <= 15 for h in hosts.hosts)
@@ -73,6 +74,7 @@ def test_hosts_reach_each_other_count_every_frame_and_survive_a_cut(make_test_ho
     assert _send(hosts, 0, 1, 1000).stdout.strip() == "1000"
 
 
+@pytest.mark.system
 def test_teardown_kills_what_runs_inside_and_removes_everything(make_test_hosts):
     hosts = make_test_hosts(3)
     namespaces, ports, bridge = [h.namespace for h in hosts.hosts], [h.port for h in hosts.hosts], hosts.bridge
@@ -87,6 +89,7 @@ def test_teardown_kills_what_runs_inside_and_removes_everything(make_test_hosts)
     assert not any(os.path.exists(f"/sys/class/net/{name}") for name in ports + [bridge])
 
 
+@pytest.mark.unit
 def test_own_counters_name_a_missing_interface():
     with pytest.raises(RuntimeError, match="no interface nothere0"):
         own_counters("nothere0")

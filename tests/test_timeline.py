@@ -10,6 +10,8 @@ from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import simulate
 from megapipe.pipeline.analysis.timeline import Timeline
 
+pytestmark = pytest.mark.unit
+
 
 def hand_made():
     timeline = Timeline(meta={"schedule": "hand", "p": 2, "m": 1, "v": 1})

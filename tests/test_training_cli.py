@@ -8,6 +8,8 @@ import pytest
 
 from megapipe.train_logger import losses_in_log
 
+pytestmark = pytest.mark.system
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",

@@ -48,6 +48,7 @@ def fp16_with_overflow(rank, world_size, cache):
     return record, trainer.state.skipped_iterations
 
 
+@pytest.mark.distributed
 def test_fp16_overflow_skips_the_step_halves_the_scale_and_continues(tmp_path):
     record, skipped = run_distributed(1, fp16_with_overflow, str(tmp_path), timeout=240)[0]
     oks = [ok for ok, _, _, _ in record]
@@ -58,6 +59,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_continues(tmp_path):
     assert all(finite for _, _, _, finite in record)
 
 
+@pytest.mark.unit
 def test_flop_formula_equals_counted_matmuls():
     """eq. 4.2's count (3 passes per layer plus the logit layer) against PyTorch's FLOP counter."""
     # explicit attention matmuls: PyTorch's counter has no entry for the CPU flash-attention kernel
@@ -71,6 +73,7 @@ def test_flop_formula_equals_counted_matmuls():
     assert counter.get_total_flops() == flops_per_iteration(config, global_batch_size=5, recompute=False)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,peak", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA B200", 2250.0), ("NVIDIA RTX 9999", None),

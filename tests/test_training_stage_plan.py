@@ -79,6 +79,7 @@ def _layer_indices(names: list[str]) -> list[int]:
     return sorted(int(part) for name in names for part in name.split(".") if part.isdigit())
 
 
+@pytest.mark.distributed
 def test_stages_hold_the_planned_layers(runs):
     _, flush, round_robin = runs
     for ranks in (flush, round_robin):
@@ -89,6 +90,7 @@ def test_stages_hold_the_planned_layers(runs):
     assert sorted((r["m"], r["batch_slice"]) for r in flush) == [(2, (0, 2))] * 2 + [(2, (1, 2))] * 2
 
 
+@pytest.mark.distributed
 def test_parallel_pipelines_of_unequal_stages_equal_gradient_accumulation(runs):
     single, flush, _ = runs
     expected = [sum(step) / len(step) for step in single[0] if step]
@@ -99,6 +101,7 @@ def test_parallel_pipelines_of_unequal_stages_equal_gradient_accumulation(runs):
     assert actual == pytest.approx(expected, rel=1e-5, abs=0)
 
 
+@pytest.mark.distributed
 def test_round_robin_trains_every_microbatch_once_on_the_planned_stages(runs):
     single, _, round_robin = runs
     expected = sorted(loss for step in single[1] for loss in step)
@@ -108,6 +111,7 @@ def test_round_robin_trains_every_microbatch_once_on_the_planned_stages(runs):
     assert actual == pytest.approx(expected, rel=1e-6, abs=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, world, message", [
     (["--pipeline-stages", "0:1x2,1:4x1"], 3, "only --pipeline-schedule pipedream"),
     (["--pipeline-stages", "0:1x2,1:4x1", "--pipeline-schedule", "pipedream"], 4, "the world has 4"),

@@ -21,6 +21,8 @@ from megapipe.pipeline.ir.segments import segment_cuts
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS, Transport, group_ids
 from megapipe.pipeline.ir.validate import validate_schedule
 
+pytestmark = pytest.mark.unit
+
 
 def _cases():
     for name in schedule_names():

@@ -7,6 +7,8 @@ from torch.func import functional_call
 
 from megapipe.pipeline.runtime.weights import WeightPolicy, WeightVersionStore
 
+pytestmark = pytest.mark.unit
+
 BYTES = 6 * 4  # a 2x3 fp32 weight
 
 

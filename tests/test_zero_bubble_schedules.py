@@ -24,6 +24,8 @@ from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.planner.schedule_costs import bubble_fraction, in_flight, microbatch_problem, pipeline_time
 
+pytestmark = pytest.mark.unit
+
 UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
 SIZES = [(p, m) for p in range(2, 6) for m in range(p, 3 * p + 1)]
 

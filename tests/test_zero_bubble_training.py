@@ -33,6 +33,8 @@ from megapipe.pipeline.analysis.simulate import CostModel
 from megapipe.testing import run_distributed
 from test_pipeline_training import M, assert_matches_reference, pipelined_run, reference_run
 
+pytestmark = pytest.mark.distributed
+
 SCHEDULES = (("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2))  # name, chunks per rank
 LAYOUTS = [(2, 4, 1), (2, 2, 2), (1, 4, 2)]  # (t, p, d)
 FULL = os.environ.get("MEGAPIPE_FULL_ZB_MATRIX") == "1"
