@@ -38,6 +38,7 @@ TESTS=(
     tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels
     tests/test_optim_precision.py
     tests/test_pipeline_training.py tests/test_weight_versions.py tests/test_split_backward.py  # pipeline runtime
+    tests/test_pipelining_crosscheck.py                        # schedules against torch.distributed.pipelining's
     tests/test_recompute.py tests/test_iteration_syncs.py
     tests/test_checkpoint_sharded.py tests/test_checkpoint_resume.py                       # checkpoints (DCP)
     tests/test_fake_device.py tests/test_fake_device_inference.py                          # fake tensors
