@@ -42,7 +42,7 @@ def test_every_step_runs_and_the_summary_says_what_went_wrong(fake_steps, tmp_pa
     assert "RuntimeError: the device fell off the bus" in (tmp_path / "steps.log").read_text()
 
 
-@pytest.mark.unit
+@pytest.mark.system
 def test_the_exit_code_is_zero_only_when_every_step_passed(fake_steps, tmp_path):
     from megapipe.acceptance.__main__ import main
 

@@ -12,8 +12,6 @@ from megapipe.data.sentences import split_sentences
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
 from megapipe.errors import ConfigError, DataError
 
-pytestmark = pytest.mark.unit
-
 DOCUMENTS = [
     "First document. It has two sentences!",
     "",
@@ -49,6 +47,7 @@ def lossless_tokenizer(request):
     return build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
 
 
+@pytest.mark.unit
 def test_jsonl_round_trip_with_several_keys(tmp_path, lossless_tokenizer):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": t, "title": t[:7], "id": i} for i, t in enumerate(DOCUMENTS)])
     prefixes = preprocess([path], str(tmp_path / "out"), lossless_tokenizer, json_keys=["text", "title"],
@@ -60,6 +59,7 @@ def test_jsonl_round_trip_with_several_keys(tmp_path, lossless_tokenizer):
     assert dtype == np.uint16  # 261 and 50,257 ids both fit
 
 
+@pytest.mark.system
 def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": t * (i + 1)} for i, t in enumerate(DOCUMENTS * 20)])
     one = preprocess([path], str(tmp_path / "one"), BYTE_LEVEL, append_eod=True, progress=False)["text"]
@@ -68,6 +68,7 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
         assert open(one + suffix, "rb").read() == open(two + suffix, "rb").read()
 
 
+@pytest.mark.unit
 def test_plain_text_one_document_per_line_or_per_file(tmp_path):
     lines = [d.replace("\n", " ") for d in DOCUMENTS if d]
     (tmp_path / "a.txt").write_text("\n".join(lines[:2]) + "\n\n   \n")
@@ -79,6 +80,7 @@ def test_plain_text_one_document_per_line_or_per_file(tmp_path):
     assert documents_of(per_file, BYTE_LEVEL, drop_eod=False) == [open(p, "rb").read().decode() for p in inputs]
 
 
+@pytest.mark.unit
 def test_parquet_round_trip(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -90,6 +92,7 @@ def test_parquet_round_trip(tmp_path):
     assert documents_of(prefix, BYTE_LEVEL, drop_eod=True) == DOCUMENTS
 
 
+@pytest.mark.unit
 def test_split_sentences_gives_one_sequence_per_sentence(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in DOCUMENTS])
     prefix = preprocess([path], str(tmp_path / "out"), BYTE_LEVEL, split_sentences=True, append_eod=True,
@@ -102,6 +105,7 @@ def test_split_sentences_gives_one_sequence_per_sentence(tmp_path):
     assert ds[int(ds.document_indices[4]) - 1][-1] == BYTE_LEVEL.eod  # eod ends the last sentence only
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, sentences", [
     ("One. Two? Three! Four", ["One. ", "Two? ", "Three! ", "Four"]),
     ('He said "Stop." Then left.', ['He said "Stop." ', "Then left."]),
@@ -132,6 +136,7 @@ class WideTokenizer(Tokenizer):
         return "".join(chr(i - 70000) for i in ids)
 
 
+@pytest.mark.unit
 def test_large_vocabularies_are_stored_as_int32(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in DOCUMENTS])
     tokenizer = WideTokenizer()
@@ -140,6 +145,7 @@ def test_large_vocabularies_are_stored_as_int32(tmp_path):
     assert documents_of(prefix, tokenizer, drop_eod=False) == DOCUMENTS
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content, message", [
     ('{"text": "ok"}\n{"text": "broken\n', r"in.jsonl:2 is not valid JSON"),
     ('{"text": "ok"}\n{"body": "x"}\n',
@@ -154,6 +160,7 @@ def test_bad_jsonl_is_reported_with_file_and_line(tmp_path, content, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing half-written is left
 
 
+@pytest.mark.system
 def test_input_errors_reach_the_caller_through_the_worker_pool(tmp_path):
     lines = [json.dumps({"text": f"document {i}"}) for i in range(200)] + ["{not json"]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
@@ -162,6 +169,7 @@ def test_input_errors_reach_the_caller_through_the_worker_pool(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+@pytest.mark.unit
 def test_other_input_errors(tmp_path):
     with pytest.raises(DataError, match="--input .*missing.jsonl does not exist"):
         preprocess([str(tmp_path / "missing.jsonl")], str(tmp_path / "out"), BYTE_LEVEL, progress=False)

@@ -143,7 +143,7 @@ def test_two_stage_pipeline_iterations_read_nothing_from_the_device():
         assert exits == (0, [None, "--exit-interval 2 at iteration 2"])
 
 
-@pytest.mark.unit
+@pytest.mark.system
 def test_exit_duration_stops_both_stages_one_iteration_later_and_saves(tmp_path):
     """Each rank's clock says stop after iteration 1; the ranks learn it of each other at the next
     boundary, so both save iteration 2 and exit 0 (a world of one stops after iteration 1:

@@ -72,7 +72,7 @@ def test_schedule_on_resume_follows_megatrons_two_flags():
     assert checkpoint.optimizer.param_groups[0]["lr"] == saved.lr
 
 
-@pytest.mark.unit
+@pytest.mark.system
 def test_resuming_with_more_iterations_repeats_the_longer_run(tmp_path):
     """A run of 3 iterations saved, resumed with --train-iters 6, logs the uninterrupted 6-iteration
     run's losses for iterations 4-6 digit for digit: the sample order does not depend on --train-iters.
@@ -95,7 +95,7 @@ def test_resuming_with_more_iterations_repeats_the_longer_run(tmp_path):
     assert overridden.returncode == 0 and sorted(losses(overridden.stdout)) == list(range(4, 9)), overridden.stderr
 
 
-@pytest.mark.unit
+@pytest.mark.system
 def test_exit_interval_and_duration_save_and_exit_then_skip_train_evaluates(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     stopped = run(TINY + ["--save", ckpt, "--exit-interval", "2"], cache=tmp_path)

@@ -188,7 +188,7 @@ def test_post_validation_refuses_what_it_cannot_run(argv, world_size, message):
         parse_config("gpt", ["--enable-optimizer-post-validation", "--num-layers", "4"] + argv, world_size=world_size)
 
 
-@pytest.mark.unit
+@pytest.mark.system
 def test_training_script_with_post_validation_logs_what_the_synchronous_step_logs(tmp_path):
     """pretrain_gpt.py at p = 2, zb-h2, --clip-grad below every norm (each step redone), an
     evaluation and an exit that saves: the same losses, gradient norms and skip counts."""
