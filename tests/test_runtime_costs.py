@@ -103,10 +103,15 @@ def held_bytes_run(rank, world_size, deallocate: bool):
     return peak, boundary, losses
 
 
+def held_bytes_runs(rank, world_size):
+    """Both runs of ``held_bytes_run`` in one world (each builds its own groups, model and engine
+    from the same seed): sent outputs kept, then freed."""
+    return [held_bytes_run(rank, world_size, deallocate) for deallocate in (False, True)]
+
+
 @pytest.mark.distributed
 def test_freeing_sent_outputs_lowers_held_bytes_by_one_boundary_tensor_per_forward_in_flight():
-    kept = run_distributed(2, held_bytes_run, False, timeout=180)
-    freed = run_distributed(2, held_bytes_run, True, timeout=180)
+    kept, freed = zip(*run_distributed(2, held_bytes_runs, timeout=240))
     (peak_kept, in_flight_kept), boundary, losses_kept = kept[0]
     (peak_freed, in_flight_freed), _, losses_freed = freed[0]
     assert in_flight_kept == in_flight_freed == 2  # 1F1B at p = 2: the first stage holds two forwards
