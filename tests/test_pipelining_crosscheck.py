@@ -26,9 +26,11 @@ Pairs compared (where both sides accept ``p`` and ``m``):
   dependency (megapipe's validator accepts it, communication inserted), megapipe's per-rank peak
   of microbatches in flight m v and torch's ``min(warm-up + 1, m v)``.
 
-Where megapipe refuses sizes that torch accepts (interleaved with m not a multiple of p, zb-h1 and
-1F1B with m < p, ZBV with m < 2p - 1) nothing is compared. The same file runs on the GPU machines'
-torch (``tools/gpu_stack_check.sh``), so a change in either side's orders shows up on both stacks.
+Where megapipe refuses sizes that torch accepts (interleaved with m not a multiple of p, zb-h1 with
+m < p, ZBV with m < 2p - 1 or p = 1) nothing is compared, nor where torch refuses what megapipe
+accepts (zb-h1 with m not a multiple of torch's rounds, ``max(1, m // p)``: those cases skip).
+The same file runs on the GPU machines' torch (``tools/gpu_stack_check.sh``), so a change in either
+side's orders shows up on both stacks.
 """
 
 from __future__ import annotations
