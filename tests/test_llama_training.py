@@ -19,8 +19,8 @@ from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megapipe.train_logger import losses_in_log
+from megapipe.training.logger import losses_in_log
 
 pytestmark = pytest.mark.system
 

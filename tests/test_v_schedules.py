@@ -29,7 +29,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 pytestmark = pytest.mark.unit
 
