@@ -66,7 +66,7 @@ def _plain_load(trainer, path: str) -> None:
 
 def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
-    from megapipe.arguments import parse_config
+    from megapipe.config.parse import parse_config
     from megapipe.checkpointing import load_checkpoint, save_checkpoint, wait_for_save
     from megapipe.training import Trainer
 

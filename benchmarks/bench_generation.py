@@ -37,7 +37,8 @@ from megapipe.inference import SamplingParams, generate  # noqa: E402
 from megapipe.inference.kv_cache import KVCache  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.gpt import GPTStage  # noqa: E402
-from megapipe.models.hf_llama import llama_from_hf, llama_model_config  # noqa: E402
+from megapipe.models.families.llama import llama_model_config  # noqa: E402
+from megapipe.models.hf_llama import llama_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule  # noqa: E402

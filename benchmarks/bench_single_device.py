@@ -17,7 +17,7 @@ shape, batch and sequence under each system and prints tokens/s and model FLOPs 
   it is installed, else the local one), Float16Module, DDP and its optimizer
   (``benchmarks/mcore_gpt.py``); where it cannot run, the row gives the reason.
 
-FLOPs per step are model FLOPs, the same formula for every system (``megapipe.flops``, seed 002
+FLOPs per step are model FLOPs, the same formula for every system (``megapipe.models.flops``, seed 002
 eq. 4.2 without the recomputation term), so recomputation shows up as lower MFU. On CUDA the
 peak is the device's dense bf16 peak (by its exact name, or ``--device-peak-tflops``; without
 either MFU is left out); on CPU it is measured: the best bf16 throughput of a large square matmul
@@ -62,7 +62,7 @@ from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import first_line  # noqa: E402
 from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
                                   release_cached_memory, reset_peak_memory, synchronize)
-from megapipe.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
+from megapipe.models.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.distributed as dist  # noqa: E402
 
 from bench_pipeline import MegapipeRunner, Settings, TorchRunner, batch  # noqa: E402
-from megapipe.arguments import parse_config  # noqa: E402
+from megapipe.config.parse import parse_config  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
 from megapipe.training import Trainer  # noqa: E402

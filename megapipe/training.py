@@ -20,12 +20,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megapipe import fusions
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.distributed import count_synchronisations, device_name, init_distributed, peak_memory_gib
-from megapipe.flops import device_peak_tflops, flops_per_iteration
+from megapipe.models.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.operations import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler

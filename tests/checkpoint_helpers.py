@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.training import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of

@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.cluster.backends.base import HostSlots
 from megapipe.cluster.job_log import layout_key
 from megapipe.cluster.job_spec import parse_job

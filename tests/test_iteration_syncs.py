@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.distributed import count_synchronisations, counting_synchronisations
 from megapipe.operations import ExitConditions
 from megapipe.testing import run_distributed

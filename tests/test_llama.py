@@ -26,11 +26,12 @@ from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_check
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError, ConfigError
-from megapipe.flops import flops_per_iteration
+from megapipe.models.flops import flops_per_iteration
 from megapipe.inference import GenerationError, SamplingParams, generate, score_continuations
 from megapipe.inference.scoring import pipeline_logits
 from megapipe.models import build_model_chunks
-from megapipe.models.hf_llama import llama_from_hf, llama_model_config
+from megapipe.models.families.llama import llama_model_config
+from megapipe.models.hf_llama import llama_from_hf
 from megapipe.models.state_dict import local_state_dict
 from megapipe.parallel_state import ParallelState
 from megapipe.testing import run_distributed

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.errors import CheckpointError, ConfigError
-from megapipe.optim.config import OptimizerConfig
+from megapipe.config.optimizer import OptimizerConfig
 from megapipe.optim.lr_schedule import LRScheduler
 from test_training_cli import TINY, losses, run
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.testing import run_distributed
 
 FLAGS = ["--num-layers", "3", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",

@@ -14,7 +14,7 @@ import io
 import os
 from dataclasses import dataclass
 
-from megapipe.arguments import build_parser, parse_config
+from megapipe.config.parse import build_parser, parse_config
 from megapipe.config import Config
 from megapipe.errors import ConfigError
 

@@ -1,14 +1,17 @@
-"""GPT and BERT built per pipeline stage, tensor-parallel inside each stage."""
+"""GPT, BERT and Llama built per pipeline stage, tensor-parallel inside each stage.
+
+Each model family's stage class comes from its registry entry (``megapipe.models.families``);
+``MODEL_KINDS`` maps a training script's kind to the stage class its family builds.
+"""
 
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
-from megapipe.models.bert import BERTStage
-from megapipe.models.gpt import GPTStage
+from megapipe.models.families import KINDS, kind_family
 from megapipe.models.stage import LanguageModelStage
 from megapipe.parallel_state import ParallelState
 
-MODEL_KINDS = {"gpt": GPTStage, "bert": BERTStage}
+MODEL_KINDS = {kind: kind_family(kind).stage for kind in KINDS}
 
 
 def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:

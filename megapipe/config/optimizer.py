@@ -1,18 +1,25 @@
 """OptimizerConfig: the optimizer, learning-rate and loss-scaling flags, validated once.
 
-Field names and defaults follow Megatron-LM's flags (``--lr``, ``--min-lr``, ``--clip-grad``,
-``--loss-scale-window`` ...), so ``arguments.py`` maps each flag to the field of the same name.
+Field names follow Megatron-LM's flags (``--lr``, ``--min-lr``, ``--clip-grad``,
+``--loss-scale-window`` ...); each field's default is its flag's default (``megapipe.config.flags``
+generates the flags from these fields).
+
+``megapipe.optim`` imports this module, so the sharding names are imported where they are
+used rather than at the top (the optimizer package would otherwise import itself half-built).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megapipe.config.flag import flag
 from megapipe.errors import ConfigError
-from megapipe.optim.sharding import SHARDING_STRATEGIES, ShardingLevel
+
+if TYPE_CHECKING:
+    from megapipe.optim.sharding import ShardingLevel
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -27,42 +34,56 @@ class OptimizerConfig:
     ``torch.optim.AdamW``); ``"adamw"`` is accepted as the same thing under its usual name.
     """
 
-    optimizer: str = "adam"
-    lr: Optional[float] = None
-    min_lr: float = 0.0
+    optimizer: str = flag("adam", choices=OPTIMIZERS)
+    lr: Optional[float] = 1e-3  # the peak learning rate
+    min_lr: float = 1e-4
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and returned)
-    log_num_zeros_in_grad: bool = False
+    log_num_zeros_in_grad: bool = flag(False, name=None)
     # precision and loss scaling (fp16 only; bf16 and fp32 never scale the loss)
     fp16: bool = False
     bf16: bool = False
-    loss_scale: Optional[float] = None  # a constant scale; None means dynamic scaling
+    # a constant scale; None means dynamic scaling
+    loss_scale: Optional[float] = flag(None, help="constant loss scale; dynamic when unset")
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
     # learning-rate schedule, counted in iterations
-    lr_decay_style: str = "linear"
-    lr_warmup_iters: int = 0
+    lr_decay_style: str = flag("cosine", choices=LR_DECAY_STYLES)
+    # None: min(50, train_iters // 10) iterations, or none with --lr-warmup-fraction (the LR schedule decides)
+    lr_warmup_iters: Optional[int] = None
     lr_warmup_fraction: Optional[float] = None  # of the decay iterations
     lr_decay_iters: Optional[int] = None  # defaults to the number of training iterations
     # data parallelism: sharding level, buckets and overlap (Megatron-core's flags)
-    data_parallel_sharding_strategy: str = "no_shard"
-    use_distributed_optimizer: bool = False  # the alias of --data-parallel-sharding-strategy optim
-    ddp_bucket_size: Optional[int] = None  # elements; None: Megatron's max(40M, 1M x d)
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    accumulate_allreduce_grads_in_fp32: bool = False
+    data_parallel_sharding_strategy: str = flag("no_shard", help=(
+        "what is split over the data-parallel replicas: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2) or "
+        "optim_grads_params (ZeRO-3)"))
+    # the alias of --data-parallel-sharding-strategy optim
+    use_distributed_optimizer: bool = flag(False, help="the same as --data-parallel-sharding-strategy optim")
+    # elements; None: Megatron's max(40M, 1M x d)
+    ddp_bucket_size: Optional[int] = flag(None, help="elements per data-parallel reduction (default: max(40M, 1M x "
+                                                     "data-parallel size))")
+    overlap_grad_reduce: bool = flag(False, help="start each bucket's data-parallel reduction during the last "
+                                                 "backward before a step")
+    overlap_param_gather: bool = flag(False, help="all-gather the updated weight shards after the step; each "
+                                                  "chunk's next forward waits")
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, help="fp16: accumulate and reduce gradients in fp32 "
+                                                                "(bf16 always does)")
     # step each stage eagerly and validate afterwards instead of reducing across stages first
-    enable_optimizer_post_validation: bool = False
+    enable_optimizer_post_validation: bool = flag(False, help=(
+        "step each pipeline stage without first reducing the gradient norm and overflow flag across stages; "
+        "validate afterwards and redo the step when it clipped or skipped"))
 
     @property
-    def sharding(self) -> ShardingLevel:
+    def sharding(self) -> "ShardingLevel":
         """The sharding level, ``--use-distributed-optimizer`` read as ``optim``."""
+        from megapipe.optim.sharding import ShardingLevel
+
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             return ShardingLevel("optim")
         return ShardingLevel(self.data_parallel_sharding_strategy)
@@ -158,12 +179,14 @@ class OptimizerConfig:
             raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction were both given; use only one.")
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
             raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1).")
-        if self.lr_warmup_iters < 0:
+        if self.lr_warmup_iters is not None and self.lr_warmup_iters < 0:
             raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must not be negative.")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             raise ConfigError(f"--lr-decay-iters {self.lr_decay_iters} must be at least 1.")
 
     def _validate_data_parallel(self) -> None:
+        from megapipe.optim.sharding import SHARDING_STRATEGIES
+
         strategy = self.data_parallel_sharding_strategy
         if strategy not in SHARDING_STRATEGIES:
             raise ConfigError(f"--data-parallel-sharding-strategy {strategy} is unknown; use one of "

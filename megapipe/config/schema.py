@@ -1,20 +1,28 @@
 """Configuration dataclasses: one source of truth, validated once, before any process group.
 
-``arguments.py`` turns Megatron-style flags into these; library code takes the dataclass.
-Every validation error is one sentence that names the flag and the fix.
+Each field carries its default and its Megatron-LM flag (``megapipe.config.flag``); the
+parser of ``megapipe.config.flags`` is generated from them, so the command line and the
+dataclasses cannot give different defaults. A model family's own defaults (BERT's epsilon,
+activation, token types ...) live in its registry entry (``megapipe.models.families``).
+Library code takes the dataclass. Every validation error is one sentence that names the flag
+and the fix.
 """
 
 from __future__ import annotations
 
 import math
+from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from megapipe.errors import ConfigError
+from megapipe.config.flag import flag
+from megapipe.config.optimizer import OptimizerConfig
 from megapipe.stage_plan import StagePlan, read_stage_plan
-from megapipe.optim.config import OptimizerConfig
+
+KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -37,39 +45,40 @@ class ModelConfig:
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
-    vocab_size: int = 256
+    vocab_size: int = flag(256, name=None)  # from the tokenizer
     seq_length: int = 128
-    max_position_embeddings: Optional[int] = None  # defaults to seq_length
-    ffn_hidden_size: Optional[int] = None  # defaults to 4 * hidden_size
+    max_position_embeddings: Optional[int] = flag(None, help="default --seq-length")
+    ffn_hidden_size: Optional[int] = flag(None, help="default 4 x hidden size")
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    activation: str = "gelu_tanh"  # GPT-2's gelu_new; BERT uses exact "gelu"
-    post_layernorm: bool = False  # True: original BERT (LayerNorm after each residual add)
+    layernorm_epsilon: float = flag(1e-5, aliases=("--norm-epsilon",))
+    normalization: str = flag("LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    activation: str = flag("gelu_tanh", name=None)  # GPT-2's gelu_new; BERT uses exact "gelu" (its family's)
+    post_layernorm: bool = flag(False, name=None)  # True: original BERT (LayerNorm after each residual add)
     untie_embeddings_and_output_weights: bool = False
     # Llama-family options (Megatron-LM's flags of the same names)
-    position_embedding_type: str = "learned_absolute"  # or "rope" or "none"
+    position_embedding_type: str = flag("learned_absolute", choices=("learned_absolute", "rope", "none"))
     rotary_base: float = 10000.0
-    rotary_percent: float = 1.0  # the fraction of each head's channels that RoPE rotates
-    swiglu: bool = False  # SiLU(x W_gate) * (x W_up) instead of GeLU(x W_1); ffn_hidden_size is its width
-    num_query_groups: Optional[int] = None  # grouped-query attention: key/value heads; None = one per head
-    add_bias_linear: bool = True  # False: --disable-bias-linear (no bias in any linear layer)
-    add_qkv_bias: bool = False  # a bias on QKV even without the other biases (Qwen2)
-    num_tokentypes: int = 0  # BERT: 2
-    bert_binary_head: bool = True
+    rotary_percent: float = flag(1.0, help="fraction of each head's channels RoPE rotates")
+    swiglu: bool = flag(False, help="SwiGLU MLP of width --ffn-hidden-size")
+    num_query_groups: Optional[int] = flag(None, help="key/value heads with --group-query-attention")
+    add_bias_linear: bool = flag(True, name="--disable-bias-linear", negate=True,
+                                 help="no bias in any linear layer")
+    add_qkv_bias: bool = flag(False, help="a QKV bias even with --disable-bias-linear (Qwen2)")
+    num_tokentypes: int = flag(0, name=None)  # BERT: 2 (its family's)
+    bert_binary_head: bool = flag(True, name="--bert-no-binary-head", negate=True, help="BERT: train masked LM only")
     init_method_std: float = 0.02
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: torch.dtype = flag(torch.float32, name=None)  # from --bf16 / --fp16
     # kernels and memory (megapipe.fusions, recomputation)
-    bias_gelu_fusion: bool = True
-    bias_dropout_fusion: bool = True
-    masked_softmax_fusion: bool = True
-    bias_swiglu_fusion: bool = True
-    apply_rope_fusion: bool = True
-    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
-    recompute_method: Optional[str] = None  # "uniform" or "block" (with "full")
-    recompute_num_layers: Optional[int] = None
+    bias_gelu_fusion: bool = flag(True, name="--no-bias-gelu-fusion", negate=True, group=KERNELS)
+    bias_dropout_fusion: bool = flag(True, name="--no-bias-dropout-fusion", negate=True, group=KERNELS)
+    masked_softmax_fusion: bool = flag(True, name="--no-masked-softmax-fusion", negate=True, group=KERNELS)
+    bias_swiglu_fusion: bool = flag(True, name="--no-bias-swiglu-fusion", negate=True, group=KERNELS)
+    apply_rope_fusion: bool = flag(True, name="--no-rope-fusion", negate=True, group=KERNELS)
+    recompute_granularity: Optional[str] = flag(None, choices=("full", "selective"), group=KERNELS)
+    recompute_method: Optional[str] = flag(None, choices=("uniform", "block"), group=KERNELS)
+    recompute_num_layers: Optional[int] = flag(None, group=KERNELS)
 
     def __post_init__(self):
         if self.max_position_embeddings is None:
@@ -158,16 +167,27 @@ class ModelConfig:
             raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} must be at least 1.")
 
 
+def times(text: str) -> tuple[float, ...]:
+    """A comma-separated list of times (one per pipeline rank, or one for all)."""
+    return tuple(float(part) for part in text.split(","))
+
+
 @dataclass
 class ScheduleSearchConfig:
     """Inputs of ``--pipeline-schedule auto`` (``searched_schedule.py``): per-rank times or a profile."""
 
-    forward_time: Optional[tuple] = None  # per pipeline rank, or one for all
-    input_backward_time: Optional[tuple] = None  # default: the forward's
-    weight_backward_time: Optional[tuple] = None  # default: the forward's
-    latency: float = 0.0  # of one pipeline message, in the same unit
-    memory_limit: Optional[float] = None  # microbatches' activations per rank; default p (1F1B's)
-    profile: Optional[str] = None  # a profile JSON of tools/profile_model.py instead of the times
+    forward_time: Optional[tuple] = flag(None, name="--schedule-forward-time", type=times, help=(
+        "auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)"))
+    input_backward_time: Optional[tuple] = flag(None, name="--schedule-input-backward-time", type=times,
+                                                help="auto: BI (input-gradient) time per rank (default: the forward's)")
+    weight_backward_time: Optional[tuple] = flag(None, name="--schedule-weight-backward-time", type=times,
+                                                 help="auto: BW (weight-gradient) time per rank (default: the "
+                                                      "forward's)")
+    latency: float = flag(0.0, name="--schedule-latency", help="auto: time of one pipeline message")
+    memory_limit: Optional[float] = flag(None, name="--schedule-memory-limit", help=(
+        "auto: most microbatches' activations a rank may hold (default p, 1F1B's peak)"))
+    profile: Optional[str] = flag(None, name="--schedule-profile", help=(
+        "auto: take the stage times from this profile (tools/profile_model.py) instead"))
 
     def given(self) -> bool:
         return self != ScheduleSearchConfig()
@@ -177,17 +197,31 @@ class ScheduleSearchConfig:
 class ParallelConfig:
     """Parallel degrees and how the pipeline runs."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    data: Optional[int] = None  # defaults to world_size / (tensor * pipeline)
-    virtual_pipeline: int = 1
+    tensor: int = flag(1, name="--tensor-model-parallel-size")
+    pipeline: int = flag(1, name="--pipeline-model-parallel-size")
+    data: Optional[int] = flag(None, name=None)  # defaults to world_size / (tensor * pipeline)
+    virtual_pipeline: int = flag(1, name=None)  # from --num-layers-per-virtual-pipeline-stage
     sequence_parallel: bool = False
-    scatter_gather_tensors_in_pipeline: bool = True
-    pipeline_schedule: str = "1f1b"
-    pipedream_vertical_sync: bool = False  # PipeDream: every stage uses the version tagged at the input stage
-    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (stage_plan.py)
-    schedule_file: Optional[str] = None  # a flush schedule file run instead of pipeline_schedule
-    schedule_search: ScheduleSearchConfig = field(default_factory=ScheduleSearchConfig)  # for schedule "auto"
+    scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
+    pipeline_schedule: Optional[str] = flag(None, help=(
+        "1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, interleaved-zb, zbv, "
+        "v-half, v-min, dualpipev (these four: two chunks per rank in a V), pipedream, 2bw, or auto (searched for "
+        "the stage costs below)"))
+    # PipeDream: every stage uses the version tagged at the input stage
+    pipedream_vertical_sync: bool = flag(False, help="pipedream: every stage uses the weight version chosen at "
+                                                     "the input stage")
+    pipeline_stages: Optional[str] = flag(None, help=(  # a stage plan (stage_plan.py)
+        "a stage plan instead of equal stages: layers [start, end) times replicas per stage, e.g. 0:12x2,12:24x1, "
+        "or the JSON file tools/plan.py writes"))
+    schedule_file: Optional[str] = flag(None, help=(
+        "run a flush schedule written as text or CSV (see tools/plot_schedule.py) instead of --pipeline-schedule; "
+        "checked deadlock-free under gloo and NCCL before anything runs"))
+    # for schedule "auto"; its own fields carry the --schedule-* flags
+    schedule_search: ScheduleSearchConfig = flag(name=None, default_factory=ScheduleSearchConfig)
+
+    def __post_init__(self):
+        if self.pipeline_schedule is None:
+            self.pipeline_schedule = "interleaved" if self.virtual_pipeline > 1 else "1f1b"
 
     def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
@@ -222,8 +256,10 @@ class ParallelConfig:
 class DataConfig:
     """Where samples come from: ``data_path`` empty means the embedded default corpus."""
 
-    data_path: list = field(default_factory=list)
-    split: str = "969,30,1"
+    data_path: list = flag(default_factory=list, nargs="*",
+                           help="prefix, or weight/prefix pairs; the embedded corpus when omitted")
+    split: Optional[str] = flag(None, help="train,valid,test weights over documents; default 969,30,1 (90,5,5 for "
+                                           "the embedded corpus)")
     tokenizer_type: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
@@ -231,20 +267,27 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
-    mock_data: bool = False  # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
-    vocab_size: Optional[int] = None  # of --mock-data
+    # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
+    mock_data: bool = flag(False, help="GPT: synthetic random tokens instead of --data-path")
+    vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data")
+
+    def __post_init__(self):
+        # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
+        # would leave its test split empty
+        if self.split is None:
+            self.split = "969,30,1" if self.data_path else "90,5,5"
 
 
 @dataclass
 class TrainingConfig:
     """The loop: batch sizes, length, evaluation, checkpoints and logging."""
 
-    micro_batch_size: int = 4
-    global_batch_size: int = 16
-    train_iters: int = 200
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    train_iters: int = 500
     eval_interval: int = 100
     eval_iters: int = 10
-    log_interval: int = 10
+    log_interval: int = 20
     seed: int = 1234
     save: Optional[str] = None
     load: Optional[str] = None
@@ -252,23 +295,35 @@ class TrainingConfig:
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
-    finetune: bool = False
+    finetune: bool = flag(False, help="load weights only; start at iteration 0")
     async_save: bool = False
-    exit_on_sigterm: bool = True
+    # save and exit at the next iteration boundary on SIGTERM (megapipe/operations.py)
+    exit_on_sigterm: bool = flag(True, name="--exit-signal-handler", action=BooleanOptionalAction, help=(
+        "on SIGTERM, save (with --save) and exit at the next iteration every rank agrees on (on by default; "
+        "--no-exit-signal-handler leaves SIGTERM to Python's default)"))
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     tensorboard_dir: Optional[str] = None
-    device_peak_tflops: Optional[float] = None  # for model FLOPs utilisation; known GPUs are looked up
-    fusion_backend: str = "auto"
+    # for model FLOPs utilisation; known GPUs are looked up
+    device_peak_tflops: Optional[float] = flag(None, help=(
+        "peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are looked up by name)"))
+    fusion_backend: str = flag("auto", choices=("auto", "apex", "triton", "compile", "eager"), group=KERNELS)
     # operations (megapipe/operations.py)
-    distributed_timeout_minutes: float = 10.0  # every collective's timeout, as Megatron's default
-    exit_interval: Optional[int] = None  # save and exit every N iterations
-    exit_duration_in_mins: Optional[float] = None  # save and exit after this long
-    skip_train: bool = False  # evaluate the --load checkpoint only
-    override_opt_param_scheduler: bool = False  # resume with the flags' learning-rate schedule
-    use_checkpoint_opt_param_scheduler: bool = False  # resume with the checkpoint's learning-rate schedule
-    cluster_lease: Optional[str] = None  # scheduler address of this job's lease (megapipe/cluster/lease.py)
+    distributed_timeout_minutes: float = flag(10.0, help="how long a collective waits for a peer before failing")
+    exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
+    exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
+                                                             "this long")
+    skip_train: bool = flag(False, help="evaluate the --load checkpoint on the validation and test sets without "
+                                        "training")
+    override_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from the "
+                                                          "flags, not the checkpoint")
+    use_checkpoint_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from "
+                                                                "the checkpoint, not the flags")
+    # scheduler address of this job's lease (megapipe/cluster/lease.py)
+    cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
+        "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "
+        "lease ends, else save and exit (set by tools/cluster.py)"))
 
     def num_microbatches(self, data_parallel: int) -> int:
         """m = global batch / (micro batch x d), as in Megatron."""
