@@ -62,7 +62,8 @@ from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import first_line  # noqa: E402
 from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
                                   release_cached_memory, reset_peak_memory, synchronize)
-from megapipe.models.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
+from megapipe.models.flops import (check_device_peak, device_peak_tflops, flops_per_iteration,  # noqa: E402
+                                   head_flops_per_iteration, parameter_count)
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
@@ -602,7 +603,7 @@ def main() -> None:
         config = model_config(shape, torch.bfloat16, args.dropout)
         sequences = args.micro_batches * shape.micro_batch
         flops = flops_per_iteration(config, sequences, recompute=False)
-        head = 6 * sequences * shape.seq_length * shape.hidden_size * config.padded_vocab_size(1)
+        head = head_flops_per_iteration(config, sequences)
         print(f"\n== {shape_name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.heads} heads, "
               f"sequence {shape.seq_length}, {args.micro_batches} micro-batches of {shape.micro_batch} per step, "
               f"vocabulary {shape.vocab_size} (padded {config.padded_vocab_size(1)}), "

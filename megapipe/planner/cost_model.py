@@ -58,6 +58,7 @@ from typing import Optional
 
 import numpy as np
 
+from megapipe.models.flops import transformer_flops
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
@@ -178,11 +179,11 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
 
 
 def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
-    """Seed 002 eq. 4.2 per sample: (72 or 96, with recomputation) s l h^2 (1 + s / 6h) + 6 s h V."""
+    """Seed 002 eq. 4.2 per sample (``megapipe.models.flops``): (72 or 96, with recomputation) s l h^2 (1 + s / 6h)
+    + 6 s h V for ffn = 4h."""
     shape = profile.shape
-    s, l, h = shape.seq_length, shape.num_layers, shape.hidden_size
-    passes = 96 if recompute else 72
-    return passes * s * l * h * h * (1 + s / (6 * h)) + 6 * s * h * shape.vocab_size
+    return transformer_flops(shape.seq_length, shape.seq_length, shape.num_layers, shape.hidden_size,
+                             shape.ffn_hidden_size, shape.vocab_size, recompute)
 
 
 class CostModel:
