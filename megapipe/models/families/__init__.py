@@ -1,8 +1,8 @@
 """The model-family registry: one entry per family (``family.py``), one file per family.
 
 Adding a family is one file here (a module with its ``FAMILY``) plus its name in ``REGISTERED``
-below. A family that claims models of another's kind (Llama is a GPT with other options) comes
-before that family, so ``family_of`` finds the more specific one first.
+below. A family that claims models of another's kind (Llama is a GPT with other options) names
+the models it claims, and ``family_of`` asks such families before the one that takes the rest.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from importlib import import_module
 from megapipe.config import ModelConfig
 from megapipe.models.families.family import Family, HFArchitecture
 
-REGISTERED = ("llama", "gpt", "bert")  # the modules of this package that hold a FAMILY, most specific first
+REGISTERED = ("gpt", "bert", "llama")  # the modules of this package that hold a FAMILY
 
 FAMILIES: dict[str, Family] = {}
 for _module in REGISTERED:
@@ -36,7 +36,8 @@ def kind_family(kind: str) -> Family:
 
 def family_of(kind: str, config: ModelConfig) -> Family:
     """The family a model of ``kind`` with ``config`` belongs to."""
-    return next(f for f in FAMILIES.values() if f.kind == kind and (f.claims is None or f.claims(config)))
+    candidates = sorted((f for f in FAMILIES.values() if f.kind == kind), key=lambda f: f.claims is None)
+    return next(f for f in candidates if f.claims is None or f.claims(config))
 
 
 def presets(kind: str) -> dict[str, tuple[Family, dict]]:
