@@ -48,7 +48,7 @@ def test_load_may_name_a_missing_save_directory_that_starts_the_job(tmp_path):
 
 def _scheduler(decay_iters: int) -> LRScheduler:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return LRScheduler(optimizer, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="linear",
+    return LRScheduler(optimizer, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="linear", lr_warmup_iters=0,
                                                   lr_decay_iters=decay_iters), train_iters=decay_iters)
 
 

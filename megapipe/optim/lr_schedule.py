@@ -5,6 +5,7 @@ The rate rises linearly from 0 to ``--lr`` over the warm-up (``--lr-warmup-iters
 ``--min-lr`` at ``--lr-decay-iters`` (default: the training iterations) and stays there.
 Iteration 0 of a warm-up uses rate 0, as in Megatron. ``inverse-square-root`` is
 ``lr * sqrt(warmup) / sqrt(iteration)``, floored at ``--min-lr``. Weight decay stays constant.
+Without either warm-up flag the warm-up is min(50, training iterations / 10).
 """
 
 from __future__ import annotations
