@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
 from megapipe.models.families import family
-from megapipe.loss_parts import parts_of
+from megapipe.models.loss_parts import parts_of
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from test_training_cli import ROOT, TINY
 
 

@@ -96,7 +96,7 @@ def test_exit_signal_handler_reaches_the_operations():
     handling off in the operations object that watches for it."""
     import signal
 
-    from megapipe.operations import ExitConditions
+    from megapipe.training.exits import ExitConditions
 
     assert parse_config("gpt", []).training.exit_on_sigterm
     assert parse_config("gpt", ["--exit-signal-handler"]).training.exit_on_sigterm

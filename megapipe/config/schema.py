@@ -20,7 +20,7 @@ import torch
 from megapipe.errors import ConfigError
 from megapipe.config.flag import flag
 from megapipe.config.optimizer import OptimizerConfig
-from megapipe.stage_plan import StagePlan, read_stage_plan
+from megapipe.layout.stage_plan import StagePlan, read_stage_plan
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 
@@ -174,7 +174,7 @@ def times(text: str) -> tuple[float, ...]:
 
 @dataclass
 class ScheduleSearchConfig:
-    """Inputs of ``--pipeline-schedule auto`` (``searched_schedule.py``): per-rank times or a profile."""
+    """Inputs of ``--pipeline-schedule auto`` (``pipeline/selection.py``): per-rank times or a profile."""
 
     forward_time: Optional[tuple] = flag(None, name="--schedule-forward-time", type=times, help=(
         "auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)"))
@@ -210,7 +210,7 @@ class ParallelConfig:
     # PipeDream: every stage uses the version tagged at the input stage
     pipedream_vertical_sync: bool = flag(False, help="pipedream: every stage uses the weight version chosen at "
                                                      "the input stage")
-    pipeline_stages: Optional[str] = flag(None, help=(  # a stage plan (stage_plan.py)
+    pipeline_stages: Optional[str] = flag(None, help=(  # a stage plan (layout/stage_plan.py)
         "a stage plan instead of equal stages: layers [start, end) times replicas per stage, e.g. 0:12x2,12:24x1, "
         "or the JSON file tools/plan.py writes"))
     schedule_file: Optional[str] = flag(None, help=(
@@ -297,7 +297,7 @@ class TrainingConfig:
     no_load_rng: bool = False
     finetune: bool = flag(False, help="load weights only; start at iteration 0")
     async_save: bool = False
-    # save and exit at the next iteration boundary on SIGTERM (megapipe/operations.py)
+    # save and exit at the next iteration boundary on SIGTERM (megapipe/training/exits.py)
     exit_on_sigterm: bool = flag(True, name="--exit-signal-handler", action=BooleanOptionalAction, help=(
         "on SIGTERM, save (with --save) and exit at the next iteration every rank agrees on (on by default; "
         "--no-exit-signal-handler leaves SIGTERM to Python's default)"))
@@ -309,7 +309,7 @@ class TrainingConfig:
     device_peak_tflops: Optional[float] = flag(None, help=(
         "peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are looked up by name)"))
     fusion_backend: str = flag("auto", choices=("auto", "apex", "triton", "compile", "eager"), group=KERNELS)
-    # operations (megapipe/operations.py)
+    # operations (megapipe/training/exits.py)
     distributed_timeout_minutes: float = flag(10.0, help="how long a collective waits for a peer before failing")
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
     exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
@@ -320,7 +320,7 @@ class TrainingConfig:
                                                           "flags, not the checkpoint")
     use_checkpoint_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from "
                                                                 "the checkpoint, not the flags")
-    # scheduler address of this job's lease (megapipe/cluster/lease.py)
+    # scheduler address of this job's lease (megapipe/cluster/client/lease.py)
     cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
         "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "
         "lease ends, else save and exit (set by tools/cluster.py)"))
