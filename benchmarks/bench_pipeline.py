@@ -58,7 +58,7 @@ from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
 from megapipe.parallel_state import ParallelState  # noqa: E402
 from megapipe.pipeline.ir.actions import Action, ActionKind  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec  # noqa: E402
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
@@ -253,7 +253,7 @@ def timed_step(runner, tokens, labels) -> tuple[float, float, list[float]]:
 def compare_schedule(settings: Settings, schedule: str, v: int) -> dict:
     """Run both systems on this rank for one schedule; return times, losses and both timelines."""
     ps = ParallelState.initialize(pipeline=dist.get_world_size(), virtual_pipeline=v,
-                                  placement=schedule_spec(schedule).placement)
+                                  placement=schedule_descriptor(schedule).placement)
     config = settings.model_config()
     mine, theirs = build_model_chunks("gpt", config, ps), build_model_chunks("gpt", config, ps)
     for a, b in zip(mine, theirs):

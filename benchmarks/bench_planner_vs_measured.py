@@ -42,7 +42,7 @@ from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.pipeline.ir.schedules import schedule_spec
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan
@@ -138,7 +138,7 @@ def build_engine(layout, model):
     t, p, d, b, schedule, v, recompute = layout
     config = ModelConfig(**model, **(dict(recompute_granularity="full", recompute_method="uniform",
                                           recompute_num_layers=1) if recompute else {}))
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=schedule_spec(schedule).placement)
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=schedule_descriptor(schedule).placement)
     ps.seed(1234, torch.device("cpu"))
     chunks = build_model_chunks("gpt", config, ps)
     m = GLOBAL_BATCH // (d * b)
@@ -164,7 +164,7 @@ def train_layouts(rank, world_size, layouts, model, warmup, rounds):
         alone += lone
         together += crowd
         for index, ((engine, batches), layout) in enumerate(zip(engines, layouts)):
-            asynchronous = layout[4] in ("2bw", "pipedream")
+            asynchronous = schedule_descriptor(layout[4]).asynchronous
             if asynchronous:
                 engine.train_batch(batches)
             dist.barrier()

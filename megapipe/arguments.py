@@ -21,6 +21,7 @@ from megapipe.flops import check_device_peak
 from megapipe.llama_flags import apply_preset, llama_flags, llama_options
 from megapipe.operations import validate_operations
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
+from megapipe.pipeline.ir.schedules import pipeline_schedule_help
 
 
 def build_parser(kind: str) -> argparse.ArgumentParser:
@@ -63,9 +64,7 @@ def _parallel_flags(g) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
-                   help="1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, "
-                        "interleaved-zb, zbv, v-half, v-min, dualpipev (these four: two chunks per rank in a V), "
-                        "pipedream, 2bw, or auto (searched for the stage costs below)")
+                   help=pipeline_schedule_help())
     g.add_argument("--schedule-forward-time", type=_times, default=None,
                    help="auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)")
     g.add_argument("--schedule-input-backward-time", type=_times, default=None,
@@ -283,7 +282,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     from megapipe.node_layout import check_nodes
     from megapipe.parallel_state import RankLayout
     from megapipe.plan_layout import PlanLayout
-    from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
+    from megapipe.pipeline.ir.schedules import check_schedule
     from megapipe.searched_schedule import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
@@ -324,9 +323,9 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         config.optimizer.check_pipeline_schedule(AUTO, False)
         return data
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
-    build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
-                   vertical_sync=par.pipedream_vertical_sync)
-    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, schedule_spec(par.pipeline_schedule).asynchronous)
+    descriptor = check_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas,
+                                par.pipedream_vertical_sync)
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
     return data
 
 

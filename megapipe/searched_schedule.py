@@ -23,8 +23,9 @@ from megapipe.config import Config, ScheduleSearchConfig
 from megapipe.errors import ConfigError
 from megapipe.pipeline.analysis.schedule_search import MEMORY_FLAG, SearchResult, check_memory_limit, search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel
+from megapipe.pipeline.ir.schedules import SEARCHED
 
-AUTO = "auto"
+AUTO = SEARCHED.name
 
 
 def check_search_flags(config: Config, p: int) -> None:

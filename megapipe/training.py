@@ -32,7 +32,7 @@ from megapipe.optim import LRScheduler
 from megapipe.parallel_state import ParallelState
 from megapipe.pipeline.analysis.schedule_search import comparison
 from megapipe.pipeline.ir.schedule_file import load_schedule, load_training_schedule
-from megapipe.pipeline.ir.schedules import schedule_spec
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.searched_schedule import AUTO, searched_schedule, stage_costs
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.stage_placement import Placement
@@ -324,12 +324,11 @@ class _LogWindow:
 
 
 def _placement(par) -> Placement:
-    """Where the run's schedule puts the virtual stages: the registry's word, or the schedule file's."""
+    """Where the run's schedule puts the virtual stages: the registry's word (the search orders the stages
+    of the looped placement), or the schedule file's."""
     if par.schedule_file is not None:
         return load_schedule(par.schedule_file).placement
-    if par.pipeline_schedule == AUTO:  # the search orders the stages of the looped placement
-        return Placement.LOOPED
-    return schedule_spec(par.pipeline_schedule).placement
+    return schedule_descriptor(par.pipeline_schedule).placement
 
 
 def _plain(config: Config) -> dict:

@@ -23,7 +23,7 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Estimate
 from megapipe.planner.partition import Partition
 from megapipe.planner.profile import ModelShape
-from megapipe.planner.schedule_costs import unties_embeddings
+from megapipe.planner.schedule_costs import SEARCHED, unties_embeddings
 
 
 def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
@@ -77,7 +77,7 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.virtual > 1:
         words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
-    if layout.schedule == "auto":  # the search on the training side, for the times the plan predicted
+    if layout.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
         forward, backward = estimate.rank_times
         halves = _seconds([b / 2 for b in backward])
         words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time", halves,
