@@ -8,6 +8,7 @@ from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
+from megapipe.pipeline.ir import schedules
 from megapipe.pipeline.ir.schedules import build_schedule, register_schedule, schedule_names
 from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor
 from megapipe.pipeline.ir.validate import validate_schedule
@@ -239,7 +240,9 @@ def test_sizes_below_one_are_rejected(p, m, v, flag):
         build_schedule("interleaved", p, m, v)
 
 
-def test_a_registered_generator_is_lowered_and_validated():
+def test_a_registered_generator_is_lowered_and_validated(monkeypatch):
+    monkeypatch.setattr(schedules, "_REGISTRY", dict(schedules._REGISTRY))  # the test schedules leave with the test
+
     def backwards_in_reverse(p, m):
         return [[Action(ActionKind.F, r, i) for i in range(m)] + [Action(ActionKind.B, r, i) for i in reversed(range(m))]
                 + [Action(ActionKind.STEP)] for r in range(p)]
