@@ -24,21 +24,21 @@ from megapipe.arguments import parse_config
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
-from megapipe.distributed import count_synchronisations, device_name, init_distributed, peak_memory_gib
+from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks, build_planned_stage
-from megapipe.operations import ExitConditions, distributed_timeout
+from megapipe.training.exits import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.schedule_search import comparison
 from megapipe.pipeline.ir.schedule_file import load_schedule, load_training_schedule
 from megapipe.pipeline.ir.schedules import schedule_descriptor
-from megapipe.searched_schedule import AUTO, searched_schedule, stage_costs
+from megapipe.pipeline.selection import AUTO, searched_schedule, stage_costs
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.stage_placement import Placement
-from megapipe.step_counters import StepCounters, skip_reason
-from megapipe.plan_layout import initialize_plan_state
-from megapipe.train_logger import IterationStats, TrainLogger
+from megapipe.layout.placement import Placement
+from megapipe.training.counters import StepCounters, skip_reason
+from megapipe.parallel.state import initialize_plan_state
+from megapipe.training.logger import IterationStats, TrainLogger
 
 
 @dataclasses.dataclass
@@ -59,7 +59,7 @@ class Trainer:
         self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
-            from megapipe.cluster.lease import ClusterLease
+            from megapipe.cluster.client.lease import ClusterLease
 
             self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
         par, t = config.parallel, config.training

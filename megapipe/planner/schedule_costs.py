@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.schedules import DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, schedule_descriptor
 from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 SEARCHED = SEARCHED_SCHEDULE.name  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
 SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk

@@ -31,7 +31,7 @@ from megapipe.pipeline.ir.schedules import (dualpipev, gpipe, interleaved, one_f
 from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 DESCRIPTORS = (
     one_f_one_b.DESCRIPTOR,

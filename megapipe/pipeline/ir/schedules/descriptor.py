@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from megapipe.pipeline.ir.actions import Action
 from megapipe.pipeline.ir.weight_policy import WeightPolicy
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 Generator = Callable[..., list[list[Action]]]
 InFlight = Callable[[int, int, int, int], Fraction]  # (p, m, v, rank) -> microbatches' worth of a rank's activations

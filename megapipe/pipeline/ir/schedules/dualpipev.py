@@ -31,7 +31,7 @@ from typing import Sequence
 from megapipe.pipeline.ir.actions import Action, ActionKind
 from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor, v_sizes
 from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches, least_microbatches
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def dualpipev(p: int, m: int, v: int) -> list[list[Action]]:

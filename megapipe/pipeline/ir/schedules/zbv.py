@@ -21,7 +21,7 @@ from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
 from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, v_sizes, zero_bubble_bubble,
                                                        zero_bubble_time)
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def zbv(p: int, m: int, v: int) -> list[list[Action]]:
