@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -68,7 +68,7 @@ def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
     from megapipe.arguments import parse_config
     from megapipe.checkpointing import load_checkpoint, save_checkpoint, wait_for_save
-    from megapipe.training import Trainer
+    from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",
              "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",

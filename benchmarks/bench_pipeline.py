@@ -55,14 +55,14 @@ from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.gpt import masked_mean  # noqa: E402
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
 from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.ir.actions import Action, ActionKind  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
              ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]  # name, chunks per rank

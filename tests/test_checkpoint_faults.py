@@ -18,7 +18,7 @@ from megapipe.checkpointing import load_checkpoint, save_checkpoint
 from megapipe.checkpointing import paths
 from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.errors import CheckpointError
-from megapipe.testing import DistributedFailure, run_distributed
+from megapipe.testing.worlds import DistributedFailure, run_distributed
 
 SHORT = ["--train-iters", "2", "--save-interval", "1"]
 

@@ -21,8 +21,8 @@ from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_check
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.errors import CheckpointError
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 RTOL = 1e-5
 BATCH, SEQ = 3, 12

@@ -44,7 +44,7 @@ from megapipe.checkpointing.common import Layout
 from megapipe.checkpointing.convert import reshard
 from megapipe.checkpointing.offline import rank_pieces, read_checkpoint
 from megapipe.checkpointing.state import is_rank_local
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 # one world runs 24 short trainings: minutes on a busy 2-core machine, beyond the suite's 300 s default
 pytestmark = pytest.mark.timeout(900)

@@ -32,8 +32,8 @@ from megapipe.inference.scoring import pipeline_logits
 from megapipe.models import build_model_chunks
 from megapipe.models.hf_llama import llama_from_hf, llama_model_config
 from megapipe.models.state_dict import local_state_dict
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 RTOL = 1e-5
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))

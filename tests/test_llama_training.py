@@ -18,8 +18,8 @@ from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 LLAMA_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
                "--num-query-groups", "2", "--ffn-hidden-size", "64", "--swiglu", "--position-embedding-type", "rope",

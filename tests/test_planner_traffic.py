@@ -105,7 +105,7 @@ def test_hopper_presets_are_eight_gpu_nodes():
 
 
 def test_the_v_placement_sends_each_boundary_from_its_own_rank_and_no_embedding_sum():
-    from megapipe.stage_placement import Placement
+    from megapipe.layout.placement import Placement
 
     # p = 4 on 4 nodes of one rank each would cross everywhere; here ranks 1 and 2 are on different
     # nodes: under V stages 1->2 and 5->6 cross between them (down and back up), 3->4 stays on rank 3

@@ -35,14 +35,14 @@ import torch
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.schedule_costs import weight_versions
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 P = M = 4
 SEQ, MICRO, BATCHES = 8, 2, 3

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from megapipe.testing_hosts import NamespacesUnavailable, ShapingUnavailable, TestHosts
+from megapipe.testing.hosts import NamespacesUnavailable, ShapingUnavailable, TestHosts
 
 
 def _relay(index: int, proc: subprocess.Popen) -> None:

@@ -37,7 +37,7 @@ class Layout:
     data: int
     virtual_pipeline: int = 1
     stages: Optional[str] = None  # the stage plan, e.g. "0:2x2,2:4x1"
-    placement: str = "looped"  # where the virtual stages live (stage_placement.py): "looped" or "v"
+    placement: str = "looped"  # where the virtual stages live (layout/placement.py): "looped" or "v"
 
     def __str__(self) -> str:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""

@@ -23,7 +23,7 @@ from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import schedule_source
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.in_flight import InFlight
 
 

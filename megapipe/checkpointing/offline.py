@@ -26,8 +26,9 @@ from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name
-from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.stage_placement import Placement
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
+from megapipe.layout.placement import Placement
 
 GROUPS = {"tensor": "tensor_groups", "data": "data_groups", "pipeline": "pipeline_groups",
           "model_parallel": "model_parallel_groups", "embedding": "embedding_groups"}

@@ -6,7 +6,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.bert import BERTStage
 from megapipe.models.gpt import GPTStage
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 MODEL_KINDS = {"gpt": GPTStage, "bert": BERTStage}
 
@@ -39,7 +39,7 @@ def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: 
 def build_planned_stage(kind: str, config: ModelConfig, ps: ParallelState, layer_ranges: list[tuple[int, int]],
                         seed: int = 1234, sequence_parallel: bool = False, device=None) -> list[LanguageModelStage]:
     """The one chunk of this rank's stage when stage i holds layers ``layer_ranges[i]`` (a stage plan,
-    ``megapipe.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
+    ``megapipe.layout.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
     config.validate(ps.tp_size)
     stage = ps.pipeline_stage
     start, end = layer_ranges[stage]

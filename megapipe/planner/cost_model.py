@@ -63,7 +63,7 @@ from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
                                              placement_of, searched, unties_embeddings, weight_versions)
 from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
-from megapipe.stage_placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.optim.sharding import SHARDING_STRATEGIES
 from megapipe.planner.schedule_costs import (CHUNKED, FLUSHING, SCHEDULES, SEARCHED, SEARCHED_LAYOUTS,
                                              microbatch_problem, placement_of)
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 from megapipe.planner.units import human_bytes
 
 
