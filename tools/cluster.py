@@ -45,7 +45,7 @@ from megapipe.cluster.core.scheduler import Scheduler  # noqa: E402
 from megapipe.cluster.sim.simulator import simulate  # noqa: E402
 from megapipe.cluster.core.throughputs import ThroughputTable  # noqa: E402
 from megapipe.cluster.sim.trace import generate_trace, read_trace, write_trace  # noqa: E402
-from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.errors import ConfigError, USAGE_ERROR, reports_user_errors  # noqa: E402
 
 WINDOW_JOBS = 25
 
@@ -273,40 +273,37 @@ def report_estimator(args) -> None:
         print(f"profiled against {fraction:.0%} of the reference jobs: mean relative error {error:.1%}")
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        if args.list_policies:
-            print("\n".join(POLICY_NAMES))
-        elif args.command == "simulate":
-            run_simulation(args)
-        elif args.command == "estimate":
-            report_estimator(args)
-        elif args.command == "serve":
-            run_service(args)
-        elif args.command == "worker":
-            run_worker(args)
-        elif args.command == "submit":
-            command = args.job[1:] if args.job[:1] == ["--"] else args.job
-            print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
-                                                  "command": command})["id"])
-        elif args.command == "status":
-            print_status(args)
-        elif args.command == "cancel":
-            _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
-            print(f"job {args.id} cancelled")
-        elif args.command == "generate-trace":
-            if args.num_jobs < 1:
-                raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
-            table = ThroughputTable.load(args.throughputs)
-            write_trace(generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker), args.output)
-        else:
-            parser.print_help()
-            return 2
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.list_policies:
+        print("\n".join(POLICY_NAMES))
+    elif args.command == "simulate":
+        run_simulation(args)
+    elif args.command == "estimate":
+        report_estimator(args)
+    elif args.command == "serve":
+        run_service(args)
+    elif args.command == "worker":
+        run_worker(args)
+    elif args.command == "submit":
+        command = args.job[1:] if args.job[:1] == ["--"] else args.job
+        print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
+                                              "command": command})["id"])
+    elif args.command == "status":
+        print_status(args)
+    elif args.command == "cancel":
+        _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
+        print(f"job {args.id} cancelled")
+    elif args.command == "generate-trace":
+        if args.num_jobs < 1:
+            raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
+        table = ThroughputTable.load(args.throughputs)
+        write_trace(generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker), args.output)
+    else:
+        parser.print_help()
+        return USAGE_ERROR
     return 0
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megapipe.checkpointing.common import Layout  # noqa: E402
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint, reshard  # noqa: E402
-from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 
 
 def _layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -70,18 +70,15 @@ def _layout(args) -> Layout:
     return Layout(*sizes, placement=args.pipeline_placement)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if args.command == "reshard":
-            done = reshard(args.source, args.target, _layout(args))
-        elif args.command == "import-hf":
-            done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
-        else:
-            done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
-    except (CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.command == "reshard":
+        done = reshard(args.source, args.target, _layout(args))
+    elif args.command == "import-hf":
+        done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
+    else:
+        done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
     print("\n".join(done.lines()))
     return 0
 

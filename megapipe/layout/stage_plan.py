@@ -120,6 +120,19 @@ class StagePlan:
                               "change the replicas or the number of processes.")
 
 
+def layers_per_stage(num_layers: int, num_stages: int) -> int:
+    """Layers of each stage when ``num_layers`` are split evenly over ``num_stages`` (virtual) stages:
+    Megatron's split, which gives the remainder to no one (the flags' checks refuse one)."""
+    return num_layers // num_stages
+
+
+def equal_split(num_layers: int, num_stages: int, replicas: int = 1) -> StagePlan:
+    """The stage plan every run without ``--pipeline-stages`` uses: equal stages, each replicated
+    ``replicas`` times (data parallelism); stage s holds layers [s * n, (s + 1) * n)."""
+    per = layers_per_stage(num_layers, num_stages)
+    return StagePlan(tuple(PlannedStage(s * per, (s + 1) * per, replicas) for s in range(num_stages)))
+
+
 def read_stage_plan(value: str) -> StagePlan:
     """A plan from the flag's value: a JSON file's path, or the comma-separated form."""
     path = Path(value)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from megapipe.layout.ranks import RankLayout
 from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
 
 BACKENDS = ("nccl", "gloo")
@@ -112,8 +113,7 @@ class TrafficInputs:
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
     t, p, d, v, m = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches
 
-    def rank(ti: int, di: int, pi: int) -> int:
-        return ti + t * (di + d * pi)
+    rank = RankLayout(t, p, d).rank
 
     def crossing(a: int, b: int) -> bool:
         return node_of(a) != node_of(b)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megapipe.errors import UserError
 from megapipe.planner.traffic import FRAME_OVERHEAD, MSS, MTU  # noqa: F401 (the wire's facts, re-exported)
 
 INTERFACE = "eth0"  # every host's interface has this name inside its namespace
@@ -43,11 +44,11 @@ _NAME = re.compile(r"^mp([0-9a-z]+)-[0-9a-z]+")
 _SUBNETS = [ipaddress.ip_network(f"10.{a}.{b}.0/24") for a in range(200, 250) for b in range(256)]
 
 
-class NamespacesUnavailable(RuntimeError):
+class NamespacesUnavailable(UserError, RuntimeError):
     """This machine or user cannot create network namespaces (the message says why): skip, don't fail."""
 
 
-class ShapingUnavailable(RuntimeError):
+class ShapingUnavailable(UserError, RuntimeError):
     """The kernel lacks the queueing discipline a shaping request needs (the message names it)."""
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 
 import torch.distributed as dist
 
-from megapipe.errors import PeerLost, PipelineTimeout
+from megapipe.errors import PeerLost, PipelineTimeout, print_error
 
 USER_ERROR_KEY = "megapipe/user-error-reported"
 REPORT_STORE_TIMEOUT = datetime.timedelta(seconds=10)  # the store may sit on a host that is gone
@@ -30,7 +29,7 @@ def report_user_error(error: Exception) -> None:
     reach the store (``PeerLost``) prints its own view.
     """
     if not getattr(error, "store_reachable", True) or _first_to_report():
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print_error(error)
 
 
 def _first_to_report() -> bool:

@@ -17,6 +17,7 @@ from megapipe.cluster.service.backends.base import HostSlots
 from megapipe.cluster.service.job_spec import JobSpec
 from megapipe.cluster.core.throughputs import planner_steps_per_second
 from megapipe.errors import ConfigError
+from megapipe.layout.stage_plan import layers_per_stage
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.plan import PlanRequest, plan
@@ -72,7 +73,7 @@ def layout_command(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float) ->
               str(layout.pipeline), "--pipeline-schedule", layout.schedule]
     if layout.virtual > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage",
-                  str(spec.config.model.num_layers // (layout.pipeline * layout.virtual))]
+                  str(layers_per_stage(spec.config.model.num_layers, layout.pipeline * layout.virtual))]
     return [spec.command[0]] + flags
 
 

@@ -26,11 +26,13 @@ import sys
 import time
 from typing import Optional
 
+from megapipe.errors import UserError, reports_user_errors
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 START_SECONDS = 60
 
 
-class SlurmUnavailable(RuntimeError):
+class SlurmUnavailable(UserError, RuntimeError):
     """Slurm cannot run here; the message says why (tests skip with it)."""
 
 
@@ -209,18 +211,17 @@ def _tail(path: str, lines: int = 5) -> str:
         return "(no log)"
 
 
-def main(argv: list[str]) -> None:
+@reports_user_errors
+def main(argv: list[str]) -> int:
     if len(argv) != 1:
         sys.exit("usage: python -m megapipe.cluster.service.backends.slurm_testbed DIR")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # sigwait takes them
     nodes = {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}}
-    try:
-        with SlurmTestbed(argv[0], nodes) as testbed:
-            print(f"Slurm is up: export SLURM_CONF={testbed.conf}  (Ctrl-C stops it)", flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    except SlurmUnavailable as error:
-        sys.exit(f"error: {error}")
+    with SlurmTestbed(argv[0], nodes) as testbed:
+        print(f"Slurm is up: export SLURM_CONF={testbed.conf}  (Ctrl-C stops it)", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
