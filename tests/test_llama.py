@@ -20,7 +20,7 @@ import torch.distributed as dist
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapipe.checkpointing import load_weights
+from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint

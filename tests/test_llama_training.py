@@ -13,7 +13,7 @@ import torch
 import transformers
 from test_training_cli import run
 
-from megapipe.checkpointing import load_weights
+from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common, Layout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint

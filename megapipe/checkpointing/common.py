@@ -55,9 +55,10 @@ class Layout:
         return Layout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value)
 
     @staticmethod
-    def of_trainer(trainer) -> "Layout":
-        plan = trainer.config.parallel.stage_plan()
-        return Layout.of(trainer.ps, plan.to_text() if plan is not None else None)
+    def of_run(run) -> "Layout":
+        """The layout of a ``RunState`` (its process groups and stage plan)."""
+        plan = run.config.parallel.stage_plan()
+        return Layout.of(run.ps, plan.to_text() if plan is not None else None)
 
 
 def optimizer_family(name: str) -> str:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from megapipe.checkpointing import load_weights
+from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.parallel.launch import init_distributed

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from megapipe import fusions
 from megapipe.arguments import parse_config
+from megapipe.checkpointing.run_state import RunState, TrainState
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
@@ -39,15 +40,6 @@ from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.training.logger import IterationStats, TrainLogger
-
-
-@dataclasses.dataclass
-class TrainState:
-    """What a checkpoint must restore besides weights and optimizer: where training stands."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
 
 
 class Trainer:
@@ -97,11 +89,12 @@ class Trainer:
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.counters, self.nan_iterations = StepCounters(self.device), 0
-        self.checkpoint_writer = None  # set by megapipe.checkpointing on the first --async-save
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
         self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
+        self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
+                                  self.state, timeout, self.logger.print)  # what checkpoints save and load
         self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
                                    self.m)
         self.flops = flops_per_iteration(config.model, t.global_batch_size,
@@ -112,7 +105,7 @@ class Trainer:
     def train(self) -> None:
         t = self.config.training
         if t.load:
-            self.load(t.load)
+            self.checkpointer.load(t.load)
         lease = self.exit_conditions.lease
         if lease is not None:
             lease.start(self.state.iteration)
@@ -130,25 +123,13 @@ class Trainer:
             self.logger.print(f"> --skip-train: evaluating the checkpoint of iteration {self.state.iteration}")
             self.evaluate("validation")
             self.evaluate("test")
-            self.logger.close()
+            self._close()
             return
         batches = self.train_batches()
-        while self.state.iteration < t.train_iters:
+        reason = None
+        while reason is None and self.state.iteration < t.train_iters:
             reason = self.train_iteration(batches)
-            if reason is not None:
-                self._exit(reason)
-                return
-        # an asynchronous pipeline finishes its microbatches in flight, a post-validated step is validated
-        self._count(self.engine.drain())
-        self._count_steps()
-        if t.save and not self._saves_after(self.state.iteration):
-            self.save(t.save)
-        if self.state.iteration % t.eval_interval:
-            self.evaluate("validation")
-        self.evaluate("test")
-        if t.save:
-            self.wait_for_save()
-        self._close()
+        self._finish(reason)
 
     def train_batches(self) -> Iterator[list[dict]]:
         """The training batches from where the run stands; the logging window starts now."""
@@ -204,15 +185,31 @@ class Trainer:
         t = self.config.training
         return bool(t.save and t.save_interval and iteration % t.save_interval == 0)
 
-    def _exit(self, reason: str) -> None:
-        """Stop early: save (unless this iteration just did), finish what is in flight, exit cleanly."""
+    def _finish(self, reason: Optional[str]) -> None:
+        """End the run, at --train-iters (``reason`` None) or early on an exit condition.
+
+        The last checkpoint is written unless this iteration just wrote one. Early, it is written
+        before the pipeline drains, so that an asynchronous schedule's checkpoint keeps the
+        microbatches in flight and a resumed run continues as if it never stopped; at the end
+        the pipeline drains first (a post-validated step is validated too), so that the last
+        checkpoint and the final evaluation see every update. An asynchronous save overlaps the
+        final evaluation.
+        """
         t = self.config.training
+        if reason is None:
+            self._count(self.engine.drain())
+            self._count_steps()
+        if t.save and not self._saves_after(self.state.iteration):
+            self.save(t.save)
+        if reason is None:
+            if self.state.iteration % t.eval_interval:
+                self.evaluate("validation")
+            self.evaluate("test")
+        else:
+            self._count(self.engine.drain())
+            self.logger.print(f"exiting on {reason}")
         if t.save:
-            if not self._saves_after(self.state.iteration):
-                self.save(t.save)
-            self.wait_for_save()
-        self._count(self.engine.drain())
-        self.logger.print(f"exiting on {reason}")
+            self.checkpointer.wait()
         self._close()
 
     def _close(self) -> None:
@@ -222,24 +219,17 @@ class Trainer:
         if self.exit_conditions.lease is not None:
             self.exit_conditions.lease.finish(self.state.iteration)
 
-    def save(self, directory: str) -> None:
-        from megapipe import checkpointing  # torch.distributed.checkpoint loads only when needed
+    @functools.cached_property
+    def checkpointer(self):
+        """Saves and loads ``run_state`` (made on first use: torch.distributed.checkpoint loads only when needed)."""
+        from megapipe.checkpointing.save import Checkpointer
 
+        return Checkpointer(self.run_state)
+
+    def save(self, directory: str) -> None:
         self._count(self.engine.settle())  # a post-validated step is validated (and redone if needed) first
         self._count_steps()  # the checkpoint's train state counts every skipped iteration so far
-
-        checkpointing.save_checkpoint(directory, self)
-
-    def wait_for_save(self) -> None:
-        """Block until an asynchronous save (--async-save) has published its checkpoint."""
-        from megapipe import checkpointing
-
-        checkpointing.wait_for_save(self)
-
-    def load(self, directory: str) -> None:
-        from megapipe import checkpointing
-
-        checkpointing.load_checkpoint(directory, self)
+        self.checkpointer.save(directory)
 
     def _no_losses(self) -> dict[str, list]:
         """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""
