@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.checkpointing.common import Layout  # noqa: E402
+from megapipe.checkpointing.common import SavedLayout  # noqa: E402
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint, reshard  # noqa: E402
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _layout(args) -> Layout:
+def _layout(args) -> SavedLayout:
     sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
              args.virtual_pipeline_model_parallel_size)
     if min(sizes) < 1:
@@ -67,7 +67,7 @@ def _layout(args) -> Layout:
     if args.pipeline_placement == "v" and sizes[3] != 2:
         raise ConfigError(f"--pipeline-placement v holds two chunks per rank; set "
                           f"--virtual-pipeline-model-parallel-size 2, not {sizes[3]}.")
-    return Layout(*sizes, placement=args.pipeline_placement)
+    return SavedLayout(*sizes, placement=args.pipeline_placement)
 
 
 @reports_user_errors

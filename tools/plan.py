@@ -30,7 +30,7 @@ from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
 from megapipe.planner.cost_model import Training  # noqa: E402
 from megapipe.planner.launch import pipedream_plan, torchrun_command, uniform_plan, write_plan  # noqa: E402
-from megapipe.planner.pipedream import partition_profile  # noqa: E402
+from megapipe.planner.profile_partition import partition_profile  # noqa: E402
 from megapipe.planner.plan import PlanRequest, plan  # noqa: E402
 from megapipe.planner.presets import CLUSTERS, MODELS, cluster_preset, model_preset  # noqa: E402
 from megapipe.planner.profile import ModelProfile, ModelShape  # noqa: E402

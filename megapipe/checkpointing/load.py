@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.checkpointing.common import Common, Layout, optimizer_family, plain
+from megapipe.checkpointing.common import Common, SavedLayout, optimizer_family, plain
 from megapipe.checkpointing.paths import LATEST, find_checkpoint
 from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.state import (LoadTargets, apply_optimizer, apply_rng, apply_weights, load_targets,
@@ -82,7 +82,7 @@ def load_checkpoint(directory: str, run: RunState) -> None:
 def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
     t = run.config.training
     with_optimizer = not (t.finetune or t.no_load_optim)
-    layout = Layout.of_run(run)
+    layout = SavedLayout.of_run(run)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
     has_in_flight = any(key.startswith("inflight/") for key in saved)
     drop_reason = _in_flight_mismatch(common, run, layout) if has_in_flight else None
@@ -123,7 +123,7 @@ def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
                          f"{common.iteration}; continuing at iteration {run.progress.iteration} with {layout}")
 
 
-def _in_flight_mismatch(common: Common, run: RunState, layout: Layout) -> Optional[str]:
+def _in_flight_mismatch(common: Common, run: RunState, layout: SavedLayout) -> Optional[str]:
     """Why this run cannot continue the checkpoint's in-flight microbatches (they belong to one
     layout, schedule and batch split), or None when it can."""
     if run.config.training.finetune:
@@ -160,7 +160,7 @@ def _schedule_source(t) -> str:
     return schedule_source(t.override_opt_param_scheduler, t.use_checkpoint_opt_param_scheduler)
 
 
-def _restore_or_reseed_rng(run: RunState, rng: dict, common: Common, layout: Layout, restore: bool) -> None:
+def _restore_or_reseed_rng(run: RunState, rng: dict, common: Common, layout: SavedLayout, restore: bool) -> None:
     t = run.config.training
     if restore:
         apply_rng(rng, run.ps, run.device)

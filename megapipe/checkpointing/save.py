@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megapipe.checkpointing.common import Common, Layout, plain
+from megapipe.checkpointing.common import Common, SavedLayout, plain
 from megapipe.checkpointing.load import load_checkpoint
 from megapipe.checkpointing.paths import prepare_staging, publish, staging_dir
 from megapipe.checkpointing.run_state import RunState
@@ -84,7 +84,7 @@ def _common(run: RunState, with_optimizer: bool) -> Common:
     scaler = precision_optimizers(run.engine.optimizer)[0].loss_scaler  # one scale for all chunks
     return Common(kind=run.kind, iteration=run.progress.iteration,
                   consumed_samples=run.progress.consumed_samples,
-                  skipped_iterations=run.progress.skipped_iterations, layout=Layout.of_run(run),
+                  skipped_iterations=run.progress.skipped_iterations, layout=SavedLayout.of_run(run),
                   config=plain(run.config), scheduler=run.scheduler.state_dict(),
                   loss_scaler=scaler.state_dict() if scaler is not None else None,
                   has_optimizer=with_optimizer, has_rng=True)

@@ -186,7 +186,7 @@ def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
     return passes * s * l * h * h * (1 + s / (6 * h)) + 6 * s * h * shape.vocab_size
 
 
-class CostModel:
+class PlanCostModel:
     """Estimates for one profile on one cluster; caches what layouts share."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training):
