@@ -38,12 +38,12 @@ import torch.distributed as dist  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "pipedream", "2bw")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_async_schedules.md")

@@ -46,9 +46,9 @@ from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
 from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 D = 2
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -2,7 +2,7 @@
 
 The step is ``bench_single_device.py``'s megapipe system (bf16 weights, fp32 master weights and
 main gradients, Adam, gradient clipping; dropout on), run twice on fake accelerator tensors
-(``megapipe.fake_device``): no kernel runs, but every storage the step creates on the device is
+(``megapipe.testing.fake_device``): no kernel runs, but every storage the step creates on the device is
 counted from its creation until its last user lets it go, so the peak is what the caching
 allocator would have to hold (before its rounding to blocks and its fragmentation). The second
 step counts Adam's moments, created by the first. Attention runs as on a CUDA device: the fake
@@ -26,9 +26,9 @@ from unittest import mock
 import torch
 
 from bench_single_device import SHAPES, Megapipe, make_batch
-from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
@@ -63,7 +63,7 @@ def planned_peak(shape, recompute: bool) -> float:
                        config.padded_vocab_size(1), config.ffn_hidden_size)
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
                                    dtype="bfloat16")
-    costs = CostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
+    costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
     return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=recompute)).memory
 
 

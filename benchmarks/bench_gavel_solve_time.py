@@ -20,12 +20,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gavel_common import DATA  # noqa: E402
-from megapipe.cluster.cluster_spec import ClusterSpec  # noqa: E402
-from megapipe.cluster.jobs import Job  # noqa: E402
-from megapipe.cluster.policies import make_policy  # noqa: E402
-from megapipe.cluster.policies.water_filling import WaterFilling  # noqa: E402
-from megapipe.cluster.problem import build_problem  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
+from megapipe.cluster.core.cluster_spec import ClusterSpec  # noqa: E402
+from megapipe.cluster.core.jobs import Job  # noqa: E402
+from megapipe.cluster.core.policies import make_policy  # noqa: E402
+from megapipe.cluster.core.policies.water_filling import WaterFilling  # noqa: E402
+from megapipe.cluster.core.problem import build_problem  # noqa: E402
+from megapipe.cluster.core.throughputs import ThroughputTable  # noqa: E402
 
 
 def jobs_for(table, n, seed=0, entities=4):

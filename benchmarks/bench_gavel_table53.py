@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.gavel_common import DATA, run_policy  # noqa: E402
-from megapipe.cluster.metrics import summarise  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.cluster.trace import read_trace  # noqa: E402
+from megapipe.cluster.sim.metrics import summarise  # noqa: E402
+from megapipe.cluster.core.throughputs import ThroughputTable  # noqa: E402
+from megapipe.cluster.sim.trace import read_trace  # noqa: E402
 
 CLUSTER = "v100:8,p100:16,k80:24"
 ROWS = [  # (trace, system, policy, objective, chapter hours, seeds)

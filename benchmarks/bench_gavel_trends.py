@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.gavel_common import DATA, run_policy  # noqa: E402
-from megapipe.cluster.jobs import Job  # noqa: E402
-from megapipe.cluster.plots import plot_jct_vs_load  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.cluster.trace import generate_trace  # noqa: E402
+from megapipe.cluster.core.jobs import Job  # noqa: E402
+from megapipe.cluster.sim.plots import plot_jct_vs_load  # noqa: E402
+from megapipe.cluster.core.throughputs import ThroughputTable  # noqa: E402
+from megapipe.cluster.sim.trace import generate_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ON_DEMAND = {"v100": 2.48, "p100": 1.46, "k80": 0.45}  # GCP $/GPU-hour

@@ -39,10 +39,10 @@ from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.gpt import GPTStage  # noqa: E402
 from megapipe.models.hf_llama import llama_from_hf, llama_model_config  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 
 def hf_model(args):

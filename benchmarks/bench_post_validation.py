@@ -46,14 +46,14 @@ from bench_schedule_search import EmulatedCosts, microbatches  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.analysis.iterations import replay_iterations  # noqa: E402
 from megapipe.pipeline.analysis.schedule_search import search_schedule  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.stage_placement import Placement  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.layout.placement import Placement  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 
 @dataclass(frozen=True)

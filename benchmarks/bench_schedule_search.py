@@ -44,14 +44,14 @@ import torch.distributed as dist  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.analysis.schedule_search import search_schedule  # noqa: E402
 from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
 from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
 from megapipe.pipeline.ir.actions import ActionKind  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 NAMED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved-zb", 2)]
 MEASURED_UNDER = {1: "zb-h1", 2: "interleaved-zb"}  # split-backward runs whose timelines give the costs

@@ -46,8 +46,8 @@ import torch.distributed as dist  # noqa: E402
 from bench_pipeline import MegapipeRunner, Settings, TorchRunner, batch  # noqa: E402
 from megapipe.arguments import parse_config  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
-from megapipe.training import Trainer  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
+from megapipe.training.trainer import Trainer  # noqa: E402
 
 WARMUP_STEPS = 2  # per system, before timing (lazy optimizer state, first messages)
 

@@ -33,9 +33,9 @@ from megapipe.data.gpt_dataset import GPTDataset  # noqa: E402
 from megapipe.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from megapipe.testing.worlds import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "2bw", "pipedream")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
