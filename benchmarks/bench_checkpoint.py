@@ -20,18 +20,16 @@ memory cost more than the disk.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli
+from megapipe.testing import run_distributed
 
 
 def _timed(fn) -> float:
@@ -103,7 +101,7 @@ def _bench_world(rank, world_size, layers, root, repeats):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")

@@ -22,27 +22,24 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megapipe.inference import SamplingParams, generate  # noqa: E402
-from megapipe.inference.kv_cache import KVCache  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.models.gpt import GPTStage  # noqa: E402
-from megapipe.models.hf_llama import llama_from_hf, llama_model_config  # noqa: E402
-from megapipe.models.state_dict import local_state_dict  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli
+from megapipe.inference import SamplingParams, generate
+from megapipe.inference.kv_cache import KVCache
+from megapipe.models import build_model_chunks
+from megapipe.models.gpt import GPTStage
+from megapipe.models.hf_llama import llama_from_hf, llama_model_config
+from megapipe.models.state_dict import local_state_dict
+from megapipe.parallel_state import ParallelState
+from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.testing import run_distributed
 
 
 def hf_model(args):
@@ -178,7 +175,7 @@ def measured_decode(rank, world_size, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
