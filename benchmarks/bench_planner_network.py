@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from harness import cli
+from harness.pairing import timed as between_barriers
 from harness.ratios import spearman
 from harness.report import print_markdown
 import bench_planner_vs_measured
@@ -78,12 +79,7 @@ def probe_links(rank, world_size, sizes, repeats):
     peer = (rank + 2) % 4
 
     def timed(step) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        dist.barrier()
-        return (time.perf_counter() - start) / repeats
+        return between_barriers(lambda: [step() for _ in range(repeats)])[0] / repeats
 
     rows = {"one flow": [], "two flows": [], "all-reduce across": [], "all-reduce inside": []}
     for size in sizes:

@@ -56,7 +56,7 @@ from megapipe.testing import run_distributed
 
 
 @dataclass(frozen=True)
-class Settings(EmulatedSettings):
+class PostValidationSettings(EmulatedSettings):
     num_microbatches: int = 8
     pass_ms: float = 20.0
     slow_rank: int = -1  # no slow rank: equal stage costs
@@ -76,7 +76,8 @@ def variants(p: int, m: int) -> dict:
 class Run:
     """One variant's engine on this rank, synchronous or post-validated, over its own weights."""
 
-    def __init__(self, settings: Settings, ps: ParallelState, chunks, schedule, post_validation: bool, v: int):
+    def __init__(self, settings: PostValidationSettings, ps: ParallelState, chunks, schedule, post_validation: bool,
+                 v: int):
         config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0,
                                  enable_optimizer_post_validation=post_validation)
         self.chunks = chunks
@@ -85,7 +86,7 @@ class Run:
         EmulatedCosts(settings, ps.pp_rank, v).install(self.engine)
         self.losses: list[torch.Tensor] = []
 
-    def measure(self, settings: Settings, first_step: int) -> float:
+    def measure(self, settings: PostValidationSettings, first_step: int) -> float:
         dist.barrier()
         start = time.perf_counter()
         for step in range(first_step, first_step + settings.iterations):
@@ -95,7 +96,7 @@ class Run:
         return (time.perf_counter() - start) / settings.iterations
 
 
-def world(rank: int, p: int, settings: Settings) -> dict:
+def world(rank: int, p: int, settings: PostValidationSettings) -> dict:
     states = {1: ParallelState.initialize(pipeline=p),
               2: ParallelState.initialize(pipeline=p, virtual_pipeline=2, placement=Placement.V)}
     runs = {}
@@ -120,7 +121,7 @@ def world(rank: int, p: int, settings: Settings) -> dict:
     return {"times": times, "equal": equal}
 
 
-def predicted_ratio(schedule, p: int, v: int, settings: Settings) -> float:
+def predicted_ratio(schedule, p: int, v: int, settings: PostValidationSettings) -> float:
     """The simulator's post-validated / synchronous time of one measurement (its steps back to back)."""
     schedule = build_schedule(schedule, p, settings.num_microbatches, v) if isinstance(schedule, str) else schedule
     unit = CostModel.per_rank(p, v, [1], [1], [1])
@@ -130,14 +131,14 @@ def predicted_ratio(schedule, p: int, v: int, settings: Settings) -> float:
 
 
 def main(argv=None) -> int:
-    parser = cli.parser(__doc__, rounds=Settings.rounds)
+    parser = cli.parser(__doc__, rounds=PostValidationSettings.rounds)
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", type=int, default=Settings.num_microbatches)
-    parser.add_argument("--pass-ms", type=float, default=Settings.pass_ms)
-    parser.add_argument("--iterations", type=int, default=Settings.iterations)
+    parser.add_argument("--microbatches", type=int, default=PostValidationSettings.num_microbatches)
+    parser.add_argument("--pass-ms", type=float, default=PostValidationSettings.pass_ms)
+    parser.add_argument("--iterations", type=int, default=PostValidationSettings.iterations)
     args = parser.parse_args(argv)
-    settings = Settings(num_microbatches=args.microbatches, pass_ms=args.pass_ms, rounds=args.rounds,
-                        iterations=args.iterations)
+    settings = PostValidationSettings(num_microbatches=args.microbatches, pass_ms=args.pass_ms, rounds=args.rounds,
+                                      iterations=args.iterations)
     print(f"m={settings.num_microbatches}; emulated stage costs (artificial delay): {settings.pass_ms:g} ms per F, BI "
           f"and BW of every stage; GPT {settings.num_layers} layers h={settings.hidden_size}, AdamW, --clip-grad 1; "
           f"{settings.rounds} rounds of {settings.iterations} steps back to back; {report.machine()}")
