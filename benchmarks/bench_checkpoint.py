@@ -24,7 +24,6 @@ import os
 import tempfile
 import time
 
-
 import torch
 import torch.distributed as dist
 

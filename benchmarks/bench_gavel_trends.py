@@ -29,7 +29,6 @@ import random
 import sys
 import time
 
-
 from tqdm import tqdm
 
 from harness import cli, report

@@ -11,13 +11,16 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-def timed(step: Callable[[], T]) -> tuple[float, float, T]:
-    """Wall seconds of ``step()`` between two barriers, this process's CPU seconds in it, and its result."""
-    dist.barrier()
+def timed(step: Callable[[], T], barriers: bool = True) -> tuple[float, float, T]:
+    """Wall seconds of ``step()`` between two barriers (none in a single process: ``barriers=False``),
+    this process's CPU seconds in it, and its result."""
+    if barriers:
+        dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
     result = step()
     cpu = time.process_time() - cpu_start
-    dist.barrier()
+    if barriers:
+        dist.barrier()
     return time.perf_counter() - start, cpu, result
 
 
