@@ -21,6 +21,7 @@ memory cost more than the disk.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 
@@ -28,17 +29,13 @@ import torch
 import torch.distributed as dist
 
 from harness import cli
+from harness.pairing import timed
 from megapipe.testing import run_distributed
 
 
-def _timed(fn) -> float:
-    """Seconds the slowest rank spends in ``fn`` (all ranks start together)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+def _seconds(fn) -> float:
+    """Seconds until the slowest rank is done with ``fn`` (all ranks start together)."""
+    return timed(fn)[0]
 
 
 def _directory_bytes(path: str) -> int:
@@ -79,17 +76,17 @@ def _bench_world(rank, world_size, layers, root, repeats):
             "async save: until published": [], "torch.save (file per rank)": [], "torch.load (file per rank)": []}
     for _ in range(repeats):
         trainer.config.training.async_save = False
-        rows["megapipe save"].append(_timed(lambda: save_checkpoint(directory, trainer)))
-        rows["megapipe load"].append(_timed(lambda: load_checkpoint(directory, trainer)))
+        rows["megapipe save"].append(_seconds(lambda: save_checkpoint(directory, trainer)))
+        rows["megapipe load"].append(_seconds(lambda: load_checkpoint(directory, trainer)))
         trainer.config.training.async_save = True
         started = time.perf_counter()
-        rows["async save: training blocked"].append(_timed(lambda: save_checkpoint(directory, trainer)))
+        rows["async save: training blocked"].append(_seconds(lambda: save_checkpoint(directory, trainer)))
         wait_for_save(trainer)
         done = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
         rows["async save: until published"].append(done.item())
-        rows["torch.save (file per rank)"].append(_timed(lambda: _plain_save(trainer, plain)))
-        rows["torch.load (file per rank)"].append(_timed(lambda: _plain_load(trainer, plain)))
+        rows["torch.save (file per rank)"].append(_seconds(lambda: _plain_save(trainer, plain)))
+        rows["torch.load (file per rank)"].append(_seconds(lambda: _plain_load(trainer, plain)))
     sizes = torch.tensor([_directory_bytes(os.path.join(directory, "iter_0000001")),
                           os.path.getsize(plain)], dtype=torch.float64)
     dist.all_reduce(sizes[1:])  # every rank wrote its own plain file
@@ -113,7 +110,7 @@ def main(argv=None) -> None:
                   f"{megapipe_bytes / 2 ** 20:.0f} MiB (megapipe) / {plain_bytes / 2 ** 20:.0f} MiB (torch.save)")
             print(f"{'operation':<32}{'median s':>10}{'MiB/s':>10}")
             for name, times in rows.items():
-                median = sorted(times)[len(times) // 2]
+                median = statistics.median(times)
                 size = plain_bytes if name.startswith("torch") else megapipe_bytes
                 print(f"{name:<32}{median:>10.2f}{size / 2 ** 20 / median:>10.0f}")
 
