@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from harness import cli
 from harness.pairing import timed
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 
 def _seconds(fn) -> float:
@@ -62,7 +62,7 @@ def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
     from megapipe.arguments import parse_config
     from megapipe.checkpointing import load_checkpoint, save_checkpoint, wait_for_save
-    from megapipe.training import Trainer
+    from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",
              "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",

@@ -43,8 +43,8 @@ from harness.ratios import max_relative_diff, median_ratio
 from harness.settings import Settings
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 D = 2
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")

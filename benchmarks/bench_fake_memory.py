@@ -2,7 +2,7 @@
 
 The step is ``bench_single_device.py``'s megapipe system (bf16 weights, fp32 master weights and
 main gradients, Adam, gradient clipping; dropout on), run twice on fake accelerator tensors
-(``megapipe.fake_device``): no kernel runs, but every storage the step creates on the device is
+(``megapipe.testing.fake_device``): no kernel runs, but every storage the step creates on the device is
 counted from its creation until its last user lets it go, so the peak is what the caching
 allocator would have to hold (before its rounding to blocks and its fragmentation). The second
 step counts Adam's moments, created by the first. Attention runs as on a CUDA device: the fake
@@ -27,7 +27,7 @@ import torch
 from harness import cli
 from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
-from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.presets import cluster_preset

@@ -20,7 +20,7 @@ from torch.utils import benchmark
 from harness import cli
 from harness.report import print_ruled
 from megapipe import fusions
-from megapipe.distributed import default_device
+from megapipe.parallel.launch import default_device
 from megapipe.fusions import backend
 
 SHAPES = {"cpu": dict(s=256, b=4, h=512, heads=8), "cuda": dict(s=2048, b=4, h=4096, heads=32)}

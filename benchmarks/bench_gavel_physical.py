@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gavel_physical.py --round-seconds 20 --out benchmarks/results/gavel_physical_20s.json
 
-Cluster: two hosts, each a network namespace of this machine (``megapipe/testing_hosts.py``; the
+Cluster: two hosts, each a network namespace of this machine (``megapipe/testing/hosts.py``; the
 loopback address where namespaces cannot be made) with its worker agent (``host-a``, ``host-b``)
 and 2 fast and 2 slow CPU devices (a rank per device, one thread each; slow devices throttled to
 half a CPU); a two-device job placed on both hosts talks over the bridge between them.
@@ -40,15 +40,15 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import cli, report
-from megapipe.cluster.cluster_spec import ClusterSpec
-from megapipe.cluster.job_log import continuity, iteration_losses, overlapping_runs, run_alone
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.local_cluster import LocalCluster, free_port
-from megapipe.cluster.policies import make_policy
-from megapipe.cluster.scheduler import Scheduler
-from megapipe.cluster.simulator import simulate
-from megapipe.cluster.throughputs import ThroughputTable
-from megapipe.testing_hosts import NamespacesUnavailable, TestHosts
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.client.job_log import continuity, iteration_losses, overlapping_runs, run_alone
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.service.local_cluster import LocalCluster, free_port
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.scheduler import Scheduler
+from megapipe.cluster.sim.simulator import simulate
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.testing.hosts import NamespacesUnavailable, TestHosts
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = {"host-a": "fast:2,slow:2", "host-b": "fast:2,slow:2"}
@@ -82,7 +82,7 @@ def device_speeds(work_dir: str, throttle: float = 0.5) -> dict:
         processes[name] = subprocess.Popen([sys.executable, str(ROOT / command[0]), *command[1:]],
                                            cwd=os.path.join(work_dir, name), env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.throttle", str(processes["slow"].pid),
+    throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.worker.throttle", str(processes["slow"].pid),
                                   str(throttle)], env=env, cwd=str(ROOT))
     outputs = {name: process.communicate(timeout=1800)[0] for name, process in processes.items()}
     throttler.wait(timeout=60)

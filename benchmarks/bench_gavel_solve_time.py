@@ -16,12 +16,12 @@ import time
 
 from harness import cli, report
 from benchmarks.gavel_common import DATA
-from megapipe.cluster.cluster_spec import ClusterSpec
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.policies import make_policy
-from megapipe.cluster.policies.water_filling import WaterFilling
-from megapipe.cluster.problem import build_problem
-from megapipe.cluster.throughputs import ThroughputTable
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.policies.water_filling import WaterFilling
+from megapipe.cluster.core.problem import build_problem
+from megapipe.cluster.core.throughputs import ThroughputTable
 
 
 def jobs_for(table, n, seed=0, entities=4):

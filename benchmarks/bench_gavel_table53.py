@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from benchmarks.gavel_common import DATA, run_policy
 from harness import report
-from megapipe.cluster.metrics import summarise
-from megapipe.cluster.throughputs import ThroughputTable
-from megapipe.cluster.trace import read_trace
+from megapipe.cluster.sim.metrics import summarise
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.cluster.sim.trace import read_trace
 
 CLUSTER = "v100:8,p100:16,k80:24"
 ROWS = [  # (trace, system, policy, objective, chapter hours, seeds)

@@ -33,10 +33,10 @@ from tqdm import tqdm
 
 from harness import cli, report
 from benchmarks.gavel_common import DATA, run_policy
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.plots import plot_jct_vs_load
-from megapipe.cluster.throughputs import ThroughputTable
-from megapipe.cluster.trace import generate_trace
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.sim.plots import plot_jct_vs_load
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.cluster.sim.trace import generate_trace
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ON_DEMAND = {"v100": 2.48, "p100": 1.46, "k80": 0.45}  # GCP $/GPU-hour

@@ -36,10 +36,10 @@ from megapipe.models import build_model_chunks
 from megapipe.models.gpt import GPTStage
 from megapipe.models.hf_llama import llama_from_hf, llama_model_config
 from megapipe.models.state_dict import local_state_dict
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 
 def hf_model(args):

@@ -49,15 +49,15 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
 from megapipe.optim import OptimizerConfig
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.plan_layout import initialize_plan_state
+from megapipe.parallel.state import initialize_plan_state
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Training
 from megapipe.planner.pipedream import partition_profile
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
-from megapipe.stage_plan import StagePlan
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts
 
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=2048, vocab_size=32768,
              position_embedding_type="rope", untie_embeddings_and_output_weights=True, hidden_dropout=0.0,

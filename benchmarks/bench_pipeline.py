@@ -49,12 +49,12 @@ from harness.models import MegapipeRunner, TensorStage, adamw, batch, make_loss_
 from harness.pairing import take_turns, timed
 from harness.settings import Settings
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Action, ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
              ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]  # name, chunks per rank

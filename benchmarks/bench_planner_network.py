@@ -55,8 +55,8 @@ from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.pipedream import partition_profile
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.units import human_bytes
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts
 
 HOSTS, PER_HOST = 2, 2
 MICRO_BATCH = 2

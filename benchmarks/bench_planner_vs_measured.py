@@ -41,7 +41,7 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.planner.cluster import Cluster
@@ -49,7 +49,7 @@ from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 WORLD = 4
 MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=2048, seq_length=128,

@@ -45,14 +45,14 @@ from harness.pairing import take_turns
 from harness.ratios import paired, quartiles
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.iterations import replay_iterations
 from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.stage_placement import Placement
-from megapipe.testing import run_distributed
+from megapipe.layout.placement import Placement
+from megapipe.testing.worlds import run_distributed
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,14 @@ from harness.ratios import max_relative_diff, median_ratio
 from harness.settings import Settings
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, simulate
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 NAMED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved-zb", 2)]
 MEASURED_UNDER = {1: "zb-h1", 2: "interleaved-zb"}  # split-backward runs whose timelines give the costs

@@ -60,14 +60,13 @@ from harness.report import print_ruled, write_json
 from megapipe import fusions  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import first_line  # noqa: E402
-from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
-                                  release_cached_memory, reset_peak_memory, synchronize)
+from megapipe.parallel.launch import DeviceClock, default_device, device_name, peak_memory_gib, release_cached_memory, reset_peak_memory, synchronize
 from megapipe.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
 from megapipe.optim import GradBuffers, OptimizerConfig, build_optimizer, finalize_model_grads  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIP_GRAD, DROPOUT = 1e-4, 0.01, 1.0, 0.1
 GPT2_VOCAB = 50257

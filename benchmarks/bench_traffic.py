@@ -6,7 +6,7 @@ interface counters of two namespaced hosts (2 hosts x 2 ranks; root, Linux).
 
 Each layout trains the same GPT through the real training loop (``Trainer``: data, pipeline
 schedule, gradient syncs, optimizer, logging collectives) twice in one world of 4 processes
-spread over two hosts (``megapipe.testing_hosts``): once for K1 and once for K2 iterations.
+spread over two hosts (``megapipe.testing.hosts``): once for K1 and once for K2 iterations.
 The difference of the frames the hosts sent, divided by K2 - K1, is one iteration's traffic:
 start-up (process groups, rendezvous, evaluation) cancels out. The prediction is
 ``CostModel.traffic`` (``megapipe/planner/traffic.py``) for the same layout on a cluster of 2
@@ -29,9 +29,9 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import CostModel, Layout, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import FRAME_OVERHEAD, wire_bytes
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts, own_counters
-from megapipe.training import Trainer
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts, own_counters
+from megapipe.training.trainer import Trainer
 
 HOSTS, PER_HOST = 2, 2
 WORLD = HOSTS * PER_HOST

@@ -45,8 +45,8 @@ from harness.ratios import median_ratio, paired, quartiles
 from harness.settings import Settings
 from megapipe.arguments import parse_config
 from megapipe.models import build_model_chunks
-from megapipe.testing import run_distributed
-from megapipe.training import Trainer
+from megapipe.testing.worlds import run_distributed
+from megapipe.training.trainer import Trainer
 
 WARMUP_STEPS = 2  # per system, before timing (lazy optimizer state, first messages)
 

@@ -30,9 +30,9 @@ from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = ("1f1b", "2bw", "pipedream")
 RESULTS = report.RESULTS

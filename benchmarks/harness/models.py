@@ -13,7 +13,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.gpt import masked_mean
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups
 from megapipe.optim.optimizer import build_inner_optimizer
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
