@@ -7,8 +7,8 @@ Each world builds a real Trainer (GPT with GPT-2 small's body: 768 hidden, 12 he
 layers; split t ways in a world of t), trains one step so the Adam moments exist, then times
 on every rank, between barriers (the slowest rank counts):
 
-* megapipe save: ``save_checkpoint`` (DCP pieces of every rank, fsync, atomic publication);
-* megapipe load: ``load_checkpoint`` of that checkpoint (checks, reads, copies into the model);
+* megapipe save: ``Checkpointer.save`` (DCP pieces of every rank, fsync, atomic publication);
+* megapipe load: ``Checkpointer.load`` of that checkpoint (checks, reads, copies into the model);
 * megapipe async save: how long training is blocked (copies to CPU) and until it is published;
 * torch.save / torch.load: the same model and optimizer state dicts in one file per rank
   (fsync included, as megapipe's save syncs too), then ``load_state_dict``.
@@ -61,7 +61,6 @@ def _plain_load(trainer, path: str) -> None:
 def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
     from megapipe.arguments import parse_config
-    from megapipe.checkpointing import load_checkpoint, save_checkpoint, wait_for_save
     from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",
@@ -76,12 +75,12 @@ def _bench_world(rank, world_size, layers, root, repeats):
             "async save: until published": [], "torch.save (file per rank)": [], "torch.load (file per rank)": []}
     for _ in range(repeats):
         trainer.config.training.async_save = False
-        rows["megapipe save"].append(_seconds(lambda: save_checkpoint(directory, trainer)))
-        rows["megapipe load"].append(_seconds(lambda: load_checkpoint(directory, trainer)))
+        rows["megapipe save"].append(_seconds(lambda: trainer.checkpointer.save(directory)))
+        rows["megapipe load"].append(_seconds(lambda: trainer.checkpointer.load(directory)))
         trainer.config.training.async_save = True
         started = time.perf_counter()
-        rows["async save: training blocked"].append(_seconds(lambda: save_checkpoint(directory, trainer)))
-        wait_for_save(trainer)
+        rows["async save: training blocked"].append(_seconds(lambda: trainer.checkpointer.save(directory)))
+        trainer.checkpointer.wait()
         done = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
         rows["async save: until published"].append(done.item())

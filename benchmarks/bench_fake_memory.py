@@ -29,7 +29,7 @@ from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
 from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
@@ -64,7 +64,7 @@ def planned_peak(shape, recompute: bool) -> float:
                        config.padded_vocab_size(1), config.ffn_hidden_size)
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
                                    dtype="bfloat16")
-    costs = CostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
+    costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
     return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=recompute)).memory
 
 

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from harness import cli, report
 from megapipe.cluster.core.cluster_spec import ClusterSpec
-from megapipe.cluster.client.job_log import continuity, iteration_losses, overlapping_runs, run_alone
+from megapipe.cluster.service.job_log import continuity, iteration_losses, overlapping_runs, run_alone
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.service.local_cluster import LocalCluster, free_port
 from megapipe.cluster.core.policies import make_policy

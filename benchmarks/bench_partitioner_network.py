@@ -52,7 +52,7 @@ from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Training
-from megapipe.planner.pipedream import partition_profile
+from megapipe.planner.profile_partition import partition_profile
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
 from megapipe.layout.stage_plan import StagePlan

@@ -45,7 +45,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
@@ -239,7 +239,7 @@ def probe_time(profile) -> float:
 
 
 def predict(profile, cluster: Cluster, layouts) -> list[float]:
-    model = CostModel(profile, cluster, Training(GLOBAL_BATCH))
+    model = PlanCostModel(profile, cluster, Training(GLOBAL_BATCH))
     return [model.estimate(Layout(*layout[:5], virtual=layout[5], recompute=layout[6])).samples_per_second
             for layout in layouts]
 

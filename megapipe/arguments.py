@@ -19,7 +19,7 @@ from megapipe.config import Config, DataConfig, ModelConfig, ParallelConfig, Sch
 from megapipe.errors import ConfigError
 from megapipe.flops import check_device_peak
 from megapipe.llama_flags import apply_preset, llama_flags, llama_options
-from megapipe.operations import validate_operations
+from megapipe.training.exits import validate_operations
 from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 
 
@@ -280,11 +280,11 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
 
     ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) adds the checks of how the layout sits on
     nodes; a tensor-parallel group across nodes is warned about on stderr by rank 0."""
-    from megapipe.node_layout import check_nodes
-    from megapipe.parallel_state import RankLayout
-    from megapipe.plan_layout import PlanLayout
+    from megapipe.layout.nodes import check_nodes
+    from megapipe.layout.ranks import RankLayout
+    from megapipe.layout.plan import PlanLayout
     from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
-    from megapipe.searched_schedule import AUTO, check_profile, check_search_flags, searched_schedule
+    from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
     warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.stage_plan import StagePlan, read_stage_plan
+from megapipe.layout.stage_plan import StagePlan, read_stage_plan
 from megapipe.optim.config import OptimizerConfig
 
 
@@ -160,7 +160,7 @@ class ModelConfig:
 
 @dataclass
 class ScheduleSearchConfig:
-    """Inputs of ``--pipeline-schedule auto`` (``searched_schedule.py``): per-rank times or a profile."""
+    """Inputs of ``--pipeline-schedule auto`` (``pipeline/selection.py``): per-rank times or a profile."""
 
     forward_time: Optional[tuple] = None  # per pipeline rank, or one for all
     input_backward_time: Optional[tuple] = None  # default: the forward's
@@ -185,7 +185,7 @@ class ParallelConfig:
     scatter_gather_tensors_in_pipeline: bool = True
     pipeline_schedule: str = "1f1b"
     pipedream_vertical_sync: bool = False  # PipeDream: every stage uses the version tagged at the input stage
-    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (stage_plan.py)
+    pipeline_stages: Optional[str] = None  # a stage plan: "0:12x2,12:24x1" or a JSON file (layout/stage_plan.py)
     schedule_file: Optional[str] = None  # a flush schedule file run instead of pipeline_schedule
     schedule_search: ScheduleSearchConfig = field(default_factory=ScheduleSearchConfig)  # for schedule "auto"
 
@@ -261,14 +261,14 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     device_peak_tflops: Optional[float] = None  # for model FLOPs utilisation; known GPUs are looked up
     fusion_backend: str = "auto"
-    # operations (megapipe/operations.py)
+    # operations (megapipe/training/exits.py)
     distributed_timeout_minutes: float = 10.0  # every collective's timeout, as Megatron's default
     exit_interval: Optional[int] = None  # save and exit every N iterations
     exit_duration_in_mins: Optional[float] = None  # save and exit after this long
     skip_train: bool = False  # evaluate the --load checkpoint only
     override_opt_param_scheduler: bool = False  # resume with the flags' learning-rate schedule
     use_checkpoint_opt_param_scheduler: bool = False  # resume with the checkpoint's learning-rate schedule
-    cluster_lease: Optional[str] = None  # scheduler address of this job's lease (megapipe/cluster/lease.py)
+    cluster_lease: Optional[str] = None  # scheduler address of this job's lease (megapipe/cluster/client/lease.py)
 
     def num_microbatches(self, data_parallel: int) -> int:
         """m = global batch / (micro batch x d), as in Megatron."""

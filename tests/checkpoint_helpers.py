@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megapipe.arguments import parse_config
-from megapipe.training import Trainer
+from megapipe.training.trainer import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of
 # 16 x t, so tensor-parallel slices hold padding rows that a checkpoint must trim and restore.

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
 
 S, H, V = 16, 32, 100
 # how PyTorch words a fake tensor meeting a tensor on another device (a RuntimeError; torch 2.11 says

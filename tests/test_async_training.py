@@ -26,12 +26,12 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.plan_layout import initialize_plan_state
+from megapipe.parallel.state import initialize_plan_state
 from megapipe.pipeline.ir.schedules.round_robin import warmup_forwards
-from megapipe.stage_plan import StagePlan
-from megapipe.testing import run_distributed
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.testing.worlds import run_distributed
 from pipedream_emulator import emulate, stashing, two_bw, vertical_sync
 
 RTOL = 1e-5

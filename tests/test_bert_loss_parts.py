@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
-from megapipe.loss_parts import parts_of
+from megapipe.models.loss_parts import parts_of
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from test_training_cli import ROOT, TINY
 
 

@@ -12,11 +12,11 @@ import sqlite3
 import pytest
 
 from megapipe.arguments import parse_config
-from megapipe.cluster.backends.base import HostSlots
-from megapipe.cluster.job_log import layout_key
-from megapipe.cluster.job_spec import parse_job
-from megapipe.cluster.journal import Journal
-from megapipe.cluster.relayout import best_layout, layout_command
+from megapipe.cluster.service.backends.base import HostSlots
+from megapipe.cluster.service.job_log import layout_key
+from megapipe.cluster.service.job_spec import parse_job
+from megapipe.cluster.service.journal import Journal
+from megapipe.cluster.service.relayout import best_layout, layout_command
 from megapipe.errors import ConfigError
 
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

@@ -31,13 +31,13 @@ from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
-from megapipe.plan_layout import initialize_plan_state
+from megapipe.parallel.state import ParallelState
+from megapipe.parallel.state import initialize_plan_state
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.stage_plan import StagePlan
-from megapipe.testing import run_distributed
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.testing.worlds import run_distributed
 
 RTOL = 1e-6
 SEQ, MICRO, STEPS = 8, 2, 5

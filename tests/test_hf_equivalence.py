@@ -14,7 +14,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.hf_mapping import (bert_from_hf, bert_model_config, bert_to_hf, gpt2_from_hf,
                                         gpt2_model_config, gpt2_to_hf)
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 RTOL = 1e-5
 

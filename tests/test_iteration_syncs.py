@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from megapipe.arguments import parse_config
-from megapipe.distributed import count_synchronisations, counting_synchronisations
-from megapipe.operations import ExitConditions
-from megapipe.testing import run_distributed
-from megapipe.training import Trainer
+from megapipe.parallel.launch import count_synchronisations, counting_synchronisations
+from megapipe.training.exits import ExitConditions
+from megapipe.testing.worlds import run_distributed
+from megapipe.training.trainer import Trainer
 from test_training_cli import TINY, run
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

@@ -21,11 +21,11 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 RTOL = 1e-5
 SEQ, MICRO, M, STEPS = 8, 2, 4, 3

@@ -34,18 +34,18 @@ from megapipe.arguments import parse_config
 from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
-from megapipe.distributed import counting_synchronisations
+from megapipe.parallel.launch import counting_synchronisations
 from megapipe.models import build_model_chunks
-from megapipe.operations import ExitConditions
+from megapipe.training.exits import ExitConditions
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.optim import LRScheduler, OptimizerConfig
 from megapipe.optim.clip import CLIP_EPSILON
 from megapipe.optim.post_validation import AMEND_MARGIN
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.schedules import schedule_spec
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.stage_placement import Placement
-from megapipe.testing import run_distributed
+from megapipe.layout.placement import Placement
+from megapipe.testing.worlds import run_distributed
 from test_training_cli import TINY, run
 
 SEQ, MICRO, M, STEPS = 8, 2, 4, 5

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from megapipe.arguments import parse_config
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 FLAGS = ["--num-layers", "3", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "2", "--log-interval", "1",
@@ -44,7 +44,7 @@ def _record_dataset_access(opened: list, built: list) -> None:
 
 
 def _train(kind: str, cache: str, pipeline: int) -> list:
-    from megapipe.training import Trainer
+    from megapipe.training.trainer import Trainer
 
     config = parse_config(kind, FLAGS + ["--pipeline-model-parallel-size", str(pipeline), "--data-cache-path", cache],
                           world_size=dist.get_world_size())

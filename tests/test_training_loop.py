@@ -11,8 +11,8 @@ from megapipe.arguments import parse_config
 from megapipe.config import ModelConfig
 from megapipe.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 FP16_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
               "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
@@ -24,7 +24,7 @@ def fp16_with_overflow(rank, world_size, cache):
     import os
 
     os.environ["MEGAPIPE_CACHE"] = cache
-    from megapipe.training import Trainer
+    from megapipe.training.trainer import Trainer
 
     trainer = Trainer("gpt", parse_config("gpt", FP16_FLAGS))
     poisoned = trainer.chunks[0].layers["0"].mlp.fc1.weight

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from checkpoint_helpers import session_cache
 from megapipe.arguments import parse_config
 from megapipe.errors import ConfigError
-from megapipe.training import Trainer
-from megapipe.testing import run_distributed
+from megapipe.training.trainer import Trainer
+from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 

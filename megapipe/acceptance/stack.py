@@ -14,7 +14,7 @@ import torch
 
 from megapipe import fusions
 from megapipe.acceptance.record import Context, Record
-from megapipe.distributed import device_name
+from megapipe.parallel.launch import device_name
 from megapipe.flops import device_peak_tflops
 
 OPTIONAL = ("apex", "transformer_engine", "megatron.core", "datasets", "cvxpy", "wandb", "matplotlib",

@@ -20,7 +20,7 @@ from megapipe.optim.config import OptimizerConfig
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
 from megapipe.optim.loss_scaler import build_loss_scaler
 from megapipe.optim.precision import PrecisionOptimizer, make_main_param
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 

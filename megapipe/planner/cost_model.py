@@ -63,7 +63,8 @@ from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
                                              placement_of, searched, unties_embeddings, weight_versions)
 from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
-from megapipe.stage_placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.stage_plan import equal_split
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,8 @@ def _transfer(nbytes: float, link: Optional[Link]) -> float:
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
     """Profile layer indices of virtual stage ``stage``: its blocks, the embedding first, the head last."""
-    per = num_layers // num_stages
-    layers = list(range(1 + stage * per, 1 + (stage + 1) * per))
+    start, end = equal_split(num_layers, num_stages).layer_ranges[stage]
+    layers = list(range(1 + start, 1 + end))
     return ([0] if stage == 0 else []) + layers + ([num_layers + 1] if stage == num_stages - 1 else [])
 
 
@@ -185,7 +186,7 @@ def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
     return passes * s * l * h * h * (1 + s / (6 * h)) + 6 * s * h * shape.vocab_size
 
 
-class CostModel:
+class PlanCostModel:
     """Estimates for one profile on one cluster; caches what layouts share."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training):

@@ -14,12 +14,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.optim.sharding import SHARDING_STRATEGIES
 from megapipe.planner.schedule_costs import (CHUNKED, FLUSHING, SCHEDULES, SEARCHED, SEARCHED_LAYOUTS,
                                              microbatch_problem, placement_of)
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 from megapipe.planner.units import human_bytes
 
 
@@ -159,7 +159,7 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
     unknown = [s for s in request.schedules if s not in SCHEDULES]
     if unknown:
         raise ConfigError(f"schedule {unknown[0]} is unknown; choose from {', '.join(SCHEDULES)}.")
-    model = CostModel(profile, cluster, request.costs_training())
+    model = PlanCostModel(profile, cluster, request.costs_training())
     estimates = [model.estimate(layout) for layout in enumerate_layouts(profile.shape, cluster.num_gpus, request)]
     if not estimates:
         raise _no_layout_error(profile.shape, cluster.num_gpus, request)

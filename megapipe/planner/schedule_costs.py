@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev", "auto", "2bw",
              "pipedream")
 FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev", "auto")
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "interleaved-zb")
 CHUNKED = ("interleaved", "interleaved-zb")
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (stage_placement.py)
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (layout/placement.py)
 LEAST_V_MICROBATCHES = {"zbv": lambda p: 2 * p - 1, "dualpipev": lambda p: 2 * p - 1}
 SEARCHED = "auto"  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
 SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk

@@ -44,7 +44,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.replay import replay
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 MEMORY_FLAG = "--schedule-memory-limit"
 

@@ -29,7 +29,7 @@ from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optim
 from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
 from megapipe.optim.passes import SyncPasses
 from megapipe.optim.post_validation import PostValidation
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
 from megapipe.pipeline.runtime.in_flight import InFlight
@@ -39,7 +39,7 @@ from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.weights import WeightVersionStore
-from megapipe.tensor_parallel.random import capture_rng, restore_rng
+from megapipe.parallel.random import capture_rng, restore_rng
 
 
 @dataclass

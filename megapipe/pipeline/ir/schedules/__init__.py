@@ -33,7 +33,7 @@ from megapipe.pipeline.ir.schedules.zero_bubble import interleaved_zb, zb_h1, zb
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.runtime.weights import WeightPolicy
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 UNROLLED_BATCHES = 4
 """Batches in the unrolled form ``build_schedule`` returns for an asynchronous schedule."""
@@ -45,7 +45,7 @@ Generator = Callable[..., list[list[Action]]]
 class ScheduleSpec:
     """A registered generator; ``chunked`` generators take (p, m, v), the others (p, m) and need v = 1;
     asynchronous ones (weight policy other than single) take keywords and may allow chunks.
-    ``placement`` says where its chunks live (``stage_placement.py``)."""
+    ``placement`` says where its chunks live (``layout/placement.py``)."""
 
     name: str
     generate: Generator

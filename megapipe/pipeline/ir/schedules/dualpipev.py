@@ -28,7 +28,7 @@ from collections import Counter, deque
 
 from megapipe.pipeline.ir.actions import Action, ActionKind
 from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def dualpipev(p: int, m: int, v: int) -> list[list[Action]]:

@@ -25,7 +25,7 @@ from collections import deque
 
 from megapipe.pipeline.ir.actions import Action, ActionKind
 from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 PERIOD = 6  # slots per microbatch and rank: F, BI and BW of two chunks
 F_DOWN, F_UP, BI_UP, BI_DOWN = range(4)  # the four passes of a block, chunk 0 going down the ranks

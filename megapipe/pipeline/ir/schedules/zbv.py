@@ -18,7 +18,7 @@ from collections import Counter
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def zbv(p: int, m: int, v: int) -> list[list[Action]]:
