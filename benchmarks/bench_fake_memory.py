@@ -18,13 +18,14 @@ explicit attention (the paper's kernels), hence its larger figure without recomp
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from unittest import mock
 
 import torch
 
+from harness import cli
+from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
 from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
@@ -68,14 +69,14 @@ def planned_peak(shape, recompute: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--shape", default="gpt-350m,gpt-1.3b", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the shape's")
     args = parser.parse_args()
     header = f"{'model':10s} {'micro-batch':>11s} {'variant':20s} {'fake device GiB':>15s} {'planner GiB':>11s} " \
              f"{'planner/fake':>12s}"
-    print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py\n{header}\n"
-          + "-" * len(header))
+    print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py")
+    print_ruled(header)
     for name in args.shape.split(","):
         shape = SHAPES[name]
         if args.micro_batch_size:

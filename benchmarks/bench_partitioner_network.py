@@ -33,7 +33,6 @@ the median over rounds is printed as samples/s next to the partitioner's time pe
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -42,8 +41,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.report import print_markdown
 from bench_planner_network import LINK_SIZES, slope
-from bench_planner_vs_measured import block_probe, one_way_seconds, print_markdown, probe_rounds
+from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
 from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
 from megapipe.optim import OptimizerConfig
@@ -128,7 +129,7 @@ def train_plans(rank, world_size, plans, model, warmup, rounds):
 
 # ---- the benchmark ----------------------------------------------------------------------------
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--rates-mbit", type=float, nargs="+", default=[20, 100, 1000])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

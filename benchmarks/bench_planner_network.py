@@ -33,7 +33,6 @@ several bandwidths, every layout of a small GPT predicted and trained (root, Lin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,9 +42,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.pairing import timed as between_barriers
+from harness.ratios import spearman
+from harness.report import print_markdown
 import bench_planner_vs_measured
-from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, print_markdown, probe_time,
-                                       profile_once, spearman, train_layouts)
+from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, probe_time, profile_once,
+                                       train_layouts)
 from megapipe.config import ModelConfig
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training
@@ -76,12 +79,7 @@ def probe_links(rank, world_size, sizes, repeats):
     peer = (rank + 2) % 4
 
     def timed(step) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        dist.barrier()
-        return (time.perf_counter() - start) / repeats
+        return between_barriers(lambda: [step() for _ in range(repeats)])[0] / repeats
 
     rows = {"one flow": [], "two flows": [], "all-reduce across": [], "all-reduce inside": []}
     for size in sizes:
@@ -187,7 +185,7 @@ def partitioner_choice(profile, cluster: Cluster) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--rates-mbit", type=float, nargs="+", default=[20, 100, 1000])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)

@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -36,6 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.ratios import spearman
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
@@ -68,14 +69,6 @@ LAYOUTS = [
     (4, 1, 1, 4, "1f1b", 1, False),
     (1, 2, 2, 4, "1f1b", 1, True),
 ]
-
-
-def print_markdown(header: list[str], rows: list[list[str]]) -> None:
-    """A Markdown table after a blank line, as the README's tables are written."""
-    print("\n| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
 
 
 # ---- what runs in the spawned processes ------------------------------------------------------
@@ -200,20 +193,6 @@ def machine_speed(block_time: float, alone: list[float], together: list[float]) 
     return block_time / lone, min(float(WORLD), WORLD * lone / crowd)
 
 
-def spearman(xs, ys) -> float:
-    """Rank correlation (average ranks for ties)."""
-    def ranks(values):
-        order = np.argsort(values)
-        result = np.empty(len(values))
-        result[order] = np.arange(len(values))
-        for value in set(values):
-            same = [i for i, v in enumerate(values) if v == value]
-            result[same] = np.mean(result[same])
-        return result
-
-    return float(np.corrcoef(ranks(list(xs)), ranks(list(ys)))[0, 1])
-
-
 def describe(layout) -> str:
     return Layout(*layout[:5], virtual=layout[5], recompute=layout[6]).describe()
 
@@ -282,7 +261,7 @@ def print_comparison(layouts, predicted, again, measured, chosen) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="3 rounds and 6 layouts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

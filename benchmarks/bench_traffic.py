@@ -18,11 +18,11 @@ right (payload) from what the wire adds.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch.distributed as dist
 
+from harness import cli
 from megapipe.arguments import parse_config
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
@@ -88,7 +88,7 @@ def predict(t: int, p: int, d: int, sharding: str, extra: list[str]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the first 4 layouts")
     parser.add_argument("--iterations", type=int, nargs=2, default=(1, 4), metavar=("K1", "K2"))
     args = parser.parse_args()
