@@ -38,10 +38,8 @@ each system is built, timed and freed in turn, and its peak memory is shown.
 from __future__ import annotations
 
 import abc
-import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -57,6 +55,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
 
+from harness import cli
+from harness.report import print_ruled, write_json
 from megapipe import fusions  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import first_line  # noqa: E402
@@ -476,8 +476,7 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
     show_memory = any(row.get("peak_gib") is not None for row in rows)
     header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
               f"{'MFU f+b':>7s} {'MFU':>6s} {'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
-    print(header)
-    print("-" * len(header))
+    print_ruled(header)
     for row in rows:
         if "error" in row:
             print(f"{row['system']:44s} not run: {row['error']}")
@@ -496,7 +495,7 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
 # ---- main -----------------------------------------------------------------------------------------
 
 def parse_args(device: torch.device):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--shape", default=None,
                         help=f"comma-separated shapes from {', '.join(SHAPES)} "
                              "(default: cpu-small on CPU, gpt-350m,gpt-1.3b on CUDA)")
@@ -550,14 +549,6 @@ def parse_args(device: torch.device):
         if name not in SHAPES:
             parser.error(f"--shape {name} is unknown; use one of {', '.join(SHAPES)}.")
     return args
-
-
-def write_report(path: Optional[str], report: dict) -> None:
-    """The report so far, replaced atomically (a run stopped by a time limit keeps the systems done)."""
-    if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(path + ".tmp", path)
 
 
 def device_peak(args, device: torch.device) -> tuple[Optional[float], Optional[Callable[[], float]], str]:
@@ -617,7 +608,7 @@ def main() -> None:
         def report_rows(results, measured=None):
             peak_tflops = max(peak, measured or 0.0) if peak is not None else None
             report["shapes"][shape_name] = table_rows(results, shape, args.micro_batches, flops, peak_tflops)
-            write_report(args.json, report)
+            write_json(args.json, report)  # so far: a run stopped by a time limit keeps the systems done
 
         if args.sequential:
             results, measured = run_sequential(systems, batches, args, device, report_rows), None

@@ -17,7 +17,7 @@ os.environ.setdefault("MEGAPIPE_DEVICE", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megapipe.testing_hosts import NamespacesUnavailable, TestHosts  # noqa: E402
+from megapipe.testing.hosts import NamespacesUnavailable, TestHosts  # noqa: E402
 
 
 def _import_triton_interpreted() -> None:

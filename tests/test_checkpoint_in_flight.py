@@ -16,7 +16,7 @@ import os
 import pytest
 
 from checkpoint_helpers import layout_flags, session_cache, train
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 

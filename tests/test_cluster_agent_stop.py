@@ -20,9 +20,9 @@ import time
 import pytest
 
 from megapipe.checkpointing.paths import read_latest
-from megapipe.cluster.agent import JobProcess
-from megapipe.cluster.local_cluster import free_port
-from megapipe.cluster.process_tree import process_groups, signal_tree
+from megapipe.cluster.worker.agent import JobProcess
+from megapipe.cluster.service.local_cluster import free_port
+from megapipe.cluster.worker.process_tree import process_groups, signal_tree
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megapipe.cluster.job_log import iteration_losses, run_alone
-from megapipe.cluster.local_cluster import free_port
+from megapipe.cluster.service.job_log import iteration_losses, run_alone
+from megapipe.cluster.service.local_cluster import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from megapipe.cluster.cluster_spec import ClusterSpec
-from megapipe.cluster.mechanism import RoundMechanism
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.core.mechanism import RoundMechanism
 
 ROUND = 360.0
 

@@ -5,12 +5,12 @@ import itertools
 import numpy as np
 import pytest
 
-from megapipe.cluster.cluster_spec import ClusterSpec
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.policies import POLICY_NAMES, make_policy
-from megapipe.cluster.policies.water_filling import WaterFilling
-from megapipe.cluster.problem import build_problem
-from megapipe.cluster.throughputs import ThroughputTable
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.policies import POLICY_NAMES, make_policy
+from megapipe.cluster.core.policies.water_filling import WaterFilling
+from megapipe.cluster.core.problem import build_problem
+from megapipe.cluster.core.throughputs import ThroughputTable
 from cluster_helpers import small_jobs, small_table
 
 PRICES = {"v100": 2.48, "p100": 1.46, "k80": 0.45}

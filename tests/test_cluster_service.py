@@ -1,7 +1,7 @@
 """The scheduler service end to end: real agents, real megapipe jobs, faults, bad input, the status page.
 
 One cluster for the module: the scheduler (heterogeneity-aware LAS, 12 s rounds, lease renewals
-on) and two hosts (network namespaces, ``testing_hosts.py``; skipped where they cannot be made),
+on) and two hosts (network namespaces, ``testing/hosts.py``; skipped where they cannot be made),
 each an agent with one fast and one slow CPU device (slow: half a CPU) running its jobs' ranks
 inside its host.
 Three small GPT jobs run to their targets while the status page is checked in headless
@@ -24,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megapipe.cluster.job_log import (continuity, iteration_layouts, iteration_losses, layout_key, leases,
-                                      overlapping_runs, run_alone)
-from megapipe.cluster.lease import post_json
-from megapipe.cluster.local_cluster import TOOL, LocalCluster, free_port
-from megapipe.testing_hosts import NamespacesUnavailable, TestHosts
+from megapipe.cluster.service.job_log import continuity, iteration_layouts, iteration_losses, layout_key, leases, overlapping_runs, run_alone
+from megapipe.cluster.client.lease import post_json
+from megapipe.cluster.service.local_cluster import TOOL, LocalCluster, free_port
+from megapipe.testing.hosts import NamespacesUnavailable, TestHosts
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,9 +13,9 @@ in another order; dropout is off). No job runs twice at once.
 
 import pytest
 
-from megapipe.cluster.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
-from megapipe.cluster.job_log import continuity, iteration_losses, overlapping_runs, run_alone
-from megapipe.cluster.local_cluster import LocalCluster, free_port
+from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
+from megapipe.cluster.service.job_log import continuity, iteration_losses, overlapping_runs, run_alone
+from megapipe.cluster.service.local_cluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
               pytest.mark.timeout(900)]

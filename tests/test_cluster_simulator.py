@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from megapipe.cluster.cluster_spec import ClusterSpec, parse_cluster
-from megapipe.cluster.estimator import complete, estimate_error
-from megapipe.cluster.jobs import Job as Job_
-from megapipe.cluster.metrics import completion_times, summarise
-from megapipe.cluster.policies import make_policy
-from megapipe.cluster.scheduler import Scheduler
-from megapipe.cluster.simulator import simulate
-from megapipe.cluster.throughputs import ThroughputTable
-from megapipe.cluster.trace import format_job, generate_trace, read_trace, write_trace
+from megapipe.cluster.core.cluster_spec import ClusterSpec, parse_cluster
+from megapipe.cluster.core.estimator import complete, estimate_error
+from megapipe.cluster.core.jobs import Job as Job_
+from megapipe.cluster.sim.metrics import completion_times, summarise
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.scheduler import Scheduler
+from megapipe.cluster.sim.simulator import simulate
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.cluster.sim.trace import format_job, generate_trace, read_trace, write_trace
 from cluster_helpers import DATA, load_cluster_tool, small_jobs, small_table
 
 cli = load_cluster_tool()
@@ -132,7 +132,7 @@ def test_list_policies(capsys):
 
 def test_megapipe_job_gets_a_row_from_the_planner():
     """A megapipe GPT's predicted steps/s on two accelerator kinds becomes a schedulable row of T."""
-    from megapipe.cluster.throughputs import planner_steps_per_second
+    from megapipe.cluster.core.throughputs import planner_steps_per_second
     from megapipe.planner.analytic import analytic_gpt_profile
     from megapipe.planner.cluster import Cluster
     from megapipe.planner.plan import PlanRequest, plan
@@ -156,7 +156,7 @@ def test_megapipe_job_gets_a_row_from_the_planner():
 
 def test_estimated_table_and_learning_measured_pairs(table):
     """Fully profiled, the estimates are the truth; partly profiled, pairs that run are learned exactly."""
-    from megapipe.cluster.estimator import estimated_table
+    from megapipe.cluster.core.estimator import estimated_table
 
     full = estimated_table(table, 1.0)
     assert full.pairs["v100"] == table.pairs["v100"]

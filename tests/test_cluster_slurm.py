@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from megapipe.cluster.backends.base import HostSlots, Launch
-from megapipe.cluster.backends.slurm import SlurmBackend
-from megapipe.cluster.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
+from megapipe.cluster.service.backends.base import HostSlots, Launch
+from megapipe.cluster.service.backends.slurm import SlurmBackend
+from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
 from megapipe.errors import SlurmError
 from test_training_cli import ROOT, TINY, losses
 

@@ -10,13 +10,13 @@ that nobody fetches, and the test writes the job's log as its ranks would).
 
 import pytest
 
-from megapipe.cluster.backends.base import HostSlots
-from megapipe.cluster.job_log import MeasuredThroughput
-from megapipe.cluster.job_spec import parse_job
-from megapipe.cluster.journal import Journal
-from megapipe.cluster.relayout import predicted_iterations_per_second
-from megapipe.cluster.service import ClusterService
-from megapipe.train_logger import IterationStats
+from megapipe.cluster.service.backends.base import HostSlots
+from megapipe.cluster.service.job_log import MeasuredThroughput
+from megapipe.cluster.service.job_spec import parse_job
+from megapipe.cluster.service.journal import Journal
+from megapipe.cluster.service.relayout import predicted_iterations_per_second
+from megapipe.cluster.service.service import ClusterService
+from megapipe.training.logger import IterationStats
 
 JOB = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data",

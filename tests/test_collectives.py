@@ -1,4 +1,4 @@
-"""The collectives whose names differ between torch versions are named in megapipe/collectives.py only
+"""The collectives whose names differ between torch versions are named in megapipe/parallel/collectives.py only
 (torch 2.13's ``reduce_scatter_single`` / ``all_gather_single`` are ``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` in torch 2.11, the GPU machines' stack)."""
 
@@ -14,4 +14,4 @@ def test_version_dependent_collectives_are_named_in_one_module():
     package = pathlib.Path(megapipe.__file__).parent
     naming = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                     if VERSIONED.search(path.read_text()))
-    assert naming == ["collectives.py"]
+    assert naming == ["parallel/collectives.py"]

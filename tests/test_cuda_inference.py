@@ -11,11 +11,11 @@ import torch
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
-from megapipe.distributed import default_device
+from megapipe.parallel.launch import default_device
 from megapipe.fusions import backend
 from megapipe.inference import SamplingParams, generate, score_continuations
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
 
 DEVICE = default_device()

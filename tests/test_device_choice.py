@@ -4,7 +4,7 @@ rank that would share a GPU with another (NCCL then fails or hangs), each mistak
 import pytest
 import torch
 
-from megapipe import distributed
+from megapipe.parallel import launch as distributed
 from megapipe.errors import ConfigError
 
 

@@ -7,11 +7,11 @@ import torch
 
 from fake_device_helpers import DEVICE_MISMATCH, H, S, V, model_config, pipeline_rank, stubbed_transport
 from megapipe import fusions
-from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.fusions.backend import BACKENDS
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
 
 B = 2

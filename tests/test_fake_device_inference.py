@@ -1,6 +1,6 @@
 """GPU readiness of inference checked on a CPU: generation with every way of choosing a token, the
 pipelined decode at p = 2 and the text-generation server's request path, on fake accelerator
-tensors (``megapipe/fake_device.py``), where a host tensor or a host generator meeting a device
+tensors (``megapipe/testing/fake_device.py``), where a host tensor or a host generator meeting a device
 tensor fails as it would on a GPU, and the host's reads of the device are counted. Pipeline
 messages go through a stubbed transport that records them; one on the host fails by name."""
 
@@ -12,13 +12,13 @@ import torch
 
 from fake_device_helpers import DEVICE_MISMATCH, V, model_config, pipeline_rank, stubbed_transport
 from megapipe import fusions
-from megapipe.fake_device import FAKE_DEVICE, GeneratorDeviceMismatch, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, GeneratorDeviceMismatch, fake_accelerator
 from megapipe.inference import SamplingParams, generate
 from megapipe.inference.loading import LoadedModel
 from megapipe.inference.sampling import apply_repetition_penalty, next_tokens
 from megapipe.inference.server import make_handler
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import parse_action
 from megapipe.pipeline.runtime.p2p import StageP2P
 from megapipe.pipeline.runtime.peer_messages import PeerMessages

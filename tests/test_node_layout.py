@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megapipe.errors import ConfigError
-from megapipe.node_layout import check_nodes
+from megapipe.layout.nodes import check_nodes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,9 +10,9 @@ import math
 import torch
 
 from megapipe.optim import GradBuffers, OptimizerConfig, build_optimizer, finalize_model_grads
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import mark_tensor_parallel, shard
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 # The unsplit model: name -> (shape, how it is split, which pipeline stage holds it).
 FULL_MODEL = {

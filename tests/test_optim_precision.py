@@ -9,7 +9,7 @@ import torch
 from megapipe.optim import (DynamicLossScaler, GradBuffers, LRScheduler, OptimizerConfig, build_optimizer,
                             finalize_model_grads)
 from megapipe.optim.grad_sync import bucket_boundaries
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 PS = ParallelState.single()
 

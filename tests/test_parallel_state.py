@@ -11,8 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
-from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
+from megapipe.testing.worlds import run_distributed
 
 
 def splits(world: int):

@@ -9,9 +9,9 @@ import datetime
 import torch
 
 from megapipe.errors import PipelineTimeout
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 TIMEOUT = datetime.timedelta(seconds=2)
 

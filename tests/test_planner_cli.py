@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megapipe.stage_plan import read_stage_plan
+from megapipe.layout.stage_plan import read_stage_plan
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.profile import ModelShape
 

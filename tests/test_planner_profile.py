@@ -11,7 +11,7 @@ import torch
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.planner.analytic import analytic_gpt_profile, block_params, block_stash_bytes
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.presets import MODELS, parameter_count

@@ -9,9 +9,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from megapipe.models import build_model_chunks
 from megapipe.models.gpt import GPTStage
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 from model_families import family_config
 
 VARIANTS = [dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

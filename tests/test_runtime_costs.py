@@ -14,11 +14,11 @@
 
 import torch
 
-from megapipe.distributed import count_synchronisations
+from megapipe.parallel.launch import count_synchronisations
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 from test_pipeline_training import MICRO, SEQ, microbatch, model_config, optimizer_config
 

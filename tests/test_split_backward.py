@@ -15,8 +15,8 @@ import torch
 
 from batch_helpers import random_microbatch
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
-from megapipe.split_backward import apply_weight_gradients, deferring_weight_gradients
+from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients
 from test_pipeline_training import MICRO, SEQ, model_config
 
 

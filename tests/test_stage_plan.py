@@ -5,9 +5,10 @@ import json
 import pytest
 
 from megapipe.errors import ConfigError
-from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.plan_layout import PlanLayout
-from megapipe.stage_plan import PlannedStage, StagePlan, read_stage_plan
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
+from megapipe.layout.plan import PlanLayout
+from megapipe.layout.stage_plan import PlannedStage, StagePlan, read_stage_plan
 
 
 def test_flag_and_json_forms_read_the_same_plan(tmp_path):

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.collectives import group_size
+from megapipe.parallel.collectives import group_size
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
-from megapipe.parallel_state import ParallelState
-from megapipe.testing import run_distributed
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 from model_families import MODEL_KIND, family_config
 
 RTOL = 1e-5

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megapipe.testing_hosts import FRAME_OVERHEAD, MSS, own_counters
+from megapipe.testing.hosts import FRAME_OVERHEAD, MSS, own_counters
 
 RECEIVER = """
 import socket, sys
@@ -77,7 +77,7 @@ def test_teardown_kills_what_runs_inside_and_removes_everything(make_test_hosts)
     hosts = make_test_hosts(3)
     namespaces, ports, bridge = [h.namespace for h in hosts.hosts], [h.port for h in hosts.hosts], hosts.bridge
     sleeper = hosts.run(2, ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"]).stdout.strip()  # a daemon of its own
-    counted = hosts.run(2, [sys.executable, "-c", "from megapipe.testing_hosts import own_counters; "
+    counted = hosts.run(2, [sys.executable, "-c", "from megapipe.testing.hosts import own_counters; "
                             "print(own_counters().sent_packets >= 0)"], env=dict(os.environ)).stdout.strip()
     assert counted == "True"
     hosts.close()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megapipe.train_logger import losses_in_log
+from megapipe.training.logger import losses_in_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

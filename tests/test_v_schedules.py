@@ -29,7 +29,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 UNIT = CostModel(forward=1, backward=2, input_backward=1, weight_backward=1)
 SIZES = [(p, m) for p in range(2, 7) for m in sorted({2 * p - 1, 2 * p, 2 * p + 1, 3 * p + 1, 4 * p})]

@@ -30,7 +30,7 @@ import pytest
 
 from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 from test_pipeline_training import M, assert_matches_reference, pipelined_run, reference_run
 
 SCHEDULES = (("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2))  # name, chunks per rank

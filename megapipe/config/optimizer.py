@@ -128,9 +128,9 @@ class OptimizerConfig:
             raise ConfigError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}; lower --min-lr.")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay {self.weight_decay} must not be negative.")
-        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+        for name, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             if not 0.0 <= beta < 1.0:
-                raise ConfigError(f"{flag} {beta} must be in [0, 1).")
+                raise ConfigError(f"{name} {beta} must be in [0, 1).")
         if self.adam_eps <= 0:
             raise ConfigError(f"--adam-eps {self.adam_eps} must be positive.")
         if self.sgd_momentum < 0:

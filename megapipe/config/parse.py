@@ -64,7 +64,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     from megapipe.layout.nodes import check_nodes
     from megapipe.layout.ranks import RankLayout
     from megapipe.layout.plan import PlanLayout
-    from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
+    from megapipe.pipeline.ir.schedules import check_schedule
     from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
@@ -105,9 +105,9 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         config.optimizer.check_pipeline_schedule(AUTO, False)
         return data
     # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
-    build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas=replicas,
-                   vertical_sync=par.pipedream_vertical_sync)
-    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, schedule_spec(par.pipeline_schedule).asynchronous)
+    descriptor = check_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas,
+                                par.pipedream_vertical_sync)
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
     return data
 
 

@@ -21,6 +21,7 @@ from megapipe.errors import ConfigError
 from megapipe.config.flag import flag
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.layout.stage_plan import StagePlan, read_stage_plan
+from megapipe.pipeline.ir.schedules import pipeline_schedule_help
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 
@@ -105,10 +106,10 @@ class ModelConfig:
 
     def validate(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
         t = tensor_parallel
-        for flag, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+        for name, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                             ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length)):
             if value < 1:
-                raise ConfigError(f"{flag} {value} must be at least 1.")
+                raise ConfigError(f"{name} {value} must be at least 1.")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                               f"{self.num_attention_heads}; pick a hidden size that is a multiple of the head count.")
@@ -203,10 +204,7 @@ class ParallelConfig:
     virtual_pipeline: int = flag(1, name=None)  # from --num-layers-per-virtual-pipeline-stage
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
-    pipeline_schedule: Optional[str] = flag(None, help=(
-        "1f1b (default), gpipe, interleaved (default with virtual stages), zb-h1, zb-h2, interleaved-zb, zbv, "
-        "v-half, v-min, dualpipev (these four: two chunks per rank in a V), pipedream, 2bw, or auto (searched for "
-        "the stage costs below)"))
+    pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
     # PipeDream: every stage uses the version tagged at the input stage
     pipedream_vertical_sync: bool = flag(False, help="pipedream: every stage uses the weight version chosen at "
                                                      "the input stage")
