@@ -26,7 +26,10 @@ LAYERS = (
     ("layout",),
     ("pipeline.ir",),
     ("pipeline.analysis",),
-    ("config",),
+    ("config.flag", "config.sharding"),  # config: the dataclasses low, their command line high
+    ("config.optimizer",),
+    ("config.schema",),
+    ("config.operations", "config"),
     ("parallel",),
     ("fusions",),
     ("tensor_parallel",),
@@ -36,13 +39,15 @@ LAYERS = (
     ("checkpointing",),
     ("inference", "planner"),
     ("pipeline.selection", "cluster.client"),
+    ("config.flags",),  # the flags, generated from the dataclasses and the model families' own
+    ("config.parse",),  # parse_config: flags, presets and every cross-flag check (the schedule search's too)
     ("training",),
     ("cluster.core",),
     ("cluster.sim", "cluster.worker"),
     ("cluster.service",),
     ("acceptance", "testing", "pipeline", "cluster"),  # "pipeline", "cluster": the packages' own __init__
 )
-SPLIT = ("pipeline", "cluster")  # packages whose subpackages are units of their own
+SPLIT = ("pipeline", "cluster", "config")  # packages whose subpackages or modules are units of their own
 PURE = ("layout", "pipeline.ir")  # arithmetic that must run without torch
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
-from megapipe.optim.sharding import SHARDING_STRATEGIES  # noqa: E402
+from megapipe.config.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
 from megapipe.planner.cost_model import Training  # noqa: E402

@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from megapipe.errors import reports_user_errors  # noqa: E402
 from megapipe.pipeline.ir.schedules import DESCRIPTORS, SEARCHED  # noqa: E402
 from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor  # noqa: E402
 
@@ -67,20 +68,22 @@ def readme_table(text: str) -> str:
     return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
 
 
-def main() -> None:
+@reports_user_errors
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="replace the README's table")
     args = parser.parse_args()
     table = schedule_table()
     if not args.write:
         print(table)
-        return
+        return 0
     with open(README) as f:
         text = f.read()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     with open(README, "w") as f:
         f.write(text[:start] + "\n" + table + "\n" + text[end:])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

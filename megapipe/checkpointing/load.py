@@ -22,14 +22,11 @@ from megapipe.checkpointing.state import (LoadTargets, apply_optimizer, apply_rn
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
+from megapipe.config.operations import same_path
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import schedule_source
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.in_flight import InFlight
-
-
-def _same_path(a: str, b) -> bool:
-    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
@@ -70,7 +67,7 @@ def load_checkpoint(directory: str, run: RunState) -> None:
     which needs a checkpoint to evaluate).
     """
     t = run.config.training
-    if _same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
+    if same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
                                                                or find_checkpoint(directory) is None):
         run.log(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return

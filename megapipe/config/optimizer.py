@@ -3,23 +3,18 @@
 Field names follow Megatron-LM's flags (``--lr``, ``--min-lr``, ``--clip-grad``,
 ``--loss-scale-window`` ...); each field's default is its flag's default (``megapipe.config.flags``
 generates the flags from these fields).
-
-``megapipe.optim`` imports this module, so the sharding names are imported where they are
-used rather than at the top (the optimizer package would otherwise import itself half-built).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from megapipe.config.flag import flag
+from megapipe.config.sharding import SHARDING_STRATEGIES, ShardingLevel
 from megapipe.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megapipe.optim.sharding import ShardingLevel
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -80,10 +75,8 @@ class OptimizerConfig:
         "validate afterwards and redo the step when it clipped or skipped"))
 
     @property
-    def sharding(self) -> "ShardingLevel":
+    def sharding(self) -> ShardingLevel:
         """The sharding level, ``--use-distributed-optimizer`` read as ``optim``."""
-        from megapipe.optim.sharding import ShardingLevel
-
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             return ShardingLevel("optim")
         return ShardingLevel(self.data_parallel_sharding_strategy)
@@ -185,8 +178,6 @@ class OptimizerConfig:
             raise ConfigError(f"--lr-decay-iters {self.lr_decay_iters} must be at least 1.")
 
     def _validate_data_parallel(self) -> None:
-        from megapipe.optim.sharding import SHARDING_STRATEGIES
-
         strategy = self.data_parallel_sharding_strategy
         if strategy not in SHARDING_STRATEGIES:
             raise ConfigError(f"--data-parallel-sharding-strategy {strategy} is unknown; use one of "

@@ -16,13 +16,13 @@ from typing import Optional, Sequence
 import torch
 
 from megapipe.config.flags import apply_preset, build_parser, section_values
+from megapipe.config.operations import validate_operations
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
-from megapipe.training.exits import validate_operations
 
 __all__ = ["build_parser", "config_from_args", "parse_config", "validate_config"]
 

@@ -37,7 +37,7 @@ from megapipe.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConf
 from megapipe.optim.finalize import finalize_model_grads
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
 from megapipe.optim.grad_sync import GradSync
-from megapipe.optim.sharding import SHARDING_STRATEGIES, ShardingLevel
+from megapipe.config.sharding import SHARDING_STRATEGIES, ShardingLevel
 from megapipe.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 from megapipe.optim.lr_schedule import LRSchedule, LRScheduler
 from megapipe.optim.optimizer import build_optimizer, weight_decay_groups

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from megapipe.optim.grad_sync import DEFAULT_BUCKET_SIZE, GradSync, ParamPiece, is_tied_embedding_copy
-from megapipe.optim.sharding import ShardingLevel
+from megapipe.config.sharding import ShardingLevel
 from megapipe.parallel.state import ParallelState
 
 

@@ -16,7 +16,7 @@ from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
-from megapipe.optim.sharding import SHARDING_STRATEGIES
+from megapipe.config.sharding import SHARDING_STRATEGIES
 from megapipe.planner.schedule_costs import (SCHEDULES, SEARCHED, SEARCHED_LAYOUTS, flushes, microbatch_problem,
                                              planned_chunks)
 from megapipe.planner.units import human_bytes
