@@ -44,12 +44,12 @@ def train(argv: list[str], cache: str, after_load=None) -> tuple[Trainer, list[l
     """
     trainer = build(argv, cache)
     if after_load is not None:
-        load = trainer.load
+        load = trainer.checkpointer.load
 
         def loading(directory):
             load(directory)
             after_load(trainer)
-        trainer.load = loading
+        trainer.checkpointer.load = loading
     losses = []
     train_batch = trainer.engine.train_batch
 
