@@ -26,7 +26,8 @@ from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
-from megapipe.models.flops import device_peak_tflops, flops_per_iteration
+from megapipe.models.families import family_of
+from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.training.exits import ExitConditions, distributed_timeout
 from megapipe.optim import LRScheduler
@@ -97,8 +98,8 @@ class Trainer:
                                   self.state, timeout, self.logger.print)  # what checkpoints save and load
         self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
                                    self.m)
-        self.flops = flops_per_iteration(config.model, t.global_batch_size,
-                                         recompute=config.model.recompute_granularity == "full")
+        self.flops = family_of(kind, config.model).flops(config.model, t.global_batch_size,
+                                                         recompute=config.model.recompute_granularity == "full")
         self.peak_tflops = t.device_peak_tflops or device_peak_tflops(device_name(self.device))
 
     # ---- loop ---------------------------------------------------------------------------------
