@@ -6,7 +6,7 @@
 Flags follow Megatron-LM; `python pretrain_gpt.py --help` lists them.
 """
 
-from megapipe.cli import main
+from megapipe.training.cli import main
 
 if __name__ == "__main__":
     main("gpt")

@@ -7,8 +7,8 @@ Each world builds a real Trainer (GPT with GPT-2 small's body: 768 hidden, 12 he
 layers; split t ways in a world of t), trains one step so the Adam moments exist, then times
 on every rank, between barriers (the slowest rank counts):
 
-* megapipe save: ``save_checkpoint`` (DCP pieces of every rank, fsync, atomic publication);
-* megapipe load: ``load_checkpoint`` of that checkpoint (checks, reads, copies into the model);
+* megapipe save: ``Checkpointer.save`` (DCP pieces of every rank, fsync, atomic publication);
+* megapipe load: ``Checkpointer.load`` of that checkpoint (checks, reads, copies into the model);
 * megapipe async save: how long training is blocked (copies to CPU) and until it is published;
 * torch.save / torch.load: the same model and optimizer state dicts in one file per rank
   (fsync included, as megapipe's save syncs too), then ``load_state_dict``.
@@ -20,28 +20,22 @@ memory cost more than the disk.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+import statistics
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from harness import cli
+from harness.pairing import timed
+from megapipe.testing.worlds import run_distributed
 
-from megapipe.testing import run_distributed  # noqa: E402
 
-
-def _timed(fn) -> float:
-    """Seconds the slowest rank spends in ``fn`` (all ranks start together)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+def _seconds(fn) -> float:
+    """Seconds until the slowest rank is done with ``fn`` (all ranks start together)."""
+    return timed(fn)[0]
 
 
 def _directory_bytes(path: str) -> int:
@@ -66,9 +60,8 @@ def _plain_load(trainer, path: str) -> None:
 
 def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
-    from megapipe.arguments import parse_config
-    from megapipe.checkpointing import load_checkpoint, save_checkpoint, wait_for_save
-    from megapipe.training import Trainer
+    from megapipe.config.parse import parse_config
+    from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",
              "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
@@ -82,17 +75,17 @@ def _bench_world(rank, world_size, layers, root, repeats):
             "async save: until published": [], "torch.save (file per rank)": [], "torch.load (file per rank)": []}
     for _ in range(repeats):
         trainer.config.training.async_save = False
-        rows["megapipe save"].append(_timed(lambda: save_checkpoint(directory, trainer)))
-        rows["megapipe load"].append(_timed(lambda: load_checkpoint(directory, trainer)))
+        rows["megapipe save"].append(_seconds(lambda: trainer.checkpointer.save(directory)))
+        rows["megapipe load"].append(_seconds(lambda: trainer.checkpointer.load(directory)))
         trainer.config.training.async_save = True
         started = time.perf_counter()
-        rows["async save: training blocked"].append(_timed(lambda: save_checkpoint(directory, trainer)))
-        wait_for_save(trainer)
+        rows["async save: training blocked"].append(_seconds(lambda: trainer.checkpointer.save(directory)))
+        trainer.checkpointer.wait()
         done = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
         rows["async save: until published"].append(done.item())
-        rows["torch.save (file per rank)"].append(_timed(lambda: _plain_save(trainer, plain)))
-        rows["torch.load (file per rank)"].append(_timed(lambda: _plain_load(trainer, plain)))
+        rows["torch.save (file per rank)"].append(_seconds(lambda: _plain_save(trainer, plain)))
+        rows["torch.load (file per rank)"].append(_seconds(lambda: _plain_load(trainer, plain)))
     sizes = torch.tensor([_directory_bytes(os.path.join(directory, "iter_0000001")),
                           os.path.getsize(plain)], dtype=torch.float64)
     dist.all_reduce(sizes[1:])  # every rank wrote its own plain file
@@ -103,7 +96,7 @@ def _bench_world(rank, world_size, layers, root, repeats):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
@@ -116,7 +109,7 @@ def main(argv=None) -> None:
                   f"{megapipe_bytes / 2 ** 20:.0f} MiB (megapipe) / {plain_bytes / 2 ** 20:.0f} MiB (torch.save)")
             print(f"{'operation':<32}{'median s':>10}{'MiB/s':>10}")
             for name, times in rows.items():
-                median = sorted(times)[len(times) // 2]
+                median = statistics.median(times)
                 size = plain_bytes if name.startswith("torch") else megapipe_bytes
                 print(f"{name:<32}{median:>10.2f}{size / 2 ** 20 / median:>10.0f}")
 

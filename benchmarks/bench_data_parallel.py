@@ -26,29 +26,25 @@ each system's ratio to the faster torch system of the same round.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench_pipeline import TensorStage, make_loss_fn  # noqa: E402
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
-from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli, report
+from harness.models import (MegapipeRunner, TensorStage, adamw, batch, make_loss_fn, megapipe_adamw_for,
+                            same_weights)
+from harness.pairing import take_turns, timed
+from harness.ratios import max_relative_diff, median_ratio
+from harness.settings import Settings
+from megapipe.models import build_model_chunks
+from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups
+from megapipe.parallel.state import ParallelState
+from megapipe.testing.worlds import run_distributed
 
 D = 2
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -58,64 +54,25 @@ LOSS_TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
-class Settings:
-    num_layers: int = 8
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    seq_length: int = 128
-    vocab_size: int = 1024
-    micro_batch_size: int = 2
+class ShardingSettings(Settings):
     num_microbatches: int = 4
     bucket_size: int = 1_000_000  # elements: a few buckets per chunk, so that overlap has something to split
-    warmup_steps: int = 2
-    rounds: int = 6
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
-                           seq_length=self.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
-                           untie_embeddings_and_output_weights=True)
 
     def describe(self) -> str:
-        return (f"GPT, {self.num_layers} layers, hidden {self.hidden_size}, seq {self.seq_length}, vocab "
-                f"{self.vocab_size}, fp32; d = {D}, {self.num_microbatches} microbatches of {self.micro_batch_size} "
+        return (f"{self.describe_model()}; d = {D}, {self.num_microbatches} microbatches of {self.micro_batch_size} "
                 f"per replica; AdamW; gloo; megapipe buckets of {self.bucket_size:,} elements; {self.rounds} timed "
                 f"steps per system after {self.warmup_steps} warm-up steps")
 
 
 def optimizer_config(strategy: str = "no_shard", overlap: bool = False, bucket_size: int = 0) -> OptimizerConfig:
-    return OptimizerConfig(optimizer="adamw", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
-                           data_parallel_sharding_strategy=strategy, ddp_bucket_size=bucket_size or None,
-                           overlap_grad_reduce=overlap, overlap_param_gather=overlap and strategy != "no_shard")
-
-
-def batch(settings: Settings, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This replica's tokens and labels ``[m * b, s]`` of one step (the global batch is the same everywhere)."""
-    g = torch.Generator().manual_seed(step)
-    rows = settings.num_microbatches * settings.micro_batch_size
-    shape = (D * rows, settings.seq_length)
-    tokens, labels = (torch.randint(0, settings.vocab_size, shape, generator=g) for _ in range(2))
-    return tokens[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
-
-
-class MegapipeRunner:
-    def __init__(self, chunks, ps: ParallelState, settings: Settings, strategy: str, overlap: bool):
-        self.settings = settings
-        shape = (settings.seq_length, settings.micro_batch_size, settings.hidden_size)
-        self.engine = PipelineEngine(chunks, ps, optimizer_config(strategy, overlap, settings.bucket_size), "1f1b",
-                                     settings.num_microbatches, shape)
-
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[float]:
-        b = self.settings.micro_batch_size
-        microbatches = [{"tokens": t, "labels": y, "loss_mask": torch.ones_like(y, dtype=torch.float32)}
-                        for t, y in zip(tokens.split(b), labels.split(b))]
-        return self.engine.train_batch(microbatches).losses
+    return adamw(data_parallel_sharding_strategy=strategy, ddp_bucket_size=bucket_size or None,
+                 overlap_grad_reduce=overlap, overlap_param_gather=overlap and strategy != "no_shard")
 
 
 class TorchRunner:
     """DDP + ZeroRedundancyOptimizer or FSDP2 over the stage module; torch's pipelining when p > 1."""
 
-    def __init__(self, chunks, ps: ParallelState, settings: Settings, system: str):
+    def __init__(self, chunks, ps: ParallelState, settings: ShardingSettings, system: str):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -136,7 +93,7 @@ class TorchRunner:
             self.module = DistributedDataParallel(TensorStage(chunk), process_group=ps.dp_group)
             params = trainable_params([chunk])
             groups = weight_decay_groups(params, params, config.weight_decay)
-            inner, _ = build_inner_optimizer(groups, config, torch.device("cpu"))
+            inner = megapipe_adamw_for([chunk], config)
             self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(inner), process_group=ps.dp_group,
                                                      lr=config.lr, **{k: v for k, v in inner.defaults.items()
                                                                       if k in ("fused", "foreach")})
@@ -170,46 +127,30 @@ class TorchRunner:
         return [loss.item() for loss in losses]
 
 
-def timed_step(runner, tokens, labels) -> tuple[float, list[float]]:
-    dist.barrier()
-    start = time.perf_counter()
-    losses = runner.step(tokens, labels)
-    dist.barrier()
-    return time.perf_counter() - start, losses
-
-
 def name_of(strategy: str, overlap: bool) -> str:
     return f"megapipe {strategy}" + (" + overlap" if overlap else "")
 
 
-def world(rank: int, world_size: int, settings: Settings) -> dict:
+def world(rank: int, world_size: int, settings: ShardingSettings) -> dict:
     p = world_size // D
     ps = ParallelState.initialize(pipeline=p)
     config = settings.model_config()
     reference = build_model_chunks("gpt", config, ps)
     runners = {}
     for strategy, overlap in MEGAPIPE:
-        chunks = build_model_chunks("gpt", config, ps)
-        for a, b in zip(chunks, reference):
-            a.load_state_dict(b.state_dict())
-        runners[name_of(strategy, overlap)] = MegapipeRunner(chunks, ps, settings, strategy, overlap)
+        runners[name_of(strategy, overlap)] = MegapipeRunner(
+            same_weights(config, ps, reference), ps, settings, "1f1b",
+            optimizer_config(strategy, overlap, settings.bucket_size))
     for system in TORCH:
-        chunks = build_model_chunks("gpt", config, ps)
-        for a, b in zip(chunks, reference):
-            a.load_state_dict(b.state_dict())
-        runners[system] = TorchRunner(chunks, ps, settings, system)
+        runners[system] = TorchRunner(same_weights(config, ps, reference), ps, settings, system)
     names = list(runners)
     losses = {name: [] for name in names}
     for step in range(settings.warmup_steps):
-        tokens, labels = batch(settings, step, ps.dp_rank)
+        tokens, labels = batch(settings, step, D, ps.dp_rank)
         for name in names:
-            losses[name].append(timed_step(runners[name], tokens, labels)[1])
-    wall = {name: [] for name in names}
-    for r in range(settings.rounds):
-        tokens, labels = batch(settings, settings.warmup_steps + r, ps.dp_rank)
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            wall[name].append(timed_step(runners[name], tokens, labels)[0])
+            losses[name].append(timed(partial(runners[name].step, tokens, labels))[2])
+    wall = take_turns(names, settings.rounds, lambda name, r: timed(partial(
+        runners[name].step, *batch(settings, settings.warmup_steps + r, D, ps.dp_rank)))[0])
     return {"wall": wall, "losses": losses if ps.is_last_stage else None}
 
 
@@ -223,32 +164,26 @@ def rows_of(p: int, per_rank: list[dict]) -> list[dict]:
     rows = []
     for name, times in wall.items():
         rows.append({"p": p, "system": name, "step_s": statistics.median(times),
-                     "ratio_to_best_torch": statistics.median(t / b for t, b in zip(times, best_torch)),
-                     "losses": means[name],
-                     "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(means[name], reference))})
+                     "ratio_to_best_torch": median_ratio(times, best_torch), "losses": means[name],
+                     "loss_diff": max_relative_diff(means[name], reference)})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("\n| p | system | s/step (median) | / best torch system of the round (median) | mean loss, steps 1-2 "
-          "| max rel. loss diff to megapipe no_shard |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        losses = " / ".join(f"{x:.5f}" for x in r["losses"])
-        print(f"| {r['p']} | {r['system']} | {r['step_s']:.3f} | **{r['ratio_to_best_torch']:.2f}** | {losses} | "
-              f"{r['loss_diff']:.1e} |")
+    report.print_markdown(
+        ["p", "system", "s/step (median)", "/ best torch system of the round (median)", "mean loss, steps 1-2",
+         "max rel. loss diff to megapipe no_shard"],
+        ([r["p"], r["system"], f"{r['step_s']:.3f}", f"**{r['ratio_to_best_torch']:.2f}**",
+          " / ".join(f"{x:.5f}" for x in r["losses"]), f"{r['loss_diff']:.1e}"] for r in rows))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 timed steps per system: a smoke test")
-    parser.add_argument("--rounds", type=int, default=None)
+    parser = cli.parser(__doc__, quick="2 timed steps per system: a smoke test", rounds_help="", json="")
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    settings = Settings(rounds=args.rounds or (2 if args.quick else Settings.rounds))
+    settings = ShardingSettings(rounds=cli.rounds_of(args, ShardingSettings.rounds))
     print(f"model: {settings.describe()}")
-    print(f"machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start, torch "
+    print(f"machine: {report.machine()}, torch "
           f"{torch.__version__}, one thread per rank")
     rows = []
     for p in args.pipeline_sizes:
@@ -256,10 +191,8 @@ def main(argv=None) -> int:
         rows += rows_of(p, run_distributed(p * D, world, settings, timeout=3600, collective_timeout=600))
         print(f"p={p}: {time.perf_counter() - start:.0f} s", flush=True)
     print_rows(rows)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": asdict(settings), "rows": rows}, f, indent=1)
+    print(f"\nload average at the end: {report.load_average()}")
+    report.write_json(args.json, {"settings": asdict(settings), "rows": rows})
     bad = [r for r in rows if r["loss_diff"] > LOSS_TOLERANCE]
     if bad:
         print("FAILED: losses differ from megapipe no_shard by more than "

@@ -2,7 +2,7 @@
 
 The step is ``bench_single_device.py``'s megapipe system (bf16 weights, fp32 master weights and
 main gradients, Adam, gradient clipping; dropout on), run twice on fake accelerator tensors
-(``megapipe.fake_device``): no kernel runs, but every storage the step creates on the device is
+(``megapipe.testing.fake_device``): no kernel runs, but every storage the step creates on the device is
 counted from its creation until its last user lets it go, so the peak is what the caching
 allocator would have to hold (before its rounding to blocks and its fragmentation). The second
 step counts Adam's moments, created by the first. Attention runs as on a CUDA device: the fake
@@ -18,17 +18,18 @@ explicit attention (the paper's kernels), hence its larger figure without recomp
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from unittest import mock
 
 import torch
 
+from harness import cli
+from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
-from megapipe.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
@@ -63,19 +64,19 @@ def planned_peak(shape, recompute: bool) -> float:
                        config.padded_vocab_size(1), config.ffn_hidden_size)
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
                                    dtype="bfloat16")
-    costs = CostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
+    costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
     return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=recompute)).memory
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--shape", default="gpt-350m,gpt-1.3b", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the shape's")
     args = parser.parse_args()
     header = f"{'model':10s} {'micro-batch':>11s} {'variant':20s} {'fake device GiB':>15s} {'planner GiB':>11s} " \
              f"{'planner/fake':>12s}"
-    print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py\n{header}\n"
-          + "-" * len(header))
+    print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py")
+    print_ruled(header)
     for name in args.shape.split(","):
         shape = SHAPES[name]
         if args.micro_batch_size:

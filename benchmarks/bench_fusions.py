@@ -11,15 +11,16 @@ CUDA it is a GPT-3-like layer slice (s=2048, b=4, h=4096).
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Callable
 
 import torch
 from torch.utils import benchmark
 
+from harness import cli
+from harness.report import print_ruled
 from megapipe import fusions
-from megapipe.distributed import default_device
+from megapipe.parallel.launch import default_device
 from megapipe.fusions import backend
 
 SHAPES = {"cpu": dict(s=256, b=4, h=512, heads=8), "cuda": dict(s=2048, b=4, h=4096, heads=32)}
@@ -91,7 +92,7 @@ def best_medians(timers: list[benchmark.Timer], rounds: int, min_run_time: float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--backends", default=None,
                         help="comma-separated fused backends to time (default: eager,compile on CPU; auto,compile on CUDA)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
@@ -114,8 +115,7 @@ def main() -> None:
         print(f"fusion backend: {choice.name} ({choice.reason})")
     cases = make_cases(**shape, dtype=dtype, device=device)
     header = f"{'op':38s} {'unfused ms':>11s}" + "".join(f" {c.name + ' ms':>12s} {'ratio':>6s}" for c in chosen)
-    print(header)
-    print("-" * len(header))
+    print_ruled(header)
     for op, (inputs, unfused, fused) in cases.items():
         started = time.perf_counter()
         timers = [forward_backward_timer(unfused, inputs, chosen[0])]

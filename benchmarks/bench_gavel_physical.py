@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gavel_physical.py --round-seconds 20 --out benchmarks/results/gavel_physical_20s.json
 
-Cluster: two hosts, each a network namespace of this machine (``megapipe/testing_hosts.py``; the
+Cluster: two hosts, each a network namespace of this machine (``megapipe/testing/hosts.py``; the
 loopback address where namespaces cannot be made) with its worker agent (``host-a``, ``host-b``)
 and 2 fast and 2 slow CPU devices (a rank per device, one thread each; slow devices throttled to
 half a CPU); a two-device job placed on both hosts talks over the bridge between them.
@@ -29,7 +29,6 @@ saving, relaunching and loading over the JCT) per job with and without renewals,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -40,17 +39,16 @@ import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megapipe.cluster.cluster_spec import ClusterSpec  # noqa: E402
-from megapipe.cluster.job_log import continuity, iteration_losses, overlapping_runs, run_alone  # noqa: E402
-from megapipe.cluster.jobs import Job  # noqa: E402
-from megapipe.cluster.local_cluster import LocalCluster, free_port  # noqa: E402
-from megapipe.cluster.policies import make_policy  # noqa: E402
-from megapipe.cluster.scheduler import Scheduler  # noqa: E402
-from megapipe.cluster.simulator import simulate  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.testing_hosts import NamespacesUnavailable, TestHosts  # noqa: E402
+from harness import cli, report
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.service.job_log import continuity, iteration_losses, overlapping_runs, run_alone
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.service.local_cluster import LocalCluster, free_port
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.scheduler import Scheduler
+from megapipe.cluster.sim.simulator import simulate
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.testing.hosts import NamespacesUnavailable, TestHosts
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = {"host-a": "fast:2,slow:2", "host-b": "fast:2,slow:2"}
@@ -84,7 +82,7 @@ def device_speeds(work_dir: str, throttle: float = 0.5) -> dict:
         processes[name] = subprocess.Popen([sys.executable, str(ROOT / command[0]), *command[1:]],
                                            cwd=os.path.join(work_dir, name), env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.throttle", str(processes["slow"].pid),
+    throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.worker.throttle", str(processes["slow"].pid),
                                   str(throttle)], env=env, cwd=str(ROOT))
     outputs = {name: process.communicate(timeout=1800)[0] for name, process in processes.items()}
     throttler.wait(timeout=60)
@@ -197,17 +195,17 @@ def summarise(runs: list[dict], references: dict, round_seconds: float) -> dict:
     return summary
 
 
-def report(summary: dict) -> None:
+def print_summary(summary: dict) -> None:
     runs = summary["runs"]
     aware, agnostic = runs[0], runs[1]
     speeds = summary["device_speeds"]
     print(f"round {summary['round_seconds']:g} s; 2 hosts x (2 fast + 2 slow); {len(TRACE)} jobs; one job alone on a "
           f"fast device {speeds['fast']:.1f} it/s, on a slow one {speeds['slow']:.1f} it/s at the same time "
           f"({speeds['fast'] / speeds['slow']:.2f}x)")
-    print("| policy | lease renewals | average JCT (s) | simulated (s) | physical / simulated | simulated + first "
-          "start and last exit (s) | physical / that | every job done | jobs bit for bit throughout | "
-          "max relative loss difference | mean preemption overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(report.markdown(
+        ["policy", "lease renewals", "average JCT (s)", "simulated (s)", "physical / simulated",
+         "simulated + first start and last exit (s)", "physical / that", "every job done",
+         "jobs bit for bit throughout", "max relative loss difference", "mean preemption overhead"])))
     for run in runs:
         checks = run["losses"].values()
         exact = sum(c["bit_exact_throughout"] and c["complete"] for c in checks)
@@ -220,8 +218,7 @@ def report(summary: dict) -> None:
               f"{100 * overhead:.1f}% |")
     print(f"heterogeneity-agnostic / aware average JCT: {agnostic['average_jct'] / aware['average_jct']:.2f}x "
           "(seed 002 Table 5.3, physical: 1.5x)")
-    print("| job | overhead without renewals | with renewals |")
-    print("|---|---|---|")
+    print("\n".join(report.markdown(["job", "overhead without renewals", "with renewals"])))
     for name in runs[0]["overhead"]:
         print(f"| {name} | {100 * runs[2]['overhead'][name]:.1f}% | {100 * runs[0]['overhead'][name]:.1f}% |")
     for model, (without, with_) in TABLE_54.items():
@@ -229,7 +226,7 @@ def report(summary: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--round-seconds", type=float, default=20.0)
     parser.add_argument("--out", default="benchmarks/results/gavel_physical_20s.json")
     parser.add_argument("--work-dir", default=None,
@@ -247,11 +244,8 @@ def main() -> None:
             json.dump(runs, handle)
     summary = summarise(runs, losses_alone(os.path.join(work_dir, "alone")), args.round_seconds)
     summary["device_speeds"] = device_speeds(os.path.join(work_dir, "speeds"))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as handle:
-        json.dump(summary, handle, indent=1)
-    os.replace(args.out + ".tmp", args.out)
-    report(summary)
+    report.write_json(args.out, summary)
+    print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,17 @@ space sharing 512 jobs take under 10 minutes.
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.gavel_common import DATA  # noqa: E402
-from megapipe.cluster.cluster_spec import ClusterSpec  # noqa: E402
-from megapipe.cluster.jobs import Job  # noqa: E402
-from megapipe.cluster.policies import make_policy  # noqa: E402
-from megapipe.cluster.policies.water_filling import WaterFilling  # noqa: E402
-from megapipe.cluster.problem import build_problem  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
+from harness import cli, report
+from benchmarks.gavel_common import DATA
+from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.policies.water_filling import WaterFilling
+from megapipe.cluster.core.problem import build_problem
+from megapipe.cluster.core.throughputs import ThroughputTable
 
 
 def jobs_for(table, n, seed=0, entities=4):
@@ -42,7 +38,7 @@ def timed(policy, jobs, table, cluster) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--jobs", default="32,128,512,2048")
     parser.add_argument("--packed-jobs", default="32,64,128")
     args = parser.parse_args()
@@ -53,13 +49,13 @@ def main() -> None:
         "hierarchical (water filling, 4 entities)": lambda: WaterFilling(entity_weights={"e0": 1, "e1": 2, "e2": 3, "e3": 4}),
         "max_min_fairness_packed": lambda: make_policy("max_min_fairness_packed"),
     }
-    print("| policy | active jobs | GPUs | seconds |\n| --- | --- | --- | --- |")
+    print("\n".join(report.markdown(["policy", "active jobs", "GPUs", "seconds"])))
     for name, factory in policies.items():
         sizes = args.packed_jobs if "packed" in name else args.jobs
         for n in (int(s) for s in sizes.split(",")):
             cluster = ClusterSpec({"v100": max(n // 4, 1), "p100": max(n // 4, 1), "k80": max(n // 4, 1)})
             seconds = timed(factory(), jobs_for(table, n), table, cluster)
-            print(f"| {name} | {n} | {cluster.total} | {seconds:.2f} |", flush=True)
+            print(report.markdown_row([name, n, cluster.total, f"{seconds:.2f}"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,19 +13,16 @@ average over every job, and over every window of 25 consecutive jobs, is printed
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks.gavel_common import DATA, run_policy  # noqa: E402
-from megapipe.cluster.metrics import summarise  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.cluster.trace import read_trace  # noqa: E402
+from benchmarks.gavel_common import DATA, run_policy
+from harness import report
+from megapipe.cluster.sim.metrics import summarise
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.cluster.sim.trace import read_trace
 
 CLUSTER = "v100:8,p100:16,k80:24"
 ROWS = [  # (trace, system, policy, objective, chapter hours, seeds)
@@ -52,12 +49,14 @@ def main() -> None:
             windows.append([summarise(scheduler, (s, s + 25)).average_jct_hours for s in range(0, len(jobs) - 24)])
         results.append((trace, system, policy, objective, chapter, values, float(np.mean(everyone)),
                         np.mean(windows, axis=0)))
-    print(f"\n| trace | system | policy | objective | chapter (simulated) | ours | ours / chapter |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
     for trace, system, policy, objective, chapter, values, everyone, _ in results:
         ours = float(np.mean(values))
         spread = f" (seeds {', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else ""
-        print(f"| {trace} | {system} | `{policy}` | {objective} | {chapter:.1f} h | {ours:.2f} h{spread} | {ours / chapter:.3f} |")
+        rows.append([trace, system, f"`{policy}`", objective, f"{chapter:.1f} h", f"{ours:.2f} h{spread}",
+                     f"{ours / chapter:.3f}"])
+    report.print_markdown(["trace", "system", "policy", "objective", "chapter (simulated)", "ours", "ours / chapter"],
+                          rows)
     print("\ncontinuous trace, average JCT over all 96 jobs: "
           + ", ".join(f"{r[2]} {r[6]:.2f} h" for r in results if r[0] == "continuous"))
     for r in results:

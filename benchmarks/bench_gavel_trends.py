@@ -24,21 +24,19 @@ middle 30% of job ids; input rates scaled by the cluster size. One seed per poin
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks.gavel_common import DATA, run_policy  # noqa: E402
-from megapipe.cluster.jobs import Job  # noqa: E402
-from megapipe.cluster.plots import plot_jct_vs_load  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.cluster.trace import generate_trace  # noqa: E402
+from harness import cli, report
+from benchmarks.gavel_common import DATA, run_policy
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.sim.plots import plot_jct_vs_load
+from megapipe.cluster.core.throughputs import ThroughputTable
+from megapipe.cluster.sim.trace import generate_trace
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ON_DEMAND = {"v100": 2.48, "p100": 1.46, "k80": 0.45}  # GCP $/GPU-hour
@@ -62,10 +60,10 @@ def las_sweep(table, cluster, num_jobs, rates, bar):
             results[(policy, rate)] = summary.average_jct_hours
             bar.update()
     print("\nLAS, continuous-single: average JCT (h) by input rate (jobs/h)")
-    print("| rate | LAS | heterogeneity-aware LAS | ratio |\n| --- | --- | --- | --- |")
-    for rate in rates:
-        a, b = results[("max_min_fairness", rate)], results[("max_min_fairness_perf", rate)]
-        print(f"| {rate:g} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+    print("\n".join(report.markdown(
+        ["rate", "LAS", "heterogeneity-aware LAS", "ratio"],
+        ([f"{rate:g}", f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}"] for rate, a, b in
+         ((rate, results[("max_min_fairness", rate)], results[("max_min_fairness_perf", rate)]) for rate in rates)))))
     bound = 2 * results[("max_min_fairness_perf", rates[0])]
     sustained = {p: max([r for r in rates if results[(p, r)] <= bound], default=0.0)
                  for p in ("max_min_fairness", "max_min_fairness_perf")}
@@ -121,7 +119,7 @@ def cost(table, num_jobs, bar):
     cluster = "v100:64,p100:64,k80:64"
     jobs = cost_jobs(table, num_jobs)
     print(f"\ncost, {num_jobs} ResNet-50 / A3C jobs with SLOs, up to 64 instances of each type:")
-    print("| prices | policy | cost ($) | SLO violations | cost vs max throughput |\n| --- | --- | --- | --- | --- |")
+    print("\n".join(report.markdown(["prices", "policy", "cost ($)", "SLO violations", "cost vs max throughput"])))
     for label, prices in (("on-demand", ON_DEMAND), ("spot", SPOT)):
         rows = {}
         for policy in ("max_sum_throughput_perf", "max_sum_throughput_normalized_by_cost_perf",
@@ -135,7 +133,7 @@ def cost(table, num_jobs, bar):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--gpus-per-type", type=int, default=12)
     parser.add_argument("--num-jobs", type=int, default=1000)
     parser.add_argument("--rates", default="0.5,1,1.5,2,2.5,3", help="jobs/h for the LAS sweep")

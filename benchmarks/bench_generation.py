@@ -22,27 +22,25 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megapipe.inference import SamplingParams, generate  # noqa: E402
-from megapipe.inference.kv_cache import KVCache  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.models.gpt import GPTStage  # noqa: E402
-from megapipe.models.hf_llama import llama_from_hf, llama_model_config  # noqa: E402
-from megapipe.models.state_dict import local_state_dict  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli
+from harness.pairing import take_turns, timed
+from harness.ratios import median_ratio
+from megapipe.inference import SamplingParams, generate
+from megapipe.inference.kv_cache import KVCache
+from megapipe.models import build_model_chunks
+from megapipe.models.gpt import GPTStage
+from megapipe.models.families.llama import llama_model_config
+from megapipe.models.hf_llama import llama_from_hf
+from megapipe.models.state_dict import local_state_dict
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.testing.worlds import run_distributed
 
 
 def hf_model(args):
@@ -89,22 +87,20 @@ def versus_transformers(args):
     batch = prompts(args)
     params = SamplingParams(max_new_tokens=args.new, temperature=0.0)
     tokens = args.batch * args.new
-    rates = {"megapipe": [], "transformers": []}
-    ratios, same = [], None
+    systems = {"transformers": lambda: hf_generate(hf, batch, args.new),
+               "megapipe": lambda: generate([ours], ps, config, batch, params)}
+    outputs = {}
+
+    def run(name: str, _) -> float:
+        seconds, _, outputs[name] = timed(systems[name], barriers=False)
+        return seconds
+
     with torch.no_grad():
         hf_generate(hf, batch, 2), generate([ours], ps, config, batch, SamplingParams(2, temperature=0.0))  # warm-up
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            theirs = hf_generate(hf, batch, args.new)
-            t_hf = time.perf_counter() - start
-            start = time.perf_counter()
-            mine = generate([ours], ps, config, batch, params)
-            t_mp = time.perf_counter() - start
-            rates["transformers"].append(tokens / t_hf)
-            rates["megapipe"].append(tokens / t_mp)
-            ratios.append(t_hf / t_mp)
-            same = sum(a == b for x, y in zip(mine, theirs) for a, b in zip(x, y)) / tokens
-    return {k: statistics.median(v) for k, v in rates.items()}, statistics.median(ratios), same
+        times = take_turns(systems, args.rounds, run)
+    same = sum(a == b for x, y in zip(outputs["megapipe"], outputs["transformers"]) for a, b in zip(x, y)) / tokens
+    rates = {name: statistics.median(tokens / t for t in times[name]) for name in ("megapipe", "transformers")}
+    return rates, median_ratio(times["transformers"], times["megapipe"]), same
 
 
 def step_time(stage, config, rows, context, repeats):
@@ -160,25 +156,21 @@ def measured_decode(rank, world_size, args):
     batch = prompts(args)
     params = SamplingParams(max_new_tokens=args.new, temperature=0.0)
     generate([ours], ps, config, batch, SamplingParams(2, temperature=0.0))  # warm-up
-    ratios, rates = [], {"pipelined": [], "naive": []}
-    same = True
-    for _ in range(args.rounds):
-        times = {}
-        outputs = {}
-        for name, m in (("pipelined", None), ("naive", 1)):
-            dist.barrier()
-            start = time.perf_counter()
-            outputs[name] = generate([ours], ps, config, batch, params, microbatches=m)
-            dist.barrier()
-            times[name] = time.perf_counter() - start
-            rates[name].append(args.batch * args.new / times[name])
-        ratios.append(times["naive"] / times["pipelined"])
-        same = same and outputs["pipelined"] == outputs["naive"]
-    return statistics.median(ratios), {k: statistics.median(v) for k, v in rates.items()}, same
+    microbatches = {"pipelined": None, "naive": 1}
+    outputs = {name: [] for name in microbatches}
+
+    def run(name: str, _) -> float:
+        seconds, _, output = timed(lambda: generate([ours], ps, config, batch, params, microbatches=microbatches[name]))
+        outputs[name].append(output)
+        return seconds
+
+    times = take_turns(microbatches, args.rounds, run)
+    rates = {name: statistics.median(args.batch * args.new / t for t in times[name]) for name in microbatches}
+    return median_ratio(times["naive"], times["pipelined"]), rates, outputs["pipelined"] == outputs["naive"]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)

@@ -33,7 +33,6 @@ the median over rounds is printed as samples/s next to the partitioner's time pe
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -42,21 +41,23 @@ import time
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.report import print_markdown
 from bench_planner_network import LINK_SIZES, slope
-from bench_planner_vs_measured import block_probe, one_way_seconds, print_markdown, probe_rounds
+from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
 from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
 from megapipe.optim import OptimizerConfig
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.plan_layout import initialize_plan_state
+from megapipe.parallel.state import initialize_plan_state
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Training
-from megapipe.planner.pipedream import partition_profile
+from megapipe.planner.profile_partition import partition_profile
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
-from megapipe.stage_plan import StagePlan
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts
 
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=2048, vocab_size=32768,
              position_embedding_type="rope", untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
@@ -128,7 +129,7 @@ def train_plans(rank, world_size, plans, model, warmup, rounds):
 
 # ---- the benchmark ----------------------------------------------------------------------------
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--rates-mbit", type=float, nargs="+", default=[20, 100, 1000])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -34,35 +34,27 @@ two passes: on one CPU thread both systems run a pair one pass after the other).
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import operator
-import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from functools import partial
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.models.gpt import masked_mean  # noqa: E402
-from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups  # noqa: E402
-from megapipe.optim.optimizer import build_inner_optimizer  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.ir.actions import Action, ActionKind  # noqa: E402
-from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
-from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli, ratios, report
+from harness.models import MegapipeRunner, TensorStage, adamw, batch, make_loss_fn, megapipe_adamw_for, same_weights
+from harness.pairing import take_turns, timed
+from harness.settings import Settings
+from megapipe.models import build_model_chunks
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
              ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]  # name, chunks per rank
@@ -72,90 +64,13 @@ SYSTEMS = ("megapipe", "torch")
 LOSS_TOLERANCE = 1e-5
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Model and run sizes; the model is the one of the environment probe's pipelining run."""
-
-    num_layers: int = 8
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    seq_length: int = 128
-    vocab_size: int = 1024
-    micro_batch_size: int = 2
-    num_microbatches: int = 8
-    warmup_steps: int = 2  # per system; their losses are the equality check
-    rounds: int = 6  # timed steps per system
-
-    def model_config(self) -> ModelConfig:
-        # No dropout (both systems must compute the same function) and untied embeddings
-        # (PyTorch's schedules have no gradient reduction for a weight shared by two stages).
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
-                           seq_length=self.seq_length, hidden_dropout=0.0, attention_dropout=0.0,
-                           untie_embeddings_and_output_weights=True)
-
-    def describe(self) -> str:
-        return (f"GPT, {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
-                f"seq {self.seq_length}, vocab {self.vocab_size}, fp32; {self.num_microbatches} microbatches of "
-                f"{self.micro_batch_size}; AdamW; gloo; {self.rounds} timed steps per system and row after "
-                f"{self.warmup_steps} warm-up steps")
-
-
-def optimizer_config() -> OptimizerConfig:
-    return OptimizerConfig(optimizer="adamw", lr=1e-3, weight_decay=0.01, clip_grad=0.0)
-
-
-def batch(settings: Settings, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and labels ``[m * b, s]`` of one step, the same on every rank."""
-    g = torch.Generator().manual_seed(step)
-    shape = (settings.num_microbatches * settings.micro_batch_size, settings.seq_length)
-    return (torch.randint(0, settings.vocab_size, shape, generator=g),
-            torch.randint(0, settings.vocab_size, shape, generator=g))
+def describe(settings: Settings) -> str:
+    return (f"{settings.describe_model()}; {settings.num_microbatches} microbatches of {settings.micro_batch_size}; "
+            f"AdamW; gloo; {settings.rounds} timed steps per system and row after {settings.warmup_steps} warm-up "
+            "steps")
 
 
 # ---- the two systems -----------------------------------------------------------------------------
-class TensorStage(nn.Module):
-    """A megapipe stage as PyTorch's ``PipelineStage`` wants it: tensors in, tensors out.
-
-    The first stage takes token ids, the others the previous stage's ``[s, b, h]`` output;
-    the last stage returns its logits ``[b, s, V]`` and ``loss_fn`` below finishes the head.
-    """
-
-    def __init__(self, chunk: nn.Module):
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunk.pre_process:
-            return self.chunk(None, {"tokens": x})
-        return self.chunk(x, {})
-
-
-def make_loss_fn(ps: ParallelState):
-    """The rest of megapipe's GPT head (cross-entropy, mean over tokens) for PyTorch's schedule."""
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        losses = vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.transpose(0, 1), ps.tp_group, 0)
-        return masked_mean(losses.transpose(0, 1), torch.ones_like(labels, dtype=torch.float32))
-    return loss_fn
-
-
-class MegapipeRunner:
-    """One training step with megapipe's ``PipelineEngine``, recording its timeline (unless told not to)."""
-
-    def __init__(self, chunks, ps: ParallelState, settings: Settings, schedule: str, record_timeline: bool = True):
-        self.settings = settings
-        self.timeline = Timeline()
-        shape = (settings.seq_length, settings.micro_batch_size, settings.hidden_size)
-        self.engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, settings.num_microbatches, shape,
-                                     timeline=self.timeline if record_timeline else None)
-
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[float]:
-        b = self.settings.micro_batch_size
-        microbatches = [{"tokens": t, "labels": y, "loss_mask": torch.ones_like(y, dtype=torch.float32)}
-                        for t, y in zip(tokens.split(b), labels.split(b))]
-        return self.engine.train_batch(microbatches).losses
-
-
 class TorchRunner:
     """One training step with torch.distributed.pipelining over the same stage modules.
 
@@ -183,10 +98,7 @@ class TorchRunner:
                 stages, m, loss_fn=loss_fn)
         else:
             self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=loss_fn)
-        params = trainable_params(chunks)  # megapipe's own parameter groups and AdamW kernel
-        config = optimizer_config()
-        self.optimizer, _ = build_inner_optimizer(weight_decay_groups(params, params, config.weight_decay), config,
-                                                  torch.device("cpu"))
+        self.optimizer = megapipe_adamw_for(chunks, adamw())  # megapipe's own parameter groups and AdamW kernel
         self.first = any(stage.is_first for stage in stages)
         self.last = any(stage.is_last for stage in stages)
 
@@ -240,41 +152,28 @@ class TorchRunner:
 
 
 # ---- one world -----------------------------------------------------------------------------------
-def timed_step(runner, tokens, labels) -> tuple[float, float, list[float]]:
-    """Wall time of one step between barriers, this process's CPU time in it, and the losses."""
-    dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    losses = runner.step(tokens, labels)
-    cpu = time.process_time() - cpu_start
-    dist.barrier()
-    return time.perf_counter() - start, cpu, losses
-
-
 def compare_schedule(settings: Settings, schedule: str, v: int) -> dict:
     """Run both systems on this rank for one schedule; return times, losses and both timelines."""
     ps = ParallelState.initialize(pipeline=dist.get_world_size(), virtual_pipeline=v,
-                                  placement=schedule_spec(schedule).placement)
+                                  placement=schedule_descriptor(schedule).placement)
     config = settings.model_config()
-    mine, theirs = build_model_chunks("gpt", config, ps), build_model_chunks("gpt", config, ps)
-    for a, b in zip(mine, theirs):
-        b.load_state_dict(a.state_dict())
-    runners = {"megapipe": MegapipeRunner(mine, ps, settings, schedule),
-               "torch": TorchRunner(theirs, ps, settings, schedule)}
+    mine = build_model_chunks("gpt", config, ps)
+    runners = {"megapipe": MegapipeRunner(mine, ps, settings, schedule, adamw(), record_timeline=True),
+               "torch": TorchRunner(same_weights(config, ps, mine), ps, settings, schedule)}
 
     check_losses = []  # per warm-up step: (megapipe's losses, PyTorch's losses)
     for step in range(settings.warmup_steps):
         tokens, labels = batch(settings, step)
-        check_losses.append(tuple(timed_step(runners[name], tokens, labels)[2] for name in SYSTEMS))
+        check_losses.append(tuple(timed(partial(runners[name].step, tokens, labels))[2] for name in SYSTEMS))
 
-    wall, cpu, timelines = ({name: [] for name in SYSTEMS} for _ in range(3))  # timelines: one per timed step
-    for r in range(settings.rounds):
-        tokens, labels = batch(settings, settings.warmup_steps + r)
-        for name in SYSTEMS if r % 2 == 0 else reversed(SYSTEMS):
-            recorded = len(runners[name].timeline.events)
-            seconds, cpu_seconds, _ = timed_step(runners[name], tokens, labels)
-            wall[name].append(seconds)
-            cpu[name].append(cpu_seconds)
-            timelines[name].append(Timeline(runners[name].timeline.events[recorded:]).to_dict())
+    def timed_step(name: str, r: int) -> tuple[float, float, dict]:
+        """One timed step: wall and CPU seconds, and the timeline it recorded."""
+        recorded = len(runners[name].timeline.events)
+        seconds, cpu_seconds, _ = timed(partial(runners[name].step, *batch(settings, settings.warmup_steps + r)))
+        return seconds, cpu_seconds, Timeline(runners[name].timeline.events[recorded:]).to_dict()
+
+    turns = take_turns(SYSTEMS, settings.rounds, timed_step)
+    wall, cpu, timelines = ({name: [t[k] for t in turns[name]] for name in SYSTEMS} for k in range(3))
     return {"schedule": schedule, "v": v, "wall": wall, "cpu": cpu,
             "check_losses": check_losses if ps.is_last_stage else None, "timelines": timelines}
 
@@ -287,15 +186,15 @@ def world(rank: int, world_size: int, settings: Settings, schedules: list[tuple[
 def speed_row(p: int, per_rank: list[dict]) -> dict:
     """Step times, paired ratios, CPU time and the loss check of one (p, schedule)."""
     wall = per_rank[0]["wall"]  # every step ends in a barrier, so all ranks see the same time
-    ratios = [a / b for a, b in zip(wall["megapipe"], wall["torch"])]
+    pairs = ratios.paired(wall["megapipe"], wall["torch"])
     cpu = {name: statistics.median(sum(r["cpu"][name][i] for r in per_rank) for i in range(len(wall[name])))
            for name in SYSTEMS}
     losses = next(r["check_losses"] for r in per_rank if r["check_losses"] is not None)
     diffs = [max(abs(a - b) for a, b in zip(mine, theirs)) for mine, theirs in losses]
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"p": p, "schedule": per_rank[0]["schedule"], "v": per_rank[0]["v"], "ratios": ratios,
+    q1, _, q3 = ratios.quartiles(pairs)
+    return {"p": p, "schedule": per_rank[0]["schedule"], "v": per_rank[0]["v"], "ratios": pairs,
             "megapipe": statistics.median(wall["megapipe"]), "torch": statistics.median(wall["torch"]),
-            "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+            "ratio": statistics.median(pairs), "q1": q1, "q3": q3,
             "best_ratio": min(wall["megapipe"]) / min(wall["torch"]),
             "cpu_megapipe": cpu["megapipe"], "cpu_torch": cpu["torch"],
             "first_loss": losses[0][0][0], "loss_diff": max(diffs)}
@@ -353,16 +252,15 @@ def label(schedule: str, v: int) -> str:
 
 def print_speed(rows: list[dict]) -> None:
     print("\nStep time, megapipe vs torch.distributed.pipelining (same GPT, split, weights, data and AdamW)")
-    print("| p | schedule | megapipe s/step | PyTorch s/step | megapipe / PyTorch: median of pairs [quartiles] "
-          "| best / best | CPU s/step, all ranks: megapipe / PyTorch | step-1 loss | max loss diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['p']} | {label(r['schedule'], r['v'])} | {r['megapipe']:.3f} | {r['torch']:.3f} | "
-              f"**{r['ratio']:.2f}** [{r['q1']:.2f}-{r['q3']:.2f}] | {r['best_ratio']:.2f} | "
-              f"{r['cpu_megapipe']:.2f} / {r['cpu_torch']:.2f} | {r['first_loss']:.4f} | {r['loss_diff']:.1e} |")
+    print("\n".join(report.markdown(
+        ["p", "schedule", "megapipe s/step", "PyTorch s/step", "megapipe / PyTorch: median of pairs [quartiles]",
+         "best / best", "CPU s/step, all ranks: megapipe / PyTorch", "step-1 loss", "max loss diff"],
+        ([r["p"], label(r["schedule"], r["v"]), f"{r['megapipe']:.3f}", f"{r['torch']:.3f}",
+          f"**{r['ratio']:.2f}** [{r['q1']:.2f}-{r['q3']:.2f}]", f"{r['best_ratio']:.2f}",
+          f"{r['cpu_megapipe']:.2f} / {r['cpu_torch']:.2f}", f"{r['first_loss']:.4f}", f"{r['loss_diff']:.1e}"]
+         for r in rows))))
     pairs = [ratio for r in rows for ratio in r["ratios"]]
-    print(f"All {len(pairs)} pairs: geometric mean of megapipe / PyTorch = "
-          f"{math.exp(statistics.mean(math.log(x) for x in pairs)):.3f}")
+    print(f"All {len(pairs)} pairs: geometric mean of megapipe / PyTorch = {ratios.geometric_mean(pairs):.3f}")
     print_best_against_1f1b(rows)
 
 
@@ -383,15 +281,17 @@ def print_bubble(rows: list[dict]) -> None:
     print("\nBubble: idle share of the forward/backward phase per pipeline rank (first F to last B over all ranks, "
           "optimizer step excluded), measured on timelines of the timed steps; simulated = megapipe's schedule "
           "in the simulator with megapipe's median F and B time of every stage")
-    print("| p | schedule | megapipe, rank 0.. | simulated | PyTorch | mean: megapipe / simulated / PyTorch "
-          "| F/B phase s: megapipe / simulated / PyTorch | F, B ms per stage: megapipe / PyTorch |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines = []
     for r in rows:
         mine, theirs = r["measured"]["megapipe"], r["measured"]["torch"]
         means = " / ".join(f"{statistics.mean(idle):.2f}" for idle in (mine["idle"], r["predicted"], theirs["idle"]))
-        print(f"| {r['p']} | {label(r['schedule'], r['v'])} | {_values(mine['idle'])} | {_values(r['predicted'])} | "
-              f"{_values(theirs['idle'])} | {means} | {mine['span']:.3f} / {r['predicted_span']:.3f} / "
-              f"{theirs['span']:.3f} | {_pass_ms(mine)} / {_pass_ms(theirs)} |")
+        lines.append([r["p"], label(r["schedule"], r["v"]), _values(mine["idle"]), _values(r["predicted"]),
+                      _values(theirs["idle"]), means,
+                      f"{mine['span']:.3f} / {r['predicted_span']:.3f} / {theirs['span']:.3f}",
+                      f"{_pass_ms(mine)} / {_pass_ms(theirs)}"])
+    print("\n".join(report.markdown(
+        ["p", "schedule", "megapipe, rank 0..", "simulated", "PyTorch", "mean: megapipe / simulated / PyTorch",
+         "F/B phase s: megapipe / simulated / PyTorch", "F, B ms per stage: megapipe / PyTorch"], lines)))
 
 
 def _values(values: list[float]) -> str:
@@ -404,19 +304,18 @@ def _pass_ms(measured: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 timed steps per row: a smoke test, noisy numbers")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per system and row (default 6)")
+    parser = cli.parser(__doc__, quick="2 timed steps per row: a smoke test, noisy numbers",
+                        rounds_help="timed steps per system and row (default 6)",
+                        json="also write both tables' rows (with every paired ratio) here")
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", choices=[name for name, _ in SCHEDULES],
                         default=[name for name, _ in SCHEDULES])
-    parser.add_argument("--json", metavar="PATH", help="also write both tables' rows (with every paired ratio) here")
     args = parser.parse_args(argv)
-    settings = Settings(rounds=args.rounds or (2 if args.quick else Settings.rounds))
+    settings = Settings(rounds=cli.rounds_of(args, Settings.rounds))
     schedules = [(name, v) for name, v in SCHEDULES if name in args.schedules]
 
-    print(f"model: {settings.describe()}")
-    print(f"machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start, torch "
+    print(f"model: {describe(settings)}")
+    print(f"machine: {report.machine()}, torch "
           f"{torch.__version__}, one thread per rank. On 2 cores, p=4 oversubscribes the machine (4 processes): "
           "an idle rank lends its core to a busy one, so bubbles cost less than on dedicated devices and "
           "measured per-stage times include time sharing. Other load slows both systems alike but adds noise.")
@@ -431,10 +330,8 @@ def main(argv=None) -> int:
         print(f"p={p}: {time.perf_counter() - start:.0f} s", flush=True)
     print_speed(speed)
     print_bubble(bubble)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": asdict(settings), "speed": speed, "bubble": bubble}, f, indent=1)
+    print(f"\nload average at the end: {report.load_average()}")
+    report.write_json(args.json, {"settings": asdict(settings), "speed": speed, "bubble": bubble})
     bad = [r for r in speed if r["loss_diff"] > LOSS_TOLERANCE]
     if bad:
         print(f"FAILED: the two systems' losses differ by more than {LOSS_TOLERANCE} for "

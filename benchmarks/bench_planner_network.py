@@ -33,7 +33,6 @@ several bandwidths, every layout of a small GPT predicted and trained (root, Lin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,17 +42,21 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.pairing import timed as between_barriers
+from harness.ratios import spearman
+from harness.report import print_markdown
 import bench_planner_vs_measured
-from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, print_markdown, probe_time,
-                                       profile_once, spearman, train_layouts)
+from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_speed, probe_time, profile_once,
+                                       train_layouts)
 from megapipe.config import ModelConfig
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
-from megapipe.planner.pipedream import partition_profile
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.profile_partition import partition_profile
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.units import human_bytes
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts
 
 HOSTS, PER_HOST = 2, 2
 MICRO_BATCH = 2
@@ -76,12 +79,7 @@ def probe_links(rank, world_size, sizes, repeats):
     peer = (rank + 2) % 4
 
     def timed(step) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        dist.barrier()
-        return (time.perf_counter() - start) / repeats
+        return between_barriers(lambda: [step() for _ in range(repeats)])[0] / repeats
 
     rows = {"one flow": [], "two flows": [], "all-reduce across": [], "all-reduce inside": []}
     for size in sizes:
@@ -187,7 +185,7 @@ def partitioner_choice(profile, cluster: Cluster) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--rates-mbit", type=float, nargs="+", default=[20, 100, 1000])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
@@ -207,7 +205,7 @@ def main() -> None:
         with TestHosts(HOSTS, rate_mbit=rate) as hosts:
             print(f"\n== {rate:g} Mbit/s between the hosts")
             cluster = two_level(flat, rate, fit_host_links(hosts))
-            model = CostModel(profile, cluster, Training(GLOBAL_BATCH))
+            model = PlanCostModel(profile, cluster, Training(GLOBAL_BATCH))
             estimates = [model.estimate(Layout(t, p, d, MICRO_BATCH, "1f1b")) for t, p, d in LAYOUTS]
             predicted = [estimate.samples_per_second for estimate in estimates]
             print(f"the planner's cluster: {json.dumps(cluster.to_dict())}")
@@ -223,7 +221,7 @@ def main() -> None:
         rho = spearman(predicted, measured)
         speed, cores_worth = machine_speed(probe_time(profile), per_rank[0][1], per_rank[0][2])
         during = replace(cluster, compute_speed=speed, shared_cores=cores_worth)
-        again = [CostModel(profile, during, Training(GLOBAL_BATCH)).estimate(
+        again = [PlanCostModel(profile, during, Training(GLOBAL_BATCH)).estimate(
             Layout(t, p, d, MICRO_BATCH, "1f1b")).samples_per_second for t, p, d in LAYOUTS]
         print(f"during the rounds the block probe gave speed {speed:.2f} and {cores_worth:.2f} devices' worth of cores "
               f"(calibrated before: {cluster.compute_speed:.2f} and {cluster.shared_cores:.2f}); Spearman with the "

@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -36,19 +35,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness import cli
+from harness.ratios import spearman
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.pipeline.ir.schedules import schedule_spec
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
-from megapipe.testing import run_distributed
+from megapipe.testing.worlds import run_distributed
 
 WORLD = 4
 MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=2048, seq_length=128,
@@ -68,14 +69,6 @@ LAYOUTS = [
     (4, 1, 1, 4, "1f1b", 1, False),
     (1, 2, 2, 4, "1f1b", 1, True),
 ]
-
-
-def print_markdown(header: list[str], rows: list[list[str]]) -> None:
-    """A Markdown table after a blank line, as the README's tables are written."""
-    print("\n| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
 
 
 # ---- what runs in the spawned processes ------------------------------------------------------
@@ -138,7 +131,7 @@ def build_engine(layout, model):
     t, p, d, b, schedule, v, recompute = layout
     config = ModelConfig(**model, **(dict(recompute_granularity="full", recompute_method="uniform",
                                           recompute_num_layers=1) if recompute else {}))
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=schedule_spec(schedule).placement)
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=schedule_descriptor(schedule).placement)
     ps.seed(1234, torch.device("cpu"))
     chunks = build_model_chunks("gpt", config, ps)
     m = GLOBAL_BATCH // (d * b)
@@ -164,7 +157,7 @@ def train_layouts(rank, world_size, layouts, model, warmup, rounds):
         alone += lone
         together += crowd
         for index, ((engine, batches), layout) in enumerate(zip(engines, layouts)):
-            asynchronous = layout[4] in ("2bw", "pipedream")
+            asynchronous = schedule_descriptor(layout[4]).asynchronous
             if asynchronous:
                 engine.train_batch(batches)
             dist.barrier()
@@ -198,20 +191,6 @@ def machine_speed(block_time: float, alone: list[float], together: list[float]) 
     """(compute speed of one process relative to the profile, devices' worth of cores the WORLD processes share)."""
     lone, crowd = statistics.median(alone), statistics.median(together)
     return block_time / lone, min(float(WORLD), WORLD * lone / crowd)
-
-
-def spearman(xs, ys) -> float:
-    """Rank correlation (average ranks for ties)."""
-    def ranks(values):
-        order = np.argsort(values)
-        result = np.empty(len(values))
-        result[order] = np.arange(len(values))
-        for value in set(values):
-            same = [i for i, v in enumerate(values) if v == value]
-            result[same] = np.mean(result[same])
-        return result
-
-    return float(np.corrcoef(ranks(list(xs)), ranks(list(ys)))[0, 1])
 
 
 def describe(layout) -> str:
@@ -260,7 +239,7 @@ def probe_time(profile) -> float:
 
 
 def predict(profile, cluster: Cluster, layouts) -> list[float]:
-    model = CostModel(profile, cluster, Training(GLOBAL_BATCH))
+    model = PlanCostModel(profile, cluster, Training(GLOBAL_BATCH))
     return [model.estimate(Layout(*layout[:5], virtual=layout[5], recompute=layout[6])).samples_per_second
             for layout in layouts]
 
@@ -282,7 +261,7 @@ def print_comparison(layouts, predicted, again, measured, chosen) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="3 rounds and 6 layouts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

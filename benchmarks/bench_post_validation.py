@@ -30,49 +30,39 @@ barrier at each step: (N 3m + p - 1) / N (3m + p - 1) for N steps of ZB-H2, whic
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench_schedule_search import EmulatedCosts, microbatches  # noqa: E402
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.analysis.iterations import replay_iterations  # noqa: E402
-from megapipe.pipeline.analysis.schedule_search import search_schedule  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
-from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.stage_placement import Placement  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from bench_schedule_search import EmulatedCosts, EmulatedSettings
+from harness import cli, report
+from harness.models import same_weights, step_microbatches
+from harness.pairing import take_turns
+from harness.ratios import paired, quartiles
+from megapipe.models import build_model_chunks
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.analysis.iterations import replay_iterations
+from megapipe.pipeline.analysis.schedule_search import search_schedule
+from megapipe.pipeline.analysis.simulate import CostModel
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.layout.placement import Placement
+from megapipe.testing.worlds import run_distributed
 
 
 @dataclass(frozen=True)
-class Settings:
-    microbatches: int = 8
+class PostValidationSettings(EmulatedSettings):
+    num_microbatches: int = 8
     pass_ms: float = 20.0
-    slow_rank: int = -1  # no slow rank: equal stage costs (read by EmulatedCosts)
+    slow_rank: int = -1  # no slow rank: equal stage costs
     rounds: int = 5
-    iterations: int = 6
-    num_layers: int = 8
-    hidden_size: int = 64
-    seq_length: int = 32
-    micro_batch_size: int = 2
-    vocab_size: int = 128
-
-    def model_config(self, tied: bool) -> ModelConfig:
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=4,
-                           vocab_size=self.vocab_size, seq_length=self.seq_length, hidden_dropout=0.0,
-                           attention_dropout=0.0, untie_embeddings_and_output_weights=not tied)
+    iterations: int = 6  # steps back to back per measurement
+    tied: bool = False  # each variant says
 
 
 def variants(p: int, m: int) -> dict:
@@ -86,58 +76,54 @@ def variants(p: int, m: int) -> dict:
 class Run:
     """One variant's engine on this rank, synchronous or post-validated, over its own weights."""
 
-    def __init__(self, settings: Settings, ps: ParallelState, chunks, schedule, post_validation: bool, v: int):
+    def __init__(self, settings: PostValidationSettings, ps: ParallelState, chunks, schedule, post_validation: bool,
+                 v: int):
         config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0,
                                  enable_optimizer_post_validation=post_validation)
-        shape = (settings.seq_length, settings.micro_batch_size, settings.hidden_size)
         self.chunks = chunks
-        self.engine = PipelineEngine(chunks, ps, config, schedule, settings.microbatches, shape)
+        self.engine = PipelineEngine(chunks, ps, config, schedule, settings.num_microbatches,
+                                     settings.activation_shape)
         EmulatedCosts(settings, ps.pp_rank, v).install(self.engine)
         self.losses: list[torch.Tensor] = []
 
-    def measure(self, settings: Settings, first_step: int) -> float:
+    def measure(self, settings: PostValidationSettings, first_step: int) -> float:
         dist.barrier()
         start = time.perf_counter()
         for step in range(first_step, first_step + settings.iterations):
-            self.losses += self.engine.train_batch(microbatches(settings, step)).batch.loss_tensors
+            self.losses += self.engine.train_batch(step_microbatches(settings, step)).batch.loss_tensors
         self.engine.drain()
         dist.barrier()
         return (time.perf_counter() - start) / settings.iterations
 
 
-def world(rank: int, p: int, settings: Settings) -> dict:
+def world(rank: int, p: int, settings: PostValidationSettings) -> dict:
     states = {1: ParallelState.initialize(pipeline=p),
               2: ParallelState.initialize(pipeline=p, virtual_pipeline=2, placement=Placement.V)}
     runs = {}
-    for name, (schedule, tied, v) in variants(p, settings.microbatches).items():
+    for name, (schedule, tied, v) in variants(p, settings.num_microbatches).items():
         ps = states[v]
-        first = build_model_chunks("gpt", settings.model_config(tied), ps)
+        config = settings.model_config(tied)
+        first = build_model_chunks("gpt", config, ps)
         for post_validation in (False, True):
-            chunks = build_model_chunks("gpt", settings.model_config(tied), ps)
-            for copy, original in zip(chunks, first):
-                copy.load_state_dict(original.state_dict())
-            runs[(name, post_validation)] = Run(settings, ps, chunks, schedule, post_validation, v)
+            runs[(name, post_validation)] = Run(settings, ps, same_weights(config, ps, first), schedule,
+                                                post_validation, v)
     for run in runs.values():  # a warm-up measurement each
         run.measure(settings, 0)
     keys = list(runs)
-    times = {key: [] for key in keys}
-    for r in range(settings.rounds):
-        for k in range(len(keys)):
-            key = keys[(r + k) % len(keys)]
-            times[key].append(runs[key].measure(settings, settings.iterations * (1 + r)))
+    times = take_turns(keys, settings.rounds, lambda key, r: runs[key].measure(settings, settings.iterations * (1 + r)))
     equal = {}
     for name in {key[0] for key in keys}:
         sync, post = runs[(name, False)], runs[(name, True)]
         same_losses = all(torch.equal(a, b) for a, b in zip(sync.losses, post.losses))
-        same_weights = all(torch.equal(a, b) for x, y in zip(sync.chunks, post.chunks)
-                           for a, b in zip(x.parameters(), y.parameters()))
-        equal[name] = (same_losses and same_weights, post.engine.validation.rollbacks)
+        same_params = all(torch.equal(a, b) for x, y in zip(sync.chunks, post.chunks)
+                          for a, b in zip(x.parameters(), y.parameters()))
+        equal[name] = (same_losses and same_params, post.engine.validation.rollbacks)
     return {"times": times, "equal": equal}
 
 
-def predicted_ratio(schedule, p: int, v: int, settings: Settings) -> float:
+def predicted_ratio(schedule, p: int, v: int, settings: PostValidationSettings) -> float:
     """The simulator's post-validated / synchronous time of one measurement (its steps back to back)."""
-    schedule = build_schedule(schedule, p, settings.microbatches, v) if isinstance(schedule, str) else schedule
+    schedule = build_schedule(schedule, p, settings.num_microbatches, v) if isinstance(schedule, str) else schedule
     unit = CostModel.per_rank(p, v, [1], [1], [1])
     free, synchronized = (replay_iterations(schedule, unit, settings.iterations, synchronized).makespan
                           for synchronized in (False, True))
@@ -145,38 +131,36 @@ def predicted_ratio(schedule, p: int, v: int, settings: Settings) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__, rounds=PostValidationSettings.rounds)
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", type=int, default=Settings.microbatches)
-    parser.add_argument("--pass-ms", type=float, default=Settings.pass_ms)
-    parser.add_argument("--rounds", type=int, default=Settings.rounds)
-    parser.add_argument("--iterations", type=int, default=Settings.iterations)
+    parser.add_argument("--microbatches", type=int, default=PostValidationSettings.num_microbatches)
+    parser.add_argument("--pass-ms", type=float, default=PostValidationSettings.pass_ms)
+    parser.add_argument("--iterations", type=int, default=PostValidationSettings.iterations)
     args = parser.parse_args(argv)
-    settings = Settings(microbatches=args.microbatches, pass_ms=args.pass_ms, rounds=args.rounds,
-                        iterations=args.iterations)
-    print(f"m={settings.microbatches}; emulated stage costs (artificial delay): {settings.pass_ms:g} ms per F, BI "
+    settings = PostValidationSettings(num_microbatches=args.microbatches, pass_ms=args.pass_ms, rounds=args.rounds,
+                                      iterations=args.iterations)
+    print(f"m={settings.num_microbatches}; emulated stage costs (artificial delay): {settings.pass_ms:g} ms per F, BI "
           f"and BW of every stage; GPT {settings.num_layers} layers h={settings.hidden_size}, AdamW, --clip-grad 1; "
-          f"{settings.rounds} rounds of {settings.iterations} steps back to back; {os.cpu_count()} CPU cores, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
-    print("\n| p | schedule | synchronous s/step | post-validated s/step | post / sync: median of rounds "
-          "(quartiles) | simulator post / sync | losses and weights equal (rollbacks) |")
-    print("|---|---|---|---|---|---|---|")
+          f"{settings.rounds} rounds of {settings.iterations} steps back to back; {report.machine()}")
+    report.print_markdown(["p", "schedule", "synchronous s/step", "post-validated s/step",
+                           "post / sync: median of rounds (quartiles)", "simulator post / sync",
+                           "losses and weights equal (rollbacks)"], [])
     failed = False
     for p in args.pipeline_sizes:
         results = run_distributed(p, world, settings, timeout=3600, collective_timeout=600)
-        times, schedules = results[0]["times"], variants(p, settings.microbatches)
+        times, schedules = results[0]["times"], variants(p, settings.num_microbatches)
         for name, (schedule, tied, v) in schedules.items():
             sync, post = times[(name, False)], times[(name, True)]
-            ratios = [a / b for a, b in zip(post, sync)]
-            low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+            low, median, high = quartiles(paired(post, sync))
             # the replay does not model the first and last stage's embedding sum (none under the V placement)
             predicted = "-" if tied and v == 1 else f"{predicted_ratio(schedule, p, v, settings):.3f}"
             equal = all(result["equal"][name][0] for result in results)
             rollbacks = max(result["equal"][name][1] for result in results)
             failed |= not equal
-            print(f"| {p} | {name} | {statistics.median(sync):.3f} | {statistics.median(post):.3f} | {statistics.median(ratios):.3f} ({low:.2f}-{high:.2f}) | "
-                  f"{predicted} | {'yes' if equal else 'NO'} ({rollbacks}) |")
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}; with tied embeddings on the looped placement "
+            print(report.markdown_row([p, name, f"{statistics.median(sync):.3f}", f"{statistics.median(post):.3f}",
+                                       f"{median:.3f} ({low:.2f}-{high:.2f})", predicted,
+                                       f"{'yes' if equal else 'NO'} ({rollbacks})"]), flush=True)
+    print(f"\nload average at the end: {report.load_average()}; with tied embeddings on the looped placement "
           "the first stage would wait p - 1 passes per step for the last stage's embedding gradient, which the "
           "iteration replay reports but does not model (tests/test_iterations.py)")
     return 1 if failed else 0

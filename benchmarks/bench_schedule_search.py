@@ -29,29 +29,29 @@ schedule (the same weights and data, so equal within 1e-5).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.analysis.schedule_search import search_schedule  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
-from megapipe.pipeline.ir.actions import ActionKind  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule  # noqa: E402
-from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli, report
+from harness.models import same_weights, step_microbatches
+from harness.pairing import take_turns
+from harness.ratios import max_relative_diff, median_ratio
+from harness.settings import Settings
+from megapipe.models import build_model_chunks
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.analysis.schedule_search import search_schedule
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.testing.worlds import run_distributed
 
 NAMED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved-zb", 2)]
 MEASURED_UNDER = {1: "zb-h1", 2: "interleaved-zb"}  # split-backward runs whose timelines give the costs
@@ -60,27 +60,24 @@ LOSS_TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
-class Settings:
-    microbatches: int = 4
-    pass_ms: float = 40.0
-    slow_rank: int = 1
-    rounds: int = 8
+class EmulatedSettings(Settings):
+    """A small GPT (tied embeddings) whose stages' costs come from ``EmulatedCosts``."""
+
     num_layers: int = 8
     hidden_size: int = 64
     seq_length: int = 32
-    micro_batch_size: int = 2
     vocab_size: int = 128
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=4,
-                           vocab_size=self.vocab_size, seq_length=self.seq_length, hidden_dropout=0.0,
-                           attention_dropout=0.0)
+    num_microbatches: int = 4
+    rounds: int = 8
+    tied: bool = True
+    pass_ms: float = 40.0
+    slow_rank: int = 1
 
 
 class EmulatedCosts:
     """The artificial delay of the module docstring, put in front of the executor's compute."""
 
-    def __init__(self, settings: Settings, rank: int, v: int):
+    def __init__(self, settings: EmulatedSettings, rank: int, v: int):
         factor = SLOW if rank == settings.slow_rank else 1.0
         self.seconds = settings.pass_ms / 1e3 * factor / v
 
@@ -95,35 +92,24 @@ class EmulatedCosts:
         engine.executor._compute = delayed
 
 
-def microbatches(settings: Settings, step: int) -> list[dict]:
-    g = torch.Generator().manual_seed(step)
-    shape = (settings.micro_batch_size, settings.seq_length)
-    out = []
-    for _ in range(settings.microbatches):
-        tokens, labels = (torch.randint(0, settings.vocab_size, shape, generator=g) for _ in range(2))
-        out.append({"tokens": tokens, "labels": labels, "loss_mask": torch.ones(shape)})
-    return out
-
-
 class Run:
     """One schedule's engine on this rank, over its own copy of the weights."""
 
-    def __init__(self, settings: Settings, ps: ParallelState, chunks, schedule, v: int):
+    def __init__(self, settings: EmulatedSettings, ps: ParallelState, chunks, schedule, v: int):
         self.timeline = Timeline()
-        shape = (settings.seq_length, settings.micro_batch_size, settings.hidden_size)
         self.engine = PipelineEngine(chunks, ps, OptimizerConfig(optimizer="sgd", lr=1e-3, clip_grad=0.0), schedule,
-                                     settings.microbatches, shape, timeline=self.timeline)
+                                     settings.num_microbatches, settings.activation_shape, timeline=self.timeline)
         EmulatedCosts(settings, ps.pp_rank, v).install(self.engine)
 
-    def step(self, settings: Settings, step: int) -> tuple[float, list[float]]:
+    def step(self, settings: EmulatedSettings, step: int) -> tuple[float, list[float]]:
         dist.barrier()
         start = time.perf_counter()
-        losses = self.engine.train_batch(microbatches(settings, step)).losses
+        losses = self.engine.train_batch(step_microbatches(settings, step)).losses
         dist.barrier()
         return time.perf_counter() - start, losses
 
 
-def measured_latency(settings: Settings) -> float:
+def measured_latency(settings: EmulatedSettings) -> float:
     """One-way time of a stage-boundary message between ranks 0 and 1 (median of 20 ping-pongs), on all ranks."""
     message = torch.zeros(settings.seq_length * settings.micro_batch_size * settings.hidden_size)
     trips = []
@@ -156,16 +142,13 @@ def measured_costs(run: Run, p: int, v: int, latency: float) -> CostModel:
     return CostModel.per_rank(p, v, forward, input_backward, weight_backward, latency=latency)
 
 
-def world(rank: int, p: int, settings: Settings) -> dict:
+def world(rank: int, p: int, settings: EmulatedSettings) -> dict:
     states = {v: ParallelState.initialize(pipeline=p, virtual_pipeline=v) for v in (1, 2)}
     config = settings.model_config()
     first = {v: build_model_chunks("gpt", config, states[v]) for v in (1, 2)}
 
     def chunks(v):  # the same initial weights for every schedule of v chunks
-        copies = build_model_chunks("gpt", config, states[v])
-        for copy, original in zip(copies, first[v]):
-            copy.load_state_dict(original.state_dict())
-        return copies
+        return same_weights(config, states[v], first[v])
 
     latency = measured_latency(settings)
     runs = {name: Run(settings, states[v], chunks(v), name, v) for name, v in NAMED}
@@ -174,17 +157,12 @@ def world(rank: int, p: int, settings: Settings) -> dict:
     for v, name in MEASURED_UNDER.items():
         runs[name].step(settings, 1)  # a second step, recorded on a warm process
         costs[v] = measured_costs(runs[name], p, v, latency)
-        found = search_schedule(p, settings.microbatches, costs[v], memory_limit=p, v=v)
+        found = search_schedule(p, settings.num_microbatches, costs[v], memory_limit=p, v=v)
         searched[v] = found
         runs[f"auto v={v}"] = Run(settings, states[v], chunks(v), found.schedule, v)
         first_losses[f"auto v={v}"] = runs[f"auto v={v}"].step(settings, 0)[1]
-    names = list(runs)
-    times = {name: [] for name in names}
-    for r in range(settings.rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            times[name].append(runs[name].step(settings, 2 + r)[0])
-    predicted = {name: float(simulate(build_schedule(name, p, settings.microbatches, v).compute_only(),
+    times = take_turns(runs, settings.rounds, lambda name, r: runs[name].step(settings, 2 + r)[0])
+    predicted = {name: float(simulate(build_schedule(name, p, settings.num_microbatches, v).compute_only(),
                                       costs[v]).makespan) for name, v in NAMED}
     predicted.update({f"auto v={v}": float(found.simulation.makespan) for v, found in searched.items()})
     peaks = {f"auto v={v}": float(max(found.simulation.peak_activations)) for v, found in searched.items()}
@@ -193,44 +171,38 @@ def world(rank: int, p: int, settings: Settings) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__, rounds=EmulatedSettings.rounds)
     parser.add_argument("--pipeline-size", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=Settings.microbatches)
-    parser.add_argument("--pass-ms", type=float, default=Settings.pass_ms)
-    parser.add_argument("--slow-rank", type=int, default=Settings.slow_rank)
-    parser.add_argument("--rounds", type=int, default=Settings.rounds)
+    parser.add_argument("--microbatches", type=int, default=EmulatedSettings.num_microbatches)
+    parser.add_argument("--pass-ms", type=float, default=EmulatedSettings.pass_ms)
+    parser.add_argument("--slow-rank", type=int, default=EmulatedSettings.slow_rank)
     args = parser.parse_args(argv)
-    settings = Settings(microbatches=args.microbatches, pass_ms=args.pass_ms, slow_rank=args.slow_rank,
-                        rounds=args.rounds)
+    settings = EmulatedSettings(num_microbatches=args.microbatches, pass_ms=args.pass_ms, slow_rank=args.slow_rank,
+                                rounds=args.rounds)
     p = args.pipeline_size
-    print(f"p={p}, m={settings.microbatches}; emulated stage costs (artificial delay): {settings.pass_ms:g} ms per "
+    print(f"p={p}, m={settings.num_microbatches}; emulated stage costs (artificial delay): {settings.pass_ms:g} ms per "
           f"F, BI and BW of a whole stage, rank {settings.slow_rank} {SLOW}x slower; GPT {settings.num_layers} layers "
-          f"h={settings.hidden_size}; {settings.rounds} rounds; {os.cpu_count()} CPU cores, load average "
-          f"{os.getloadavg()[0]:.1f} at start")
+          f"h={settings.hidden_size}; {settings.rounds} rounds; {report.machine()}")
     results = run_distributed(p, world, settings, timeout=3600, collective_timeout=600)
     last = results[p - 1]  # the last rank holds the losses
     times = {name: statistics.median(t) for name, t in results[0]["times"].items()}
-    print("\n| schedule | v | median s/step | predicted s/step (simulator, measured costs) | searched (same v) / this: "
-          "median of rounds | step-0 loss |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for name in sorted(times, key=times.get):
         v = 2 if name.endswith("v=2") or name in ("interleaved", "interleaved-zb") else 1
-        ratios = []
-        for auto in (f"auto v={w}" for w in (1, 2)):
-            pairs = [a / b for a, b in zip(results[0]["times"][auto], results[0]["times"][name])]
-            ratios.append(f"{auto}: {statistics.median(pairs):.3f}")
-        loss = last["losses"][name][0]
-        print(f"| {name} | {v} | {times[name]:.3f} | {results[0]['predicted'][name]:.3f} | {'; '.join(ratios)} | "
-              f"{loss:.6f} |")
+        searched = "; ".join(f"{auto}: {median_ratio(results[0]['times'][auto], results[0]['times'][name]):.3f}"
+                             for auto in (f"auto v={w}" for w in (1, 2)))
+        rows.append([name, v, f"{times[name]:.3f}", f"{results[0]['predicted'][name]:.3f}", searched,
+                     f"{last['losses'][name][0]:.6f}"])
+    report.print_markdown(["schedule", "v", "median s/step", "predicted s/step (simulator, measured costs)",
+                           "searched (same v) / this: median of rounds", "step-0 loss"], rows)
     print(f"\nsearched schedules' peak activations (microbatches per rank, limit {p}): {results[0]['peaks']}")
     print(f"measured forward per stage (s): {results[0]['costs']}; message latency {results[0]['latency']:.2e} s")
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"load average at the end: {report.load_average()}")
     bad = []
     for v in (1, 2):
         group = [name for name, w in NAMED if w == v] + [f"auto v={v}"]
         reference = last["losses"][group[0]]
-        bad += [name for name in group if max(abs(a - b) / abs(b) for a, b in zip(last["losses"][name], reference))
-                > LOSS_TOLERANCE]
+        bad += [name for name in group if max_relative_diff(last["losses"][name], reference) > LOSS_TOLERANCE]
     if bad:
         print(f"FAILED: first-step losses differ beyond {LOSS_TOLERANCE} relative for {bad}")
         return 1

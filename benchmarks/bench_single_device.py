@@ -17,7 +17,7 @@ shape, batch and sequence under each system and prints tokens/s and model FLOPs 
   it is installed, else the local one), Float16Module, DDP and its optimizer
   (``benchmarks/mcore_gpt.py``); where it cannot run, the row gives the reason.
 
-FLOPs per step are model FLOPs, the same formula for every system (``megapipe.flops``, seed 002
+FLOPs per step are model FLOPs, the same formula for every system (``megapipe.models.flops``, seed 002
 eq. 4.2 without the recomputation term), so recomputation shows up as lower MFU. On CUDA the
 peak is the device's dense bf16 peak (by its exact name, or ``--device-peak-tflops``; without
 either MFU is left out); on CPU it is measured: the best bf16 throughput of a large square matmul
@@ -38,10 +38,8 @@ each system is built, timed and freed in turn, and its peak memory is shown.
 from __future__ import annotations
 
 import abc
-import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -57,17 +55,19 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
 
+from harness import cli
+from harness.report import print_ruled, write_json
 from megapipe import fusions  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import first_line  # noqa: E402
-from megapipe.distributed import (DeviceClock, default_device, device_name, peak_memory_gib,  # noqa: E402
-                                  release_cached_memory, reset_peak_memory, synchronize)
-from megapipe.flops import check_device_peak, device_peak_tflops, flops_per_iteration, parameter_count  # noqa: E402
+from megapipe.parallel.launch import DeviceClock, default_device, device_name, peak_memory_gib, release_cached_memory, reset_peak_memory, synchronize
+from megapipe.models.flops import (check_device_peak, device_peak_tflops, flops_per_iteration,  # noqa: E402
+                                   head_flops_per_iteration, parameter_count)
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
 from megapipe.models.state_dict import local_state_dict  # noqa: E402
 from megapipe.optim import GradBuffers, OptimizerConfig, build_optimizer, finalize_model_grads  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
+from megapipe.parallel.state import ParallelState  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIP_GRAD, DROPOUT = 1e-4, 0.01, 1.0, 0.1
 GPT2_VOCAB = 50257
@@ -476,8 +476,7 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
     show_memory = any(row.get("peak_gib") is not None for row in rows)
     header = (f"{'system':44s} {'precision':36s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
               f"{'MFU f+b':>7s} {'MFU':>6s} {'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
-    print(header)
-    print("-" * len(header))
+    print_ruled(header)
     for row in rows:
         if "error" in row:
             print(f"{row['system']:44s} not run: {row['error']}")
@@ -496,7 +495,7 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
 # ---- main -----------------------------------------------------------------------------------------
 
 def parse_args(device: torch.device):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--shape", default=None,
                         help=f"comma-separated shapes from {', '.join(SHAPES)} "
                              "(default: cpu-small on CPU, gpt-350m,gpt-1.3b on CUDA)")
@@ -552,14 +551,6 @@ def parse_args(device: torch.device):
     return args
 
 
-def write_report(path: Optional[str], report: dict) -> None:
-    """The report so far, replaced atomically (a run stopped by a time limit keeps the systems done)."""
-    if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(path + ".tmp", path)
-
-
 def device_peak(args, device: torch.device) -> tuple[Optional[float], Optional[Callable[[], float]], str]:
     """(peak TFLOP/s or None, the CPU's re-measuring probe or None, how the peak was found)."""
     if device.type == "cpu":
@@ -602,7 +593,7 @@ def main() -> None:
         config = model_config(shape, torch.bfloat16, args.dropout)
         sequences = args.micro_batches * shape.micro_batch
         flops = flops_per_iteration(config, sequences, recompute=False)
-        head = 6 * sequences * shape.seq_length * shape.hidden_size * config.padded_vocab_size(1)
+        head = head_flops_per_iteration(config, sequences)
         print(f"\n== {shape_name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.heads} heads, "
               f"sequence {shape.seq_length}, {args.micro_batches} micro-batches of {shape.micro_batch} per step, "
               f"vocabulary {shape.vocab_size} (padded {config.padded_vocab_size(1)}), "
@@ -617,7 +608,7 @@ def main() -> None:
         def report_rows(results, measured=None):
             peak_tflops = max(peak, measured or 0.0) if peak is not None else None
             report["shapes"][shape_name] = table_rows(results, shape, args.micro_batches, flops, peak_tflops)
-            write_report(args.json, report)
+            write_json(args.json, report)  # so far: a run stopped by a time limit keeps the systems done
 
         if args.sequential:
             results, measured = run_sequential(systems, batches, args, device, report_rows), None

@@ -6,10 +6,10 @@ interface counters of two namespaced hosts (2 hosts x 2 ranks; root, Linux).
 
 Each layout trains the same GPT through the real training loop (``Trainer``: data, pipeline
 schedule, gradient syncs, optimizer, logging collectives) twice in one world of 4 processes
-spread over two hosts (``megapipe.testing_hosts``): once for K1 and once for K2 iterations.
+spread over two hosts (``megapipe.testing.hosts``): once for K1 and once for K2 iterations.
 The difference of the frames the hosts sent, divided by K2 - K1, is one iteration's traffic:
 start-up (process groups, rendezvous, evaluation) cancels out. The prediction is
-``CostModel.traffic`` (``megapipe/planner/traffic.py``) for the same layout on a cluster of 2
+``PlanCostModel.traffic`` (``megapipe/planner/traffic.py``) for the same layout on a cluster of 2
 nodes x 2 devices with gloo's collectives, put on the wire with one Ethernet + IP + TCP
 header per segment. The measured payload is the counted bytes minus that header for every
 counted frame (acknowledgements included), so the two columns split what the model must get
@@ -18,20 +18,20 @@ right (payload) from what the wire adds.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch.distributed as dist
 
-from megapipe.arguments import parse_config
+from harness import cli
+from megapipe.config.parse import parse_config
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import FRAME_OVERHEAD, wire_bytes
-from megapipe.testing import run_distributed
-from megapipe.testing_hosts import TestHosts, own_counters
-from megapipe.training import Trainer
+from megapipe.testing.worlds import run_distributed
+from megapipe.testing.hosts import TestHosts, own_counters
+from megapipe.training.trainer import Trainer
 
 HOSTS, PER_HOST = 2, 2
 WORLD = HOSTS * PER_HOST
@@ -84,11 +84,11 @@ def predict(t: int, p: int, d: int, sharding: str, extra: list[str]):
     cluster = Cluster(nodes=HOSTS, gpus_per_node=PER_HOST, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
                       inter_node_bandwidth=1e8, backend="gloo")
     training = Training(GLOBAL_BATCH, scatter_gather="--no-scatter-gather-tensors-in-pipeline" not in extra)
-    return CostModel(profile, cluster, training).traffic(Layout(t, p, d, MICRO_BATCH, "1f1b", sharding=sharding))
+    return PlanCostModel(profile, cluster, training).traffic(Layout(t, p, d, MICRO_BATCH, "1f1b", sharding=sharding))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the first 4 layouts")
     parser.add_argument("--iterations", type=int, nargs=2, default=(1, 4), metavar=("K1", "K2"))
     args = parser.parse_args()

@@ -8,7 +8,7 @@ One world of p processes (gloo, one thread each) builds ``pretrain_gpt.py``'s ``
 flags of ``bench_pipeline.py``'s model (GPT, 8 layers, hidden 256, 4 heads, sequence 128, a
 vocabulary of 1024, no dropout, untied embeddings, fp32, AdamW, no clipping; ``--mock-data``)
 with m = 8 microbatches of 2, and next to it ``bench_pipeline.py``'s executor step
-(``MegapipeRunner``: ``PipelineEngine.train_batch`` on microbatches made beforehand, no timeline)
+(the harness's ``MegapipeRunner``: ``PipelineEngine.train_batch`` on microbatches made beforehand, no timeline)
 over a copy of the same model. The first step of both runs on the same microbatches and its
 losses must be equal bit for bit (same model, weights and data). Flags after ``--`` change the
 trainer's run only (the executor keeps ``bench_pipeline``'s model and optimizer), so a ratio
@@ -32,22 +32,21 @@ a shared 2-core machine single rounds can be off by tens of percent.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-import torch.distributed as dist  # noqa: E402
-
-from bench_pipeline import MegapipeRunner, Settings, TorchRunner, batch  # noqa: E402
-from megapipe.arguments import parse_config  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
-from megapipe.training import Trainer  # noqa: E402
+from bench_pipeline import TorchRunner
+from harness import cli, report
+from harness.models import MegapipeRunner, adamw, batch
+from harness.pairing import take_turns, timed
+from harness.ratios import median_ratio, paired, quartiles
+from harness.settings import Settings
+from megapipe.config.parse import parse_config
+from megapipe.models import build_model_chunks
+from megapipe.testing.worlds import run_distributed
+from megapipe.training.trainer import Trainer
 
 WARMUP_STEPS = 2  # per system, before timing (lazy optimizer state, first messages)
 
@@ -106,16 +105,6 @@ class RunnerStep:
         self.done += 1
 
 
-def timed(step) -> tuple[float, float]:
-    """Wall seconds of ``step()`` between two barriers and this process's CPU seconds in it."""
-    dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    step()
-    cpu = time.process_time() - cpu_start
-    dist.barrier()
-    return time.perf_counter() - start, cpu
-
-
 def bench_model(trainer: Trainer, settings: Settings) -> list:
     """This rank's chunks of ``bench_pipeline``'s model, with the trainer's weights when its flags
     built the same model (flags after -- may change it: dropout, say)."""
@@ -134,7 +123,7 @@ def world(rank: int, world_size: int, settings: Settings, rounds: int, extra: li
           with_torch: bool) -> dict:
     config = parse_config("gpt", trainer_flags(settings, world_size, rounds) + extra, world_size=world_size)
     trainer = Trainer("gpt", config)
-    executor = MegapipeRunner(bench_model(trainer, settings), trainer.ps, settings, "1f1b", record_timeline=False)
+    executor = MegapipeRunner(bench_model(trainer, settings), trainer.ps, settings, "1f1b", adamw())
     steps = [batch(settings, step) for step in range(WARMUP_STEPS + rounds)]  # made before any timing
     systems = {"pretrain_gpt": TrainerStep(trainer), "executor": RunnerStep(executor, steps)}
     if with_torch:
@@ -148,13 +137,9 @@ def world(rank: int, world_size: int, settings: Settings, rounds: int, extra: li
     for name in names:
         for _ in range(WARMUP_STEPS):
             timed(systems[name])
-    wall, cpu = ({name: [] for name in names} for _ in range(2))
     systems["pretrain_gpt"].outside.clear()
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds, cpu_seconds = timed(systems[name])
-            wall[name].append(seconds)
-            cpu[name].append(cpu_seconds)
+    turns = take_turns(names, rounds, lambda name, _: timed(systems[name]))
+    wall, cpu = ({name: [t[k] for t in turns[name]] for name in names} for k in range(2))
     return {"wall": wall, "cpu": cpu, "outside": systems["pretrain_gpt"].outside,
             "check": check if trainer.ps.is_last_stage else None,
             "same_model": same_model(trainer, settings)}
@@ -162,42 +147,41 @@ def world(rank: int, world_size: int, settings: Settings, rounds: int, extra: li
 
 def ratio_row(wall: dict, cpu: dict, a: str, b: str) -> str:
     """Wall-time ratios of the pairs (median, quartiles, range) and the median CPU-time ratio."""
-    ratios = sorted(x / y for x, y in zip(wall[a], wall[b]))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    cpu_ratio = statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
-    return (f"| {a} / {b} | **{statistics.median(ratios):.3f}** | {quartiles[0]:.3f}-{quartiles[2]:.3f} | "
-            f"{ratios[0]:.3f}-{ratios[-1]:.3f} | {cpu_ratio:.3f} | {len(ratios)} |")
+    ratios = sorted(paired(wall[a], wall[b]))
+    low, median, high = quartiles(ratios)
+    return report.markdown_row([f"{a} / {b}", f"**{median:.3f}**", f"{low:.3f}-{high:.3f}",
+                                f"{ratios[0]:.3f}-{ratios[-1]:.3f}", f"{median_ratio(cpu[a], cpu[b]):.3f}",
+                                len(ratios)])
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12, help="timed steps per system (default 12)")
+    parser = cli.parser(__doc__, rounds=12, rounds_help="timed steps per system (default 12)")
     parser.add_argument("--pipeline-size", type=int, default=2)
     parser.add_argument("--with-torch", action="store_true", help="also time PyTorch's Schedule1F1B")
     parser.add_argument("extra", nargs="*", help="after --: more pretrain_gpt.py flags (they override)")
     args = parser.parse_args(argv)
     settings = Settings()
-    print(f"model: {settings.describe().split(';')[0]}; {settings.num_microbatches} microbatches of "
+    print(f"model: {settings.describe_model()}; {settings.num_microbatches} microbatches of "
           f"{settings.micro_batch_size}; 1F1B at p = {args.pipeline_size}; gloo, one thread per rank")
     print(f"pretrain_gpt.py flags: {' '.join(trainer_flags(settings, args.pipeline_size, args.rounds) + args.extra)}")
-    print(f"machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start")
+    print(f"machine: {report.machine()}")
     results = run_distributed(args.pipeline_size, world, settings, args.rounds, args.extra, args.with_torch,
                               timeout=3600, collective_timeout=600)
     wall = results[0]["wall"]  # every step ends in a barrier: all ranks see the same times
     names = list(wall)
     cpu = {name: [sum(r["cpu"][name][i] for r in results) for i in range(args.rounds)] for name in names}
-    print("\n| system | median s/step | CPU s/step, all ranks |\n|---|---|---|")
-    for name in names:
-        print(f"| {name} | {statistics.median(wall[name]):.4f} | {statistics.median(cpu[name]):.3f} |")
-    print("\n| ratio | median of pairs | quartiles | lowest-highest | CPU time, median of pairs | pairs |\n"
-          "|---|---|---|---|---|---|")
+    report.print_markdown(["system", "median s/step", "CPU s/step, all ranks"],
+                          ([name, f"{statistics.median(wall[name]):.4f}", f"{statistics.median(cpu[name]):.3f}"]
+                           for name in names))
+    report.print_markdown(["ratio", "median of pairs", "quartiles", "lowest-highest", "CPU time, median of pairs",
+                           "pairs"], [])
     for other in names[1:]:
         print(ratio_row(wall, cpu, "pretrain_gpt", other))
     if "torch Schedule1F1B" in names:
         print(ratio_row(wall, cpu, "executor", "torch Schedule1F1B"))
     outside = ", ".join(f"rank {rank} {1e3 * statistics.median(r['outside']):.2f}" for rank, r in enumerate(results))
     print(f"\npretrain_gpt's own work per step, outside PipelineEngine.train_batch (median ms): {outside}")
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"load average at the end: {report.load_average()}")
     if not results[0]["same_model"]:
         print("the flags after -- change the model: the executor runs bench_pipeline's model, no loss comparison")
         return 0

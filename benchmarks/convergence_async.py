@@ -18,27 +18,24 @@ The plot goes to benchmarks/results/convergence_async.png.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.data.corpus import cache_root, default_gpt_data  # noqa: E402
-from megapipe.data.gpt_dataset import GPTDataset  # noqa: E402
-from megapipe.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megapipe.models import build_model_chunks  # noqa: E402
-from megapipe.optim import OptimizerConfig  # noqa: E402
-from megapipe.parallel_state import ParallelState  # noqa: E402
-from megapipe.pipeline.runtime.engine import PipelineEngine  # noqa: E402
-from megapipe.testing import run_distributed  # noqa: E402
+from harness import cli, report
+from megapipe.config import ModelConfig
+from megapipe.data.corpus import cache_root, default_gpt_data
+from megapipe.data.gpt_dataset import GPTDataset
+from megapipe.data.indexed_dataset import IndexedDataset
+from megapipe.models import build_model_chunks
+from megapipe.optim import OptimizerConfig
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = ("1f1b", "2bw", "pipedream")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = report.RESULTS
 P, M, SEQ, MICRO, VALID_MICROBATCHES, SMOOTH = 2, 2, 64, 8, 16, 40
 LEARNING_RATES = (1e-3, 3e-4)
 
@@ -88,16 +85,16 @@ def smooth(values: list[float]) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--batches", type=int, default=320)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     batches = 20 if args.quick else args.batches
     result = next(r for r in run_distributed(P, train, batches, timeout=7200) if r is not None)
     lines = [f"GPT 4 layers, hidden 128, seq {SEQ}, micro batch {MICRO}, p={P}, m={M}, AdamW, "
-             f"{batches * M} microbatches",
-             "| lr | schedule | updates per stage | final train loss (mean of last 50 microbatches) | held-out loss |",
-             "|---|---|---|---|---|"]
+             f"{batches * M} microbatches"]
+    lines += report.markdown(["lr", "schedule", "updates per stage", "final train loss (mean of last 50 microbatches)",
+                              "held-out loss"])
     for lr, name in [(lr, name) for lr in LEARNING_RATES for name in SCHEDULES]:
         curve = result["curves"][(lr, name)]
         updates = batches * M if name == "pipedream" else batches
@@ -106,10 +103,8 @@ def main() -> None:
     print("\n".join(lines))
     if args.quick:
         return
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "convergence_async.md"), "w") as f:
-        f.write("# Convergence of Flush, 2BW and PipeDream\n\n`python benchmarks/convergence_async.py`, plot: "
-                "convergence_async.png\n\n" + "\n".join(lines) + "\n")
+    report.write_result("convergence_async", "Convergence of Flush, 2BW and PipeDream",
+                        "python benchmarks/convergence_async.py", lines, note=", plot: convergence_async.png")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

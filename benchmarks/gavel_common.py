@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megapipe.cluster.cluster_spec import parse_cluster
-from megapipe.cluster.metrics import summarise
-from megapipe.cluster.policies import make_policy
-from megapipe.cluster.scheduler import Scheduler
-from megapipe.cluster.simulator import simulate
+from megapipe.cluster.core.cluster_spec import parse_cluster
+from megapipe.cluster.sim.metrics import summarise
+from megapipe.cluster.core.policies import make_policy
+from megapipe.cluster.core.scheduler import Scheduler
+from megapipe.cluster.sim.simulator import simulate
 
 DATA = str(Path(__file__).resolve().parents[1] / "megapipe" / "cluster" / "data") + "/"
 

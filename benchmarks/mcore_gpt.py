@@ -80,7 +80,7 @@ def build_mcore_gpt(num_layers: int, hidden_size: int, heads: int, seq_length: i
     """
     (parallel_state, tensor_parallel, DistributedDataParallel, DistributedDataParallelConfig, GPTModel,
      gpt_layer_specs, OptimizerConfig, get_megatron_optimizer, Float16Module, TransformerConfig) = _import_mcore()
-    from megapipe.distributed import init_distributed
+    from megapipe.parallel.launch import init_distributed
 
     import torch.distributed as dist
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megapipe.arguments import parse_config
-from megapipe.training import Trainer
+from megapipe.config.parse import parse_config
+from megapipe.training.trainer import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of
 # 16 x t, so tensor-parallel slices hold padding rows that a checkpoint must trim and restore.
@@ -44,12 +44,12 @@ def train(argv: list[str], cache: str, after_load=None) -> tuple[Trainer, list[l
     """
     trainer = build(argv, cache)
     if after_load is not None:
-        load = trainer.load
+        load = trainer.checkpointer.load
 
         def loading(directory):
             load(directory)
             after_load(trainer)
-        trainer.load = loading
+        trainer.checkpointer.load = loading
     losses = []
     train_batch = trainer.engine.train_batch
 

@@ -3,8 +3,8 @@
 import importlib.util
 from pathlib import Path
 
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.throughputs import ThroughputTable
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.throughputs import ThroughputTable
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = str(ROOT / "megapipe" / "cluster" / "data") + "/"

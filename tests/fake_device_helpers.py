@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState, RankLayout
+from megapipe.models.families import family
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
 
 S, H, V = 16, 32, 100
 # how PyTorch words a fake tensor meeting a tensor on another device (a RuntimeError; torch 2.11 says
@@ -21,11 +23,9 @@ DEVICE_MISMATCH = r"found (at least )?two (different )?devices"
 
 def model_config(kind: str, precision: str = "fp32", **options) -> ModelConfig:
     """A two-layer GPT or BERT of hidden size ``H`` and vocabulary ``V`` (``options`` override fields)."""
-    bert = kind == "bert"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     options = dict(dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=V), **options)
-    return ModelConfig(params_dtype=dtype, num_tokentypes=2 if bert else 0, post_layernorm=bert,
-                       activation="gelu" if bert else "gelu_tanh", **options)
+    return family(kind).model_config(params_dtype=dtype, **options)
 
 
 class _Done:

@@ -1,12 +1,15 @@
 """The three model families the parity tests build: GPT, BERT and a Llama-shaped GPT.
 
-``family_config(kind, **fields)`` gives each family's own options on top of the test's sizes;
-``MODEL_KIND`` is the stage class each family is built with (a Llama is a GPT with other options).
+``family_config(kind, **fields)`` gives each family's own options on top of the test's sizes: GPT's and
+BERT's defaults from the model-family registry, and for "llama" the Llama options these tests exercise
+(grouped-query attention with 2 groups, tied embeddings); ``MODEL_KIND`` is the stage class each family
+is built with (a Llama is a GPT with other options).
 """
 
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
+from megapipe.models.families import family
 
 MODEL_KIND = {"gpt": "gpt", "bert": "bert", "llama": "gpt"}
 
@@ -17,8 +20,8 @@ LLAMA = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, no
 
 def family_config(kind: str, **fields) -> ModelConfig:
     """``fields`` (sizes, dropout, and for a Llama any of its options) override the family's."""
-    if kind == "bert":
-        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **fields)
+    if kind != "llama":
+        return family(kind).model_config(**fields)
     if kind == "llama":
         return ModelConfig(**{**LLAMA, **fields})
     return ModelConfig(**fields)

@@ -11,8 +11,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapipe.cli import main  # noqa: E402
-from megapipe.training import Trainer  # noqa: E402
+from megapipe.training.cli import main  # noqa: E402
+from megapipe.training.trainer import Trainer  # noqa: E402
 
 real_save = Trainer.save
 

@@ -24,6 +24,7 @@ import torch
 from batch_helpers import random_microbatch
 from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.models.families import family
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
@@ -76,9 +77,7 @@ def model_config(kind: str) -> ModelConfig:
     common = dict(num_layers=LAYERS, hidden_size=16, num_attention_heads=2, vocab_size=29, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
                   untie_embeddings_and_output_weights=True)
-    if kind == "bert":
-        return ModelConfig(num_tokentypes=2, post_layernorm=True, activation="gelu", **common)
-    return ModelConfig(**common)
+    return family(kind).model_config(**common)
 
 
 def optimizer_config(case: Case) -> OptimizerConfig:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
+from megapipe.models.families import family
 from megapipe.models.loss_parts import parts_of
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
@@ -38,9 +39,9 @@ def bert_batch(config: ModelConfig, b: int = 3, s: int = 16) -> dict:
 
 @pytest.mark.unit
 def test_parts_are_the_masked_lm_and_sentence_order_losses():
-    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
-                         hidden_dropout=0.0, attention_dropout=0.0, num_tokentypes=2, post_layernorm=True,
-                         activation="gelu", make_vocab_size_divisible_by=8)
+    config = family("bert").model_config(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                                         seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                                         make_vocab_size_divisible_by=8)
     model = build_model_chunks("bert", config, ParallelState.single())[0].eval()
     batch = bert_batch(config)
     loss = model(None, batch)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from checkpoint_helpers import build, session_cache, train
-from megapipe.checkpointing import load_checkpoint, save_checkpoint
 from megapipe.checkpointing import paths
 from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.errors import CheckpointError
@@ -59,28 +58,28 @@ def _faults_world(rank, world_size, root, cache):
     trainer, _ = train(SHORT + ["--save", good_root], cache)
     messages = {}
     trainer.config.training.no_save_optim = True
-    save_checkpoint(os.path.join(root, "weights-only"), trainer)
+    trainer.checkpointer.save(os.path.join(root, "weights-only"))
     trainer.config.training.no_save_optim = False
     before = _snapshot(trainer)
     cases = _damaged_copies(root, os.path.join(good_root, "iter_0000002"))
     cases[os.path.join(root, "weights-only")] = "has no optimizer state (saved with --no-save-optim"
     for directory, expected in cases.items():
         with pytest.raises(CheckpointError) as error:
-            load_checkpoint(directory, trainer)
+            trainer.checkpointer.load(directory)
         messages[expected] = str(error.value)
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(trainer))), directory
     trainer.config.training.no_load_optim = True  # the weights-only checkpoint loads without its optimizer
-    load_checkpoint(os.path.join(root, "weights-only"), trainer)
+    trainer.checkpointer.load(os.path.join(root, "weights-only"))
     trainer.config.training.no_load_optim, trainer.config.training.finetune = False, True
     trainer.state.iteration = 0
-    load_checkpoint(os.path.join(good_root, "iter_0000001"), trainer)  # weights of iteration 1, from iteration 0
+    trainer.checkpointer.load(os.path.join(good_root, "iter_0000001"))  # weights of iteration 1, from iteration 0
     _, _, saved = read_checkpoint(os.path.join(good_root, "iter_0000001"))
     weights = dict(trainer.chunks[0].named_parameters())
     assert trainer.state.iteration == 0
     assert torch.equal(weights["layers.0.mlp.fc1.weight"], saved["model/layers.0.mlp.fc1.weight"])
     wide = build(["--hidden-size", "64"], cache)
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(good_root, wide)
+        wide.checkpointer.load(good_root)
     messages["shape"] = str(error.value)
     return messages
 
@@ -112,11 +111,11 @@ def _die(*args, **kwargs):
 
 def _killed_while_saving(rank, world_size, root, cache):
     trainer, _ = train(["--pipeline-model-parallel-size", "2", "--train-iters", "2"], cache)
-    save_checkpoint(os.path.join(root, "ckpt"), trainer)  # iteration 2
+    trainer.checkpointer.save(os.path.join(root, "ckpt"))  # iteration 2
     trainer.state.iteration = 3
     if rank == 1:  # dies once its shard file is written, when DCP syncs it
         os.fsync = _die
-    save_checkpoint(os.path.join(root, "ckpt"), trainer)
+    trainer.checkpointer.save(os.path.join(root, "ckpt"))
 
 
 @pytest.mark.distributed

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from megapipe.checkpointing import load_weights
-from megapipe.checkpointing.common import Common, Layout
+from megapipe.checkpointing.load import load_weights
+from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.errors import CheckpointError
@@ -111,7 +111,7 @@ def round_trip(tmp_path_factory):
     checkpoints, batches, conversions = {}, {}, {}
     for kind, name in (("gpt", "gpt2"), ("bert", "bert")):
         checkpoints[kind] = os.path.join(root, f"{kind}-megapipe")
-        conversions[kind] = import_hf_checkpoint(os.path.join(root, name), checkpoints[kind], Layout(2, 1, 1))
+        conversions[kind] = import_hf_checkpoint(os.path.join(root, name), checkpoints[kind], SavedLayout(2, 1, 1))
         batches[kind] = _inputs(kind, models[kind].config.vocab_size)
     logits = {}
     for rank_logits in run_distributed(2, _megapipe_logits, checkpoints, batches, timeout=300):
@@ -135,7 +135,7 @@ def test_imported_model_gives_transformers_logits(round_trip, kind, t, p):
         real = batches[kind]["padding_mask"].bool()
         actual, expected = actual[real], expected[real]
     assert_close(actual, expected)
-    assert conversions[kind].source_layout is None and conversions[kind].target_layout == Layout(2, 1, 1)
+    assert conversions[kind].source_layout is None and conversions[kind].target_layout == SavedLayout(2, 1, 1)
 
 
 @pytest.mark.distributed
@@ -155,7 +155,7 @@ def test_unsupported_architecture_is_one_sentence(tmp_path):
                                         intermediate_size=32, vocab_size=50)
     transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
     with pytest.raises(CheckpointError, match=r"holds a 'gpt_neox' model \(GPTNeoXForCausalLM\), which cannot be"):
-        import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), Layout(1, 1, 1))
+        import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), SavedLayout(1, 1, 1))
     assert not (tmp_path / "out").exists()
 
 

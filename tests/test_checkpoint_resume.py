@@ -40,7 +40,7 @@ import torch
 
 from checkpoint_helpers import layout_flags, session_cache, train
 
-from megapipe.checkpointing.common import Layout
+from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import reshard
 from megapipe.checkpointing.offline import rank_pieces, read_checkpoint
 from megapipe.checkpointing.state import is_rank_local
@@ -138,7 +138,7 @@ def runs(tmp_path_factory):
     root, cache = str(tmp_path_factory.mktemp("resume")), session_cache(tmp_path_factory)
     four = run_distributed(4, _four_rank_world, root, cache, timeout=900)
     conversion = reshard(os.path.join(root, "reshard", "t2p2d1", "iter_0000002"), os.path.join(root, "converted"),
-                         Layout(1, 1, 1))
+                         SavedLayout(1, 1, 1))
     direct, converted, fp16 = run_distributed(1, _one_rank_world, root, cache, timeout=600)[0]
     resumed = {name: [resume[name] for resume, _, _ in four] for name in four[0][0]}  # case -> per-rank results
     resumed["fp16"] = [fp16 + (True, 0)]
@@ -188,7 +188,7 @@ def test_next_steps_after_loading_in_another_layout_match_the_saving_layout(runs
 def test_offline_reshard_loads_to_the_same_run(runs):
     _, by_layout, converted, conversion, _, _ = runs
     assert converted == by_layout["t1p1d1"][0]  # same values, same layout: bit for bit
-    assert conversion.source_layout == Layout(2, 2, 1) and conversion.target_layout == Layout(1, 1, 1)
+    assert conversion.source_layout == SavedLayout(2, 2, 1) and conversion.target_layout == SavedLayout(1, 1, 1)
     assert conversion.tensors > 0 and conversion.bytes > 0
 
 
@@ -197,15 +197,15 @@ def test_offline_reshard_between_placements_keeps_every_tensor(runs, tmp_path):
     # tensor) rewritten for the looped interleaving and back: every tensor, optimizer state included, as saved
     source = os.path.join(runs[5], "reshard", "t2p2d1-v", "iter_0000002")
     _, common, saved = read_checkpoint(source)
-    assert common.layout == Layout(2, 2, 1, 2, placement="v")
+    assert common.layout == SavedLayout(2, 2, 1, 2, placement="v")
     def layers_of_rank0(layout):
         pieces = rank_pieces(common.kind, common.model_config, layout, 0, saved)
         return {int(key.split(".")[1]) for key in pieces if key.startswith("model/layers.")}
 
     assert layers_of_rank0(common.layout) == {0, 3}  # the V: stages 0 and 2p - 1
-    assert layers_of_rank0(Layout(2, 2, 1, 2)) == {0, 2}  # looped: stages 0 and p
-    looped = reshard(source, str(tmp_path / "looped"), Layout(2, 2, 1, 2)).target
-    back = reshard(looped, str(tmp_path / "v"), Layout(2, 2, 1, 2, placement="v")).target
+    assert layers_of_rank0(SavedLayout(2, 2, 1, 2)) == {0, 2}  # looped: stages 0 and p
+    looped = reshard(source, str(tmp_path / "looped"), SavedLayout(2, 2, 1, 2)).target
+    back = reshard(looped, str(tmp_path / "v"), SavedLayout(2, 2, 1, 2, placement="v")).target
     _, _, round_trip = read_checkpoint(back)
     kept = {key for key in saved if not is_rank_local(key)}
     assert set(round_trip) == kept

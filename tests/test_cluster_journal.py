@@ -11,9 +11,9 @@ import sqlite3
 
 import pytest
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.cluster.service.backends.base import HostSlots
-from megapipe.cluster.client.job_log import layout_key
+from megapipe.cluster.service.job_log import layout_key
 from megapipe.cluster.service.job_spec import parse_job
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.relayout import best_layout, layout_command

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megapipe.cluster.client.job_log import iteration_losses, run_alone
+from megapipe.cluster.service.job_log import iteration_losses, run_alone
 from megapipe.cluster.service.local_cluster import free_port
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]

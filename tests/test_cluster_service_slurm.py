@@ -14,7 +14,7 @@ in another order; dropout is off). No job runs twice at once.
 import pytest
 
 from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
-from megapipe.cluster.client.job_log import continuity, iteration_losses, overlapping_runs, run_alone
+from megapipe.cluster.service.job_log import continuity, iteration_losses, overlapping_runs, run_alone
 from megapipe.cluster.service.local_cluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),

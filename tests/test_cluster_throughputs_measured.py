@@ -11,7 +11,7 @@ that nobody fetches, and the test writes the job's log as its ranks would).
 import pytest
 
 from megapipe.cluster.service.backends.base import HostSlots
-from megapipe.cluster.client.job_log import MeasuredThroughput
+from megapipe.cluster.service.job_log import MeasuredThroughput
 from megapipe.cluster.service.job_spec import parse_job
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.relayout import predicted_iterations_per_second

@@ -9,6 +9,7 @@ import pytest
 
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.tokenizer import build_tokenizer
+from megapipe.errors import USAGE_ERROR
 
 pytestmark = pytest.mark.system
 
@@ -43,16 +44,16 @@ def test_train_tokenizer_then_preprocess(tmp_path):
 def test_user_errors_are_one_line_without_traceback(tmp_path):
     missing = run_tool("preprocess_data.py", "--input", str(tmp_path / "none.jsonl"), "--output-prefix",
                        str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer")
-    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.returncode == USAGE_ERROR and "Traceback" not in missing.stderr
     assert missing.stderr.strip() == ("error: --tokenizer-type GPT2BPETokenizer needs --vocab-file "
                                       "(the GPT-2 vocab.json / encoder.json); pass its path.")
     (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
     bad = run_tool("preprocess_data.py", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
                    str(tmp_path / "out"), "--tokenizer-type", "ByteLevelTokenizer", "--no-progress")
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.returncode == USAGE_ERROR and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [f"error: {tmp_path / 'bad.jsonl'}:1 has no key 'text' (found: txt); "
                                                "pass the right field with --json-keys."]
     small = run_tool("train_tokenizer.py", "--input", str(tmp_path / "bad.jsonl"), "--json-key", "txt", "--kind",
                      "sentencepiece", "--vocab-size", "10", "--output-prefix", str(tmp_path / "sp"))
-    assert small.returncode == 1 and small.stderr.startswith("error: SentencePiece cannot train a 10-piece")
+    assert small.returncode == USAGE_ERROR and small.stderr.startswith("error: SentencePiece cannot train a 10-piece")
     assert "Traceback" not in small.stderr

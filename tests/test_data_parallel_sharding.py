@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from batch_helpers import random_microbatch
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks, build_planned_stage

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from megapipe.checkpointing.common import Layout
+from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import import_hf_checkpoint
 
 pytestmark = pytest.mark.system
@@ -45,7 +45,7 @@ def served(tmp_path_factory):
         initializer_range=0.3)).eval()  # logits far apart, so no near-tie decides a greedy token
     model.save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_text(_tokenizer_json())
-    import_hf_checkpoint(str(root / "hf"), str(root / "ckpt"), Layout(1, 1, 1))
+    import_hf_checkpoint(str(root / "hf"), str(root / "ckpt"), SavedLayout(1, 1, 1))
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
                                "--load", str(root / "ckpt"), "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)

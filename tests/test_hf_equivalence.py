@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from megapipe.models import build_model_chunks
-from megapipe.models.hf_mapping import (bert_from_hf, bert_model_config, bert_to_hf, gpt2_from_hf,
-                                        gpt2_model_config, gpt2_to_hf)
+from megapipe.models.families.bert import bert_model_config
+from megapipe.models.hf_mapping import bert_from_hf, bert_to_hf, gpt2_from_hf, gpt2_model_config, gpt2_to_hf
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.parallel.state import ParallelState
 

@@ -20,17 +20,18 @@ import torch.distributed as dist
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapipe.checkpointing import load_weights
-from megapipe.checkpointing.common import Common, Layout
+from megapipe.checkpointing.load import load_weights
+from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError, ConfigError
-from megapipe.flops import flops_per_iteration
+from megapipe.models.flops import flops_per_iteration
 from megapipe.inference import GenerationError, SamplingParams, generate, score_continuations
 from megapipe.inference.scoring import pipeline_logits
 from megapipe.models import build_model_chunks
-from megapipe.models.hf_llama import llama_from_hf, llama_model_config
+from megapipe.models.families.llama import llama_model_config
+from megapipe.models.hf_llama import llama_from_hf
 from megapipe.models.state_dict import local_state_dict
 from megapipe.parallel.state import ParallelState
 from megapipe.testing.worlds import run_distributed
@@ -120,7 +121,7 @@ def world(tmp_path_factory):
         model.save_pretrained(source, max_shard_size="100KB" if name == "llama" else "5GB")  # llama: an index
         (source / "tokenizer.json").write_text(TOKENIZER)
         checkpoints[name] = str(root / name)
-        import_hf_checkpoint(str(source), checkpoints[name], Layout(2, 2, 1))
+        import_hf_checkpoint(str(source), checkpoints[name], SavedLayout(2, 2, 1))
     assert os.path.isfile(root / "llama-hf" / "model.safetensors.index.json")
     prompts = _prompts()
     pairs = [(prompts[0], prompts[1]), (prompts[2], [17]), (prompts[3], prompts[0])]
@@ -291,7 +292,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds a 'gpt_neox' model \(GPTNeoXForCausalLM\), which cannot be "
                                               r"imported; supported: .*LlamaForCausalLM \('llama'\), "
                                               r"MistralForCausalLM \('mistral'\), Qwen2ForCausalLM \('qwen2'\)\.$"):
-        import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), Layout(1, 1, 1))
+        import_hf_checkpoint(str(tmp_path / "neox"), str(tmp_path / "out"), SavedLayout(1, 1, 1))
 
 
 @pytest.mark.unit
@@ -301,8 +302,8 @@ def test_bert_encoder_without_heads_is_refused_or_gets_named_heads(tmp_path):
     transformers.BertModel(config).save_pretrained(tmp_path / "encoder")
     with pytest.raises(CheckpointError, match="pass --initialize-missing-heads to start the masked-LM head and "
                                               r"sentence-order \(binary\) head from random weights"):
-        import_hf_checkpoint(str(tmp_path / "encoder"), str(tmp_path / "out"), Layout(1, 1, 1))
-    done = import_hf_checkpoint(str(tmp_path / "encoder"), str(tmp_path / "out"), Layout(1, 1, 1),
+        import_hf_checkpoint(str(tmp_path / "encoder"), str(tmp_path / "out"), SavedLayout(1, 1, 1))
+    done = import_hf_checkpoint(str(tmp_path / "encoder"), str(tmp_path / "out"), SavedLayout(1, 1, 1),
                                 initialize_missing_heads=True)
     assert done.initialized_heads == ["masked-LM head", "sentence-order (binary) head"]
     assert done.lines()[-1].startswith("initialised: masked-LM head, sentence-order (binary) head")

@@ -14,8 +14,8 @@ import torch
 import transformers
 from test_training_cli import run
 
-from megapipe.checkpointing import load_weights
-from megapipe.checkpointing.common import Common, Layout
+from megapipe.checkpointing.load import load_weights
+from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.models import build_model_chunks
@@ -45,7 +45,7 @@ def test_continue_pretraining_an_imported_llama_and_export_it(tmp_path):
         num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
         vocab_size=261, max_position_embeddings=32, tie_word_embeddings=False)).eval()
     original.save_pretrained(tmp_path / "hf")
-    import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "imported"), Layout(2, 2, 1))
+    import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "imported"), SavedLayout(2, 2, 1))
     trained = tmp_path / "trained"
     result = run(LLAMA_FLAGS + ["--load", str(tmp_path / "imported"), "--finetune", "--save", str(trained),
                                 "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

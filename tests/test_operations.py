@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.errors import CheckpointError, ConfigError
-from megapipe.optim.config import OptimizerConfig
+from megapipe.config.optimizer import OptimizerConfig
 from megapipe.optim.lr_schedule import LRScheduler
 from test_training_cli import TINY, losses, run
 
@@ -50,7 +50,7 @@ def test_load_may_name_a_missing_save_directory_that_starts_the_job(tmp_path):
 
 def _scheduler(decay_iters: int) -> LRScheduler:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return LRScheduler(optimizer, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="linear",
+    return LRScheduler(optimizer, OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style="linear", lr_warmup_iters=0,
                                                   lr_decay_iters=decay_iters), train_iters=decay_iters)
 
 

@@ -23,7 +23,7 @@ from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, l
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
-from megapipe.pipeline.ir.schedules import schedule_spec
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
@@ -75,7 +75,7 @@ def reference_run(kind: str, d: int, m: int = M):
 
 def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M):
     config = model_config(kind, recompute)
-    placement = schedule.placement if isinstance(schedule, Schedule) else schedule_spec(schedule).placement
+    placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement)
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:

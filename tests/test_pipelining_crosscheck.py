@@ -41,7 +41,7 @@ import pytest
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.ir.schedules import build_schedule, lower_schedule, schedule_spec
+from megapipe.pipeline.ir.schedules import build_schedule, lower_schedule, schedule_descriptor
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -106,7 +106,7 @@ def as_megapipe_schedule(name: str, p: int, m: int, v: int, order) -> Schedule:
     (``lower_schedule`` rejects an order whose dependencies cannot all be met)."""
     lists = [[Action(ActionKind(kind), stage, microbatch) for kind, microbatch, stage in rank] + [Action(ActionKind.STEP)]
              for rank in order]
-    return lower_schedule(Schedule(name, p, m, v, lists, placement=schedule_spec(name).placement))
+    return lower_schedule(Schedule(name, p, m, v, lists, placement=schedule_descriptor(name).placement))
 
 
 def _cases(name: str, chunks: tuple[int, ...], ranks=(1, 2, 3, 4), microbatches=range(1, 13)):

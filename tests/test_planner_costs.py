@@ -11,7 +11,7 @@ from megapipe.pipeline.ir.actions import ActionKind
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import CostModel as SimulatorCosts, simulate
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape
 
 pytestmark = pytest.mark.unit
@@ -52,7 +52,7 @@ def cluster(nodes=1, per_node=8, intra=1e9, inter=1e8, memory=1e12, latency=0.0,
 
 
 def estimate(layout, profile=None, machines=None, batch=32):
-    return CostModel(profile or synthetic_profile(), machines or cluster(), Training(batch)).estimate(layout)
+    return PlanCostModel(profile or synthetic_profile(), machines or cluster(), Training(batch)).estimate(layout)
 
 
 def test_2bw_memory_is_the_seeds_footprint():

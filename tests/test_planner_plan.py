@@ -11,8 +11,8 @@ import pytest
 from megapipe.errors import ConfigError
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
-from megapipe.planner.pipedream import fold_ends, partition_profile
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.profile_partition import fold_ends, partition_profile
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, plan, searched_layouts
 from megapipe.planner.presets import CLUSTERS, MODELS
@@ -89,7 +89,7 @@ def test_the_search_considers_exactly_the_valid_layouts(devices, batch):
 @pytest.mark.unit
 def test_the_plan_is_the_fastest_layout_that_fits():
     profile = small_profile()
-    model = CostModel(profile, small_cluster(), Training(32))
+    model = PlanCostModel(profile, small_cluster(), Training(32))
     estimates = [model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)]
     cluster = small_cluster(memory=float(np.median([e.memory for e in estimates])))  # half the layouts fit
     estimates += [model.estimate(layout) for layout in searched_layouts(estimates, cluster)]
@@ -126,7 +126,7 @@ def test_the_searched_schedule_is_planned_on_the_fastest_layouts_and_never_slowe
 @pytest.mark.unit
 def test_no_configuration_fits_names_the_smallest_requirement():
     profile = small_profile()
-    model = CostModel(profile, small_cluster(), Training(32))
+    model = PlanCostModel(profile, small_cluster(), Training(32))
     estimates = [model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)]
     # of the layouts needing the least memory (1F1B and ZB-H1 tie) the fastest is named, then by name
     smallest = min(estimates, key=lambda e: (e.memory, -e.samples_per_second, e.layout.describe()))

@@ -2,13 +2,12 @@
 and its weight-version counts against the versions the PipeDream and 2BW schedules actually use
 (and against the seeds' closed-form version rules)."""
 
-import operator
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from megapipe.pipeline.ir.actions import ActionKind
+from schedule_helpers import assert_closed_forms_match_the_simulator, versions_held
 from megapipe.pipeline.ir.schedules import build_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
 from megapipe.planner.schedule_costs import (bubble_fraction, in_flight, microbatch_problem, pipeline_time,
@@ -32,14 +31,7 @@ def cases():
 
 @pytest.mark.parametrize("name,p,m,v", list(cases()))
 def test_equal_stages_time_bubble_and_activations_match_the_simulator(name, p, m, v):
-    result = simulate(build_schedule(name, p, m, v), CostModel.per_chunk(v))  # F = 1, B = 2 per rank
-    predicted = pipeline_time(name, [1] * p, [2] * p, m, v)
-    assert predicted == result.makespan
-    bubble = bubble_fraction(name, p, m, v)
-    ideal = 3 * m
-    assert predicted == ideal * (1 + bubble)
-    assert result.bubble_fraction == bubble / (1 + bubble)  # the simulator divides idle time by the makespan
-    assert tuple(in_flight(name, p, m, v, r) for r in range(p)) == result.peak_activations
+    assert_closed_forms_match_the_simulator(name, p, m, v)  # F = 1, B = 2 per rank
 
 
 def test_gpipe_is_a_flow_shop_for_any_stage_times():
@@ -88,28 +80,6 @@ def test_table_7_1_activation_and_weight_counts():
     assert [weight_versions(n, p, 0) for n in ("gpipe", "1f1b", "interleaved", "2bw", "pipedream")] == [1, 1, 1, 2, p]
     assert [bubble_fraction(n, p, m, 1) for n in ("gpipe", "1f1b", "2bw", "pipedream")] == [Fraction(p - 1, m)] * 2 + [0, 0]
     assert bubble_fraction("interleaved", p, m, v) == Fraction(p - 1, v * m)
-
-
-def versions_held(actions) -> dict[int, int]:
-    """Per stage, the most weight versions needed at once: those of microbatches in flight, the live
-    one (updates so far), and an older one the next forward will use (kept for it, as
-    WeightVersionStore pins it)."""
-    peaks = {}
-    stages = {a.stage for a in actions if a.kind is ActionKind.F}
-    for stage in stages:
-        mine = [a for a in actions if a.stage == stage and a.kind in (ActionKind.F, ActionKind.B, ActionKind.UPDATE)]
-        live, in_flight, peak = 0, {}, 1
-        for index, action in enumerate(mine):
-            if action.kind is ActionKind.F:
-                in_flight[action.microbatch] = action.version
-            elif action.kind is ActionKind.B:
-                in_flight.pop(action.microbatch)
-            else:
-                live += 1
-            upcoming = next((a.version for a in mine[index + 1:] if a.kind is ActionKind.F), live)
-            peak = max(peak, len(set(in_flight.values()) | {live, min(upcoming, live)}))
-        peaks[stage] = peak
-    return peaks
 
 
 @pytest.mark.parametrize("name", ["2bw", "pipedream"])
@@ -167,9 +137,4 @@ def test_v_schedules_time_bubble_and_activations_match_the_simulator(name, p):
     # other, as megapipe's executor runs them (no overlap: F&B = F + B)
     for m in sorted({2 * p - 1, 2 * p, 3 * p + 1}):
         assert microbatch_problem(name, p, m, 2) is None
-        halves = Fraction(1, 2)
-        costs = CostModel.per_chunk(2, input_backward=halves, weight_backward=halves, overlap=operator.add)
-        result = simulate(build_schedule(name, p, m, 2), costs)
-        predicted = pipeline_time(name, [1] * p, [2] * p, m, 2)
-        assert predicted == result.makespan == 3 * m * (1 + bubble_fraction(name, p, m, 2))
-        assert tuple(in_flight(name, p, m, 2, r) for r in range(p)) == result.peak_activations
+        assert_closed_forms_match_the_simulator(name, p, m, 2)

@@ -4,7 +4,7 @@ overlap, and a plan that needs a sharded optimizer to fit."""
 
 import pytest
 
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, plan
 from test_planner_costs import E, GRAD, L, OPTIMIZER, PARAMS, cluster, synthetic_profile
@@ -14,7 +14,7 @@ W = L * PARAMS  # parameters of the whole model (embedding and head hold none he
 
 
 def estimate(sharding: str, overlap: bool = False, machines=None, m: int = 2):
-    model = CostModel(synthetic_profile(stash=0.0), machines or cluster(), Training(D * m, overlap=overlap))
+    model = PlanCostModel(synthetic_profile(stash=0.0), machines or cluster(), Training(D * m, overlap=overlap))
     return model.estimate(Layout(1, 1, D, 1, "1f1b", sharding=sharding))
 
 

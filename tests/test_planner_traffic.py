@@ -9,7 +9,7 @@ import pytest
 
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import TrafficInputs, crossing_links, cross_node_traffic, link_bytes
 
@@ -75,7 +75,7 @@ def test_the_cost_model_reports_what_its_layout_sends():
     profile = analytic_gpt_profile(shape, 1e12, (2,), dtype="float32")
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
                       inter_node_bandwidth=1e8, backend="gloo")
-    model = CostModel(profile, cluster, Training(8))
+    model = PlanCostModel(profile, cluster, Training(8))
     boundary = 2 * 32 * 64 * 4
     estimate = model.estimate(Layout(2, 2, 1, 2, "1f1b"))
     assert estimate.traffic.pipeline == 4 * 2 * boundary  # m = 4, scatter/gather: one tensor per direction

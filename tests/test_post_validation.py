@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
@@ -42,7 +42,7 @@ from megapipe.optim import LRScheduler, OptimizerConfig
 from megapipe.optim.clip import CLIP_EPSILON
 from megapipe.optim.post_validation import AMEND_MARGIN
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.schedules import schedule_spec
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.testing.worlds import run_distributed
@@ -75,7 +75,7 @@ def optimizer_config(clip_grad: float, fp16: bool, post_validation: bool, shardi
 def train(t, p, d, sharding, schedule, initial, clip_grad, fp16, post_validation):
     """Per step: (losses on this rank, the step's settled results); the final weights; rollbacks after each call."""
     config = model_config(fp16)
-    spec = schedule_spec(schedule)
+    spec = schedule_descriptor(schedule)
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=2 if spec.placement is Placement.V else 1,
                                   placement=spec.placement)
     chunks = build_model_chunks(MODEL_KIND["gpt"], config, ps)

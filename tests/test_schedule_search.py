@@ -19,7 +19,7 @@ from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.replay import replay
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_spec
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_descriptor
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
 from megapipe.pipeline.ir.validate import validate_schedule
 
@@ -38,7 +38,7 @@ def named_makespans(p, m, v):
     chunked ones with v >= 2 chunks, the others with one."""
     times = {}
     for name in schedule_names():
-        spec = schedule_spec(name)
+        spec = schedule_descriptor(name)
         if spec.asynchronous or (spec.chunked and v == 1):
             continue
         chunks = v if spec.chunked else 1

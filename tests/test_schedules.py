@@ -8,7 +8,9 @@ from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
+from megapipe.pipeline.ir import schedules
 from megapipe.pipeline.ir.schedules import build_schedule, register_schedule, schedule_names
+from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor
 from megapipe.pipeline.ir.validate import validate_schedule
 
 pytestmark = pytest.mark.unit
@@ -240,7 +242,9 @@ def test_sizes_below_one_are_rejected(p, m, v, flag):
         build_schedule("interleaved", p, m, v)
 
 
-def test_a_registered_generator_is_lowered_and_validated():
+def test_a_registered_generator_is_lowered_and_validated(monkeypatch):
+    monkeypatch.setattr(schedules, "_REGISTRY", dict(schedules._REGISTRY))  # the test schedules leave with the test
+
     def backwards_in_reverse(p, m):
         return [[Action(ActionKind.F, r, i) for i in range(m)] + [Action(ActionKind.B, r, i) for i in reversed(range(m))]
                 + [Action(ActionKind.STEP)] for r in range(p)]
@@ -248,15 +252,15 @@ def test_a_registered_generator_is_lowered_and_validated():
     def broken(p, m):
         return [[Action(ActionKind.B, r, 0), Action(ActionKind.F, r, 0), Action(ActionKind.STEP)] for r in range(p)]
 
-    register_schedule("test-reverse", backwards_in_reverse)
-    register_schedule("test-broken", broken)
+    register_schedule(ScheduleDescriptor("test-reverse", backwards_in_reverse, "backwards in reverse order"))
+    register_schedule(ScheduleDescriptor("test-broken", broken, "a backward before its forward"))
     assert {"test-reverse", "test-broken"} <= set(schedule_names())
     schedule = build_schedule("test-reverse", 3, 4)
     assert schedule.has_communication and schedule.actions[0][-2] == Action(ActionKind.B, 0, 0)
     with pytest.raises(ScheduleError, match="backward needs its forward"):
         build_schedule("test-broken", 2, 1)
     with pytest.raises(ValueError, match="already registered"):
-        register_schedule("gpipe", backwards_in_reverse)
+        register_schedule(ScheduleDescriptor("gpipe", backwards_in_reverse, "a second gpipe"))
 
 
 # ---------------------------------------------------------------- schedule files

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.config import ModelConfig
-from megapipe.flops import device_peak_tflops, flops_per_iteration
+from megapipe.models.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
 from megapipe.testing.worlds import run_distributed

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint_helpers import session_cache
-from megapipe.arguments import parse_config
+from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.training.trainer import Trainer
 from megapipe.testing.worlds import run_distributed

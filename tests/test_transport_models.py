@@ -16,7 +16,7 @@ from megapipe.pipeline.ir.actions import ActionKind, Schedule, parse_action
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.replay import replay
 from megapipe.pipeline.ir.schedule_file import load_training_schedule
-from megapipe.pipeline.ir.schedules import build_schedule, build_segmented, schedule_names, schedule_spec
+from megapipe.pipeline.ir.schedules import build_schedule, build_segmented, schedule_names, schedule_descriptor
 from megapipe.pipeline.ir.segments import segment_cuts
 from megapipe.pipeline.ir.transport import ALL_TRANSPORTS, Transport, group_ids
 from megapipe.pipeline.ir.validate import validate_schedule
@@ -34,7 +34,7 @@ def _cases():
 
 def _buildable(name, p, m, v):
     try:
-        return build_schedule(name, p, m, v) if not schedule_spec(name).asynchronous else \
+        return build_schedule(name, p, m, v) if not schedule_descriptor(name).asynchronous else \
             build_segmented(name, p, m, v, batches=4)
     except (ConfigError, ScheduleError) as error:
         if "deadlock" in str(error):
@@ -61,7 +61,7 @@ def test_every_schedule_replays_under_both_transports(name):
 def _old_lowering_of_interleaved_2bw():
     """2BW, p=2, m=4, v=2 lowered as before transport models existed: receives placed without the
     calls' collectives and with zero-time updates, then moved to the start of their consumer's call."""
-    spec = schedule_spec("2bw")
+    spec = schedule_descriptor("2bw")
 
     def unrolled(n):
         return Schedule("2bw", 2, 4, 2, spec.generate(p=2, m=4, v=2, batches=n, replicas=None,

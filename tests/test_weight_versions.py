@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megapipe.pipeline.runtime.weights import WeightPolicy, WeightVersionStore
+from megapipe.pipeline.ir.weight_policy import WeightPolicy
+from megapipe.pipeline.runtime.weights import WeightVersionStore
 
 pytestmark = pytest.mark.unit
 

@@ -37,15 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tqdm import tqdm  # noqa: E402
 
-from megapipe.cluster.cluster_spec import parse_cluster  # noqa: E402
-from megapipe.cluster.metrics import completion_times, summarise  # noqa: E402
-from megapipe.cluster.policies import POLICY_NAMES, make_policy  # noqa: E402
-from megapipe.cluster.policies.cost import check_slos  # noqa: E402
-from megapipe.cluster.scheduler import Scheduler  # noqa: E402
-from megapipe.cluster.simulator import simulate  # noqa: E402
-from megapipe.cluster.throughputs import ThroughputTable  # noqa: E402
-from megapipe.cluster.trace import generate_trace, read_trace, write_trace  # noqa: E402
-from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.cluster.core.cluster_spec import parse_cluster  # noqa: E402
+from megapipe.cluster.sim.metrics import completion_times, summarise  # noqa: E402
+from megapipe.cluster.core.policies import POLICY_NAMES, make_policy  # noqa: E402
+from megapipe.cluster.core.policies.cost import check_slos  # noqa: E402
+from megapipe.cluster.core.scheduler import Scheduler  # noqa: E402
+from megapipe.cluster.sim.simulator import simulate  # noqa: E402
+from megapipe.cluster.core.throughputs import ThroughputTable  # noqa: E402
+from megapipe.cluster.sim.trace import generate_trace, read_trace, write_trace  # noqa: E402
+from megapipe.errors import ConfigError, USAGE_ERROR, reports_user_errors  # noqa: E402
 
 WINDOW_JOBS = 25
 
@@ -149,14 +149,14 @@ def _service_commands(commands) -> None:
 
 
 def run_service(args) -> None:
-    from megapipe.cluster.http_api import serve
-    from megapipe.cluster.journal import Journal
-    from megapipe.cluster.service import ClusterService
+    from megapipe.cluster.service.http_api import serve
+    from megapipe.cluster.service.journal import Journal
+    from megapipe.cluster.service.service import ClusterService
 
     work_dir = args.work_dir or os.path.splitext(os.path.abspath(args.journal))[0] + "-work"
     backend = None
     if args.backend == "slurm":
-        from megapipe.cluster.backends.slurm import SlurmBackend
+        from megapipe.cluster.service.backends.slurm import SlurmBackend
 
         backend = SlurmBackend(args.slurm_partition, args.slurm_conf)
     elif args.slurm_partition or args.slurm_conf:
@@ -175,7 +175,7 @@ def run_service(args) -> None:
 
 
 def run_worker(args) -> None:
-    from megapipe.cluster.agent import WorkerAgent, parse_devices, parse_throttle
+    from megapipe.cluster.worker.agent import WorkerAgent, parse_devices, parse_throttle
 
     devices = parse_devices(args.devices)
     agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices))
@@ -185,7 +185,7 @@ def run_worker(args) -> None:
 
 def _call(scheduler: str, path: str, body: dict | None = None) -> dict:
     """One request to the service; its refusal sentence becomes a ConfigError."""
-    from megapipe.cluster.lease import post_json
+    from megapipe.cluster.client.lease import post_json
 
     url = f"http://{scheduler}{path}"
     try:
@@ -234,7 +234,7 @@ def run_simulation(args) -> None:
     if args.estimate_throughputs is not None:
         if not 0 < args.estimate_throughputs <= 1:
             raise ConfigError(f"--estimate-throughputs {args.estimate_throughputs} must be a fraction in (0, 1].")
-        from megapipe.cluster.estimator import estimated_table
+        from megapipe.cluster.core.estimator import estimated_table
 
         policy_table = estimated_table(table, args.estimate_throughputs, args.seed)
     scheduler = Scheduler(policy, table, cluster, args.round_seconds, args.reallocation_seconds, args.seed,
@@ -248,7 +248,7 @@ def run_simulation(args) -> None:
             json.dump({str(k): v for k, v in sorted(jcts.items())}, handle, indent=1)
         os.replace(args.jcts_out + ".tmp", args.jcts_out)
     if args.plots_dir:
-        from megapipe.cluster.plots import plot_jct_cdf, plot_utilisation
+        from megapipe.cluster.sim.plots import plot_jct_cdf, plot_utilisation
 
         os.makedirs(args.plots_dir, exist_ok=True)
         plot_jct_cdf({args.policy: list(jcts.values())}, os.path.join(args.plots_dir, "jct_cdf.png"))
@@ -263,7 +263,7 @@ def run_simulation(args) -> None:
 
 def report_estimator(args) -> None:
     """Leave-one-out over the job types: mean relative error of the estimated co-location row."""
-    from megapipe.cluster.estimator import estimate_error
+    from megapipe.cluster.core.estimator import estimate_error
 
     table = ThroughputTable.load(args.throughputs)
     if args.worker_type not in table.isolated:
@@ -273,40 +273,37 @@ def report_estimator(args) -> None:
         print(f"profiled against {fraction:.0%} of the reference jobs: mean relative error {error:.1%}")
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        if args.list_policies:
-            print("\n".join(POLICY_NAMES))
-        elif args.command == "simulate":
-            run_simulation(args)
-        elif args.command == "estimate":
-            report_estimator(args)
-        elif args.command == "serve":
-            run_service(args)
-        elif args.command == "worker":
-            run_worker(args)
-        elif args.command == "submit":
-            command = args.job[1:] if args.job[:1] == ["--"] else args.job
-            print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
-                                                  "command": command})["id"])
-        elif args.command == "status":
-            print_status(args)
-        elif args.command == "cancel":
-            _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
-            print(f"job {args.id} cancelled")
-        elif args.command == "generate-trace":
-            if args.num_jobs < 1:
-                raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
-            table = ThroughputTable.load(args.throughputs)
-            write_trace(generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker), args.output)
-        else:
-            parser.print_help()
-            return 2
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.list_policies:
+        print("\n".join(POLICY_NAMES))
+    elif args.command == "simulate":
+        run_simulation(args)
+    elif args.command == "estimate":
+        report_estimator(args)
+    elif args.command == "serve":
+        run_service(args)
+    elif args.command == "worker":
+        run_worker(args)
+    elif args.command == "submit":
+        command = args.job[1:] if args.job[:1] == ["--"] else args.job
+        print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
+                                              "command": command})["id"])
+    elif args.command == "status":
+        print_status(args)
+    elif args.command == "cancel":
+        _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
+        print(f"job {args.id} cancelled")
+    elif args.command == "generate-trace":
+        if args.num_jobs < 1:
+            raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
+        table = ThroughputTable.load(args.throughputs)
+        write_trace(generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker), args.output)
+    else:
+        parser.print_help()
+        return USAGE_ERROR
     return 0
 
 

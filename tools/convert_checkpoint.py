@@ -22,9 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.checkpointing.common import Layout  # noqa: E402
+from megapipe.checkpointing.common import SavedLayout  # noqa: E402
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint, reshard  # noqa: E402
-from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 
 
 def _layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _layout(args) -> Layout:
+def _layout(args) -> SavedLayout:
     sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
              args.virtual_pipeline_model_parallel_size)
     if min(sizes) < 1:
@@ -67,21 +67,18 @@ def _layout(args) -> Layout:
     if args.pipeline_placement == "v" and sizes[3] != 2:
         raise ConfigError(f"--pipeline-placement v holds two chunks per rank; set "
                           f"--virtual-pipeline-model-parallel-size 2, not {sizes[3]}.")
-    return Layout(*sizes, placement=args.pipeline_placement)
+    return SavedLayout(*sizes, placement=args.pipeline_placement)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if args.command == "reshard":
-            done = reshard(args.source, args.target, _layout(args))
-        elif args.command == "import-hf":
-            done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
-        else:
-            done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
-    except (CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.command == "reshard":
+        done = reshard(args.source, args.target, _layout(args))
+    elif args.command == "import-hf":
+        done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
+    else:
+        done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
     print("\n".join(done.lines()))
     return 0
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch.distributed as dist  # noqa: E402
 
-from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+from megapipe.errors import reports_user_errors  # noqa: E402
 from megapipe.inference import GenerationError, SamplingParams, generate  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 
@@ -40,23 +40,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        loaded = load_for_inference(args)
-        if args.prompt and loaded.tokenizer is None:
-            raise GenerationError("--prompt needs a checkpoint with a tokenizer.json (import one from Hugging Face); "
-                                  "give token ids with --prompt-ids instead.")
-        prompts = [loaded.tokenizer.encode(text).ids for text in args.prompt]
-        prompts += [[int(t) for t in ids.split()] for ids in args.prompt_ids]
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                                stop_tokens=tuple(args.stop_token), seed=args.seed)
-        outputs = generate(loaded.chunks, loaded.ps, loaded.config, prompts, params, padding=args.padding,
-                           microbatches=1 if args.naive_decode else None)
-    except (GenerationError, CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    loaded = load_for_inference(args)
+    if args.prompt and loaded.tokenizer is None:
+        raise GenerationError("--prompt needs a checkpoint with a tokenizer.json (import one from Hugging Face); "
+                              "give token ids with --prompt-ids instead.")
+    prompts = [loaded.tokenizer.encode(text).ids for text in args.prompt]
+    prompts += [[int(t) for t in ids.split()] for ids in args.prompt_ids]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                            stop_tokens=tuple(args.stop_token), seed=args.seed)
+    outputs = generate(loaded.chunks, loaded.ps, loaded.config, prompts, params, padding=args.padding,
+                       microbatches=1 if args.naive_decode else None)
     if dist.get_rank() == 0:
         for prompt, new in zip(prompts, outputs):  # each prompt followed by its continuation
             ids = prompt + new

@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.errors import ConfigError  # noqa: E402
-from megapipe.optim.sharding import SHARDING_STRATEGIES  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
+from megapipe.config.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
 from megapipe.planner.cost_model import Training  # noqa: E402
 from megapipe.planner.launch import pipedream_plan, torchrun_command, uniform_plan, write_plan  # noqa: E402
-from megapipe.planner.pipedream import partition_profile  # noqa: E402
+from megapipe.planner.profile_partition import partition_profile  # noqa: E402
 from megapipe.planner.plan import PlanRequest, plan  # noqa: E402
 from megapipe.planner.presets import CLUSTERS, MODELS, cluster_preset, model_preset  # noqa: E402
 from megapipe.planner.profile import ModelProfile, ModelShape  # noqa: E402
@@ -184,15 +184,12 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
         print(f"plot written to {args.plot_out}")
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cluster = load_cluster(args.cluster)
-        profile = load_profile(args, cluster)
-        (run_pipedream if args.pipedream else run_planner)(args, profile, cluster)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    cluster = load_cluster(args.cluster)
+    profile = load_profile(args, cluster)
+    (run_pipedream if args.pipedream else run_planner)(args, profile, cluster)
     return 0
 
 

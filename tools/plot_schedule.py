@@ -24,7 +24,7 @@ from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.errors import ConfigError, ScheduleError  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.pipeline.analysis.schedule_search import comparison, search_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
@@ -78,6 +78,7 @@ def search(args: argparse.Namespace):
     return found.simulation
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -108,9 +109,8 @@ def main(argv=None) -> int:
             if args.save_schedule:
                 save_schedule(schedule, args.save_schedule)
                 print(f"wrote {args.save_schedule}")
-    except (ConfigError, ScheduleError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except OSError as error:  # a path the user gave
+        raise ConfigError(f"{error}; check the file and folder names given.") from None
     print(f"wrote {output}")
     if args.chrome_trace:
         timeline.to_chrome_trace(args.chrome_trace)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megapipe.data.preprocess import preprocess  # noqa: E402
 from megapipe.data.tokenizer.flags import add_tokenizer_arguments, tokenizer_from_args  # noqa: E402
-from megapipe.errors import ConfigError, DataError  # noqa: E402
+from megapipe.errors import reports_user_errors  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,19 +39,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+@reports_user_errors
+def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        tokenizer = tokenizer_from_args(args)
-        prefixes = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-                              split_sentences=args.split_sentences, append_eod=args.append_eod,
-                              document_per_file=args.document_per_file, workers=args.workers,
-                              progress=not args.no_progress)
-    except (ConfigError, DataError) as error:
-        sys.exit(f"error: {error}")
+    tokenizer = tokenizer_from_args(args)
+    prefixes = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
+                          split_sentences=args.split_sentences, append_eod=args.append_eod,
+                          document_per_file=args.document_per_file, workers=args.workers,
+                          progress=not args.no_progress)
     for key, prefix in prefixes.items():
         print(f"{key}: {prefix}.bin / {prefix}.idx")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

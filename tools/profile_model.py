@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.models.families import family  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.planner.profiler import profile_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,22 +47,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    try:
-        sizes = tuple(int(b) for b in args.micro_batch_sizes.split(","))
-        if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
-            raise ConfigError(f"--micro-batch-sizes {args.micro_batch_sizes} must be increasing positive integers.")
-        config = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                             num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                             seq_length=args.seq_length, vocab_size=args.vocab_size, params_dtype=DTYPES[args.dtype],
-                             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                             num_tokentypes=2 if args.model_type == "bert" else 0)
-        config.validate()
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    sizes = tuple(int(b) for b in args.micro_batch_sizes.split(","))
+    if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+        raise ConfigError(f"--micro-batch-sizes {args.micro_batch_sizes} must be increasing positive integers.")
+    config = family(args.model_type).model_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=args.vocab_size,
+        params_dtype=DTYPES[args.dtype], untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    config.validate()
     profile = profile_model(args.model_type, config, sizes, args.iterations, args.warmup, torch.device(args.device))
     profile.save(args.output)
     print(f"{'layer':<12} " + " ".join(f"{'b=' + str(b):>26}" for b in sizes))

@@ -16,25 +16,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.errors import CheckpointError, ConfigError  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 from megapipe.inference.server import serve  # noqa: E402
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     layout_flags(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed)")
     args = parser.parse_args(argv)
-    try:
-        loaded = load_for_inference(args)
-        if loaded.tokenizer is None:
-            raise ConfigError(f"--load {args.load} carries no tokenizer.json; import the model with "
-                              "tools/convert_checkpoint.py import-hf from a directory that has one.")
-    except (CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    loaded = load_for_inference(args)
+    if loaded.tokenizer is None:
+        raise ConfigError(f"--load {args.load} carries no tokenizer.json; import the model with "
+                          "tools/convert_checkpoint.py import-hf from a directory that has one.")
     serve(loaded, args.host, args.port, announce=lambda line: print(line, flush=True))
     return 0
 

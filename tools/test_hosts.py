@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 
-from megapipe.testing_hosts import NamespacesUnavailable, ShapingUnavailable, TestHosts
+from megapipe.errors import reports_user_errors
+from megapipe.testing.hosts import TestHosts
 
 
 def _relay(index: int, proc: subprocess.Popen) -> None:
@@ -28,6 +29,7 @@ def _relay(index: int, proc: subprocess.Popen) -> None:
         sys.stdout.flush()
 
 
+@reports_user_errors
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, default=2)
@@ -40,12 +42,7 @@ def main() -> int:
     if not command:
         parser.error("give the command each host runs after --")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill tears the hosts down too
-    try:
-        hosts = TestHosts(args.hosts, args.rate_mbit, args.latency_ms)
-    except (NamespacesUnavailable, ShapingUnavailable) as reason:
-        print(f"error: cannot make test hosts: {reason}", file=sys.stderr)
-        return 2
-    with hosts:
+    with TestHosts(args.hosts, args.rate_mbit, args.latency_ms) as hosts:
         print(f"{args.hosts} hosts: " + ", ".join(f"host {h.index} = {h.address} ({h.namespace})" for h in hosts.hosts),
               flush=True)
         procs, relays = [], []

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megapipe.data.readers import output_keys, read_documents  # noqa: E402
 from megapipe.data.tokenizer.training import train_bpe, train_sentencepiece, train_wordpiece  # noqa: E402
-from megapipe.errors import ConfigError, DataError  # noqa: E402
+from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 
 FLAG_NAMES = {"tokenizer_type": "--tokenizer-type", "vocab_file": "--vocab-file", "merge_file": "--merge-file",
               "tokenizer_model": "--tokenizer-model"}
@@ -33,23 +33,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+@reports_user_errors
+def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if args.vocab_size < 1:
-            raise ConfigError(f"--vocab-size {args.vocab_size} must be positive.")
-        keys = output_keys(args.input, [args.json_key])
-        texts = (document[args.json_key] for document in read_documents(args.input, keys))
-        if args.kind == "bpe":
-            flags = train_bpe(texts, args.vocab_size, args.output_prefix)
-        elif args.kind == "sentencepiece":
-            flags = train_sentencepiece(texts, args.vocab_size, args.output_prefix, args.sentencepiece_model_type)
-        else:
-            flags = train_wordpiece(texts, args.vocab_size, args.output_prefix, lowercase=not args.cased)
-    except (ConfigError, DataError) as error:
-        sys.exit(f"error: {error}")
+    if args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size {args.vocab_size} must be positive.")
+    keys = output_keys(args.input, [args.json_key])
+    texts = (document[args.json_key] for document in read_documents(args.input, keys))
+    if args.kind == "bpe":
+        flags = train_bpe(texts, args.vocab_size, args.output_prefix)
+    elif args.kind == "sentencepiece":
+        flags = train_sentencepiece(texts, args.vocab_size, args.output_prefix, args.sentencepiece_model_type)
+    else:
+        flags = train_wordpiece(texts, args.vocab_size, args.output_prefix, lowercase=not args.cased)
     print(" ".join(f"{FLAG_NAMES[name]} {value}" for name, value in flags.items()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

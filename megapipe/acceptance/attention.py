@@ -15,7 +15,7 @@ from megapipe import fusions
 from megapipe.acceptance.record import Context, Record, assert_close
 from megapipe.config import ModelConfig
 from megapipe.models.transformer import SelfAttention
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 FORCED = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 FAST_OPS = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",

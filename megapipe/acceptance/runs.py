@@ -11,7 +11,7 @@ import sys
 from typing import Optional
 
 from megapipe.acceptance.record import Context
-from megapipe.train_logger import losses_in_log
+from megapipe.training.logger import losses_in_log
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A GPT small enough to start in seconds and large enough that the GPU's kernels (not the host) run it.

@@ -14,8 +14,8 @@ import torch
 
 from megapipe import fusions
 from megapipe.acceptance.record import Context, Record
-from megapipe.distributed import device_name
-from megapipe.flops import device_peak_tflops
+from megapipe.parallel.launch import device_name
+from megapipe.models.flops import device_peak_tflops
 
 OPTIONAL = ("apex", "transformer_engine", "megatron.core", "datasets", "cvxpy", "wandb", "matplotlib",
             "sentencepiece", "tokenizers", "transformers")
@@ -56,7 +56,7 @@ def run(record: Record, context: Context) -> None:
                                        f"{props.total_memory / 2 ** 30:.1f} GiB, dense bf16 peak "
                                        f"{peak if peak is not None else 'unknown'} TFLOP/s", peak_tflops=peak)
         if peak is None:
-            record.add("device peak known", "failed", f"{device_name(device)} is not in megapipe.flops."
+            record.add("device peak known", "failed", f"{device_name(device)} is not in megapipe.models.flops."
                                                       "KNOWN_PEAK_TFLOPS; MFU needs --device-peak-tflops")
     else:
         record.add("device", "passed", f"{device} (dry run)")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from megapipe.acceptance.record import Context, Record
 from megapipe.acceptance.runs import CPU_MODEL, GPU_MODEL
-from megapipe.arguments import parse_config
-from megapipe.training import Trainer
+from megapipe.config.parse import parse_config
+from megapipe.training.trainer import Trainer
 
 COUNTED = 3
 FLAGS = ["--mock-data", "--vocab-size", "1024", "--train-iters", "100", "--log-interval", "100",

@@ -13,7 +13,8 @@ Tensors are stored under canonical names with whole-model shapes (``state.py`` l
 keys), so a run with any (t, p, d, v) reads the blocks it needs from pieces written by any
 other. Modules: ``shards`` (where a rank's block sits), ``planners`` (DCP glue), ``storage``
 (file I/O and integrity), ``state`` (what a rank saves and loads), ``common`` (JSON part),
-``validate`` (fit checks), ``paths`` (atomic publication), ``save`` / ``load`` (entry points),
+``validate`` (fit checks), ``paths`` (atomic publication), ``run_state`` (what a run hands over), ``save`` / ``load`` (entry
+points),
 ``offline`` (whole-model access without processes), ``hf`` (Hugging Face GPT-2 and BERT) and
 ``convert`` (what ``tools/convert_checkpoint.py`` runs).
 
@@ -24,8 +25,3 @@ gradients), and a run resumed in the same layout replays those forwards, so it c
 trajectory of a run that never stopped. Another layout, schedule or batch split starts with
 an empty pipeline and says that the in-flight microbatches were dropped.
 """
-
-from megapipe.checkpointing.load import load_checkpoint, load_weights
-from megapipe.checkpointing.save import save_checkpoint, wait_for_save
-
-__all__ = ["load_checkpoint", "load_weights", "save_checkpoint", "wait_for_save"]

@@ -25,7 +25,7 @@ VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SavedLayout:
     """The parallel layout a checkpoint was written with; per-rank random states only fit the same one.
 
     A run with ``--pipeline-stages`` records its plan too: ``pipeline`` then counts the ranks
@@ -37,7 +37,7 @@ class Layout:
     data: int
     virtual_pipeline: int = 1
     stages: Optional[str] = None  # the stage plan, e.g. "0:2x2,2:4x1"
-    placement: str = "looped"  # where the virtual stages live (stage_placement.py): "looped" or "v"
+    placement: str = "looped"  # where the virtual stages live (layout/placement.py): "looped" or "v"
 
     def __str__(self) -> str:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
@@ -50,14 +50,15 @@ class Layout:
         return self.tensor * self.pipeline * self.data
 
     @staticmethod
-    def of(ps, stages: Optional[str] = None) -> "Layout":
+    def of(ps, stages: Optional[str] = None) -> "SavedLayout":
         """The layout of a run's ParallelState (and its stage plan, written as ``StagePlan.to_text``)."""
-        return Layout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value)
+        return SavedLayout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value)
 
     @staticmethod
-    def of_trainer(trainer) -> "Layout":
-        plan = trainer.config.parallel.stage_plan()
-        return Layout.of(trainer.ps, plan.to_text() if plan is not None else None)
+    def of_run(run) -> "SavedLayout":
+        """The layout of a ``RunState`` (its process groups and stage plan)."""
+        plan = run.config.parallel.stage_plan()
+        return SavedLayout.of(run.ps, plan.to_text() if plan is not None else None)
 
 
 def optimizer_family(name: str) -> str:
@@ -91,7 +92,7 @@ class Common:
     iteration: int
     consumed_samples: int
     skipped_iterations: int
-    layout: Layout
+    layout: SavedLayout
     config: dict  # the run's Config as plain values
     scheduler: Optional[dict]
     loss_scaler: Optional[dict]
@@ -133,5 +134,5 @@ class Common:
         if fields.get("version", 0) > VERSION:
             raise CheckpointError(f"{directory} was written by a newer megapipe (format version {fields['version']}, "
                                   f"this one reads up to {VERSION}); upgrade megapipe to load it.")
-        fields["layout"] = Layout(**fields["layout"])
+        fields["layout"] = SavedLayout(**fields["layout"])
         return Common(**fields)

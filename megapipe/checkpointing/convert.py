@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megapipe.checkpointing.common import Common, Layout, plain
+from megapipe.checkpointing.common import Common, SavedLayout, plain
 from megapipe.checkpointing.hf import export_hf, import_hf
 from megapipe.checkpointing.offline import read_checkpoint, write_checkpoint
 from megapipe.checkpointing.state import MASTER, is_rank_local, model_key, optimizer_key
@@ -23,9 +23,9 @@ from megapipe.config import Config
 @dataclass
 class Conversion:
     source: str
-    source_layout: Optional[Layout]  # None for a Hugging Face directory
+    source_layout: Optional[SavedLayout]  # None for a Hugging Face directory
     target: str
-    target_layout: Optional[Layout]
+    target_layout: Optional[SavedLayout]
     tensors: int
     bytes: int
     dropped_in_flight: bool = False  # the source held an asynchronous pipeline's in-flight state
@@ -55,7 +55,7 @@ def _written(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in tensors.items() if not is_rank_local(key)}
 
 
-def reshard(source: str, target: str, layout: Layout) -> Conversion:
+def reshard(source: str, target: str, layout: SavedLayout) -> Conversion:
     """Rewrite a checkpoint (weights, optimizer state, schedule) as ``layout``'s ranks would save it."""
     path, common, tensors = read_checkpoint(source)
     in_flight = any(key.startswith("inflight/") for key in tensors)
@@ -64,7 +64,7 @@ def reshard(source: str, target: str, layout: Layout) -> Conversion:
     return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors), in_flight)
 
 
-def import_hf_checkpoint(hf_dir: str, target: str, layout: Layout,
+def import_hf_checkpoint(hf_dir: str, target: str, layout: SavedLayout,
                          initialize_missing_heads: bool = False) -> Conversion:
     """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face directory; its tokenizer.json
     and architecture name go into the checkpoint's metadata."""

@@ -15,46 +15,30 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.checkpointing.safetensors_files import SafetensorsFiles, has_safetensors
-from megapipe.models import hf_llama, hf_mapping
+from megapipe.models.families import HF_ARCHITECTURES, HFArchitecture, family_of
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
 class Architecture:
+    """A Hugging Face architecture (the model families' entries) and the megapipe kind it trains as."""
+
     kind: str  # megapipe's model kind
-    hf_class: str  # the transformers class whose state dict the mapping reads and writes
-    model_config: Callable  # transformers config -> ModelConfig
-    from_hf: Callable
-    to_hf: Callable
+    hf: HFArchitecture
+
+    def __getattr__(self, name):  # hf_class, model_config, from_hf, to_hf, hf_config, unsupported ...
+        return getattr(self.hf, name)
 
 
-ARCHITECTURES = {
-    "gpt2": Architecture("gpt", "GPT2LMHeadModel", hf_mapping.gpt2_model_config, hf_mapping.gpt2_from_hf,
-                         hf_mapping.gpt2_to_hf),
-    "bert": Architecture("bert", "BertForPreTraining", hf_mapping.bert_model_config, hf_mapping.bert_from_hf,
-                         hf_mapping.bert_to_hf),
-    **{model_type: Architecture("gpt", hf_class, hf_llama.llama_model_config, hf_llama.llama_from_hf,
-                                hf_llama.llama_to_hf)
-       for model_type, (hf_class, _) in hf_llama.LLAMA_FAMILY.items()},
-}
+ARCHITECTURES = {model_type: Architecture(family.kind, arch) for model_type, (family, arch) in HF_ARCHITECTURES.items()}
 SUPPORTED = ", ".join(f"{arch.hf_class} ({name!r})" for name, arch in ARCHITECTURES.items())
-
-# Options whose non-default values change the computation in ways megapipe does not implement.
-_LLAMA_OPTIONS = {"attention_bias": False, "mlp_bias": False}
-UNSUPPORTED_OPTIONS = {
-    "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-             "add_cross_attention": False},
-    "bert": {"is_decoder": False, "add_cross_attention": False},
-    "llama": _LLAMA_OPTIONS, "mistral": _LLAMA_OPTIONS, "qwen2": _LLAMA_OPTIONS,
-}
 # The pretraining heads of BertForPreTraining that an encoder-only BertModel lacks.
 BERT_HEADS = {"cls.predictions": "masked-LM head", "cls.seq_relationship": "sentence-order (binary) head"}
 
@@ -74,7 +58,7 @@ def _architecture(hf_dir: str) -> tuple[str, Architecture]:
 
 
 def _check_options(model_type: str, hf_config, hf_dir: str) -> None:
-    for option, expected in UNSUPPORTED_OPTIONS[model_type].items():
+    for option, expected in ARCHITECTURES[model_type].unsupported.items():
         if getattr(hf_config, option, expected) != expected:
             raise CheckpointError(f"{hf_dir}: {model_type} with {option}={getattr(hf_config, option)!r} is not "
                                   f"supported; megapipe computes {option}={expected!r}.")
@@ -121,7 +105,7 @@ def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
     except ValueError as error:
         raise CheckpointError(f"{hf_dir}: {error}.") from None
     tokenizer = read_tokenizer(hf_dir)
-    if model_type in hf_llama.LLAMA_FAMILY and has_safetensors(hf_dir):
+    if arch.reads_safetensors and has_safetensors(hf_dir):
         return Imported(arch.kind, model_type, config, arch.from_hf(SafetensorsFiles(hf_dir), config), tokenizer, [])
     try:
         model, info = getattr(transformers, arch.hf_class).from_pretrained(hf_dir, output_loading_info=True,
@@ -142,51 +126,19 @@ def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
 
 
 def hf_model_type(kind: str, config: ModelConfig, remembered: str | None) -> str:
-    """The Hugging Face architecture to export as: the imported one, else the one the options match."""
+    """The Hugging Face architecture to export as: the imported one, else the one its model family exports as."""
     if remembered in ARCHITECTURES:
         return remembered
-    if kind == "bert":
-        return "bert"
-    if config.swiglu or config.position_embedding_type == "rope":
-        return "qwen2" if config.add_qkv_bias else "llama"
-    return "gpt2"
+    return family_of(kind, config).hf_export_type(config)
 
 
 def hf_config_of(kind: str, config: ModelConfig, model_type: str | None = None):
     """The transformers config of a megapipe model, or CheckpointError when Hugging Face has no equal."""
-    import transformers
-
     model_type = model_type or hf_model_type(kind, config, None)
-    if model_type in hf_llama.LLAMA_FAMILY:
-        try:
-            return hf_llama.llama_hf_config(model_type, config)
-        except ValueError as error:
-            raise CheckpointError(f"cannot export as {model_type}: {error}.") from None
-    if config.normalization != "LayerNorm":
-        raise CheckpointError(f"cannot export a {config.normalization} model: Hugging Face GPT-2 and BERT use "
-                              "LayerNorm.")
-    act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[config.activation]
-    if kind == "gpt":
-        if config.post_layernorm:
-            raise CheckpointError("cannot export a GPT with post-layernorm: Hugging Face GPT-2 normalises first.")
-        return transformers.GPT2Config(n_layer=config.num_layers, n_embd=config.hidden_size,
-                                       n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
-                                       n_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
-                                       layer_norm_epsilon=config.layernorm_epsilon, activation_function=act,
-                                       resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
-                                       attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
-                                       tie_word_embeddings=not config.untie_embeddings_and_output_weights)
-    if not (config.post_layernorm and config.bert_binary_head and config.num_tokentypes):
-        raise CheckpointError("cannot export this BERT: BertForPreTraining needs post-layernorm, the binary head and "
-                              "token types.")
-    return transformers.BertConfig(num_hidden_layers=config.num_layers, hidden_size=config.hidden_size,
-                                   num_attention_heads=config.num_attention_heads,
-                                   intermediate_size=config.ffn_hidden_size, type_vocab_size=config.num_tokentypes,
-                                   layer_norm_eps=config.layernorm_epsilon, hidden_act=act,
-                                   hidden_dropout_prob=config.hidden_dropout,
-                                   attention_probs_dropout_prob=config.attention_dropout,
-                                   vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
-                                   initializer_range=config.init_method_std)
+    try:
+        return ARCHITECTURES[model_type].hf_config(config)
+    except ValueError as error:
+        raise CheckpointError(f"cannot export as {model_type}: {error}.") from None
 
 
 def export_hf(kind: str, config: ModelConfig, canonical: dict[str, torch.Tensor], hf_dir: str,

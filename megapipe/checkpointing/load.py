@@ -14,21 +14,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.checkpointing.common import Common, Layout, optimizer_family, plain
+from megapipe.checkpointing.common import Common, SavedLayout, optimizer_family, plain
 from megapipe.checkpointing.paths import LATEST, find_checkpoint
+from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.state import (LoadTargets, apply_optimizer, apply_rng, apply_weights, load_targets,
                                           param_entries, precision_optimizers)
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.checkpointing.validate import agree_on_fit
 from megapipe.config import ModelConfig
+from megapipe.config.operations import same_path
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import schedule_source
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.in_flight import InFlight
-
-
-def _same_path(a: str, b) -> bool:
-    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
@@ -61,75 +59,75 @@ def load_weights(directory: str, kind: str, chunks, ps: ParallelState, config: M
     return common
 
 
-def load_checkpoint(directory: str, trainer) -> None:
-    """Load ``directory`` (``--load``) into ``trainer``, honouring --finetune / --no-load-optim / --no-load-rng.
+def load_checkpoint(directory: str, run: RunState) -> None:
+    """Load ``directory`` (``--load``) into ``run``, honouring --finetune / --no-load-optim / --no-load-rng.
 
     A directory that is also ``--save`` and holds no checkpoint yet starts the run from
     scratch, so one command line both starts and resumes a job (not with ``--skip-train``,
     which needs a checkpoint to evaluate).
     """
-    t = trainer.config.training
-    if _same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
+    t = run.config.training
+    if same_path(directory, t.save) and not t.skip_train and (not os.path.isdir(directory)
                                                                or find_checkpoint(directory) is None):
-        trainer.logger.print(f"> no checkpoint in {directory} yet: starting from iteration 0")
+        run.log(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
-    path, common, saved = _open(directory, trainer.kind)
-    with trainer.engine.whole_weights():  # optim_grads_params releases them between passes
-        _load(path, common, saved, trainer)
+    path, common, saved = _open(directory, run.kind)
+    with run.engine.whole_weights():  # optim_grads_params releases them between passes
+        _load(path, common, saved, run)
 
 
-def _load(path: str, common: Common, saved: dict, trainer) -> None:
-    t = trainer.config.training
+def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
+    t = run.config.training
     with_optimizer = not (t.finetune or t.no_load_optim)
-    layout = Layout.of_trainer(trainer)
+    layout = SavedLayout.of_run(run)
     restore_rng = not (t.finetune or t.no_load_rng) and common.has_rng and common.layout == layout
     has_in_flight = any(key.startswith("inflight/") for key in saved)
-    drop_reason = _in_flight_mismatch(common, trainer, layout) if has_in_flight else None
-    entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    targets = _targets(path, common, saved, entries, trainer.ps, trainer.config.model, with_optimizer, restore_rng,
+    drop_reason = _in_flight_mismatch(common, run, layout) if has_in_flight else None
+    entries = param_entries(run.chunks, run.engine.optimizer)
+    targets = _targets(path, common, saved, entries, run.ps, run.config.model, with_optimizer, restore_rng,
                        with_in_flight=has_in_flight and drop_reason is None)
     if with_optimizer:
-        _check_optimizer_fits(path, common, trainer)
+        _check_optimizer_fits(path, common, run)
     read_shards(targets.shards, path)
 
-    apply_weights(targets, trainer.engine.optimizer)
+    apply_weights(targets, run.engine.optimizer)
     if with_optimizer:
-        apply_optimizer(targets, trainer.engine.optimizer)
+        apply_optimizer(targets, run.engine.optimizer)
         if common.loss_scaler is not None:
-            for optimizer in precision_optimizers(trainer.engine.optimizer):
+            for optimizer in precision_optimizers(run.engine.optimizer):
                 optimizer.loss_scaler.load_state_dict(common.loss_scaler)
     if not t.finetune:
-        trainer.state.iteration = common.iteration
-        trainer.state.consumed_samples = common.consumed_samples
-        trainer.state.skipped_iterations = common.skipped_iterations
+        run.progress.iteration = common.iteration
+        run.progress.consumed_samples = common.consumed_samples
+        run.progress.skipped_iterations = common.skipped_iterations
         if with_optimizer:
-            trainer.scheduler.load_state_dict(common.scheduler, _schedule_source(t))
+            run.scheduler.load_state_dict(common.scheduler, _schedule_source(t))
         else:
-            trainer.scheduler.step(common.iteration - trainer.scheduler.iteration)
+            run.scheduler.step(common.iteration - run.scheduler.iteration)
     if targets.in_flight:  # replayed before the random states come back
-        snapshot = InFlight.from_tensors(targets.in_flight, trainer.device)
-        trainer.engine.restore_in_flight(snapshot)
-        passes = torch.tensor([len(snapshot.forwards)], device=trainer.device)
+        snapshot = InFlight.from_tensors(targets.in_flight, run.device)
+        run.engine.restore_in_flight(snapshot)
+        passes = torch.tensor([len(snapshot.forwards)], device=run.device)
         dist.all_reduce(passes)
-        trainer.logger.print(f"> continuing the pipeline as it was saved: {int(passes.item())} forward passes in "
+        run.log(f"> continuing the pipeline as it was saved: {int(passes.item())} forward passes in "
                              "flight across the ranks, replayed on their weight versions")
     elif drop_reason is not None:
-        trainer.logger.print(f"> the microbatches in flight at the save are dropped ({drop_reason}): the pipeline "
+        run.log(f"> the microbatches in flight at the save are dropped ({drop_reason}): the pipeline "
                              "starts empty, without their updates")
-    _restore_or_reseed_rng(trainer, targets.rng, common, layout, restore_rng)
+    _restore_or_reseed_rng(run, targets.rng, common, layout, restore_rng)
     what = "weights and optimizer state" if with_optimizer else "weights only"
-    trainer.logger.print(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
-                         f"{common.iteration}; continuing at iteration {trainer.state.iteration} with {layout}")
+    run.log(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
+                         f"{common.iteration}; continuing at iteration {run.progress.iteration} with {layout}")
 
 
-def _in_flight_mismatch(common: Common, trainer, layout: Layout) -> Optional[str]:
+def _in_flight_mismatch(common: Common, run: RunState, layout: SavedLayout) -> Optional[str]:
     """Why this run cannot continue the checkpoint's in-flight microbatches (they belong to one
     layout, schedule and batch split), or None when it can."""
-    if trainer.config.training.finetune:
+    if run.config.training.finetune:
         return "--finetune"
     if common.layout != layout:
         return f"they belong to the layout {common.layout}, not {layout}"
-    ours, theirs = plain(trainer.config), common.config
+    ours, theirs = plain(run.config), common.config
     for section, name in (("parallel", "pipeline_schedule"), ("parallel", "pipedream_vertical_sync"),
                           ("training", "micro_batch_size"), ("training", "global_batch_size")):
         if theirs[section][name] != ours[section][name]:
@@ -137,32 +135,32 @@ def _in_flight_mismatch(common: Common, trainer, layout: Layout) -> Optional[str
     return None
 
 
-def _check_optimizer_fits(path: str, common: Common, trainer) -> None:
+def _check_optimizer_fits(path: str, common: Common, run: RunState) -> None:
     """Optimizer state, loss scaling and learning-rate schedule of the checkpoint suit this run."""
     fix = "load weights only with --no-load-optim (or --finetune)"
     if not common.has_optimizer:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim or imported); "
                               f"{fix}.")
-    ours = optimizer_family(trainer.config.optimizer.optimizer)
+    ours = optimizer_family(run.config.optimizer.optimizer)
     if common.optimizer_family != ours:
         raise CheckpointError(f"checkpoint {path} holds {common.optimizer_family} optimizer state but this run uses "
                               f"{ours}; {fix}.")
-    if (common.loss_scaler is None) != (precision_optimizers(trainer.engine.optimizer)[0].loss_scaler is None):
+    if (common.loss_scaler is None) != (precision_optimizers(run.engine.optimizer)[0].loss_scaler is None):
         raise CheckpointError(f"checkpoint {path} was written {'with' if common.loss_scaler else 'without'} fp16 "
                               f"loss scaling and this run is the other way; resume with the same --fp16/--bf16 "
                               f"setting or {fix}.")
-    if _schedule_source(trainer.config.training) == "match":  # raises, naming the flags that differ
-        trainer.scheduler.check_matches(common.scheduler)
+    if _schedule_source(run.config.training) == "match":  # raises, naming the flags that differ
+        run.scheduler.check_matches(common.scheduler)
 
 
 def _schedule_source(t) -> str:
     return schedule_source(t.override_opt_param_scheduler, t.use_checkpoint_opt_param_scheduler)
 
 
-def _restore_or_reseed_rng(trainer, rng: dict, common: Common, layout: Layout, restore: bool) -> None:
-    t = trainer.config.training
+def _restore_or_reseed_rng(run: RunState, rng: dict, common: Common, layout: SavedLayout, restore: bool) -> None:
+    t = run.config.training
     if restore:
-        apply_rng(rng, trainer.ps, trainer.device)
+        apply_rng(rng, run.ps, run.device)
         return
     if t.finetune or t.no_load_rng:
         reason = "--finetune" if t.finetune else "--no-load-rng"
@@ -170,6 +168,6 @@ def _restore_or_reseed_rng(trainer, rng: dict, common: Common, layout: Layout, r
         reason = "the checkpoint has none"
     else:
         reason = f"they belong to the layout {common.layout}, not {layout}"
-    seed = t.seed + trainer.state.iteration
-    trainer.ps.seed(seed, trainer.device)
-    trainer.logger.print(f"> random states not restored ({reason}): reseeded with --seed + iteration = {seed}")
+    seed = t.seed + run.progress.iteration
+    run.ps.seed(seed, run.device)
+    run.log(f"> random states not restored ({reason}): reseeded with --seed + iteration = {seed}")

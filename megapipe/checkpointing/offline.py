@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megapipe.checkpointing.common import Common, Layout
+from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.paths import find_checkpoint, prepare_staging, publish
 from megapipe.checkpointing.planners import ShardSavePlanner
 from megapipe.checkpointing.shards import Shard, cut
@@ -26,8 +26,9 @@ from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name
-from megapipe.parallel_state import ParallelState, RankLayout
-from megapipe.stage_placement import Placement
+from megapipe.parallel.state import ParallelState
+from megapipe.layout.ranks import RankLayout
+from megapipe.layout.placement import Placement
 
 GROUPS = {"tensor": "tensor_groups", "data": "data_groups", "pipeline": "pipeline_groups",
           "model_parallel": "model_parallel_groups", "embedding": "embedding_groups"}
@@ -45,7 +46,7 @@ def read_checkpoint(path: str) -> tuple[str, Common, dict[str, torch.Tensor]]:
     return directory, common, {key: shard.local for key, shard in shards.items()}
 
 
-def rank_state(layout: Layout, rank: int) -> ParallelState:
+def rank_state(layout: SavedLayout, rank: int) -> ParallelState:
     """The ParallelState of rank ``rank`` of ``layout``, without process groups."""
     ranks = RankLayout(layout.tensor, layout.pipeline, layout.data)
     state = ParallelState(ranks, rank, layout.virtual_pipeline, {name: None for name in GROUPS},
@@ -64,7 +65,7 @@ def _stand_in(config: ModelConfig, t: int) -> ModelConfig:
                                max_position_embeddings=1, params_dtype=torch.float32)
 
 
-def rank_pieces(kind: str, config: ModelConfig, layout: Layout, rank: int,
+def rank_pieces(kind: str, config: ModelConfig, layout: SavedLayout, rank: int,
                 tensors: dict[str, torch.Tensor]) -> dict[str, Shard]:
     """The pieces of ``tensors`` (whole, by checkpoint key) that ``rank`` of ``layout`` saves."""
     config.validate(layout.tensor, layout.pipeline, layout.virtual_pipeline)
@@ -111,7 +112,7 @@ def write_as_ranks(pieces: list[dict[str, Shard]], directory: str) -> None:
     writers[0].finish(metadata=metadata, results=results)
 
 
-def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor], layout: Layout) -> str:
+def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor], layout: SavedLayout) -> str:
     """Write ``tensors`` (whole) under ``root`` as ``layout`` would have saved them; returns the directory.
 
     Random states and in-flight pipeline state are dropped (they belong to the ranks of the

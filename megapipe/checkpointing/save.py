@@ -1,4 +1,4 @@
-"""``save_checkpoint``: every rank writes its own pieces in parallel; rank 0 publishes atomically.
+"""``Checkpointer.save``: every rank writes its own pieces in parallel; rank 0 publishes atomically.
 
 Rank 0 prepares ``iter_N.tmp``; every rank writes its shards there through DCP. When DCP
 returns on rank 0, every rank's files and the index are on disk and synced; rank 0 then adds
@@ -17,63 +17,75 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megapipe.checkpointing.common import Common, Layout, plain
+from megapipe.checkpointing.common import Common, SavedLayout, plain
+from megapipe.checkpointing.load import load_checkpoint
 from megapipe.checkpointing.paths import prepare_staging, publish, staging_dir
+from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.shards import Shard
 from megapipe.checkpointing.state import param_entries, precision_optimizers, save_shards
 from megapipe.checkpointing.storage import write_shards
 from megapipe.errors import CheckpointError
 
 
-def save_checkpoint(directory: str, trainer) -> None:
-    """Write the state of ``trainer`` as ``directory/iter_<iteration>`` (collective over all ranks)."""
-    wait_for_save(trainer)  # one save in flight at a time, and its failure surfaces here
-    started = time.perf_counter()
-    with trainer.engine.whole_weights():  # optim_grads_params releases them between passes
-        _save(directory, trainer, started)
+class Checkpointer:
+    """Saves ``run`` as ``directory/iter_<iteration>`` and loads it back (collective over all ranks);
+    owns the background writer of ``--async-save``, so that one save is in flight at a time."""
+
+    def __init__(self, run: RunState):
+        self.run = run
+        self.writer: Optional[AsyncWriter] = None  # made by the first asynchronous save
+
+    def save(self, directory: str) -> None:
+        self.wait()  # one save in flight at a time, and its failure surfaces here
+        started = time.perf_counter()
+        with self.run.engine.whole_weights():  # optim_grads_params releases them between passes
+            self._save(directory, started)
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has published its checkpoint; raise if it failed."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def load(self, directory: str) -> None:
+        """``--load directory`` into the run (``load.load_checkpoint``)."""
+        load_checkpoint(directory, self.run)
+
+    def _save(self, directory: str, started: float) -> None:
+        run = self.run
+        t = run.config.training
+        in_flight = run.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
+        entries = param_entries(run.chunks, run.engine.optimizer)
+        shards = save_shards(entries, run.ps, run.config.model, run.device, with_optimizer=not t.no_save_optim,
+                             in_flight=None if in_flight is None else in_flight.to_tensors())
+        common = _common(run, with_optimizer=not t.no_save_optim)
+        iteration = run.progress.iteration
+        staging = staging_dir(directory, iteration)
+        if run.ps.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            prepare_staging(directory, iteration)
+        dist.barrier()  # the staging directory exists before any rank writes into it
+
+        def finish() -> None:  # rank 0, once every rank's pieces are on disk (it may not be the logging rank)
+            common.write(staging)
+            final = publish(directory, iteration)
+            print(f"> saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - started:.2f} s",
+                  flush=True)
+
+        if t.async_save:
+            writer = self.writer = self.writer or AsyncWriter(run.timeout)
+            writer.start({key: _cpu_copy(shard) for key, shard in shards.items()}, staging, finish)
+            return
+        write_shards(shards, staging)
+        if run.ps.rank == 0:
+            finish()
 
 
-def _save(directory: str, trainer, started: float) -> None:
-    t = trainer.config.training
-    in_flight = trainer.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
-    entries = param_entries(trainer.chunks, trainer.engine.optimizer)
-    shards = save_shards(entries, trainer.ps, trainer.config.model, trainer.device, with_optimizer=not t.no_save_optim,
-                         in_flight=None if in_flight is None else in_flight.to_tensors())
-    common = _common(trainer, with_optimizer=not t.no_save_optim)
-    iteration = trainer.state.iteration
-    staging = staging_dir(directory, iteration)
-    if trainer.ps.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        prepare_staging(directory, iteration)
-    dist.barrier()  # the staging directory exists before any rank writes into it
-
-    def finish() -> None:  # rank 0, once every rank's pieces are on disk (it may not be the logging rank)
-        common.write(staging)
-        final = publish(directory, iteration)
-        print(f"> saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - started:.2f} s",
-              flush=True)
-
-    if t.async_save:
-        writer = trainer.checkpoint_writer = trainer.checkpoint_writer or AsyncWriter(trainer.timeout)
-        writer.start({key: _cpu_copy(shard) for key, shard in shards.items()}, staging, finish)
-        return
-    write_shards(shards, staging)
-    if trainer.ps.rank == 0:
-        finish()
-
-
-def wait_for_save(trainer) -> None:
-    """Block until an asynchronous save has published its checkpoint; raise if it failed."""
-    if trainer.checkpoint_writer is not None:
-        trainer.checkpoint_writer.wait()
-
-
-def _common(trainer, with_optimizer: bool) -> Common:
-    scaler = precision_optimizers(trainer.engine.optimizer)[0].loss_scaler  # one scale for all chunks
-    return Common(kind=trainer.kind, iteration=trainer.state.iteration,
-                  consumed_samples=trainer.state.consumed_samples,
-                  skipped_iterations=trainer.state.skipped_iterations, layout=Layout.of_trainer(trainer),
-                  config=plain(trainer.config), scheduler=trainer.scheduler.state_dict(),
+def _common(run: RunState, with_optimizer: bool) -> Common:
+    scaler = precision_optimizers(run.engine.optimizer)[0].loss_scaler  # one scale for all chunks
+    return Common(kind=run.kind, iteration=run.progress.iteration,
+                  consumed_samples=run.progress.consumed_samples,
+                  skipped_iterations=run.progress.skipped_iterations, layout=SavedLayout.of_run(run),
+                  config=plain(run.config), scheduler=run.scheduler.state_dict(),
                   loss_scaler=scaler.state_dict() if scaler is not None else None,
                   has_optimizer=with_optimizer, has_rng=True)
 

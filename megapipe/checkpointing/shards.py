@@ -15,7 +15,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models.state_dict import VOCAB_DIM0, canonical_name
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import is_tensor_parallel
 
 

@@ -24,8 +24,8 @@ import torch
 
 from megapipe.checkpointing.shards import Shard, place
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState
-from megapipe.tensor_parallel.random import capture_rng, restore_rng
+from megapipe.parallel.state import ParallelState
+from megapipe.parallel.random import capture_rng, restore_rng
 
 MASTER = "master"
 

@@ -7,8 +7,8 @@ serve``) drives the same mechanism with the wall clock and the progress its jobs
 through worker agents or Slurm.
 """
 
-from megapipe.cluster.cluster_spec import ClusterSpec, parse_cluster
-from megapipe.cluster.jobs import Job
-from megapipe.cluster.throughputs import ThroughputTable
+from megapipe.cluster.core.cluster_spec import ClusterSpec, parse_cluster
+from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.throughputs import ThroughputTable
 
 __all__ = ["ClusterSpec", "Job", "ThroughputTable", "parse_cluster"]

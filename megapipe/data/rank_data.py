@@ -28,9 +28,9 @@ from megapipe.data.mock import MockGPTDataset, NullTokenizer
 from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.splits import SPLIT_NAMES, parse_split
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
-from megapipe.distributed import to_device
+from megapipe.parallel.launch import to_device
 from megapipe.errors import ConfigError
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 # kind -> the role of a model chunk -> the batch keys its layers read
 FIELDS = {

@@ -161,7 +161,7 @@ def select_backend(requested: str | None = None, device: torch.device | str | No
     backend that cannot run here falls back to what "auto" would choose, and the log line says
     why. Never raises for an unavailable backend.
     """
-    from megapipe.distributed import default_device
+    from megapipe.parallel.launch import default_device
 
     requested = requested or "auto"
     if requested not in BACKENDS + ("auto",):

@@ -20,19 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.fusions.backend import active_backend
-from megapipe.fusions.bias_math import add_bias_fp32, bias_grad
+from megapipe.fusions.bias_math import add_bias_fp32, bias_grad, keep_scale, output_dtype
 from megapipe.fusions.compiled import compiled
-
-
-def keep_scale(p: float) -> float:
-    """The factor kept elements are multiplied by: 1 / (1 - p), and 0 when everything is dropped."""
-    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-
-
-def output_dtype(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.dtype:
-    """The dtype PyTorch's ``residual + (x + bias)`` would have."""
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
 
 
 def draw_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megapipe.fusions.bias_dropout_add import keep_scale, output_dtype
+from megapipe.fusions.bias_math import keep_scale, output_dtype
 
 @triton.jit
 def _tanh(u):

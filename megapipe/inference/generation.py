@@ -29,16 +29,17 @@ from typing import Optional
 
 import torch
 
+from megapipe.errors import UserError
 from megapipe.config import ModelConfig
 from megapipe.inference.frame import Frame
 from megapipe.inference.kv_cache import KVCache
 from megapipe.inference.sampling import SamplingParams, next_tokens, sequence_generators
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.peer_messages import PeerMessages
 from megapipe.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 
-class GenerationError(ValueError):
+class GenerationError(UserError, ValueError):
     """A request that cannot be served; the message is one sentence naming the field and the fix."""
 
 

@@ -8,13 +8,13 @@ from typing import Optional
 
 import torch
 
-from megapipe.checkpointing import load_weights
+from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common
 from megapipe.checkpointing.paths import find_checkpoint
-from megapipe.distributed import init_distributed
+from megapipe.parallel.launch import init_distributed
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models import build_model_chunks
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 
 @dataclass

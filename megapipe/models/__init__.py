@@ -1,20 +1,18 @@
-"""GPT and BERT built per pipeline stage, tensor-parallel inside each stage."""
+"""GPT, BERT and Llama built per pipeline stage, tensor-parallel inside each stage.
+
+Each model family's stage class comes from its registry entry (``megapipe.models.families``);
+``MODEL_KINDS`` maps a training script's kind to the stage class its family builds.
+"""
 
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
-from megapipe.models.bert import BERTStage
-from megapipe.models.gpt import GPTStage
+from megapipe.models.families import KINDS, kind_family
+from megapipe.layout.stage_plan import equal_split
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
-MODEL_KINDS = {"gpt": GPTStage, "bert": BERTStage}
-
-
-def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
-    """Layers ``[start, end)`` of virtual stage ``stage`` when ``num_layers`` are split evenly."""
-    per_stage = num_layers // num_stages
-    return stage * per_stage, (stage + 1) * per_stage
+MODEL_KINDS = {kind: kind_family(kind).stage for kind in KINDS}
 
 
 def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: int = 1234,
@@ -28,9 +26,9 @@ def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: 
     config.validate(ps.tp_size, ps.pp_size, ps.virtual_pipeline)
     stage_cls = MODEL_KINDS[kind]
     num_stages = ps.pp_size * ps.virtual_pipeline
-    chunks = []
+    chunks, ranges = [], equal_split(config.num_layers, num_stages).layer_ranges
     for stage in ps.chunk_stages():
-        start, end = stage_layer_range(config.num_layers, num_stages, stage)
+        start, end = ranges[stage]
         chunks.append(stage_cls(config, ps, start, end, pre_process=stage == 0, post_process=stage == num_stages - 1,
                                 seed=seed, sequence_parallel=sequence_parallel, device=device))
     return chunks
@@ -39,7 +37,7 @@ def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: 
 def build_planned_stage(kind: str, config: ModelConfig, ps: ParallelState, layer_ranges: list[tuple[int, int]],
                         seed: int = 1234, sequence_parallel: bool = False, device=None) -> list[LanguageModelStage]:
     """The one chunk of this rank's stage when stage i holds layers ``layer_ranges[i]`` (a stage plan,
-    ``megapipe.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
+    ``megapipe.layout.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
     config.validate(ps.tp_size)
     stage = ps.pipeline_stage
     start, end = layer_ranges[stage]

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.loss_parts import with_parts
+from megapipe.models.loss_parts import with_parts
 from megapipe.models.common import build_norm, replicated_linear
 from megapipe.models.gpt import masked_mean
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
@@ -24,7 +24,7 @@ class BERTStage(LanguageModelStage):
     stage ``labels`` (-1 where not predicted), ``loss_mask`` [b, s] and ``is_random`` [b].
 
     The last stage returns LM loss + binary loss (each attached as a part for logging, see
-    ``megapipe.loss_parts``), or without labels the pair
+    ``megapipe.models.loss_parts``), or without labels the pair
     (LM logits ``[b, s, V/t]``, binary logits ``[b, 2]``).
     """
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import init_normal_
 
 

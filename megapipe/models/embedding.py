@@ -9,7 +9,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.layers import VocabParallelEmbedding
 from megapipe.tensor_parallel.utils import init_normal_

@@ -7,7 +7,7 @@ import torch
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
 

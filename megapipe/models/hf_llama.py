@@ -60,8 +60,9 @@ def rope_settings(hf_config) -> tuple[float, float]:
     return float(base), float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
 
 
-def llama_model_config(hf_config, **overrides) -> ModelConfig:
-    """A megapipe ModelConfig equal to a Llama, Mistral or Qwen2 transformers config.
+def llama_fields(hf_config) -> dict:
+    """The ModelConfig fields a Llama, Mistral or Qwen2 transformers config gives (the Llama family adds
+    its defaults).
 
     Mistral's sliding window changes nothing for sequences no longer than the window, so the
     model's position limit becomes the window.
@@ -81,13 +82,11 @@ def llama_model_config(hf_config, **overrides) -> ModelConfig:
                   num_attention_heads=heads, num_query_groups=hf_config.num_key_value_heads,
                   vocab_size=hf_config.vocab_size, seq_length=positions, max_position_embeddings=positions,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=hf_config.rms_norm_eps,
-                  normalization="RMSNorm", position_embedding_type="rope", rotary_base=base, rotary_percent=fraction,
-                  swiglu=True, add_bias_linear=False, add_qkv_bias=LLAMA_FAMILY[hf_config.model_type][1],
-                  hidden_dropout=0.0, attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
+                  rotary_base=base, rotary_percent=fraction, add_qkv_bias=LLAMA_FAMILY[hf_config.model_type][1],
+                  attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
                   init_method_std=hf_config.initializer_range,
                   untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return fields
 
 
 def llama_from_hf(hf_state, config: ModelConfig) -> dict:

@@ -138,8 +138,8 @@ _BERT_GLOBAL = [
 ]
 
 
-def bert_model_config(hf_config, **overrides) -> ModelConfig:
-    """A megapipe ModelConfig equal to a ``transformers.BertConfig``."""
+def bert_fields(hf_config) -> dict:
+    """The ModelConfig fields a ``transformers.BertConfig`` gives (the BERT family adds its defaults)."""
     if hf_config.hidden_act not in ("gelu", "gelu_new"):
         raise ValueError(f"BERT activation {hf_config.hidden_act} is not supported")
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
@@ -150,10 +150,8 @@ def bert_model_config(hf_config, **overrides) -> ModelConfig:
                   activation="gelu" if hf_config.hidden_act == "gelu" else "gelu_tanh",
                   hidden_dropout=hf_config.hidden_dropout_prob,
                   attention_dropout=hf_config.attention_probs_dropout_prob,
-                  init_method_std=hf_config.initializer_range, num_tokentypes=hf_config.type_vocab_size,
-                  post_layernorm=True, bert_binary_head=True)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+                  init_method_std=hf_config.initializer_range, num_tokentypes=hf_config.type_vocab_size)
+    return fields
 
 
 def bert_from_hf(hf_state: dict, config: ModelConfig) -> dict:
@@ -185,3 +183,44 @@ def bert_to_hf(state: dict, config: ModelConfig) -> dict:
     out["cls.predictions.decoder.weight"] = state["embedding.word_embeddings.weight"]
     out["cls.predictions.decoder.bias"] = state["lm_bias"]
     return {k: v.clone() for k, v in out.items()}
+
+
+# ---- transformers configs of megapipe models ----------------------------------------------------
+
+def _hf_activation(config: ModelConfig) -> str:
+    if config.normalization != "LayerNorm":
+        raise ValueError(f"a {config.normalization} model has no equal: Hugging Face GPT-2 and BERT use LayerNorm")
+    return {"gelu": "gelu", "gelu_tanh": "gelu_new"}[config.activation]
+
+
+def gpt2_hf_config(config: ModelConfig):
+    """The ``transformers.GPT2Config`` of a megapipe GPT (ValueError when it has no equal)."""
+    import transformers
+
+    act = _hf_activation(config)
+    if config.post_layernorm:
+        raise ValueError("a GPT with post-layernorm has no equal: Hugging Face GPT-2 normalises first")
+    return transformers.GPT2Config(n_layer=config.num_layers, n_embd=config.hidden_size,
+                                   n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
+                                   n_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
+                                   layer_norm_epsilon=config.layernorm_epsilon, activation_function=act,
+                                   resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+                                   attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
+                                   tie_word_embeddings=not config.untie_embeddings_and_output_weights)
+
+
+def bert_hf_config(config: ModelConfig):
+    """The ``transformers.BertConfig`` of a megapipe BERT (ValueError when it has no equal)."""
+    import transformers
+
+    act = _hf_activation(config)
+    if not (config.post_layernorm and config.bert_binary_head and config.num_tokentypes):
+        raise ValueError("BertForPreTraining needs post-layernorm, the binary head and token types")
+    return transformers.BertConfig(num_hidden_layers=config.num_layers, hidden_size=config.hidden_size,
+                                   num_attention_heads=config.num_attention_heads,
+                                   intermediate_size=config.ffn_hidden_size, type_vocab_size=config.num_tokentypes,
+                                   layer_norm_eps=config.layernorm_epsilon, hidden_act=act,
+                                   hidden_dropout_prob=config.hidden_dropout,
+                                   attention_probs_dropout_prob=config.attention_dropout,
+                                   vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
+                                   initializer_range=config.init_method_std)

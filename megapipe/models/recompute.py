@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState
-from megapipe.tensor_parallel.random import capture_rng, restore_rng
+from megapipe.parallel.state import ParallelState
+from megapipe.parallel.random import capture_rng, restore_rng
 
 
 class _Recompute(torch.autograd.Function):

@@ -17,7 +17,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.embedding import Embedding
 from megapipe.models.recompute import checkpoint, recompute_groups
 from megapipe.models.transformer import TransformerLayer
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.layers import _init_weight
 from megapipe.tensor_parallel.utils import mark_tensor_parallel
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import is_tensor_parallel, shard
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"

@@ -20,7 +20,7 @@ from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm, dropout_add
 from megapipe.models.recompute import checkpoint
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.tensor_parallel.utils import divide
 

@@ -33,11 +33,11 @@ shared copy left out of the norm), ``sequence_parallel`` (gradient summed over t
 """
 
 from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, counts_in_norm, global_grad_norm
-from megapipe.optim.config import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
+from megapipe.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 from megapipe.optim.finalize import finalize_model_grads
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
 from megapipe.optim.grad_sync import GradSync
-from megapipe.optim.sharding import SHARDING_STRATEGIES, ShardingLevel
+from megapipe.config.sharding import SHARDING_STRATEGIES, ShardingLevel
 from megapipe.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 from megapipe.optim.lr_schedule import LRSchedule, LRScheduler
 from megapipe.optim.optimizer import build_optimizer, weight_decay_groups

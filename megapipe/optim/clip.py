@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megapipe.collectives import all_reduce
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.collectives import all_reduce
+from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import is_tensor_parallel_duplicate
 
 CLIP_EPSILON = 1e-6  # added to the norm before dividing, as Megatron does

@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 
 from megapipe.optim.grad_buffer import GradBuffers
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 
 def finalize_model_grads(model_chunks: Iterable[torch.nn.Module], ps: ParallelState, grads: GradBuffers) -> None:

@@ -17,8 +17,8 @@ from typing import Iterable
 import torch
 
 from megapipe.optim.grad_sync import DEFAULT_BUCKET_SIZE, GradSync, ParamPiece, is_tied_embedding_copy
-from megapipe.optim.sharding import ShardingLevel
-from megapipe.parallel_state import ParallelState
+from megapipe.config.sharding import ShardingLevel
+from megapipe.parallel.state import ParallelState
 
 
 def trainable_params(model_chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:

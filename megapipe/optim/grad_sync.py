@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.collectives import all_gather_into, all_reduce, all_reduce_coalesced, reduce_scatter_into
-from megapipe.optim.sharding import ShardingLevel
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.collectives import all_gather_into, all_reduce, all_reduce_coalesced, reduce_scatter_into
+from megapipe.config.sharding import ShardingLevel
+from megapipe.parallel.state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel reduction, Megatron's --ddp-bucket-size
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megapipe.optim.config import OptimizerConfig
+from megapipe.config.optimizer import OptimizerConfig
 
 
 class _DeviceScale:

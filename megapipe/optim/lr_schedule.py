@@ -5,6 +5,7 @@ The rate rises linearly from 0 to ``--lr`` over the warm-up (``--lr-warmup-iters
 ``--min-lr`` at ``--lr-decay-iters`` (default: the training iterations) and stays there.
 Iteration 0 of a warm-up uses rate 0, as in Megatron. ``inverse-square-root`` is
 ``lr * sqrt(warmup) / sqrt(iteration)``, floored at ``--min-lr``. Weight decay stays constant.
+Without either warm-up flag the warm-up is min(50, training iterations / 10).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from megapipe.errors import CheckpointError, ConfigError
-from megapipe.optim.config import OptimizerConfig
+from megapipe.config.optimizer import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,12 @@ class LRSchedule:
         decay_iters = config.lr_decay_iters if config.lr_decay_iters is not None else train_iters
         if decay_iters < 1:
             raise ConfigError(f"--lr-decay-iters (or --train-iters) {decay_iters} must be at least 1.")
-        warmup = (config.lr_warmup_fraction * decay_iters if config.lr_warmup_fraction is not None
-                  else config.lr_warmup_iters)
+        if config.lr_warmup_fraction is not None:
+            warmup = config.lr_warmup_fraction * decay_iters
+        elif config.lr_warmup_iters is not None:
+            warmup = config.lr_warmup_iters
+        else:  # unset: a tenth of the run, at most 50 iterations
+            warmup = min(50, train_iters // 10)
         if warmup >= decay_iters:
             raise ConfigError(f"the warm-up of {warmup:g} iterations must be shorter than --lr-decay-iters "
                               f"{decay_iters}; shorten the warm-up or decay for longer.")

@@ -16,11 +16,11 @@ from typing import Iterable
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from megapipe.optim.config import OptimizerConfig
+from megapipe.config.optimizer import OptimizerConfig
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
 from megapipe.optim.loss_scaler import build_loss_scaler
 from megapipe.optim.precision import PrecisionOptimizer, make_main_param
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 

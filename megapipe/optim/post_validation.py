@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megapipe.optim.clip import CLIP_EPSILON
 from megapipe.optim.precision import PrecisionOptimizer, StepResult
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 AMEND_MARGIN = 1e-4  # relative: amend when (norm + eps) (1 + margin) exceeds --clip-grad
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from megapipe.errors import CheckpointError
 from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, local_squared_norm
-from megapipe.collectives import all_reduce
+from megapipe.parallel.collectives import all_reduce
 from megapipe.optim.grad_buffer import GradBuffers
 from megapipe.optim.grad_sync import piece_of
 from megapipe.optim.loss_scaler import LossScaler
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 
 # Post-validation's hand-over: (overflow flag or None, squared norm) of this stage -> of the stages so far.
 StateChain = Callable[[Optional[torch.Tensor], torch.Tensor], tuple[Optional[torch.Tensor], torch.Tensor]]

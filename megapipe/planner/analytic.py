@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megapipe.models import flops
 from megapipe.planner.profile import ELEMENT_BYTES, LayerProfile, ModelProfile, ModelShape
 
 DEFAULT_HALF_TOKENS = 0.3 * 2048
@@ -27,12 +28,12 @@ LOGITS_BYTES = 4  # the cross entropy keeps fp32 logits (softmax) per vocabulary
 
 
 def block_forward_flops(shape: ModelShape, b: float) -> float:
-    s, h, f = shape.seq_length, shape.hidden_size, shape.ffn_hidden_size
-    return 8 * b * s * h * h + 4 * b * s * h * f + 4 * b * s * s * h
+    """One block's forward FLOPs at micro-batch b (``megapipe.models.flops``)."""
+    return flops.block_forward_flops(b * shape.seq_length, shape.seq_length, shape.hidden_size, shape.ffn_hidden_size)
 
 
 def head_forward_flops(shape: ModelShape, b: float) -> float:
-    return 2 * b * shape.seq_length * shape.hidden_size * shape.vocab_size
+    return flops.head_forward_flops(b * shape.seq_length, shape.hidden_size, shape.vocab_size)
 
 
 def block_params(shape: ModelShape) -> tuple[int, int]:

@@ -58,12 +58,15 @@ from typing import Optional
 
 import numpy as np
 
+from megapipe.models.flops import transformer_flops
+from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.profile import LayerCosts, ModelProfile
-from megapipe.planner.schedule_costs import (FLUSHING, Searched, bubble_fraction, in_flight, pipeline_time,
+from megapipe.planner.schedule_costs import (SEARCHED, Searched, bubble_fraction, flushes, in_flight, pipeline_time,
                                              placement_of, searched, unties_embeddings, weight_versions)
 from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
-from megapipe.stage_placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.stage_plan import equal_split
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def exposed_transfers(schedule: str, backend: str) -> int:
     """Transfer times a rank waits for each tensor it receives from a neighbour (module docstring): one,
     or two on gloo when the schedule alternates forwards and backwards, because a receive's notice to
     the sender queues behind the tensor just sent the other way on the same connection."""
-    return 2 if backend == "gloo" and schedule != "gpipe" else 1
+    return 2 if backend == "gloo" and schedule_descriptor(schedule).alternates else 1
 
 
 def _rank_order(t: int, d: int):
@@ -172,20 +175,20 @@ def _transfer(nbytes: float, link: Optional[Link]) -> float:
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
     """Profile layer indices of virtual stage ``stage``: its blocks, the embedding first, the head last."""
-    per = num_layers // num_stages
-    layers = list(range(1 + stage * per, 1 + (stage + 1) * per))
+    start, end = equal_split(num_layers, num_stages).layer_ranges[stage]
+    layers = list(range(1 + start, 1 + end))
     return ([0] if stage == 0 else []) + layers + ([num_layers + 1] if stage == num_stages - 1 else [])
 
 
 def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
-    """Seed 002 eq. 4.2 per sample: (72 or 96, with recomputation) s l h^2 (1 + s / 6h) + 6 s h V."""
+    """Seed 002 eq. 4.2 per sample (``megapipe.models.flops``): (72 or 96, with recomputation) s l h^2 (1 + s / 6h)
+    + 6 s h V for ffn = 4h."""
     shape = profile.shape
-    s, l, h = shape.seq_length, shape.num_layers, shape.hidden_size
-    passes = 96 if recompute else 72
-    return passes * s * l * h * h * (1 + s / (6 * h)) + 6 * s * h * shape.vocab_size
+    return transformer_flops(shape.seq_length, shape.seq_length, shape.num_layers, shape.hidden_size,
+                             shape.ffn_hidden_size, shape.vocab_size, recompute)
 
 
-class CostModel:
+class PlanCostModel:
     """Estimates for one profile on one cluster; caches what layouts share."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training):
@@ -272,7 +275,7 @@ class CostModel:
         t, p, d = layout.tensor, layout.pipeline, layout.data
         _, data_link, _, embedding_link = self.links(t, p, d)
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
-        overlap = self.training.overlap and layout.schedule in FLUSHING
+        overlap = self.training.overlap and flushes(layout.schedule)
         backend = self.cluster.backend
         if layout.sharding == "no_shard":
             reduce = np.array([collective_time("all_reduce", count * grad_bytes, d, data_link, backend)
@@ -334,10 +337,10 @@ class CostModel:
         loads = self._rank_loads(layout)
         steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
         data = float(self._data_parallel_times(layout, loads, m).max())
-        search = searched(loads.forward, loads.backward, m, v) if layout.schedule == "auto" else None
+        search = searched(loads.forward, loads.backward, m, v) if layout.schedule == SEARCHED else None
         if search is not None:
             batch_time = search.batch_time + data + float(steps.max())
-        elif layout.schedule in FLUSHING:  # all-reduce and step after the flush
+        elif flushes(layout.schedule):  # all-reduce and step after the flush
             pipe = pipeline_time(layout.schedule, loads.forward, loads.backward, m, v)
             batch_time = pipe + data + float(steps.max())
         else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)

@@ -19,11 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from megapipe.layout.stage_plan import equal_split, layers_per_stage
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Estimate
 from megapipe.planner.partition import Partition
 from megapipe.planner.profile import ModelShape
-from megapipe.planner.schedule_costs import unties_embeddings
+from megapipe.planner.schedule_costs import SEARCHED, unties_embeddings
 
 
 def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
@@ -76,8 +77,8 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.virtual > 1:
-        words += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // (layout.pipeline * layout.virtual))]
-    if layout.schedule == "auto":  # the search on the training side, for the times the plan predicted
+        words += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual))]
+    if layout.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
         forward, backward = estimate.rank_times
         halves = _seconds([b / 2 for b in backward])
         words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time", halves,
@@ -92,9 +93,8 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
 
 def uniform_stages(estimate: Estimate, shape: ModelShape) -> list[tuple[int, int, int]]:
     layout = estimate.layout
-    chunks = layout.pipeline * layout.virtual
-    per = shape.num_layers // chunks
-    return [(k * per, (k + 1) * per, layout.data) for k in range(chunks)]
+    plan = equal_split(shape.num_layers, layout.pipeline * layout.virtual, layout.data)
+    return [(start, end, layout.data) for start, end in plan.layer_ranges]
 
 
 def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int,
@@ -122,7 +122,7 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
     }
     if layout.virtual > 1:
         document["model_chunks"] = [dict(chunk, rank=k % layout.pipeline) for k, chunk in enumerate(listed)]
-        document["num_layers_per_virtual_pipeline_stage"] = shape.num_layers // (layout.pipeline * layout.virtual)
+        document["num_layers_per_virtual_pipeline_stage"] = layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual)
     else:
         document["stages"] = listed
         document["pipeline_stages"] = pipeline_stages_flag(stages)

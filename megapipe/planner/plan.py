@@ -14,12 +14,11 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import CostModel, Estimate, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
-from megapipe.optim.sharding import SHARDING_STRATEGIES
-from megapipe.planner.schedule_costs import (CHUNKED, FLUSHING, SCHEDULES, SEARCHED, SEARCHED_LAYOUTS,
-                                             microbatch_problem, placement_of)
-from megapipe.stage_placement import Placement
+from megapipe.config.sharding import SHARDING_STRATEGIES
+from megapipe.planner.schedule_costs import (SCHEDULES, SEARCHED, SEARCHED_LAYOUTS, flushes, microbatch_problem,
+                                             planned_chunks)
 from megapipe.planner.units import human_bytes
 
 
@@ -31,7 +30,7 @@ class PlanRequest:
     max_micro_batch_size: int = 64
     recompute: Sequence[bool] = (False, True)
     shardings: Sequence[str] = SHARDING_STRATEGIES  # --data-parallel-sharding-strategy levels tried when d > 1
-    max_virtual: int = 8  # most chunks per rank tried for the interleaved schedule
+    max_virtual: int = 8  # most chunks per rank tried for the schedules that take several
     training: Optional[Training] = None  # default: Training(global_batch_size)
 
     def costs_training(self) -> Training:
@@ -92,10 +91,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                     continue  # searched for the fastest layouts only, in ``plan``
                 if p == 1 and schedule != "1f1b":
                     continue  # without a pipeline every schedule is gradient accumulation
-                chunks = [1] if schedule not in CHUNKED else [
-                    v for v in range(2, request.max_virtual + 1) if shape.num_layers % (p * v) == 0]
-                if placement_of(schedule) is Placement.V:  # two chunks per rank in a V
-                    chunks = [2] if shape.num_layers % (2 * p) == 0 else []
+                chunks = [v for v in planned_chunks(schedule, request.max_virtual) if shape.num_layers % (p * v) == 0]
                 for v in chunks:
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
@@ -122,7 +118,7 @@ def _shardings(request: PlanRequest, d: int, schedule: str) -> list[str]:
     """Sharding levels worth estimating: none without replicas; no optim_grads_params for 2BW and PipeDream."""
     if d == 1:
         return ["no_shard"]
-    return [s for s in request.shardings if not (s == "optim_grads_params" and schedule not in FLUSHING)]
+    return [s for s in request.shardings if not (s == "optim_grads_params" and not flushes(schedule))]
 
 
 def _no_layout_error(shape: ModelShape, devices: int, request: PlanRequest) -> ConfigError:
@@ -159,7 +155,7 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
     unknown = [s for s in request.schedules if s not in SCHEDULES]
     if unknown:
         raise ConfigError(f"schedule {unknown[0]} is unknown; choose from {', '.join(SCHEDULES)}.")
-    model = CostModel(profile, cluster, request.costs_training())
+    model = PlanCostModel(profile, cluster, request.costs_training())
     estimates = [model.estimate(layout) for layout in enumerate_layouts(profile.shape, cluster.num_gpus, request)]
     if not estimates:
         raise _no_layout_error(profile.shape, cluster.num_gpus, request)

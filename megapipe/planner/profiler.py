@@ -25,11 +25,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megapipe.config import ModelConfig
-from megapipe.distributed import synchronize
+from megapipe.parallel.launch import synchronize
 from megapipe.models import build_model_chunks
 from megapipe.models.transformer import MLP, SelfAttention
 from megapipe.optim import GradBuffers, OptimizerConfig, build_optimizer
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.planner.profile import ELEMENT_BYTES, LayerProfile, ModelProfile, ModelShape
 from megapipe.tensor_parallel.layers import ColumnParallelLinear
 from megapipe.tensor_parallel.utils import is_tensor_parallel

@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from megapipe.stage_placement import Placement, rank_of_stage, stages_of_rank
+from megapipe.layout.ranks import RankLayout
+from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
 
 BACKENDS = ("nccl", "gloo")
 MTU = 1500  # bytes of an Ethernet frame's payload
@@ -106,14 +107,13 @@ class TrafficInputs:
     recompute: bool = False
     blocks_per_rank: Sequence[int] = ()  # transformer blocks on each pipeline rank (for tensor traffic)
     logit_values: float = 0.0  # b s: the cross entropy's reduced values per microbatch
-    placement: Placement = Placement.LOOPED  # where the virtual stages live (``stage_placement.py``)
+    placement: Placement = Placement.LOOPED  # where the virtual stages live (``layout/placement.py``)
 
 
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
     t, p, d, v, m = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches
 
-    def rank(ti: int, di: int, pi: int) -> int:
-        return ti + t * (di + d * pi)
+    rank = RankLayout(t, p, d).rank
 
     def crossing(a: int, b: int) -> bool:
         return node_of(a) != node_of(b)

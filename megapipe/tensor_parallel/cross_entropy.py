@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.fusions import cross_entropy as parts
-from megapipe.collectives import all_reduce
+from megapipe.parallel.collectives import all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapipe.parallel_state import ParallelState
-from megapipe.split_backward import linear
+from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.split_backward import linear
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megapipe.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
+from megapipe.parallel.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

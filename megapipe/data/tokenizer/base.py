@@ -22,11 +22,6 @@ SPECIAL_ROLES = {
 }
 
 
-def _rebuild(build_args: dict) -> "Tokenizer":
-    from megapipe.data.tokenizer.build import build_tokenizer
-    return build_tokenizer(**build_args)
-
-
 class Tokenizer(ABC):
     """Text <-> token ids, plus the ids of the special tokens GPT and BERT need.
 
@@ -37,9 +32,11 @@ class Tokenizer(ABC):
 
     lossless: bool = False
 
-    def __init__(self, name: str, build_args: dict, special_ids: dict[str, Optional[int]]):
+    def __init__(self, name: str, rebuild: tuple, special_ids: dict[str, Optional[int]]):
+        """``rebuild``: (a module-level function, its arguments) that makes this tokenizer again, which is
+        how it is pickled (worker processes of the data loaders receive the recipe, not the tables)."""
         self.name = name
-        self._build_args = build_args
+        self._rebuild = rebuild
         self._special_ids = {role: special_ids.get(role) for role in SPECIAL_ROLES}
 
     @property
@@ -87,7 +84,7 @@ class Tokenizer(ABC):
         return frozenset(i for i in self._special_ids.values() if i is not None)
 
     def __reduce__(self):
-        return _rebuild, (self._build_args,)
+        return self._rebuild
 
     def __repr__(self) -> str:
         return f"{self.name}(vocab_size={self.vocab_size})"

@@ -19,7 +19,7 @@ class ByteLevelTokenizer(Tokenizer):
     lossless = True
 
     def __init__(self):
-        super().__init__("ByteLevelTokenizer", {"tokenizer_type": "ByteLevelTokenizer"},
+        super().__init__("ByteLevelTokenizer", (ByteLevelTokenizer, ()),
                          {role: 256 + i for i, role in enumerate(SPECIAL_TOKENS)})
 
     @property

@@ -25,9 +25,9 @@ SPECIAL_SPELLINGS = {
 class HFBackedTokenizer(Tokenizer):
     """Adapts a ``tokenizers.Tokenizer`` to the common interface; special tokens are never added."""
 
-    def __init__(self, name: str, build_args: dict, backend: Backend,
+    def __init__(self, name: str, rebuild: tuple, backend: Backend,
                  special_ids: dict[str, Optional[int]], lossless: bool):
-        super().__init__(name, build_args, special_ids)
+        super().__init__(name, rebuild, special_ids)
         self._backend = backend
         self.lossless = lossless
 
@@ -60,8 +60,7 @@ def gpt2_bpe(vocab_file: str, merge_file: str) -> HFBackedTokenizer:
     backend = Backend(models.BPE.from_file(vocab_file, merge_file))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    args = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab_file, "merge_file": merge_file}
-    return HFBackedTokenizer("GPT2BPETokenizer", args, backend, {"eod": backend.token_to_id("<|endoftext|>")},
+    return HFBackedTokenizer("GPT2BPETokenizer", (gpt2_bpe, (vocab_file, merge_file)), backend, {"eod": backend.token_to_id("<|endoftext|>")},
                              lossless=True)
 
 
@@ -77,7 +76,7 @@ def bert_wordpiece(vocab_file: str, lowercase: bool) -> HFBackedTokenizer:
     name = "BertWordPieceLowerCase" if lowercase else "BertWordPieceCase"
     specials = {role: backend.token_to_id(f"[{role.upper()}]") for role in ("cls", "sep", "mask", "pad")}
     specials["eod"] = specials["sep"]
-    return HFBackedTokenizer(name, {"tokenizer_type": name, "vocab_file": vocab_file}, backend, specials,
+    return HFBackedTokenizer(name, (bert_wordpiece, (vocab_file, lowercase)), backend, specials,
                              lossless=False)
 
 
@@ -116,6 +115,5 @@ def huggingface(tokenizer_model: str) -> HFBackedTokenizer:
         raise ConfigError(f"--tokenizer-model {path} is not a valid tokenizer.json ({error}); "
                           "save one with tokenizers' Tokenizer.save or tools/train_tokenizer.py.") from None
     declared = _declared_specials(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
-    args = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_model}
-    return HFBackedTokenizer("HuggingFaceTokenizer", args, backend, _find_specials(backend, declared),
+    return HFBackedTokenizer("HuggingFaceTokenizer", (huggingface, (tokenizer_model,)), backend, _find_specials(backend, declared),
                              lossless=False)

@@ -27,9 +27,7 @@ class SentencePieceTokenizer(Tokenizer):
         special_ids = {"eod": self._own_id(processor.eos_id()), "pad": self._own_id(processor.pad_id())}
         for role, pieces in BERT_PIECES.items():
             special_ids[role] = self._find_piece(pieces)
-        super().__init__("SentencePieceTokenizer",
-                         {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": tokenizer_model},
-                         special_ids)
+        super().__init__("SentencePieceTokenizer", (SentencePieceTokenizer, (tokenizer_model,)), special_ids)
 
     @staticmethod
     def _own_id(token_id: int) -> Optional[int]:

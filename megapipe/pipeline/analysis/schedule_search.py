@@ -44,7 +44,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.replay import replay
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 MEMORY_FLAG = "--schedule-memory-limit"
 
@@ -103,15 +103,16 @@ def search_schedule(p: int, m: int, costs: CostModel, memory_limit: Real, v: int
 def named_schedules(p: int, m: int, v: int) -> list[Schedule]:
     """The registered flush schedules that run p ranks, m microbatches and v chunks per rank, compute-only
     (straight from their generators, which ``tests/test_transport_models.py`` checks under both transports)."""
-    from megapipe.pipeline.ir.schedules import schedule_names, schedule_spec
+    from megapipe.pipeline.ir.schedules import schedule_descriptor, schedule_names
 
     found = []
     for named in schedule_names():
-        spec = schedule_spec(named)
-        if spec.asynchronous or (v > 1 and not spec.chunked) or spec.placement is not Placement.LOOPED:
+        descriptor = schedule_descriptor(named)
+        if (descriptor.asynchronous or not descriptor.sizes.takes_chunks(v)
+                or descriptor.placement is not Placement.LOOPED):
             continue  # the search works on the looped placement
         try:
-            lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
+            lists = descriptor.compute_lists(p, m, v)
         except ConfigError:  # sizes it does not run
             continue
         found.append(Schedule(named, p, m, v, lists))
@@ -138,9 +139,9 @@ def comparison(found: SearchResult, costs_for: Callable[[int], CostModel], memor
 
 
 def _chunked(name: str) -> bool:
-    from megapipe.pipeline.ir.schedules import schedule_spec
+    from megapipe.pipeline.ir.schedules import schedule_descriptor
 
-    return schedule_spec(name).chunked
+    return schedule_descriptor(name).chunked
 
 
 def _origin(origin: Union[Knobs, str]) -> str:

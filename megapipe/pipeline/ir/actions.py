@@ -1,7 +1,7 @@
 """The schedule IR: a pipeline schedule is, per pipeline rank, an ordered list of ``Action``\\ s.
 
 Stages. ``stage`` is always a *virtual* stage index ``0 .. p*v-1``. With v chunks per rank,
-the schedule's ``placement`` (``stage_placement.py``) says where each lives: looped (Megatron's
+the schedule's ``placement`` (``layout/placement.py``) says where each lives: looped (Megatron's
 interleaving, stage ``s`` on rank ``s % p`` as its chunk ``s // p``) or V (v = 2, rank r holds
 stages r and 2p-1-r). Without chunks v = 1 and stage = rank. An action always names a stage
 held by the rank whose list it is in.
@@ -17,7 +17,7 @@ Kinds and what an executor does for each, in list order:
 * ``BI s.i`` and ``BW s.i`` -- the backward of microbatch i through stage s split in two
   (zero-bubble schedules): ``BI`` computes the gradient with respect to the stage input (what
   ``SEND_B`` sends, what B s-1.i waits for), leaving the weight-gradient products of its
-  linear layers for later; ``BW`` computes those and accumulates them (``split_backward.py``).
+  linear layers for later; ``BW`` computes those and accumulates them (``tensor_parallel/split_backward.py``).
   A plain ``B`` is both at once. A stage and microbatch has either one ``B`` or one ``BI``
   followed by one ``BW`` on its rank; what the products need is held until ``BW``.
 * ``&B s.i`` (or ``&BI s.i``) -- a backward *overlapped* with the forward just before it among
@@ -73,8 +73,8 @@ from enum import Enum
 from typing import Optional
 
 from megapipe.errors import ScheduleError
-from megapipe.stage_placement import Placement, chunk_of_stage, rank_of_stage, stages_of_rank
-from megapipe.stage_replicas import first_worker, stage_of_worker
+from megapipe.layout.placement import Placement, chunk_of_stage, rank_of_stage, stages_of_rank
+from megapipe.layout.placement import first_worker, stage_of_worker
 
 
 class ActionKind(str, Enum):

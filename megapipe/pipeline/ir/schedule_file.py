@@ -13,7 +13,7 @@ kind is written ``&B`` (or ``&BI``).
 
 p is the number of ranks, m the highest microbatch + 1, and v the number of stages / p. The
 placement is read off the lists: with v = 2 and the last stage 2p-1 on rank 0 it is the V
-(``stage_placement.py``), otherwise looped. Compute-only lists get their sends and receives
+(``layout/placement.py``), otherwise looped. Compute-only lists get their sends and receives
 inserted; lists that already have them are validated as written.
 """
 
@@ -28,7 +28,7 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_act
 from megapipe.pipeline.ir.schedules import lower_schedule
 from megapipe.pipeline.ir.validate import validate_schedule
 from megapipe.pipeline.ir.validate_updates import is_asynchronous
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 _CSV_HEADER = ["rank", "kind", "stage", "microbatch", "peer"]
 

@@ -29,17 +29,18 @@ from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optim
 from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
 from megapipe.optim.passes import SyncPasses
 from megapipe.optim.post_validation import PostValidation
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
 from megapipe.pipeline.runtime.in_flight import InFlight
 from megapipe.pipeline.runtime.optimizer_group import OptimizerGroup
 from megapipe.pipeline.ir.program import FlushProgram, PeriodicProgram
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_spec
+from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.pipeline.ir.weight_policy import WeightPolicy
 from megapipe.pipeline.runtime.weights import WeightVersionStore
-from megapipe.tensor_parallel.random import capture_rng, restore_rng
+from megapipe.parallel.random import capture_rng, restore_rng
 
 
 @dataclass
@@ -86,14 +87,15 @@ class PipelineEngine:
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
                  versions_used: Optional[dict] = None):
         self.chunks, self.ps = chunks, ps
-        spec = schedule_spec(schedule if isinstance(schedule, str) else "1f1b")  # a Schedule from a file flushes
+        named = isinstance(schedule, str)
+        policy = schedule_descriptor(schedule).weight_policy if named else WeightPolicy.SINGLE  # a file flushes
+        asynchronous = policy is not WeightPolicy.SINGLE
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
-        optimizer_config.check_pipeline_schedule(schedule if isinstance(schedule, str) else "from a file",
-                                                 spec.asynchronous)
+        optimizer_config.check_pipeline_schedule(schedule if named else "from a file", asynchronous)
         if isinstance(schedule, Schedule):
             self.program = FlushProgram(schedule)
             self._groups = [(chunks, ps)]
-        elif spec.asynchronous:
+        elif asynchronous:
             _check_asynchronous_training(schedule, chunks, ps, optimizer_config)
             self.program = periodic_program(schedule, *sizes, ps.stage_replicas, vertical_sync)
             stage_ps = ps.stage_view()
@@ -116,7 +118,7 @@ class PipelineEngine:
         self.optimizers = [build_optimizer(group, optimizer_config, group_ps, grads)
                            for (group, group_ps), grads in zip(self._groups, self.grads)]
         self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerGroup(self.optimizers)
-        self.stores = [WeightVersionStore(chunk, spec.weight_policy) for chunk in chunks]
+        self.stores = [WeightVersionStore(chunk, policy) for chunk in chunks]
         self._steps: list[StepResult] = []
         self._settled: list[StepResult] = []
         self.validation = None  # with --enable-optimizer-post-validation (``optim/post_validation.py``)

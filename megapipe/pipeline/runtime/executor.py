@@ -27,10 +27,10 @@ import torch
 from torch.autograd.variable import Variable
 from torch.func import functional_call
 
-from megapipe.distributed import DeviceClock
-from megapipe.loss_parts import parts_of
-from megapipe.parallel_state import ParallelState
-from megapipe.split_backward import apply_weight_gradients, deferring_weight_gradients
+from megapipe.parallel.launch import DeviceClock
+from megapipe.models.loss_parts import parts_of
+from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
@@ -38,7 +38,7 @@ from megapipe.pipeline.runtime.p2p import StageP2P, Transfer
 from megapipe.pipeline.ir.program import FlushProgram
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.weights import VersionUse, WeightVersionStore
-from megapipe.tensor_parallel.random import capture_rng, restore_rng
+from megapipe.parallel.random import capture_rng, restore_rng
 
 
 @dataclass
@@ -335,7 +335,7 @@ class PipelineExecutor:
 
     def _backward(self, stage: int, microbatch: int, state: "_State", split: bool = False) -> None:
         """B, or with ``split`` BI: the backward with the weight-gradient products left for BW
-        (``split_backward.py``); the graph is freed either way."""
+        (``tensor_parallel/split_backward.py``); the graph is freed either way."""
         key = (stage, microbatch)
         saved = state.saved.pop(key)
         inp, out, use = saved.inp, saved.out, saved.use
@@ -419,7 +419,7 @@ class _State:
 
     def __init__(self):
         self.saved: dict[tuple[int, int], SavedForward] = {}  # kept for the backward, in forward order
-        self.deferred: dict = {}  # weight-gradient products a BI left for its BW (``split_backward.py``)
+        self.deferred: dict = {}  # weight-gradient products a BI left for its BW (``tensor_parallel/split_backward.py``)
         self.prereceived: dict = {}  # (RECV kind, stage, microbatch) -> tensor received before its call
         self.outputs_to_send: dict = {}
         self.input_grads: dict = {}

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import PipelineTimeout
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import Action
 from megapipe.pipeline.ir.transport import Transport
 from megapipe.tensor_parallel.mappings import _gather_first

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapipe.distributed import DEFAULT_TIMEOUT
-from megapipe.parallel_state import ParallelState
+from megapipe.parallel.launch import DEFAULT_TIMEOUT
+from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.transport import Transport
 from megapipe.pipeline.runtime.p2p import check_on_device, strict_transport_requested, wait_for_peer
 

@@ -13,12 +13,8 @@ autograd graphs that saved them, keep the old version untouched. A stashed versi
 moment no in-flight microbatch uses it and no later forward will (the caller says which version
 the next forward uses; ``forget_future`` when none will come).
 
-Policies, the most versions each allows, and who uses them:
-
-* ``single`` -- one version, never copied: the flush schedules (GPipe, 1F1B, interleaved).
-* ``stash`` -- any number: PipeDream's weight stashing, a version per in-flight microbatch
-  (p - s on stage s of a straight pipeline), more with vertical sync.
-* ``double_buffer`` -- at most two: PipeDream-2BW.
+The policies (``pipeline/ir/weight_policy.py``) bound the versions a store keeps: one for the
+flush schedules, one per in-flight microbatch for PipeDream's stashing, two for 2BW.
 
 Gradients computed on an alias are added to the live parameter's ``main_grad`` (or ``grad``),
 where the next update applies them.
@@ -29,22 +25,13 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, Optional, TypeVar
 
 import torch
 
+from megapipe.pipeline.ir.weight_policy import WeightPolicy
+
 T = TypeVar("T")
-
-
-class WeightPolicy(str, Enum):
-    SINGLE = "single"
-    STASH = "stash"
-    DOUBLE_BUFFER = "double_buffer"
-
-    @property
-    def most_versions(self) -> Optional[int]:
-        return {"single": 1, "stash": None, "double_buffer": 2}[self.value]
 
 
 @dataclass(frozen=True)

@@ -1,62 +1,57 @@
-"""Registry of schedule generators and the one way to turn a generator's output into a Schedule.
+"""The registry of pipeline schedules, and the one way to turn a generator's output into a Schedule.
+
+Every schedule is one ``ScheduleDescriptor`` (``descriptor.py``), defined next to its generator;
+``DESCRIPTORS`` below lists them, so adding a schedule is one file and one line there::
+
+    def my_order(p: int, m: int) -> list[list[Action]]: ...
+    DESCRIPTOR = ScheduleDescriptor("mine", my_order, "what it does")   # in my_order's file
 
 A generator is a pure function returning, per pipeline rank, the compute-only list
 (F, B, STEP). ``build_schedule`` checks the sizes, calls it, inserts the sends and receives
-(``communication.add_communication``) and validates the result. Adding a schedule::
+(``communication.add_communication``) and validates the result.
 
-    def my_order(p: int, m: int) -> list[list[Action]]: ...
-    register_schedule("mine", my_order)                   # chunked=True: takes (p, m, v)
-
-Asynchronous schedules (PipeDream, 2BW) register with their weight policy; their generators
+Asynchronous schedules (PipeDream, 2BW) have a weight policy other than single; their generators
 take keywords ``(p, m, v, batches, replicas, vertical_sync)``, return the unrolled lists over
 ``batches`` batches, set ``Action.version`` on F and B and update stages with ``UPDATE``.
 ``build_segmented`` also cuts them into one segment per executor call (``segments.py``).
+
+``auto`` (``searched.py``) is described here too, but has no generator: the search makes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Iterable, Optional
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.ir.actions import Action, Schedule
+from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.ir.communication import add_communication, lower_calls
-from megapipe.pipeline.ir.schedules.dualpipev import dualpipev
-from megapipe.pipeline.ir.schedules.gpipe import gpipe
-from megapipe.pipeline.ir.schedules.interleaved import interleaved
-from megapipe.pipeline.ir.schedules.one_f_one_b import one_f_one_b
-from megapipe.pipeline.ir.schedules.pipedream import pipedream
-from megapipe.pipeline.ir.schedules.two_bw import two_bw
-from megapipe.pipeline.ir.schedules.v_shape import v_half, v_min
-from megapipe.pipeline.ir.schedules.zbv import zbv
-from megapipe.pipeline.ir.schedules.zero_bubble import interleaved_zb, zb_h1, zb_h2
+from megapipe.pipeline.ir.schedules import (dualpipev, gpipe, interleaved, one_f_one_b, pipedream, searched, two_bw,
+                                            v_shape, zbv, zero_bubble)
+from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor
 from megapipe.pipeline.ir.segments import Cuts, Starts, check_calls_are_independent, segment_cuts
 from megapipe.pipeline.ir.validate import validate_schedule
-from megapipe.pipeline.runtime.weights import WeightPolicy
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
+
+DESCRIPTORS = (
+    one_f_one_b.DESCRIPTOR,
+    gpipe.DESCRIPTOR,
+    interleaved.DESCRIPTOR,
+    zero_bubble.ZB_H1,
+    zero_bubble.ZB_H2,
+    zero_bubble.INTERLEAVED_ZB,
+    zbv.DESCRIPTOR,
+    v_shape.V_HALF,
+    v_shape.V_MIN,
+    dualpipev.DESCRIPTOR,
+    two_bw.DESCRIPTOR,
+    pipedream.DESCRIPTOR,
+)
+SEARCHED = searched.DESCRIPTOR
+"""``auto``: accepted wherever a schedule is named, run by the search, never built here."""
 
 UNROLLED_BATCHES = 4
 """Batches in the unrolled form ``build_schedule`` returns for an asynchronous schedule."""
-
-Generator = Callable[..., list[list[Action]]]
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """A registered generator; ``chunked`` generators take (p, m, v), the others (p, m) and need v = 1;
-    asynchronous ones (weight policy other than single) take keywords and may allow chunks.
-    ``placement`` says where its chunks live (``stage_placement.py``)."""
-
-    name: str
-    generate: Generator
-    chunked: bool = False
-    weight_policy: WeightPolicy = WeightPolicy.SINGLE
-    placement: Placement = Placement.LOOPED
-
-    @property
-    def asynchronous(self) -> bool:
-        return self.weight_policy is not WeightPolicy.SINGLE
-
 
 @dataclass(frozen=True)
 class SegmentedSchedule:
@@ -68,29 +63,45 @@ class SegmentedSchedule:
     starts: Starts
 
 
-_REGISTRY: dict[str, ScheduleSpec] = {}
+_REGISTRY: dict[str, ScheduleDescriptor] = {}
 
 
-def register_schedule(name: str, generate: Generator, chunked: bool = False,
-                      weight_policy: WeightPolicy = WeightPolicy.SINGLE,
-                      placement: Placement = Placement.LOOPED) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"a schedule named {name!r} is already registered")
-    _REGISTRY[name] = ScheduleSpec(name, generate, chunked, weight_policy, placement)
+def register_schedule(descriptor: ScheduleDescriptor) -> None:
+    if descriptor.name in _REGISTRY or descriptor.name == SEARCHED.name:
+        raise ValueError(f"a schedule named {descriptor.name!r} is already registered")
+    if descriptor.generate is None:
+        raise ValueError(f"schedule {descriptor.name!r} has no generator")
+    _REGISTRY[descriptor.name] = descriptor
 
 
 def schedule_names() -> list[str]:
+    """The registered schedules (those with a generator), sorted."""
     return sorted(_REGISTRY)
 
 
-def schedule_spec(name: str) -> ScheduleSpec:
-    spec = _REGISTRY.get(name)
-    if spec is None:
-        raise ConfigError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(_flush_first())}.")
-    return spec
+def accepted_names() -> list[str]:
+    """What ``--pipeline-schedule`` takes: the registered schedules, the flush ones first, then ``auto``."""
+    return _flush_first() + [SEARCHED.name]
 
 
-def _flush_first(names=None) -> list[str]:
+def schedule_descriptor(name: str) -> ScheduleDescriptor:
+    """The descriptor of a registered schedule or of ``auto``; an unknown name is a ConfigError."""
+    if name == SEARCHED.name:
+        return SEARCHED
+    descriptor = _REGISTRY.get(name)
+    if descriptor is None:
+        raise ConfigError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(accepted_names())}.")
+    return descriptor
+
+
+def pipeline_schedule_help() -> str:
+    """The help of ``--pipeline-schedule``, from the registry."""
+    names = ", ".join(f"{n} (V placement)" if _REGISTRY[n].placement is Placement.V else n for n in _flush_first())
+    return f"{names}, or {SEARCHED.name} (searched for the stage costs below); 1f1b by default, interleaved with " \
+           "virtual stages"
+
+
+def _flush_first(names: Optional[Iterable[str]] = None) -> list[str]:
     """Schedule names, the flush schedules first (each group sorted)."""
     return sorted(schedule_names() if names is None else names, key=lambda n: (_REGISTRY[n].asynchronous, n))
 
@@ -110,22 +121,30 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, batches: Optional[i
     Asynchronous schedules come unrolled over ``batches`` batches (default ``UNROLLED_BATCHES``);
     ``replicas`` (workers per stage, adding up to p) and ``vertical_sync`` apply to them only.
     """
-    spec = schedule_spec(name)
-    _check_sizes(spec, p, m, v)
-    if not spec.asynchronous:
-        _check_flush_options(spec, batches, replicas, vertical_sync)
-        lists = spec.generate(p, m, v) if spec.chunked else spec.generate(p, m)
-        return lower_schedule(Schedule(name, p, m, v, lists, placement=spec.placement))
+    descriptor = _buildable(name)
+    _check_sizes(descriptor, p, m, v)
+    if not descriptor.asynchronous:
+        _check_flush_options(descriptor, batches, replicas, vertical_sync)
+        lists = descriptor.compute_lists(p, m, v)
+        return lower_schedule(Schedule(name, p, m, v, lists, placement=descriptor.placement))
     return build_segmented(name, p, m, v, batches or UNROLLED_BATCHES, replicas, vertical_sync).schedule
+
+
+def check_schedule(name: str, p: int, m: int, v: int, replicas: Optional[tuple[int, ...]] = None,
+                   vertical_sync: bool = False) -> ScheduleDescriptor:
+    """The command line's check of a named schedule: one sentence for an unknown name, sizes it does not
+    run or options it does not take (by building it); returns its descriptor."""
+    build_schedule(name, p, m, v, replicas=replicas, vertical_sync=vertical_sync)
+    return schedule_descriptor(name)
 
 
 def build_segmented(name: str, p: int, m: int, v: int, batches: int, replicas: Optional[tuple[int, ...]] = None,
                     vertical_sync: bool = False) -> SegmentedSchedule:
     """An asynchronous schedule over ``batches`` batches, lowered, validated and cut into segments."""
-    spec = schedule_spec(name)
-    if not spec.asynchronous:
+    descriptor = _buildable(name)
+    if not descriptor.asynchronous:
         raise ValueError(f"schedule {name!r} has flushes; only asynchronous schedules are cut into segments")
-    _check_sizes(spec, p, m, v)
+    _check_sizes(descriptor, p, m, v)
     if replicas is not None:
         replicas = tuple(replicas)
         if sum(replicas) != p:
@@ -135,7 +154,7 @@ def build_segmented(name: str, p: int, m: int, v: int, batches: int, replicas: O
             replicas = None
 
     def unrolled(count: int) -> Schedule:
-        lists = spec.generate(p=p, m=m, v=v, batches=count, replicas=replicas, vertical_sync=vertical_sync)
+        lists = descriptor.generate(p=p, m=m, v=v, batches=count, replicas=replicas, vertical_sync=vertical_sync)
         return Schedule(name, p, m, v, lists, batches=count, replicas=replicas)
 
     compute = unrolled(batches)
@@ -147,8 +166,16 @@ def build_segmented(name: str, p: int, m: int, v: int, batches: int, replicas: O
     return SegmentedSchedule(lowered, cuts, starts)
 
 
-def _check_sizes(spec: ScheduleSpec, p: int, m: int, v: int) -> None:
-    name = spec.name
+def _buildable(name: str) -> ScheduleDescriptor:
+    descriptor = schedule_descriptor(name)
+    if descriptor.generate is None:
+        raise ConfigError(f"--pipeline-schedule {name} is made by the schedule search for the run's stage costs, "
+                          "not built by name; give the --schedule-* cost flags or --schedule-profile.")
+    return descriptor
+
+
+def _check_sizes(descriptor: ScheduleDescriptor, p: int, m: int, v: int) -> None:
+    name = descriptor.name
     if p < 1:
         raise ConfigError(f"--pipeline-model-parallel-size {p} must be at least 1.")
     if m < 1:
@@ -156,33 +183,23 @@ def _check_sizes(spec: ScheduleSpec, p: int, m: int, v: int) -> None:
     if v < 1:
         raise ConfigError(f"the number of model chunks per rank v={v} must be at least 1; check "
                           "--num-layers-per-virtual-pipeline-stage.")
-    if v > 1 and not spec.chunked:
+    if v > 1 and not descriptor.chunked:
         chunked = _flush_first(n for n in schedule_names() if _REGISTRY[n].chunked)
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage gives v={v} model chunks per rank, but "
                           f"--pipeline-schedule {name} has none; use one of {', '.join(chunked)} or drop the flag.")
 
 
-def _check_flush_options(spec: ScheduleSpec, batches, replicas, vertical_sync: bool) -> None:
+def _check_flush_options(descriptor: ScheduleDescriptor, batches, replicas, vertical_sync: bool) -> None:
     if vertical_sync:
-        raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule {spec.name}, which "
+        raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule {descriptor.name}, which "
                           "flushes and keeps one weight version; drop the flag or use --pipeline-schedule pipedream.")
     if replicas is not None and any(count != 1 for count in replicas):
-        raise ConfigError(f"--pipeline-schedule {spec.name} does not replicate single stages; give every stage in "
+        raise ConfigError(f"--pipeline-schedule {descriptor.name} does not replicate single stages; give every stage in "
                           "--pipeline-stages the same replication (parallel pipelines) or use --pipeline-schedule "
                           "pipedream.")
     if batches not in (None, 1):
-        raise ValueError(f"schedule {spec.name!r} flushes after every batch; it has no unrolled form over {batches}")
+        raise ValueError(f"schedule {descriptor.name!r} flushes after every batch; it has no unrolled form over {batches}")
 
 
-register_schedule("gpipe", gpipe)
-register_schedule("1f1b", one_f_one_b)
-register_schedule("interleaved", interleaved, chunked=True)
-register_schedule("pipedream", pipedream, weight_policy=WeightPolicy.STASH)
-register_schedule("zb-h1", zb_h1)
-register_schedule("zb-h2", zb_h2)
-register_schedule("interleaved-zb", interleaved_zb, chunked=True)
-register_schedule("2bw", two_bw, chunked=True, weight_policy=WeightPolicy.DOUBLE_BUFFER)
-register_schedule("zbv", zbv, chunked=True, placement=Placement.V)
-register_schedule("v-half", v_half, chunked=True, placement=Placement.V)
-register_schedule("v-min", v_min, chunked=True, placement=Placement.V)
-register_schedule("dualpipev", dualpipev, chunked=True, placement=Placement.V)
+for _descriptor in DESCRIPTORS:
+    register_schedule(_descriptor)

@@ -25,15 +25,18 @@ separate streams, which megapipe does not drive yet.
 from __future__ import annotations
 
 from collections import Counter, deque
+from fractions import Fraction
+from typing import Sequence
 
 from megapipe.pipeline.ir.actions import Action, ActionKind
-from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor, v_sizes
+from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches, least_microbatches
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def dualpipev(p: int, m: int, v: int) -> list[list[Action]]:
     check_placement(Placement.V, v, "dualpipev")
-    check_v_microbatches("dualpipev", p, m, 2 * p - 1)
+    check_v_microbatches("dualpipev", p, m, least_microbatches(p, v))
     return [_rank_actions(rank, p, m) for rank in range(p)]
 
 
@@ -88,3 +91,27 @@ def _rank_actions(rank: int, p: int, m: int) -> list[Action]:
     while weights:
         oldest_weights()
     return actions + [Action(ActionKind.STEP)]
+
+
+# Closed forms with the pairs run one pass after the other, as megapipe's executor runs them
+# (exact for equal ranks, tests/test_planner_schedule_costs.py): it holds p + 1/2 ranks' worth
+# (p on rank 0 at m = 2p - 1, where rank 0 runs no overlapped round, so one chunk fewer) and
+# takes ZB-H1's time: the weight gradients fill the rest of fill and drain.
+
+def _in_flight(p: int, m: int, v: int, rank: int) -> Fraction:
+    return Fraction(2 * p + (0 if rank == 0 and m == 2 * p - 1 else 1), 2)
+
+
+def _bubble(p: int, m: int, v: int) -> Fraction:
+    return Fraction(p - 1, 3 * m)  # ZB-H1's idle
+
+
+def _batch_time(forward: Sequence[float], backward: Sequence[float], m: int, v: int) -> float:
+    both = [f + b for f, b in zip(forward, backward)]
+    return m * max(both) + sum(forward) - max(forward)
+
+
+DESCRIPTOR = ScheduleDescriptor(
+    "dualpipev", dualpipev, "DeepSeek's DualPipe cut in half onto the V; F & B pairs in its steady state",
+    placement=Placement.V, sizes=v_sizes(least_microbatches), split_backward=True,
+    costs=ClosedForms(in_flight=_in_flight, bubble=_bubble, batch_time=_batch_time))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
-from megapipe.stage_placement import Placement
+from megapipe.layout.placement import Placement
 
 
 def forward_only_schedule(p: int, m: int, v: int = 1, replicas=None,

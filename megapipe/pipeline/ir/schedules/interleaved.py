@@ -11,8 +11,12 @@ messages and ``p + (p-1)/v`` stages' worth of activations on the first rank.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, Sizes, alternating_time,
+                                                       flush_bubble)
 
 
 def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
@@ -47,3 +51,26 @@ def _rank_actions(rank: int, p: int, m: int, v: int) -> list[Action]:
         actions += [forward(warmup + k), backward(k)]
     actions += [backward(k) for k in range(total - warmup, total)]
     return actions + [Action(ActionKind.STEP)]
+
+
+def _in_flight(p: int, m: int, v: int, rank: int) -> Fraction:
+    """(2 (p - rank - 1) + (v - 1) p + 1) / v stages' worth on rank r (all m when m = p), which
+    seed 002 Table 7.1 rounds to p."""
+    if m == p:
+        return Fraction(m)
+    return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
+
+
+def _multiple_of_p(p: int, m: int, v: int) -> int:
+    return p
+
+
+# The batch time: 1F1B's with the fill and drain divided by v (exact for equal ranks; unequal
+# chunks cause stalls it does not see). Planned with at least two chunks over at least two ranks
+# (one chunk is 1F1B).
+DESCRIPTOR = ScheduleDescriptor(
+    "interleaved", interleaved, "Megatron's interleaved 1F1B over v chunks per rank",
+    sizes=Sizes(most_chunks=None, least_microbatches=lambda p, v: p, microbatch_step=_multiple_of_p),
+    costs=ClosedForms(in_flight=_in_flight, bubble=flush_bubble, batch_time=alternating_time,
+                      sizes=Sizes(least_chunks=2, most_chunks=None, least_pipeline=2,
+                                  least_microbatches=lambda p, v: p, microbatch_step=_multiple_of_p)))

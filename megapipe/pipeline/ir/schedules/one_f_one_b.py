@@ -8,8 +8,12 @@ microbatches are in flight on rank r instead of m.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, Sizes, alternating_time,
+                                                       flush_bubble)
 
 
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
@@ -28,3 +32,18 @@ def _rank_actions(rank: int, p: int, m: int) -> list[Action]:
         actions += [Action(ActionKind.F, rank, warmup + i), Action(ActionKind.B, rank, i)]
     actions += [Action(ActionKind.B, rank, i) for i in range(m - warmup, m)]
     return actions + [Action(ActionKind.STEP)]
+
+
+def _in_flight(p: int, m: int, v: int, rank: int) -> Fraction:
+    """p - rank before the first backward (its warm-up plus one), fewer if the batch is smaller;
+    seed 002 Table 7.1's (1, p) on the first rank."""
+    return Fraction(min(p - rank, m))
+
+
+# The batch time with t = t_f + t_b per rank is exact when the middle ranks are equal and the last
+# rank's step is not shorter than the first's, as when the head outweighs the embedding; otherwise
+# within two steps (tests/test_planner_schedule_costs.py).
+DESCRIPTOR = ScheduleDescriptor(
+    "1f1b", one_f_one_b, "warm-up, one forward one backward, cool-down (PipeDream-Flush)",
+    sizes=Sizes(least_microbatches=lambda p, v: p),
+    costs=ClosedForms(in_flight=_in_flight, bubble=flush_bubble, batch_time=alternating_time))

@@ -23,6 +23,9 @@ from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, Sizes, no_bubble,
+                                                       rank_warmup_in_flight, steady_time)
+from megapipe.pipeline.ir.weight_policy import WeightPolicy
 from megapipe.pipeline.ir.schedules.round_robin import check_batch_fits_replicas, one_f_one_b_round_robin
 
 
@@ -67,3 +70,13 @@ def _stash(actions: list[Action], replicas: tuple[int, ...], tags: Optional[dict
                 Action(ActionKind.UPDATE, stage, microbatch - microbatch % count + count - 1)]
         updates += 1
     return out
+
+
+# Seed 002 Table 7.1: bubble 0, (weight versions, activation stashes) = (p, p), per rank p - r of
+# each. Planned with one microbatch per batch: PipeDream updates the weights after every
+# microbatch, so a batch is one microbatch per pipeline.
+DESCRIPTOR = ScheduleDescriptor(
+    "pipedream", pipedream, "1F1B(-RR) without flushes, an update after every backward, weight stashing",
+    weight_policy=WeightPolicy.STASH,
+    costs=ClosedForms(in_flight=rank_warmup_in_flight, bubble=no_bubble, batch_time=steady_time, exact=False,
+                      sizes=Sizes(most_microbatches=1)))

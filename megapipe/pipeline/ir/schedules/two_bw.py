@@ -21,6 +21,9 @@ from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, Sizes, no_bubble,
+                                                       rank_warmup_in_flight, steady_time)
+from megapipe.pipeline.ir.weight_policy import WeightPolicy
 from megapipe.pipeline.ir.schedules.interleaved import interleaved
 from megapipe.pipeline.ir.schedules.round_robin import check_batch_fits_replicas, one_f_one_b_round_robin
 
@@ -86,3 +89,22 @@ def _check_versions_exist(lists: list[list[Action]], p: int, m: int, v: int) -> 
                     f"rank {rank} would run the forward of microbatch {action.microbatch} before applying the batch "
                     f"that creates its version {action.version}, because interleaving runs forwards far ahead; use "
                     f"m >= {2 * p} (a multiple of p) or no interleaving.")
+
+
+def _least_microbatches(p: int, v: int) -> int:
+    """m >= p; interleaved, m >= 2p unless p <= 2 (the versions a forward needs must exist)."""
+    return p if v == 1 or p <= 2 else 2 * p
+
+
+def _microbatch_step(p: int, m: int, v: int) -> int:
+    return p if v > 1 else 1
+
+
+# Seed 002 Table 7.1: bubble 0, (weight versions, activation stashes) = (2, p): p - r in flight on
+# rank r, as 1F1B. Planned with one chunk per rank.
+DESCRIPTOR = ScheduleDescriptor(
+    "2bw", two_bw, "1F1B without flushes, gradients accumulated over a batch, double-buffered weights",
+    sizes=Sizes(most_chunks=None, least_microbatches=_least_microbatches, microbatch_step=_microbatch_step),
+    weight_policy=WeightPolicy.DOUBLE_BUFFER,
+    costs=ClosedForms(in_flight=rank_warmup_in_flight, bubble=no_bubble, batch_time=steady_time, exact=False,
+                      sizes=Sizes(least_microbatches=lambda p, v: p)))

@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections import deque
 
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import SIMULATE, ScheduleDescriptor, v_sizes
 from megapipe.pipeline.ir.schedules.zbv import check_v_microbatches
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 PERIOD = 6  # slots per microbatch and rank: F, BI and BW of two chunks
 F_DOWN, F_UP, BI_UP, BI_DOWN = range(4)  # the four passes of a block, chunk 0 going down the ranks
@@ -118,3 +119,12 @@ def _actions(p: int, rank: int, rank_slots: dict) -> list[Action]:
     kind_of = {F_DOWN: ActionKind.F, F_UP: ActionKind.F, BI_UP: ActionKind.BI, BI_DOWN: ActionKind.BI}
     return [Action(kind_of.get(kind, ActionKind.BW), stage[kind], i) for kind, i in _with_weights(rank_slots)] + [
         Action(ActionKind.STEP)]
+
+
+# Not planned: their end bubble has no closed form (the simulator gives it per p).
+V_HALF = ScheduleDescriptor(
+    "v-half", v_half, "a building block repeated every 6 units on the V, about half 1F1B's activations",
+    placement=Placement.V, sizes=v_sizes(), split_backward=True, costs=SIMULATE)
+V_MIN = ScheduleDescriptor(
+    "v-min", v_min, "a building block repeated every 6 units on the V, about a third of 1F1B's activations",
+    placement=Placement.V, sizes=v_sizes(), split_backward=True, costs=SIMULATE)

@@ -15,16 +15,24 @@ forwards on rank 0.
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
-from megapipe.stage_placement import Placement, check_placement, stages_of_rank
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, v_sizes, zero_bubble_bubble,
+                                                       zero_bubble_time)
+from megapipe.layout.placement import Placement, check_placement, stages_of_rank
 
 
 def zbv(p: int, m: int, v: int) -> list[list[Action]]:
     check_placement(Placement.V, v, "zbv")
-    check_v_microbatches("zbv", p, m, 2 * p - 1)
+    check_v_microbatches("zbv", p, m, least_microbatches(p, v))
     return [_rank_actions(rank, p, m) for rank in range(p)]
+
+
+def least_microbatches(p: int, v: int) -> int:
+    """ZBV's and DualPipeV's warm-up alone starts 2p - 1 forwards on rank 0."""
+    return 2 * p - 1
 
 
 def check_v_microbatches(name: str, p: int, m: int, least: int) -> None:
@@ -71,3 +79,15 @@ def _rank_actions(rank: int, p: int, m: int) -> list[Action]:
         while runs[(ActionKind.BW, stage)] < m:
             run(ActionKind.BW, stage)
     return actions + [Action(ActionKind.STEP)]
+
+
+def _in_flight(p: int, m: int, v: int, rank: int) -> Fraction:
+    return Fraction(p)  # 2p chunks of half a rank each, 1F1B's first rank
+
+
+# Interleaved zero bubble's time and bubble with v = 2 (exact for equal ranks,
+# tests/test_planner_schedule_costs.py).
+DESCRIPTOR = ScheduleDescriptor(
+    "zbv", zbv, "ZB-V: split backwards on the V, no rank idle once it has started",
+    placement=Placement.V, sizes=v_sizes(least_microbatches), split_backward=True,
+    costs=ClosedForms(in_flight=_in_flight, bubble=zero_bubble_bubble, batch_time=zero_bubble_time))

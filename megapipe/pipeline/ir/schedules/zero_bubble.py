@@ -28,8 +28,12 @@ the BW of its oldest BI from its (r + 1)-th BI on, the rest at the end.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind
+from megapipe.pipeline.ir.schedules.descriptor import (ClosedForms, ScheduleDescriptor, Sizes, zero_bubble_bubble,
+                                                       zero_bubble_time)
 
 
 def _check_microbatches(name: str, p: int, m: int) -> None:
@@ -140,3 +144,44 @@ def greedy_zero_bubble(p: int, m: int, before_input_grad: list[int], before_weig
             free_at[rank] = time + 1
         time += 1
     return [actions + [Action(ActionKind.STEP)] for actions in lists]
+
+
+# Closed forms (split backward, weight gradients half the backward): ZB-H1 and ZB-H2 hold p and
+# min(2p - 1, m) microbatches on every rank and take m max_r (t_f + t_b)_r plus the forwards of
+# all ranks but the slowest: p - 1 forwards for equal ranks (exact there, as
+# tests/test_zero_bubble_schedules.py simulates); interleaved zero bubble the same with the
+# forwards' share divided by v, holding 1F1B's p when p divides m (its rounds of p microbatches:
+# (v - 1) p + p chunk-microbatches), which is where it is planned (it takes more sizes, unplanned).
+
+def _holds_p(p: int, m: int, v: int, rank: int) -> Fraction:
+    return Fraction(p)  # the delayed weight gradients fill what 1F1B frees
+
+
+def _zb_h2_in_flight(p: int, m: int, v: int, rank: int) -> Fraction:
+    return Fraction(min(2 * p - 1, m))
+
+
+def _rounds(p: int, m: int, v: int) -> int:
+    return max(1, m // p)
+
+
+def _multiple_of_p(p: int, m: int, v: int) -> int:
+    return p
+
+
+_AT_LEAST_P = Sizes(least_microbatches=lambda p, v: p)
+
+ZB_H1 = ScheduleDescriptor(
+    "zb-h1", zb_h1, "1F1B's order with split backwards, each BW on rank r delayed by r microbatches",
+    sizes=_AT_LEAST_P, split_backward=True,
+    costs=ClosedForms(in_flight=_holds_p, bubble=zero_bubble_bubble, batch_time=zero_bubble_time))
+ZB_H2 = ScheduleDescriptor(
+    "zb-h2", zb_h2, "greedy: BI first, then F under a limit of 2p-1 held microbatches, then BW",
+    sizes=_AT_LEAST_P, split_backward=True,
+    costs=ClosedForms(in_flight=_zb_h2_in_flight, bubble=zero_bubble_bubble, batch_time=zero_bubble_time))
+INTERLEAVED_ZB = ScheduleDescriptor(
+    "interleaved-zb", interleaved_zb, "ZB-H1's rule on the interleaved order, in rounds of about p microbatches",
+    sizes=Sizes(least_chunks=2, most_chunks=None, microbatch_step=_rounds), split_backward=True,
+    costs=ClosedForms(in_flight=_holds_p, bubble=zero_bubble_bubble, batch_time=zero_bubble_time,
+                      sizes=Sizes(least_chunks=2, most_chunks=None, least_pipeline=2,
+                                  least_microbatches=lambda p, v: p, microbatch_step=_multiple_of_p)))

@@ -1,0 +1,62 @@
+"""What every policy is: a pure function from a Problem to an allocation X (rows x columns)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from megapipe.cluster.core.problem import Problem
+from megapipe.cluster.core.lp import cp
+
+
+class Policy(ABC):
+    """``allocate(problem)`` returns X of shape (rows, columns) satisfying (5.1)-(5.3).
+
+    ``space_sharing``: the problem must carry pair rows. The mechanism visits accelerator types in
+    the cluster's order for heterogeneity-aware and space-sharing policies and in a shuffled order
+    each round for the others, which have no preference among types (the original system's rule).
+    """
+
+    name = ""
+    space_sharing = False
+    heterogeneity_aware = True
+    placement_sensitive = False
+    skip_zero_priority = False  # FIFO: never run a job the allocation gives no time
+
+    @abstractmethod
+    def allocate(self, problem: Problem) -> np.ndarray:
+        """X for ``problem``."""
+
+
+def variable(problem: Problem) -> cp.Variable:
+    return cp.Variable(len(problem.combos) * len(problem.columns))
+
+
+SOLVER_NOISE = 1e-6  # entries of X below this are the solver's tolerance, not time to give
+
+
+def solve(problem: cp.Problem, x: cp.Variable, shape: tuple, solver: str = "CLARABEL") -> np.ndarray:
+    """Solve and return X clipped into [0, 1], solver noise set to 0; raises if there is no optimum.
+
+    The default is an interior-point solver, as in the original system (ECOS): where the optimum
+    is not unique (max-min fairness only fixes the minimum) it returns a central optimum, which
+    spreads leftover capacity over the jobs instead of leaving it at a vertex's arbitrary choice.
+    """
+    problem.solve(solver=solver)
+    if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or x.value is None:
+        raise RuntimeError(f"the allocation problem is {problem.status}")
+    value = np.clip(x.value, 0.0, 1.0)
+    value[value < SOLVER_NOISE] = 0.0
+    return value.reshape(shape)
+
+
+def shape_of(problem: Problem) -> tuple[int, int]:
+    return len(problem.combos), len(problem.columns)
+
+
+def scaled_throughput(problem: Problem, x: cp.Variable):
+    """throughput(m, X) / throughput(m, X^equal) * scale_factor_m / w_m: the LAS quantity (section 5.4.1)."""
+    scale = np.array([job.scale_factor for job in problem.jobs], dtype=float)
+    factor = scale / problem.equal_share() / problem.weights
+    return cp.multiply(factor, problem.throughput_matrix() @ x)

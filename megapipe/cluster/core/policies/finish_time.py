@@ -1,0 +1,30 @@
+"""Finish-time fairness (Themis), seed 002 section 5.4.2.
+
+rho(m, X) = (t_m + steps_m / throughput(m, X)) / (t_m + steps_m / throughput(m, X^isolated)),
+minimised in the max. ``steps / throughput`` is convex in X (cvxpy's inv_pos), so the problem is a
+second-order cone program. t^isolated_m is taken as the job's elapsed time t_m (it would have
+been running since it arrived under an isolated share as well).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megapipe.cluster.core.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.core.lp import cp
+
+
+class FinishTimeFairness(Policy):
+    def __init__(self, heterogeneity_aware: bool = True):
+        self.heterogeneity_aware = heterogeneity_aware
+        self.name = "finish_time_fairness" + ("_perf" if heterogeneity_aware else "")
+
+    def allocate(self, problem):
+        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        x = variable(seen)
+        throughput = seen.throughput_matrix() @ x
+        isolated = np.maximum(seen.throughput(seen.isolated_share()), 1e-9)
+        denominator = seen.elapsed + seen.steps_remaining / isolated
+        rho = cp.multiply(1.0 / denominator,
+                          seen.elapsed + cp.multiply(seen.steps_remaining, cp.inv_pos(throughput)))
+        return solve(cp.Problem(cp.Minimize(cp.max(rho)), seen.constraints(x)), x, shape_of(seen))

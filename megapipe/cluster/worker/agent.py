@@ -1,0 +1,158 @@
+"""A worker agent: one per host, it declares the host's accelerators and runs the ranks placed there.
+
+It registers with the scheduler, then sends a heartbeat every ``HEARTBEAT_SECONDS`` with the
+exit codes of the ranks it started, and gets back the launches and stops for its host (the
+scheduler side is ``backends/agents.py``). A launch runs ``torchrun`` with one node rank for
+this host, as many processes as devices given, the job's output appended to its log; it is
+started as every backend starts it (``backends/torchrun.py``), so a stop's SIGTERM lets the
+workers save for as long as the save takes (up to the stop's grace period) and exit 0.
+
+CPU devices: every rank gets one thread. A type declared with a throttle (``--throttle
+slow:0.5``) gets that fraction of a CPU per device: ``throttle.py`` suspends and resumes the
+job's process tree with that duty cycle, a CPU quota that needs no cgroup privileges, so slow
+devices are really slower and their speed is measured, not assumed.
+
+Hosts: on one machine several agents with different ``--host`` names stand for several hosts
+(they share the loopback address); with network namespaces each agent runs in its own
+namespace and passes that namespace's ``--address``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from megapipe.cluster.worker.torchrun import node_shell_command
+from megapipe.cluster.client.lease import post_json
+from megapipe.cluster.worker.process_tree import signal_tree
+from megapipe.errors import ConfigError
+
+HEARTBEAT_SECONDS = 0.3
+ROOT = Path(__file__).resolve().parents[3]  # the checkout holding pretrain_gpt.py
+
+
+def parse_devices(text: str) -> dict:
+    """``fast:2,slow:2`` -> {"fast": 2, "slow": 2}."""
+    devices = {}
+    for part in text.split(","):
+        name, _, count = part.strip().partition(":")
+        if not name or not count.isdigit() or int(count) < 1 or name in devices:
+            raise ConfigError(f"--devices entry {part!r} is not TYPE:N with N at least 1 (each type once); write e.g. "
+                              "fast:2,slow:2.")
+        devices[name] = int(count)
+    return devices
+
+
+def parse_throttle(text: str, devices: dict) -> dict:
+    """``slow:0.5`` -> {"slow": 0.5}: the CPU fraction each device of the type gets."""
+    throttle = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, value = part.partition(":")
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = -1.0
+        if name not in devices or not 0 < fraction <= 1:
+            raise ConfigError(f"--throttle entry {part!r} must be TYPE:FRACTION with a type of --devices and 0 < "
+                              "FRACTION <= 1; write e.g. slow:0.5.")
+        throttle[name] = fraction
+    return throttle
+
+
+class JobProcess:
+    """The torchrun of one job on this host, in a session of its own (its workers each in theirs)."""
+
+    def __init__(self, launch: dict, throttle: float):
+        slot = next(s for s in launch["hosts"] if s["host"] == launch["host"])
+        endpoint = f"{launch['master_addr']}:{launch['master_port']}"
+        command = ["bash", "-c", node_shell_command(
+            sys.executable, len(launch["hosts"]), slot["devices"], str(launch["node_rank"]), shlex.quote(endpoint),
+            shlex.quote(f"megapipe-{launch['job_id']}-{launch['master_port']}"), launch["command"])]
+        env = {**os.environ, **launch["env"], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        Path(launch["log_path"]).parent.mkdir(parents=True, exist_ok=True)
+        with open(launch["log_path"], "a") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                                            start_new_session=True)
+        self.throttler = None
+        if throttle < 1:
+            self.throttler = subprocess.Popen([sys.executable, "-m", "megapipe.cluster.worker.throttle", str(self.process.pid),
+                                               str(throttle)], env=env, cwd=str(ROOT), start_new_session=True)
+
+    def _signal(self, sig: int) -> None:
+        signal_tree(self.process.pid, sig)  # torchrun's group and each worker's (``process_tree.py``)
+
+    def stop(self, grace_seconds: float) -> None:
+        """SIGTERM to every process of the job (the training loop saves and exits 0; torchrun ignores it and
+        exits 0 after its workers, ``backends/torchrun.py``), SIGKILL after ``grace_seconds``."""
+        if self.throttler is not None:
+            self.throttler.terminate()  # it resumes the job for good
+            self.throttler.wait()
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._signal(signal.SIGKILL)
+
+    def exit_code(self):
+        return self.process.poll()
+
+
+class WorkerAgent:
+    def __init__(self, scheduler: str, host: str, address: str, devices: dict, throttle: dict):
+        self.url, self.host, self.address = f"http://{scheduler}", host, address
+        self.devices, self.throttle = devices, throttle
+        self.jobs: dict[int, JobProcess] = {}
+        self.stopping = False
+
+    def register(self) -> None:
+        answer = post_json(f"{self.url}/workers", {"host": self.host, "address": self.address,
+                                                   "devices": self.devices, "throttle": self.throttle}, timeout=10)
+        if "error" in answer:
+            raise ConfigError(answer["error"])
+
+    def run(self) -> None:
+        """Heartbeat until stopped; a scheduler that is down is waited for, one that forgot us is re-joined."""
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self._call(self.register)
+        while not self.stopping:
+            running = {str(j): p.exit_code() for j, p in self.jobs.items()}
+            try:
+                answer = post_json(f"{self.url}/workers/{self.host}/heartbeat", {"running": running}, timeout=10)
+            except OSError:
+                time.sleep(1.0)
+                continue
+            if "error" in answer:
+                self._call(self.register)
+                continue
+            for job_id, code in running.items():
+                if code is not None:
+                    del self.jobs[int(job_id)]  # its exit code went out with this heartbeat
+            for message in answer["messages"]:
+                self._handle(message)
+            time.sleep(HEARTBEAT_SECONDS)
+        for process in self.jobs.values():
+            process.stop(10.0)
+
+    def _call(self, function) -> None:
+        while not self.stopping:
+            try:
+                return function()
+            except OSError:
+                time.sleep(1.0)
+
+    def _handle(self, message: dict) -> None:
+        if "launch" in message:
+            launch = dict(message["launch"], host=self.host)
+            worker_type = next(s["worker_type"] for s in launch["hosts"] if s["host"] == self.host)
+            self.jobs[launch["job_id"]] = JobProcess(launch, self.throttle.get(worker_type, 1.0))
+        elif "stop" in message:
+            process = self.jobs.get(message["stop"]["job_id"])
+            if process is not None:
+                threading.Thread(target=process.stop, args=(message["stop"]["grace_seconds"],), daemon=True).start()

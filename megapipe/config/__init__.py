@@ -1,0 +1,15 @@
+"""Configuration: the dataclasses every run is described by, the flags generated from them, the checks.
+
+``schema.py`` (model, parallelism, data, training) and ``optimizer.py`` hold the dataclasses,
+each field with its default and Megatron-LM flag (``flag.py``); ``flags.py`` builds the
+parser from them; ``parse.py`` turns flags into a validated ``Config`` (``parse_config``).
+Importing this package gives the dataclasses only; ``megapipe.config.parse`` brings the
+command line (it reads the model-family registry).
+"""
+
+from megapipe.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
+from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
+                                    TrainingConfig, pad_vocab_size)
+
+__all__ = ["Config", "DataConfig", "LR_DECAY_STYLES", "ModelConfig", "OPTIMIZERS", "OptimizerConfig",
+           "ParallelConfig", "ScheduleSearchConfig", "TrainingConfig", "pad_vocab_size"]

@@ -1,0 +1,53 @@
+"""The operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
+``--distributed-timeout-minutes``, ``--skip-train``, ``--load``, ``--mock-data``, the two
+scheduler-on-resume flags), checked before any process group, one sentence per mistake.
+(What they do at run time: ``megapipe/training/exits.py``.)"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megapipe.config.schema import Config
+from megapipe.errors import ConfigError
+
+
+def validate_operations(kind: str, config: Config) -> None:
+    """Raise ConfigError naming the flag for a bad operations flag or combination."""
+    t, data = config.training, config.data
+    if t.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {t.distributed_timeout_minutes:g} must be above 0: it is "
+                          "how long a collective waits for a peer before failing.")
+    if t.exit_interval is not None and t.exit_interval < 1:
+        raise ConfigError(f"--exit-interval {t.exit_interval} must be at least 1 (iterations between the save "
+                          "and the exit); drop the flag to train to --train-iters.")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins:g} must be above 0; drop the flag to "
+                          "train to --train-iters.")
+    if t.skip_train and not t.load:
+        raise ConfigError("--skip-train evaluates a checkpoint and needs --load DIR; pass the checkpoint directory.")
+    if t.load and not os.path.isdir(t.load) and (t.skip_train or not same_path(t.load, t.save)):
+        raise ConfigError(f"--load {t.load} does not exist; pass a checkpoint directory (or the --save directory, "
+                          "to start a job that resumes itself).")
+    if t.cluster_lease is not None and not t.cluster_lease.startswith("http://"):
+        raise ConfigError(f"--cluster-lease {t.cluster_lease} is not an http:// address; the scheduler service sets "
+                          "it, so drop the flag when running outside the cluster.")
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler exclude each "
+                          "other; keep the one whose learning-rate schedule the resumed run should follow.")
+    if data.mock_data:
+        if kind != "gpt":
+            raise ConfigError(f"--mock-data makes GPT samples only; pretrain_{kind}.py needs --data-path or the "
+                              "embedded corpus.")
+        if data.data_path:
+            raise ConfigError("--mock-data replaces --data-path; drop one of them.")
+        if data.vocab_size is None or data.vocab_size < 2:
+            raise ConfigError(f"--mock-data needs --vocab-size N (at least 2, got {data.vocab_size}): the "
+                              "synthetic tokens are drawn from [0, N).")
+    elif data.vocab_size is not None:
+        raise ConfigError("--vocab-size sets the vocabulary of --mock-data only (real data takes it from the "
+                          "tokenizer); add --mock-data or drop --vocab-size.")
+
+
+def same_path(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)

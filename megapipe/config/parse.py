@@ -1,0 +1,121 @@
+"""Command-line flags with Megatron-LM's names, parsed once into ``Config``.
+
+``parse_config(kind, argv, world_size)`` reads the flags (``megapipe.config.flags``, generated
+from the dataclasses), fills the dataclasses and checks every combination that can be checked
+before a process group exists; each mistake is one sentence naming the flags and the fix. With
+no flags at all a small model trains on the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from megapipe.config.flags import apply_preset, build_parser, section_values
+from megapipe.config.operations import validate_operations
+from megapipe.config.optimizer import OptimizerConfig
+from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
+                                    TrainingConfig)
+from megapipe.errors import ConfigError
+from megapipe.models.families import FAMILIES, kind_family
+from megapipe.models.flops import check_device_peak
+
+__all__ = ["build_parser", "config_from_args", "parse_config", "validate_config"]
+
+
+def _virtual_pipeline_size(args) -> int:
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    per_chunk, p = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_size
+    if per_chunk < 1 or args.num_layers % (p * per_chunk):
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {p} x "
+                          f"--num-layers-per-virtual-pipeline-stage {per_chunk}; every model chunk must hold the "
+                          "same number of layers.")
+    return args.num_layers // (p * per_chunk)
+
+
+def config_from_args(kind: str, args: argparse.Namespace, family=None) -> Config:
+    """The dataclasses of parsed flags; ``family`` is the model family (default: the one named as ``kind``)."""
+    family = family or kind_family(kind)
+    optimizer = OptimizerConfig(**section_values(args, "optimizer"))
+    model_fields = {**family.defaults, **section_values(args, "model")}
+    for f in FAMILIES.values():  # every family's own flags are on every parser
+        if f.model_options is not None:
+            f.model_options(args, model_fields)
+    model_fields["params_dtype"] = (torch.bfloat16 if optimizer.bf16 else torch.float16 if optimizer.fp16
+                                    else torch.float32)
+    parallel = ParallelConfig(**section_values(args, "parallel"), virtual_pipeline=_virtual_pipeline_size(args),
+                              schedule_search=ScheduleSearchConfig(**section_values(args, "parallel.schedule_search")))
+    data = DataConfig(**section_values(args, "data"))
+    training = TrainingConfig(**section_values(args, "training"))
+    return Config(model=ModelConfig(**model_fields), parallel=parallel, data=data, training=training,
+                  optimizer=optimizer)
+
+
+def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_per_node: Optional[int] = None) -> int:
+    """Check everything knowable before process groups exist; returns the data-parallel size.
+
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) adds the checks of how the layout sits on
+    nodes; a tensor-parallel group across nodes is warned about on stderr by rank 0."""
+    from megapipe.layout.nodes import check_nodes
+    from megapipe.layout.ranks import RankLayout
+    from megapipe.layout.plan import PlanLayout
+    from megapipe.pipeline.ir.schedules import check_schedule
+    from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
+
+    par, train = config.parallel, config.training
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)
+    plan = par.stage_plan()
+    if plan is None:
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
+        par.validate()
+        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+        data, pipeline, replicas = layout.data, par.pipeline, None
+    else:
+        par.validate(world_size, config.model.num_layers)
+        config.model.validate(par.tensor)  # stages need not hold equal numbers of layers
+        layout = PlanLayout(plan, par.tensor)
+        data, pipeline, replicas = layout.data_size, layout.pipeline_size, layout.stage_replicas
+    config.optimizer.validate()
+    config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)
+    for flag, value in (("--micro-batch-size", train.micro_batch_size), ("--train-iters", train.train_iters),
+                        ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1.")
+    if par.sequence_parallel and config.model.seq_length % par.tensor:
+        raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
+                          f"{par.tensor}, which --sequence-parallel needs.")
+    if train.save_interval is not None and not train.save:
+        raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    check_device_peak(train.device_peak_tflops)
+    validate_operations(kind, config)
+    m = train.num_microbatches(data)
+    check_search_flags(config, pipeline)
+    if par.pipeline_schedule == AUTO:
+        if par.schedule_search.profile is None:
+            searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
+        else:  # searched once the tokenizer has given the vocabulary the profile must match
+            check_profile(kind, config)
+        config.optimizer.check_pipeline_schedule(AUTO, False)
+        return data
+    # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
+    descriptor = check_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas,
+                                par.pipedream_vertical_sync)
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
+    return data
+
+
+def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1,
+                 ranks_per_node: Optional[int] = None) -> Config:
+    parser = build_parser(kind)
+    args = parser.parse_args(argv)
+    family = apply_preset(args, parser.parse_args([]), kind)
+    config = config_from_args(kind, args, family)
+    validate_config(config, world_size, kind, ranks_per_node)
+    return config

@@ -1,0 +1,344 @@
+"""Configuration dataclasses: one source of truth, validated once, before any process group.
+
+Each field carries its default and its Megatron-LM flag (``megapipe.config.flag``); the
+parser of ``megapipe.config.flags`` is generated from them, so the command line and the
+dataclasses cannot give different defaults. A model family's own defaults (BERT's epsilon,
+activation, token types ...) live in its registry entry (``megapipe.models.families``).
+Library code takes the dataclass. Every validation error is one sentence that names the flag
+and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from argparse import BooleanOptionalAction
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megapipe.errors import ConfigError
+from megapipe.config.flag import flag
+from megapipe.config.optimizer import OptimizerConfig
+from megapipe.layout.stage_plan import StagePlan, read_stage_plan
+from megapipe.pipeline.ir.schedules import pipeline_schedule_help
+
+KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by * t`` (Megatron's rule).
+
+    Each tensor rank then holds an equal, well-aligned slice of the embedding.
+    """
+    if vocab_size < 1:
+        raise ConfigError(f"vocabulary size {vocab_size} must be positive; check the tokenizer or --vocab-size.")
+    if divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by {divisible_by} must be at least 1.")
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a GPT or BERT transformer."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    vocab_size: int = flag(256, name=None)  # from the tokenizer
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = flag(None, help="default --seq-length")
+    ffn_hidden_size: Optional[int] = flag(None, help="default 4 x hidden size")
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = flag(1e-5, aliases=("--norm-epsilon",))
+    normalization: str = flag("LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    activation: str = flag("gelu_tanh", name=None)  # GPT-2's gelu_new; BERT uses exact "gelu" (its family's)
+    post_layernorm: bool = flag(False, name=None)  # True: original BERT (LayerNorm after each residual add)
+    untie_embeddings_and_output_weights: bool = False
+    # Llama-family options (Megatron-LM's flags of the same names)
+    position_embedding_type: str = flag("learned_absolute", choices=("learned_absolute", "rope", "none"))
+    rotary_base: float = 10000.0
+    rotary_percent: float = flag(1.0, help="fraction of each head's channels RoPE rotates")
+    swiglu: bool = flag(False, help="SwiGLU MLP of width --ffn-hidden-size")
+    num_query_groups: Optional[int] = flag(None, help="key/value heads with --group-query-attention")
+    add_bias_linear: bool = flag(True, name="--disable-bias-linear", negate=True,
+                                 help="no bias in any linear layer")
+    add_qkv_bias: bool = flag(False, help="a QKV bias even with --disable-bias-linear (Qwen2)")
+    num_tokentypes: int = flag(0, name=None)  # BERT: 2 (its family's)
+    bert_binary_head: bool = flag(True, name="--bert-no-binary-head", negate=True, help="BERT: train masked LM only")
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = flag(torch.float32, name=None)  # from --bf16 / --fp16
+    # kernels and memory (megapipe.fusions, recomputation)
+    bias_gelu_fusion: bool = flag(True, name="--no-bias-gelu-fusion", negate=True, group=KERNELS)
+    bias_dropout_fusion: bool = flag(True, name="--no-bias-dropout-fusion", negate=True, group=KERNELS)
+    masked_softmax_fusion: bool = flag(True, name="--no-masked-softmax-fusion", negate=True, group=KERNELS)
+    bias_swiglu_fusion: bool = flag(True, name="--no-bias-swiglu-fusion", negate=True, group=KERNELS)
+    apply_rope_fusion: bool = flag(True, name="--no-rope-fusion", negate=True, group=KERNELS)
+    recompute_granularity: Optional[str] = flag(None, choices=("full", "selective"), group=KERNELS)
+    recompute_method: Optional[str] = flag(None, choices=("uniform", "block"), group=KERNELS)
+    recompute_num_layers: Optional[int] = flag(None, group=KERNELS)
+
+    def __post_init__(self):
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` under grouped-query attention, else one per head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (even, as the rotation pairs them)."""
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
+
+    def validate(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
+        t = tensor_parallel
+        for name, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length)):
+            if value < 1:
+                raise ConfigError(f"{name} {value} must be at least 1.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                              f"{self.num_attention_heads}; pick a hidden size that is a multiple of the head count.")
+        if self.hidden_size % t:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --tensor-model-parallel-size {t}.")
+        if self.num_attention_heads % t:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--tensor-model-parallel-size {t}; each tensor rank must hold whole heads.")
+        self._validate_llama_options(t)
+        if self.ffn_hidden_size % t:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                              f"--tensor-model-parallel-size {t}.")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                              f"{self.max_position_embeddings}; raise the latter or shorten the sequence.")
+        if self.num_layers % (pipeline_parallel * virtual_pipeline):
+            what = (f"--pipeline-model-parallel-size {pipeline_parallel}" if virtual_pipeline == 1 else
+                    f"--pipeline-model-parallel-size {pipeline_parallel} x {virtual_pipeline} virtual stages")
+            raise ConfigError(f"--num-layers {self.num_layers} is not divisible by {what}; "
+                              "every stage must hold the same number of layers.")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization {self.normalization} is unknown; use LayerNorm or RMSNorm.")
+        self._validate_recompute()
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
+        self.padded_vocab_size(t)
+
+    def _validate_llama_options(self, t: int) -> None:
+        groups = self.query_groups
+        if groups < 1 or self.num_attention_heads % groups:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--num-query-groups {groups}; each query group must hold the same number of heads.")
+        if groups % t:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {t}; "
+                              "each tensor rank must hold whole query groups, so use a multiple of t groups.")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type} is unknown; use "
+                              "learned_absolute, rope or none.")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} is outside (0, 1]; give the fraction of each "
+                              "head's channels to rotate, e.g. 1.0 or 0.5.")
+        if self.position_embedding_type == "rope" and self.rotary_dim < 2:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates no "
+                              "channel pair; raise it.")
+
+    def _validate_recompute(self) -> None:
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {granularity} is unknown; use full or selective.")
+        if granularity == "full" and method not in ("uniform", "block"):
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block.")
+        if granularity != "full" and (method is not None or self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply only to "
+                              "--recompute-granularity full.")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers {self.recompute_num_layers} must be at least 1.")
+
+
+def times(text: str) -> tuple[float, ...]:
+    """A comma-separated list of times (one per pipeline rank, or one for all)."""
+    return tuple(float(part) for part in text.split(","))
+
+
+@dataclass
+class ScheduleSearchConfig:
+    """Inputs of ``--pipeline-schedule auto`` (``pipeline/selection.py``): per-rank times or a profile."""
+
+    forward_time: Optional[tuple] = flag(None, name="--schedule-forward-time", type=times, help=(
+        "auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)"))
+    input_backward_time: Optional[tuple] = flag(None, name="--schedule-input-backward-time", type=times,
+                                                help="auto: BI (input-gradient) time per rank (default: the forward's)")
+    weight_backward_time: Optional[tuple] = flag(None, name="--schedule-weight-backward-time", type=times,
+                                                 help="auto: BW (weight-gradient) time per rank (default: the "
+                                                      "forward's)")
+    latency: float = flag(0.0, name="--schedule-latency", help="auto: time of one pipeline message")
+    memory_limit: Optional[float] = flag(None, name="--schedule-memory-limit", help=(
+        "auto: most microbatches' activations a rank may hold (default p, 1F1B's peak)"))
+    profile: Optional[str] = flag(None, name="--schedule-profile", help=(
+        "auto: take the stage times from this profile (tools/profile_model.py) instead"))
+
+    def given(self) -> bool:
+        return self != ScheduleSearchConfig()
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and how the pipeline runs."""
+
+    tensor: int = flag(1, name="--tensor-model-parallel-size")
+    pipeline: int = flag(1, name="--pipeline-model-parallel-size")
+    data: Optional[int] = flag(None, name=None)  # defaults to world_size / (tensor * pipeline)
+    virtual_pipeline: int = flag(1, name=None)  # from --num-layers-per-virtual-pipeline-stage
+    sequence_parallel: bool = False
+    scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
+    pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
+    # PipeDream: every stage uses the version tagged at the input stage
+    pipedream_vertical_sync: bool = flag(False, help="pipedream: every stage uses the weight version chosen at "
+                                                     "the input stage")
+    pipeline_stages: Optional[str] = flag(None, help=(  # a stage plan (layout/stage_plan.py)
+        "a stage plan instead of equal stages: layers [start, end) times replicas per stage, e.g. 0:12x2,12:24x1, "
+        "or the JSON file tools/plan.py writes"))
+    schedule_file: Optional[str] = flag(None, help=(
+        "run a flush schedule written as text or CSV (see tools/plot_schedule.py) instead of --pipeline-schedule; "
+        "checked deadlock-free under gloo and NCCL before anything runs"))
+    # for schedule "auto"; its own fields carry the --schedule-* flags
+    schedule_search: ScheduleSearchConfig = flag(name=None, default_factory=ScheduleSearchConfig)
+
+    def __post_init__(self):
+        if self.pipeline_schedule is None:
+            self.pipeline_schedule = "interleaved" if self.virtual_pipeline > 1 else "1f1b"
+
+    def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
+        """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
+        if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
+            raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
+                              f"{self.pipeline_schedule}: it chooses the weight versions of PipeDream's weight "
+                              "stashing; drop the flag or use --pipeline-schedule pipedream.")
+        plan = self.stage_plan()
+        if plan is None:
+            return
+        if self.virtual_pipeline > 1:
+            raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
+                              "--num-layers-per-virtual-pipeline-stage or the plan.")
+        if self.pipeline not in (1, plan.num_stages):
+            raise ConfigError(f"--pipeline-stages names {plan.num_stages} stages but --pipeline-model-parallel-size "
+                              f"is {self.pipeline}; drop --pipeline-model-parallel-size or make them equal.")
+        if plan.equal_replication is None and self.pipeline_schedule != "pipedream":
+            raise ConfigError(f"--pipeline-stages replicates its stages unequally ({plan.to_text()}), which only "
+                              "--pipeline-schedule pipedream (1F1B-RR) can run; use it or replicate every stage "
+                              "equally.")
+        if num_layers is not None:
+            plan.validate(num_layers, world_size, self.tensor)
+
+    def stage_plan(self) -> Optional["StagePlan"]:
+        """The plan ``pipeline_stages`` names, or None."""
+        return None if self.pipeline_stages is None else read_stage_plan(self.pipeline_stages)
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from: ``data_path`` empty means the embedded default corpus."""
+
+    data_path: list = flag(default_factory=list, nargs="*",
+                           help="prefix, or weight/prefix pairs; the embedded corpus when omitted")
+    split: Optional[str] = flag(None, help="train,valid,test weights over documents; default 969,30,1 (90,5,5 for "
+                                           "the embedded corpus)")
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    data_cache_path: Optional[str] = None
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
+    mock_data: bool = flag(False, help="GPT: synthetic random tokens instead of --data-path")
+    vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data")
+
+    def __post_init__(self):
+        # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
+        # would leave its test split empty
+        if self.split is None:
+            self.split = "969,30,1" if self.data_path else "90,5,5"
+
+
+@dataclass
+class TrainingConfig:
+    """The loop: batch sizes, length, evaluation, checkpoints and logging."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    train_iters: int = 500
+    eval_interval: int = 100
+    eval_iters: int = 10
+    log_interval: int = 20
+    seed: int = 1234
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = flag(False, help="load weights only; start at iteration 0")
+    async_save: bool = False
+    # save and exit at the next iteration boundary on SIGTERM (megapipe/training/exits.py)
+    exit_on_sigterm: bool = flag(True, name="--exit-signal-handler", action=BooleanOptionalAction, help=(
+        "on SIGTERM, save (with --save) and exit at the next iteration every rank agrees on (on by default; "
+        "--no-exit-signal-handler leaves SIGTERM to Python's default)"))
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    # for model FLOPs utilisation; known GPUs are looked up
+    device_peak_tflops: Optional[float] = flag(None, help=(
+        "peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are looked up by name)"))
+    fusion_backend: str = flag("auto", choices=("auto", "apex", "triton", "compile", "eager"), group=KERNELS)
+    # operations (megapipe/training/exits.py)
+    distributed_timeout_minutes: float = flag(10.0, help="how long a collective waits for a peer before failing")
+    exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
+    exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
+                                                             "this long")
+    skip_train: bool = flag(False, help="evaluate the --load checkpoint on the validation and test sets without "
+                                        "training")
+    override_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from the "
+                                                          "flags, not the checkpoint")
+    use_checkpoint_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from "
+                                                                "the checkpoint, not the flags")
+    # scheduler address of this job's lease (megapipe/cluster/client/lease.py)
+    cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
+        "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "
+        "lease ends, else save and exit (set by tools/cluster.py)"))
+
+    def num_microbatches(self, data_parallel: int) -> int:
+        """m = global batch / (micro batch x d), as in Megatron."""
+        per_step = self.micro_batch_size * data_parallel
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                              f"{self.micro_batch_size} x data-parallel size {data_parallel} (= {per_step}); "
+                              f"use a multiple of {per_step}.")
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class Config:
+    """Everything a run needs, parsed once from the flags."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

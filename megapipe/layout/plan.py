@@ -1,0 +1,76 @@
+"""Ranks and process groups for a stage plan whose stages may be replicated.
+
+Workers are numbered stage by stage: replica r of stage s is worker ``sum(R[:s]) + r``. Each
+worker is t consecutive ranks (tensor-innermost, as in ``RankLayout``): rank = worker * t +
+tensor index. An equally replicated plan (R copies of every stage) therefore gets exactly
+the ranks and groups of ``RankLayout(t, p, R)``: R parallel pipelines. Any other plan runs
+1F1B-RR, which sends microbatch i to replica i % R of each stage, so its pipeline group holds
+every worker (one per tensor index) and the schedule has one action list per worker.
+
+Groups: tensor (a worker's t ranks), data (the replicas of a stage: their gradients are
+averaged before each update), pipeline (as above), model_parallel (the ranks of one pipeline;
+with unequal replication, all ranks), embedding (first and last stage of each pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.layout.placement import first_worker
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    plan: StagePlan
+    tensor: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.workers * self.tensor
+
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline group: one per stage, or every worker when replication is unequal (1F1B-RR)."""
+        return self.plan.num_stages if self.plan.equal_replication is not None else self.plan.workers
+
+    @property
+    def data_size(self) -> int:
+        """Slices a global batch is cut into: one per parallel pipeline. Under 1F1B-RR every worker
+        sees the whole batch and the schedule routes microbatch i to replica i % R of each stage."""
+        return self.plan.equal_replication or 1
+
+    @property
+    def stage_replicas(self) -> Optional[tuple[int, ...]]:
+        """Workers per stage when the pipeline group holds replicated stages, else None."""
+        return None if self.plan.equal_replication is not None else self.plan.replicas
+
+    def worker(self, stage: int, replica: int) -> int:
+        return first_worker(self.plan.replicas, stage) + replica
+
+    def rank(self, worker: int, tensor_index: int) -> int:
+        return worker * self.tensor + tensor_index
+
+    def _pipelines(self) -> list[list[int]]:
+        """Workers of each pipeline: one per replica index when replication is equal, else all."""
+        copies = self.plan.equal_replication
+        if copies is None:
+            return [list(range(self.plan.workers))]
+        return [[self.worker(s, r) for s in range(self.plan.num_stages)] for r in range(copies)]
+
+    def tensor_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for t in range(self.tensor)] for w in range(self.plan.workers)]
+
+    def data_groups(self) -> list[list[int]]:
+        return [[self.rank(self.worker(s, r), t) for r in range(count)]
+                for s, count in enumerate(self.plan.replicas) for t in range(self.tensor)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for w in workers] for workers in self._pipelines() for t in range(self.tensor)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        return [[self.rank(w, t) for w in workers for t in range(self.tensor)] for workers in self._pipelines()]
+
+    def embedding_groups(self, last: int = -1) -> list[list[int]]:
+        return [sorted({group[0], group[last]}) for group in self.pipeline_groups()]

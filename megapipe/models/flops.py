@@ -1,0 +1,108 @@
+"""Model FLOPs of a GPT/BERT/Llama iteration, seed 002 equations 4.2-4.3: the one place they are computed.
+
+Every other count (the trainer's TFLOP/s, the planner's analytic profile and cost model, the
+benchmarks) calls these functions; a model family's registry entry names the formula it uses.
+
+Per transformer layer and sequence, a forward pass costs 24 s h^2 + 4 s^2 h multiply-adds x 2
+(QKV, scores, attention over values, output projection, the h -> 4h -> h MLP); a backward
+pass costs twice a forward, and full recomputation adds one more forward. The logit layer
+costs 2 s h V forward and 4 s h V backward and is never recomputed. With recomputation this
+is exactly eq. 4.2: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Grouped-query attention shrinks
+the key/value projections and SwiGLU has three MLP matrices instead of two
+(``layer_forward_flops``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megapipe.errors import ConfigError
+
+# Dense bf16 (V100: fp16) tensor-core peaks in TFLOP/s, from the vendor's data sheets, by a part of the
+# name CUDA reports ("NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL");
+# the first match counts, so a variant comes before its family.
+KNOWN_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H200 NVL", 835.0), ("H200", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("V100", 125.0), ("A10", 125.0), ("L4", 121.0),
+)
+
+if TYPE_CHECKING:
+    from megapipe.config import ModelConfig
+
+
+def block_forward_flops(tokens: float, seq_length: int, hidden: int, ffn: int, kv_hidden: int | None = None,
+                        swiglu: bool = False) -> float:
+    """One layer's forward FLOPs over ``tokens`` tokens in sequences of ``seq_length``.
+
+    QKV 2 t h (h + 2 h_kv) with h_kv = query groups x head size (``kv_hidden``; h under
+    multi-head attention), scores and values 4 t s h, output projection 2 t h^2, MLP 4 t h f
+    (GeLU) or 6 t h f (SwiGLU: gate, up and down). With h_kv = h and f = 4h this is eq. 4.2's
+    24 t h^2 + 4 t s h.
+    """
+    h, f = hidden, ffn
+    h_kv = h if kv_hidden is None else kv_hidden
+    mlp = (6 if swiglu else 4) * tokens * h * f
+    return 2 * tokens * h * (h + 2 * h_kv) + 4 * tokens * seq_length * h + 2 * tokens * h * h + mlp
+
+
+def head_forward_flops(tokens: float, hidden: int, vocab: int) -> float:
+    """The logit layer's forward FLOPs: 2 t h V (its backward is twice that, and it is never recomputed)."""
+    return 2 * tokens * hidden * vocab
+
+
+def transformer_flops(tokens: float, seq_length: int, num_layers: int, hidden: int, ffn: int, vocab: int,
+                      recompute: bool, kv_hidden: int | None = None, swiglu: bool = False) -> float:
+    """Model FLOPs of forward and backward over ``tokens`` tokens: 3 passes of every layer (4 with full
+    recomputation) and 3 of the logit layer; with f = 4h and multi-head attention, eq. 4.2."""
+    passes = 4 if recompute else 3
+    return (passes * num_layers * block_forward_flops(tokens, seq_length, hidden, ffn, kv_hidden, swiglu)
+            + 3 * head_forward_flops(tokens, hidden, vocab))
+
+
+def layer_forward_flops(config: "ModelConfig", tokens: int, seq_length: int) -> float:
+    """``block_forward_flops`` of a model configuration."""
+    return block_forward_flops(tokens, seq_length, config.hidden_size, config.ffn_hidden_size,
+                               config.query_groups * config.head_dim, config.swiglu)
+
+
+def flops_per_iteration(config: "ModelConfig", global_batch_size: int, recompute: bool) -> float:
+    """Model FLOPs of one training iteration over ``global_batch_size`` sequences."""
+    s = config.seq_length
+    # the logit matmul runs over the padded vocabulary
+    return transformer_flops(global_batch_size * s, s, config.num_layers, config.hidden_size, config.ffn_hidden_size,
+                             config.padded_vocab_size(1), recompute, config.query_groups * config.head_dim,
+                             config.swiglu)
+
+
+def head_flops_per_iteration(config: "ModelConfig", global_batch_size: int) -> float:
+    """The logit layer's share of ``flops_per_iteration``."""
+    return 3 * head_forward_flops(global_batch_size * config.seq_length, config.hidden_size,
+                                  config.padded_vocab_size(1))
+
+
+def parameter_count(config: "ModelConfig") -> float:
+    """Parameters, counted term by term (for GPT-2 shapes, eq. 4.3's 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
+    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, biases and an untied head included."""
+    l, h, v, s = config.num_layers, config.hidden_size, config.vocab_size, config.seq_length
+    h_kv, f = config.query_groups * config.head_dim, config.ffn_hidden_size
+    bias = config.add_bias_linear
+    qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
+    mlp = (3 if config.swiglu else 2) * h * f + bias * ((2 if config.swiglu else 1) * f + h)
+    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
+    per_layer = qkv + h * h + bias * h + mlp + norms
+    positions = s * h if config.position_embedding_type == "learned_absolute" else 0
+    head = v * h if config.untie_embeddings_and_output_weights else 0
+    return l * per_layer + v * h + positions + head + norms // 2
+
+
+def device_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a device by its CUDA name; None for a device not in the table."""
+    return next((peak for part, peak in KNOWN_PEAK_TFLOPS if part in device_name), None)
+
+
+def check_device_peak(value: float | None) -> None:
+    """``--device-peak-tflops`` is a positive number of TFLOP/s (or unset: looked up by name)."""
+    if value is not None and not value > 0:
+        raise ConfigError(f"--device-peak-tflops {value:g} must be above 0: it is one device's dense bf16 peak "
+                          "in TFLOP/s (989 for an H100 SXM); drop the flag to look up a known GPU by name.")

@@ -1,0 +1,264 @@
+"""Process groups for tensor (t), pipeline (p) and data (d) parallelism, built once.
+
+The groups come from a layout's arithmetic (``megapipe.layout``: ``RankLayout`` for degrees,
+``PlanLayout`` for a stage plan with replicated stages); ``ParallelState`` holds the groups and
+answers every rank/stage query the rest of the code needs. Library code receives a ``ParallelState``; there are no module globals.
+
+Sizes and indices come from the member lists of the groups, so a state built from another
+layout (a stage plan with replicated stages) or a view of
+one stage (``stage_view``) answers the same queries.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Optional
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megapipe.errors import ConfigError
+from megapipe.layout.plan import PlanLayout
+from megapipe.layout.ranks import RankLayout
+from megapipe.layout.stage_plan import StagePlan
+from megapipe.layout.placement import Placement, stages_of_rank
+from megapipe.layout.placement import stage_of_worker
+from megapipe.parallel.random import RNGTracker, seed_parallel_rng
+
+# Process groups already created in this process, by (world group, role, ranks, timeout). Every
+# gloo or NCCL group holds threads and buffers until the process ends; a process that builds many
+# states (tests, the resharding tool) reuses the groups of a layout it built before instead of
+# piling up new ones. All ranks build the same layouts in the same order, so they all find or all
+# create. The role is part of the key: the pipeline's messages keep a communicator of their own
+# even where another group has the same ranks, so no collective queues behind them.
+_GROUPS: dict = {}
+
+
+def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
+    key = (dist.group.WORLD, role, tuple(ranks), timeout)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
+    return _GROUPS[key]
+
+
+def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
+    return next(g for g in groups if rank in g)
+
+
+@dataclass
+class ParallelState:
+    """The process groups and rank queries of one process.
+
+    Build with :meth:`initialize` after ``torch.distributed`` is up, or :meth:`single` for a
+    plain one-process run (all groups ``None``, every size 1), which needs no process group.
+    """
+
+    layout: RankLayout
+    rank: int
+    virtual_pipeline: int = 1
+    groups: dict = field(default_factory=dict)
+    members: dict = field(default_factory=dict)
+    rng_tracker: Optional["RNGTracker"] = None  # set by seed(); per-tensor-rank dropout stream
+    # Workers per stage when the pipeline group holds replicated stages (1F1B-RR); None: one per stage.
+    stage_replicas: Optional[tuple[int, ...]] = None
+    placement: Placement = Placement.LOOPED  # where the virtual stages live (layout/placement.py)
+
+    # ---- construction -------------------------------------------------------------------
+    @staticmethod
+    def single(virtual_pipeline: int = 1) -> "ParallelState":
+        layout = RankLayout(1, 1, 1)
+        members = {name: [0] for name in ("tensor", "pipeline", "data", "model_parallel", "embedding")}
+        return ParallelState(layout, 0, virtual_pipeline, {name: None for name in members}, members)
+
+    @staticmethod
+    def initialize(tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
+                   virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
+                   placement: Placement = Placement.LOOPED) -> "ParallelState":
+        """Create every group; all ranks must call this in the same order (collective)."""
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
+                              "first or launch with torchrun.")
+        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data)
+        if virtual_pipeline < 1:
+            raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
+        if virtual_pipeline > 1 and pipeline == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
+        return ParallelState.build(layout, virtual_pipeline, timeout=timeout, placement=placement)
+
+    @staticmethod
+    def build(layout, virtual_pipeline: int = 1, stage_replicas: Optional[tuple[int, ...]] = None,
+              timeout: Optional[datetime.timedelta] = None,
+              placement: Placement = Placement.LOOPED) -> "ParallelState":
+        """This process's state under ``layout`` (a ``RankLayout`` or a stage plan's ``PlanLayout``):
+        creates every group the layout lists, in the same order on all ranks (collective)."""
+        rank = dist.get_rank()
+        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas,
+                              placement=Placement(placement))
+        state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
+        all_groups = {
+            "tensor": layout.tensor_groups(),
+            "data": layout.data_groups(),
+            "pipeline": layout.pipeline_groups(),
+            "model_parallel": layout.model_parallel_groups(),
+            "embedding": layout.embedding_groups(state.last_stage_pp_rank),
+        }
+        for name, groups in all_groups.items():
+            for ranks in groups:
+                group = _group(name, ranks, timeout)
+                if rank in ranks:
+                    state.groups[name] = group
+                    state.members[name] = list(ranks)
+        return state
+
+    def stage_view(self) -> "ParallelState":
+        """This rank's stage seen as a whole model: the same tensor and data groups, no pipeline.
+
+        An optimizer built on it reduces gradient norms and overflow flags over the stage's
+        tensor group only, so a stage can update on its own (asynchronous schedules) without
+        meeting the other stages in a collective, which would be a flush.
+        """
+        groups = dict(self.groups, pipeline=None, model_parallel=self.tp_group, embedding=None)
+        members = dict(self.members, pipeline=[self.rank], model_parallel=list(self.members["tensor"]), embedding=[])
+        return ParallelState(self.layout, self.rank, 1, groups, members, self.rng_tracker)
+
+    def pipeline_side_group(self, role: str, timeout: Optional[datetime.timedelta] = None):
+        """A group of this rank's pipeline ranks with a communicator of its own, named by ``role``,
+        for small messages that must neither queue behind the pipeline's nor hold them up
+        (collective: every rank creates every pipeline group's twin, in the same order)."""
+        mine = None
+        for ranks in self.layout.pipeline_groups():
+            group = _group(role, ranks, timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    # ---- sizes and indices -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.members["tensor"])
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.members["pipeline"])
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.members["data"])
+
+    @property
+    def batch_slice(self) -> tuple[int, int]:
+        """(index, count): which of the equal slices of every global batch this rank trains on.
+
+        Its data-parallel rank among its stage's replicas; under 1F1B-RR (unequal replication)
+        every rank sees the whole batch, since the schedule itself routes the microbatches.
+        """
+        return (0, 1) if self.stage_replicas is not None else (self.dp_rank, self.dp_size)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.members["tensor"].index(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.members["data"].index(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.members["pipeline"].index(self.rank)
+
+    @property
+    def tp_group(self):
+        return self.groups["tensor"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pipeline"]
+
+    @property
+    def dp_group(self):
+        return self.groups["data"]
+
+    @property
+    def mp_group(self):
+        return self.groups["model_parallel"]
+
+    @property
+    def embedding_group(self):
+        return self.groups["embedding"]
+
+    # ---- pipeline queries -------------------------------------------------------------------
+    @property
+    def pipeline_stage(self) -> int:
+        """The stage this rank runs (its pipeline rank unless stages are replicated)."""
+        if self.stage_replicas is None:
+            return self.pp_rank
+        return stage_of_worker(self.stage_replicas, self.pp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (the loss): the last rank, or rank 0 under the V placement."""
+        if self.stage_replicas is not None:
+            return self.pipeline_stage == len(self.stage_replicas) - 1
+        return self.pp_rank == self.last_stage_pp_rank % self.pp_size
+
+    @property
+    def last_stage_pp_rank(self) -> int:
+        """The pipeline index of the rank holding the last stage: the last rank (-1), or the first under V."""
+        return 0 if self.placement is Placement.V else -1
+
+    def chunk_stages(self) -> list[int]:
+        """The virtual stages this rank's model chunks hold, in chunk order (unreplicated stages)."""
+        return stages_of_rank(self.placement, self.pp_size, self.virtual_pipeline, self.pp_rank)
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the process at pipeline index ``pp_rank`` in this process's pipeline."""
+        return self.members["pipeline"][pp_rank]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage (wraps around, as interleaved schedules need)."""
+        return self.stage_rank((self.pp_rank + 1) % self.pp_size)
+
+    @property
+    def prev_rank(self) -> int:
+        return self.stage_rank((self.pp_rank - 1) % self.pp_size)
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.members["embedding"]
+
+    # ---- randomness ------------------------------------------------------------------------
+    def seed(self, seed: int, device: torch.device) -> None:
+        """Seed dropout streams: shared across tensor ranks by default, per tensor rank in forks."""
+        self.rng_tracker = seed_parallel_rng(seed, self.tp_rank, self.pp_rank, device)
+
+    def tensor_parallel_rng(self):
+        """Context for dropout whose mask must differ across tensor ranks."""
+        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, pipeline {self.pp_rank}/{self.pp_size}, "
+                f"data {self.dp_rank}/{self.dp_size}")
+
+
+def initialize_plan_state(plan: StagePlan, tensor: int = 1,
+                          timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+    """The ParallelState of this process under ``plan``; all ranks must call it (collective)."""
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
+                          "first or launch with torchrun.")
+    layout = PlanLayout(plan, tensor)
+    if layout.world_size != dist.get_world_size():
+        plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
+    return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout)

@@ -1,0 +1,37 @@
+"""Entry point shared by pretrain_gpt.py and pretrain_bert.py: a user mistake is one line, printed once per
+job (not per rank), not a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from megapipe.errors import reports_user_errors
+from megapipe.training.failures import explain_lost_peers, is_lost_peer, report_user_error
+
+
+@reports_user_errors(report=report_user_error)
+def _run(kind: str, argv: list[str]) -> int:
+    """Pretrain; a failed message or collective whose peer went away becomes the ``PeerLost`` that names it."""
+    from megapipe.training.trainer import pretrain
+
+    try:
+        pretrain(kind, argv)
+        if dist.is_initialized():  # no rank tears its connections down while a peer still uses them
+            dist.barrier()
+    except Exception as error:
+        if not is_lost_peer(error):
+            raise
+        raise explain_lost_peers(error) from error
+    return 0
+
+
+def main(kind: str) -> None:
+    try:
+        code = _run(kind, sys.argv[1:])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if code:
+        sys.exit(code)

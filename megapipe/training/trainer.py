@@ -1,0 +1,341 @@
+"""The pretraining loop behind ``pretrain_gpt.py`` and ``pretrain_bert.py``.
+
+``pretrain(kind, argv)`` parses and checks the flags (before any process group), joins the
+process group, builds the parallel state, this rank's model chunks, the pipeline engine
+(optimizer included), the LR schedule and the data, then trains, evaluates, logs and
+checkpoints. Every rank loads the same microbatches of its data-parallel slice; the losses
+live on the last pipeline stage, which logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megapipe import fusions
+from megapipe.config.parse import parse_config
+from megapipe.checkpointing.run_state import RunState, TrainState
+from megapipe.config import Config
+from megapipe.data.rank_data import BatchSource, build_rank_data
+from megapipe.data.splits import SPLIT_NAMES
+from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
+from megapipe.models.families import family_of
+from megapipe.models.flops import device_peak_tflops
+from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.training.exits import ExitConditions, distributed_timeout
+from megapipe.optim import LRScheduler
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.analysis.schedule_search import comparison
+from megapipe.pipeline.ir.schedule_file import load_schedule, load_training_schedule
+from megapipe.pipeline.ir.schedules import schedule_descriptor
+from megapipe.pipeline.selection import AUTO, searched_schedule, stage_costs
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.layout.placement import Placement
+from megapipe.training.counters import StepCounters, skip_reason
+from megapipe.parallel.state import initialize_plan_state
+from megapipe.training.logger import IterationStats, TrainLogger
+
+
+class Trainer:
+    """Owns one rank's engine, schedule, data iterators and logger for one run."""
+
+    def __init__(self, kind: str, config: Config):
+        self.kind, self.config = kind, config
+        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
+        self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
+        self.device = init_distributed(timeout)
+        if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
+            from megapipe.cluster.client.lease import ClusterLease
+
+            self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
+        par, t = config.parallel, config.training
+        plan = par.stage_plan()
+        if plan is None:
+            self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
+                                               timeout=timeout, placement=_placement(par))
+        else:
+            self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
+        eval_samples = t.eval_iters * t.global_batch_size
+        self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
+                                                             eval_samples, eval_samples))
+        self.tokenizer = self.data.tokenizer
+        config.model.vocab_size = self.tokenizer.vocab_size
+        self.ps.seed(t.seed, self.device)
+        self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
+        self.m = t.num_microbatches(self.ps.batch_slice[1])
+        model_options = dict(seed=t.seed, sequence_parallel=par.sequence_parallel, device=self.device)
+        if plan is None:
+            self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
+        else:
+            self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
+        seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
+        schedule = par.pipeline_schedule if par.schedule_file is None else \
+            load_training_schedule(par.schedule_file, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
+        self.search = None  # with --pipeline-schedule auto: what the search found
+        if par.pipeline_schedule == AUTO:
+            self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
+            schedule = self.search.schedule
+        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
+                                     (seq, t.micro_batch_size, config.model.hidden_size),
+                                     dtype=config.model.params_dtype, device=self.device,
+                                     scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
+                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync)
+        self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
+        self.state = TrainState()
+        self.counters, self.nan_iterations = StepCounters(self.device), 0
+        # BERT with its binary head trains on the sum and logs each part, as Megatron does
+        self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
+        self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
+        self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
+        self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
+                                  self.state, timeout, self.logger.print)  # what checkpoints save and load
+        self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
+                                   self.m)
+        self.flops = family_of(kind, config.model).flops(config.model, t.global_batch_size,
+                                                         recompute=config.model.recompute_granularity == "full")
+        self.peak_tflops = t.device_peak_tflops or device_peak_tflops(device_name(self.device))
+
+    # ---- loop ---------------------------------------------------------------------------------
+    def train(self) -> None:
+        t = self.config.training
+        if t.load:
+            self.checkpointer.load(t.load)
+        lease = self.exit_conditions.lease
+        if lease is not None:
+            lease.start(self.state.iteration)
+        data = self.data.description() if self.logs_loss else ""  # a reader: it opens the dataset
+        self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
+                          f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
+                          f"vocabulary {self.tokenizer.vocab_size} | {data} | fusion backend "
+                          f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
+        if self.search is not None:
+            costs_for = functools.partial(stage_costs, self.kind, self.config, self.ps.pp_size)
+            limit = self.config.parallel.schedule_search.memory_limit or self.ps.pp_size
+            self.logger.print("> --pipeline-schedule auto, predicted for the stage costs:\n" +
+                              "\n".join(comparison(self.search, costs_for, limit)))
+        if t.skip_train:
+            self.logger.print(f"> --skip-train: evaluating the checkpoint of iteration {self.state.iteration}")
+            self.evaluate("validation")
+            self.evaluate("test")
+            self._close()
+            return
+        batches = self.train_batches()
+        reason = None
+        while reason is None and self.state.iteration < t.train_iters:
+            reason = self.train_iteration(batches)
+        self._finish(reason)
+
+    def train_batches(self) -> Iterator[list[dict]]:
+        """The training batches from where the run stands; the logging window starts now."""
+        self._window = _LogWindow(self._no_losses())
+        return self.batches.batches("train", self.state.consumed_samples)
+
+    def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
+        """Train on the next batch of ``batches`` (``train_batches``), then log, evaluate and save where
+        their intervals say; the reason to stop after this iteration (the same on every rank), or None."""
+        t = self.config.training
+        result = self.engine.train_batch(next(batches))
+        self.state.iteration += 1
+        self.state.consumed_samples += t.global_batch_size
+        self.scheduler.step()
+        self._count(result)
+        self._add_losses(self._window.losses, result.batch)
+        self._window.iterations += 1
+        if self.state.iteration % t.log_interval == 0:
+            self._log(result)
+            self._window = _LogWindow(self._no_losses())
+        if self.state.iteration % t.eval_interval == 0:
+            self.evaluate("validation")
+        if self._saves_after(self.state.iteration):
+            self.save(t.save)
+        return self.exit_conditions.reason(self.state.iteration)
+
+    def count_synchronisations(self, iterations: int, warmup: int = 1) -> int:
+        """How often the host waits for the device in ``iterations`` training iterations (everything
+        ``train_iteration`` does) after ``warmup`` iterations that make lazy state; 0 when the loop
+        keeps its values on the device, as it must between log intervals. On a GPU CUDA's sync debug
+        mode counts, on the CPU every host read of a tensor (``distributed.counting_synchronisations``).
+        The iterations train the model from where the run stands; none of the counted ones may be
+        a log, evaluation, save or exit iteration, whose host reads are meant::
+
+            trainer = Trainer("gpt", parse_config("gpt", flags))   # e.g. --log-interval 100
+            assert trainer.count_synchronisations(10) == 0
+        """
+        t = self.config.training
+        first, last = self.state.iteration + warmup + 1, self.state.iteration + warmup + iterations
+        for flag, interval in (("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
+                               ("--save-interval", t.save_interval if t.save else None),
+                               ("--exit-interval", t.exit_interval)):
+            if interval and (last // interval) * interval >= first:
+                raise ValueError(f"{flag} {interval} falls within iterations {first}-{last}, whose host "
+                                 f"synchronisations are counted; raise it above {last} or count fewer iterations.")
+        batches = self.train_batches()
+        for _ in range(warmup):
+            self.train_iteration(batches)
+        return count_synchronisations(lambda: self.train_iteration(batches), iterations, self.device)
+
+    def _saves_after(self, iteration: int) -> bool:
+        """Whether ``--save-interval`` saves a checkpoint after ``iteration``."""
+        t = self.config.training
+        return bool(t.save and t.save_interval and iteration % t.save_interval == 0)
+
+    def _finish(self, reason: Optional[str]) -> None:
+        """End the run, at --train-iters (``reason`` None) or early on an exit condition.
+
+        The last checkpoint is written unless this iteration just wrote one. Early, it is written
+        before the pipeline drains, so that an asynchronous schedule's checkpoint keeps the
+        microbatches in flight and a resumed run continues as if it never stopped; at the end
+        the pipeline drains first (a post-validated step is validated too), so that the last
+        checkpoint and the final evaluation see every update. An asynchronous save overlaps the
+        final evaluation.
+        """
+        t = self.config.training
+        if reason is None:
+            self._count(self.engine.drain())
+            self._count_steps()
+        if t.save and not self._saves_after(self.state.iteration):
+            self.save(t.save)
+        if reason is None:
+            if self.state.iteration % t.eval_interval:
+                self.evaluate("validation")
+            self.evaluate("test")
+        else:
+            self._count(self.engine.drain())
+            self.logger.print(f"exiting on {reason}")
+        if t.save:
+            self.checkpointer.wait()
+        self._close()
+
+    def _close(self) -> None:
+        """Complete the exit agreement in flight, close the logger and give the cluster lease back."""
+        self.exit_conditions.close()
+        self.logger.close()
+        if self.exit_conditions.lease is not None:
+            self.exit_conditions.lease.finish(self.state.iteration)
+
+    @functools.cached_property
+    def checkpointer(self):
+        """Saves and loads ``run_state`` (made on first use: torch.distributed.checkpoint loads only when needed)."""
+        from megapipe.checkpointing.save import Checkpointer
+
+        return Checkpointer(self.run_state)
+
+    def save(self, directory: str) -> None:
+        self._count(self.engine.settle())  # a post-validated step is validated (and redone if needed) first
+        self._count_steps()  # the checkpoint's train state counts every skipped iteration so far
+        self.checkpointer.save(directory)
+
+    def _no_losses(self) -> dict[str, list]:
+        """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""
+        return {name: [torch.zeros((), dtype=torch.float64, device=self.device), 0] for name in self.loss_names}
+
+    def _add_losses(self, named: dict[str, list], batch) -> None:
+        """Add a call's microbatch losses under their names: the parts the model reports, or the loss itself."""
+        if batch.part_tensors:
+            for name in self.loss_names:
+                values = [parts[name] for parts in batch.part_tensors]
+                named[name][0] += torch.stack(values).double().sum()
+                named[name][1] += len(values)
+        elif batch.loss_tensors:
+            named[self.loss_names[0]][0] += torch.stack(batch.loss_tensors).double().sum()
+            named[self.loss_names[0]][1] += len(batch.loss_tensors)
+
+    def _data_parallel_means(self, named: dict[str, list]) -> dict[str, float]:
+        """Per name, the mean over this window's microbatch losses of all data-parallel ranks (last stage)."""
+        totals = torch.stack([torch.stack([total, torch.tensor(float(count), dtype=torch.float64,
+                                                               device=self.device)])
+                              for total, count in named.values()])
+        if self.ps.is_last_stage and self.ps.dp_size > 1:
+            dist.all_reduce(totals, group=self.ps.dp_group)
+        means = totals[:, 0] / totals[:, 1].clamp(min=1)
+        return dict(zip(named, means.tolist()))
+
+    def _count(self, result) -> None:
+        """Add the steps that became final in an engine call to the device counters (no host read)."""
+        for step in result.settled:
+            self.counters.add(step)
+
+    def _count_steps(self, last_step=None) -> None:
+        """Read the device counters of skipped and NaN iterations into the train state."""
+        skipped, nan = self.counters.read()
+        self.state.skipped_iterations += skipped
+        self.nan_iterations += nan
+        if skipped and last_step is not None:
+            self.logger.print(f"skipped {skipped} iteration(s) up to iteration {self.state.iteration}: "
+                              f"{skip_reason(last_step, self.engine.optimizer.loss_scale)}")
+
+    def _log(self, result) -> None:
+        t = self.config.training
+        self._count_steps(result.step)
+        losses = self._data_parallel_means(self._window.losses)
+        seconds = (time.time() - self._window.start) / self._window.iterations
+        tflops = self.flops / seconds / self.ps.world_size / 1e12
+        step = result.step
+        self.logger.log(IterationStats(
+            iteration=self.state.iteration, train_iters=t.train_iters, consumed_samples=self.state.consumed_samples,
+            ms_per_iteration=1000 * seconds, learning_rate=self.scheduler.lr, global_batch_size=t.global_batch_size,
+            losses=losses, loss_scale=self.engine.optimizer.loss_scale,
+            grad_norm=None if step is None or step.grad_norm is None else float(step.grad_norm),
+            skipped_iterations=self.state.skipped_iterations, nan_iterations=self.nan_iterations,
+            tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
+            tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
+            memory_gib=peak_memory_gib(self.device)))
+
+    def evaluate(self, split: str) -> Optional[dict[str, float]]:
+        """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");
+        logged with perplexity. None when the split is empty."""
+        data_split = "valid" if split == "validation" else split
+        if not self.data.split_exists[SPLIT_NAMES.index(data_split)]:
+            return None
+        t = self.config.training
+        batches = self.batches.batches(data_split)
+        named = self._no_losses()
+        for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
+            result = self.engine.evaluate(next(batches))
+            self._add_losses(named, result)
+        losses = self._data_parallel_means(named)
+        self.logger.log_evaluation(split, self.state.iteration, losses)
+        return losses
+
+
+@dataclasses.dataclass
+class _LogWindow:
+    """The iterations since the last log line: per loss name [device sum, count], start time, count."""
+
+    losses: dict[str, list]
+    start: float = dataclasses.field(default_factory=time.time)
+    iterations: int = 0
+
+
+def _placement(par) -> Placement:
+    """Where the run's schedule puts the virtual stages: the registry's word (the search orders the stages
+    of the looped placement), or the schedule file's."""
+    if par.schedule_file is not None:
+        return load_schedule(par.schedule_file).placement
+    return schedule_descriptor(par.pipeline_schedule).placement
+
+
+def _plain(config: Config) -> dict:
+    """The run's configuration as plain values (for W&B and checkpoints)."""
+    def convert(value):
+        if isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+        return value
+    return {section: {k: convert(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
+            for section in ("model", "parallel", "data", "training", "optimizer")}
+
+
+def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                          ranks_per_node=int(local) if local else None)
+    trainer = Trainer(kind, config)
+    trainer.train()
+    return trainer
