@@ -28,7 +28,8 @@ Pairs compared (where both sides accept ``p`` and ``m``):
 
 Where megapipe refuses sizes that torch accepts (interleaved with m not a multiple of p, zb-h1 with
 m < p, ZBV with m < 2p - 1 or p = 1) nothing is compared, nor where torch refuses what megapipe
-accepts (zb-h1 with m not a multiple of torch's rounds, ``max(1, m // p)``: those cases skip).
+accepts (zb-h1 with m not a multiple of torch's rounds, ``max(1, m // p)``: a test of its own
+asserts that torch refuses exactly those).
 The same file runs on the GPU machines' torch (``tools/gpu_stack_check.sh``), so a change in either
 side's orders shows up on both stacks.
 """
@@ -66,9 +67,7 @@ class _StandInStage:
 
 def torch_order(name: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """Per rank, torch's compute actions as (kind, microbatch, stage); None where torch refuses the sizes."""
-    cls = getattr(schedules, _TORCH_CLASS[name], None)
-    if cls is None:
-        pytest.skip(f"this torch has no {_TORCH_CLASS[name]}")
+    cls = getattr(schedules, _TORCH_CLASS[name])
     try:
         if name in ("gpipe", "1f1b"):
             built = cls(_StandInStage(0, p, 0, p), m)
@@ -115,16 +114,25 @@ def _cases(name: str, chunks: tuple[int, ...], ranks=(1, 2, 3, 4), microbatches=
             if megapipe_order(name, p, m, v) is not None]
 
 
-EQUAL = (_cases("gpipe", (1,)) + _cases("zb-h1", (1,)) + _cases("interleaved-zb", (2, 3))
-         + _cases("zbv", (2,), ranks=(2, 3, 4)))
+def torch_refuses(name: str, p: int, m: int) -> bool:
+    """torch's interleaved zero bubble runs rounds of ``max(1, m // p)`` microbatches and refuses an m
+    that is not a multiple of them; megapipe's ZB-H1 takes any m >= p."""
+    return _TORCH_CLASS[name] == "ScheduleInterleavedZeroBubble" and m % max(1, m // p) != 0
+
+
+COMPARED = (_cases("gpipe", (1,)) + _cases("zb-h1", (1,)) + _cases("interleaved-zb", (2, 3))
+            + _cases("zbv", (2,), ranks=(2, 3, 4)))
+EQUAL = [case for case in COMPARED if not torch_refuses(*case[:3])]
 
 
 @pytest.mark.parametrize("name,p,m,v", EQUAL)
 def test_same_order_as_torch(name, p, m, v):
-    mine, theirs = megapipe_order(name, p, m, v), torch_order(name, p, m, v)
-    if theirs is None:
-        pytest.skip(f"torch refuses {name} at p={p} m={m} v={v} (m not a multiple of its rounds)")
-    assert mine == theirs
+    assert megapipe_order(name, p, m, v) == torch_order(name, p, m, v)
+
+
+def test_torch_refuses_exactly_the_sizes_said():
+    refused = [case for case in COMPARED if torch_order(*case) is None]
+    assert refused == [case for case in COMPARED if torch_refuses(*case[:3])] and refused
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])

@@ -17,8 +17,10 @@ import sys
 import torch
 
 from megapipe.acceptance import runner
+from megapipe.errors import reports_user_errors
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", default=os.path.join(runner.REPO, "gpu-check"), help="folder for the summary and logs")
