@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-NO_FLAG = None
 _UNSET = object()
 
 

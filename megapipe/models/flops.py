@@ -9,7 +9,7 @@ pass costs twice a forward, and full recomputation adds one more forward. The lo
 costs 2 s h V forward and 4 s h V backward and is never recomputed. With recomputation this
 is exactly eq. 4.2: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Grouped-query attention shrinks
 the key/value projections and SwiGLU has three MLP matrices instead of two
-(``layer_forward_flops``).
+(``block_forward_flops``).
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ def transformer_flops(tokens: float, seq_length: int, num_layers: int, hidden: i
     passes = 4 if recompute else 3
     return (passes * num_layers * block_forward_flops(tokens, seq_length, hidden, ffn, kv_hidden, swiglu)
             + 3 * head_forward_flops(tokens, hidden, vocab))
-
-
-def layer_forward_flops(config: "ModelConfig", tokens: int, seq_length: int) -> float:
-    """``block_forward_flops`` of a model configuration."""
-    return block_forward_flops(tokens, seq_length, config.hidden_size, config.ffn_hidden_size,
-                               config.query_groups * config.head_dim, config.swiglu)
 
 
 def flops_per_iteration(config: "ModelConfig", global_batch_size: int, recompute: bool) -> float:

@@ -44,10 +44,6 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     return _GROUPS[key]
 
 
-def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
-    return next(g for g in groups if rank in g)
-
-
 @dataclass
 class ParallelState:
     """The process groups and rank queries of one process.

@@ -89,12 +89,6 @@ def init_normal_(out: torch.Tensor, full_shape: tuple[int, ...], std: float, see
     return out
 
 
-def deterministic_normal(shape: tuple[int, ...], std: float, seed: int, name: str,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full (unsplit) tensor ``init_normal_`` draws for (seed, name), on the host."""
-    return init_normal_(torch.empty(shape, dtype=dtype), shape, std, seed, name)
-
-
 def shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     """The ``rank``-th of ``world`` contiguous equal slices of ``full`` along ``dim``."""
     return full.chunk(world, dim=dim)[rank].contiguous()

@@ -81,10 +81,6 @@ def v_sizes(least_microbatches: Callable[[int, int], int] = _one) -> Sizes:
     return Sizes(least_chunks=2, most_chunks=2, least_pipeline=2, least_microbatches=least_microbatches)
 
 
-def one_version(p: int, rank: int) -> int:
-    return 1
-
-
 @dataclass(frozen=True)
 class ClosedForms:
     """A schedule's closed forms (per pipeline rank; seed 002 Table 7.1 and its successors), where
