@@ -285,7 +285,9 @@ class TrainingConfig:
     train_iters: int = 500
     eval_interval: int = 100
     eval_iters: int = 10
-    log_interval: int = 20
+    log_interval: Optional[int] = flag(None, help=(
+        "iterations between loss lines, the last iteration logging too; default a tenth of --train-iters, "
+        "between 1 and Megatron-LM's 100"))
     seed: int = 1234
     save: Optional[str] = None
     load: Optional[str] = None
@@ -322,6 +324,15 @@ class TrainingConfig:
     cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
         "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "
         "lease ends, else save and exit (set by tools/cluster.py)"))
+
+    def __post_init__(self):
+        if self.log_interval is None:  # a few lines in any run: 4 iterations log each, long runs every 100
+            self.log_interval = min(100, max(1, self.train_iters // 10))
+
+    def logs_after(self, iteration: int) -> bool:
+        """Whether the loss line is printed after ``iteration``: every --log-interval, and at the end, so
+        that every run prints one."""
+        return iteration % self.log_interval == 0 or iteration == self.train_iters
 
     def num_microbatches(self, data_parallel: int) -> int:
         """m = global batch / (micro batch x d), as in Megatron."""

@@ -148,7 +148,7 @@ class Trainer:
         self._count(result)
         self._add_losses(self._window.losses, result.batch)
         self._window.iterations += 1
-        if self.state.iteration % t.log_interval == 0:
+        if t.logs_after(self.state.iteration):
             self._log(result)
             self._window = _LogWindow(self._no_losses())
         if self.state.iteration % t.eval_interval == 0:
@@ -176,6 +176,9 @@ class Trainer:
             if interval and (last // interval) * interval >= first:
                 raise ValueError(f"{flag} {interval} falls within iterations {first}-{last}, whose host "
                                  f"synchronisations are counted; raise it above {last} or count fewer iterations.")
+        if first <= t.train_iters <= last:
+            raise ValueError(f"the last iteration, --train-iters {t.train_iters}, logs and falls within iterations "
+                             f"{first}-{last}, whose host synchronisations are counted; raise --train-iters.")
         batches = self.train_batches()
         for _ in range(warmup):
             self.train_iteration(batches)
