@@ -26,7 +26,8 @@ LAYERS = (
     ("layout",),
     ("pipeline.ir",),
     ("pipeline.analysis",),
-    ("config.flag", "config.sharding"),  # config: the dataclasses low, their command line high
+    # config: the dataclasses low, their command line high
+    ("config.flag", "config.sharding", "config.parser", "config.notes"),
     ("config.optimizer",),
     ("config.schema",),
     ("config.operations", "config"),

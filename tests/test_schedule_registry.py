@@ -182,10 +182,15 @@ def test_the_command_line_takes_exactly_the_registered_names_and_auto():
     assert set(accepted_names()) == set(NAMES) | {SEARCHED.name}
     for name in accepted_names():
         assert _parse(name).parallel.pipeline_schedule == name
-    with pytest.raises(ConfigError, match=r"--pipeline-schedule zb-h3 is unknown; choose one of (.*)\.") as error:
-        _parse_unknown("zb-h3")
+    with pytest.raises(ConfigError, match=r"--pipeline-schedule 1F1B is unknown \(did you mean 1f1b\? the names are "
+                                          r"lower case\); choose one of (.*)\.") as error:
+        _parse_unknown("1F1B")
     listed = re.search(r"choose one of (.*)\.$", str(error.value)).group(1).split(", ")
-    assert sorted(listed) == sorted(accepted_names())
+    assert sorted(listed) == sorted(accepted_names()) and SEARCHED.name in listed
+    with pytest.raises(ConfigError, match=r"--pipeline-schedule zbh3 is unknown \(did you mean zb-h\d\?\); choose"):
+        _parse_unknown("zbh3")
+    with pytest.raises(ConfigError, match=r"--pipeline-schedule gantt is unknown; choose one of"):
+        _parse_unknown("gantt")
     help_text = next(a.help for a in build_parser("gpt")._actions if "--pipeline-schedule" in a.option_strings)
     assert set(re.findall(r"[a-z0-9-]+", help_text)) >= set(accepted_names())
 

@@ -2,7 +2,9 @@
 
 ``schema.py`` (model, parallelism, data, training) and ``optimizer.py`` hold the dataclasses,
 each field with its default and Megatron-LM flag (``flag.py``); ``flags.py`` builds the
-parser from them; ``parse.py`` turns flags into a validated ``Config`` (``parse_config``).
+parser from them (a ``parser.FlagParser``: one-sentence errors, which flags were given);
+``parse.py`` turns flags into a validated ``Config`` (``parse_config``), saying in one line
+(``notes.py``) when flags given override a preset or leave one model chunk per rank.
 Importing this package gives the dataclasses only; ``megapipe.config.parse`` brings the
 command line (it reads the model-family registry).
 """

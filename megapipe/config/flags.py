@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 from megapipe.config.flag import field_default, flag_name
 from megapipe.config.optimizer import OptimizerConfig
+from megapipe.config.parser import FlagParser
 from megapipe.config.schema import DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig, TrainingConfig
 
 # (path in Config, dataclass, --help section) in the order of --help
@@ -86,13 +87,12 @@ def _add_field(group, cls, f: dataclasses.Field, default: Any) -> None:
     group.add_argument(*names, **options)
 
 
-def build_parser(kind: str) -> argparse.ArgumentParser:
+def build_parser(kind: str) -> FlagParser:
     """The flags of ``pretrain_{kind}.py``: one per configuration field, plus ``INPUT_FLAGS``."""
     from megapipe.models.families import FAMILIES, kind_family, presets
 
-    parser = argparse.ArgumentParser(prog=f"pretrain_{kind}.py", description=f"Pretrain a {kind.upper()} model with "
-                                     "tensor, pipeline and data parallelism (Megatron-LM flag names).",
-                                     allow_abbrev=False)
+    parser = FlagParser(prog=f"pretrain_{kind}.py", description=f"Pretrain a {kind.upper()} model with tensor, "
+                        "pipeline and data parallelism (Megatron-LM flag names).", allow_abbrev=False)
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     family_defaults = kind_family(kind).defaults
     for section, cls, group in SECTIONS:
@@ -117,16 +117,22 @@ def section_values(args: argparse.Namespace, section: str) -> dict:
             for dest, flag in FIELD_FLAGS.items() if flag.section == section}
 
 
-def apply_preset(args: argparse.Namespace, defaults: argparse.Namespace, kind: str) -> Optional[Any]:
-    """Give every flag still at its default (as in ``defaults``) the ``--model-preset``'s value; returns the
-    preset's family, or None without a preset."""
+def apply_preset(args: argparse.Namespace, given: set[str], kind: str) -> tuple[Optional[Any], Optional[str]]:
+    """Give every flag the command line did not give (``given``: argparse dests) the ``--model-preset``'s
+    value; returns the preset's family (None without a preset) and, when a given flag differs from the
+    preset, the one line that says the given flags win."""
     from megapipe.models.families import presets
 
     name = getattr(args, "model_preset", None)
     if name is None:
-        return None
+        return None, None
     family, values = presets(kind)[name]
-    for dest, value in values.items():
-        if getattr(args, dest) == getattr(defaults, dest):
-            setattr(args, dest, value)
-    return family
+    overridden = [dest for dest in values if dest in given and getattr(args, dest) != values[dest]]
+    for dest in values.keys() - given:
+        setattr(args, dest, values[dest])
+    if not overridden:
+        return family, None
+    flags = [f"--{dest.replace('_', '-')}" for dest in overridden]
+    theirs = ", ".join(f"{flag} {values[dest]}" for flag, dest in zip(flags, overridden))
+    ours = ", ".join(f"{flag} {getattr(args, dest)}" for flag, dest in zip(flags, overridden))
+    return family, f"note: the flags given win over --model-preset {name}: {ours} (the preset's {theirs})"

@@ -9,13 +9,12 @@ no flags at all a small model trains on the embedded corpus.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Optional, Sequence
 
 import torch
 
 from megapipe.config.flags import apply_preset, build_parser, section_values
+from megapipe.config.notes import tell
 from megapipe.config.operations import validate_operations
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
@@ -36,6 +35,21 @@ def _virtual_pipeline_size(args) -> int:
                           f"--num-layers-per-virtual-pipeline-stage {per_chunk}; every model chunk must hold the "
                           "same number of layers.")
     return args.num_layers // (p * per_chunk)
+
+
+def _one_chunk_note(args) -> Optional[str]:
+    """The line saying that --num-layers-per-virtual-pipeline-stage leaves one model chunk per rank.
+
+    Megatron-LM accepts v = 1 (its interleaved code then runs one chunk, 1F1B's order), so a script
+    that carries over is run, not refused; but a user who asked for virtual stages is told."""
+    per_chunk, p = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_size
+    if per_chunk is None or _virtual_pipeline_size(args) != 1:
+        return None
+    schedule = "the schedule is plain 1f1b" if args.pipeline_schedule is None else \
+        f"--pipeline-schedule {args.pipeline_schedule} interleaves nothing"
+    return (f"note: --num-layers-per-virtual-pipeline-stage {per_chunk} gives v = --num-layers {args.num_layers} / "
+            f"(--pipeline-model-parallel-size {p} x {per_chunk}) = 1 model chunk per rank, so {schedule}; "
+            f"--num-layers {2 * p * per_chunk} gives v = 2")
 
 
 def config_from_args(kind: str, args: argparse.Namespace, family=None) -> Config:
@@ -69,8 +83,8 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
 
     par, train = config.parallel, config.training
     warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
-    if warning and os.environ.get("RANK", "0") == "0":
-        print(warning, file=sys.stderr, flush=True)
+    if warning:
+        tell(warning)
     plan = par.stage_plan()
     if plan is None:
         layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
@@ -115,7 +129,10 @@ def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: in
                  ranks_per_node: Optional[int] = None) -> Config:
     parser = build_parser(kind)
     args = parser.parse_args(argv)
-    family = apply_preset(args, parser.parse_args([]), kind)
+    family, overridden = apply_preset(args, parser.given(argv), kind)
+    for note in (overridden, _one_chunk_note(args)):  # before any refusal they may explain
+        if note:
+            tell(note)
     config = config_from_args(kind, args, family)
     validate_config(config, world_size, kind, ranks_per_node)
     return config

@@ -9,8 +9,6 @@ lease, so those flags may not be given.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from dataclasses import dataclass
 
@@ -54,12 +52,6 @@ def parse_job(command: list) -> JobSpec:
         raise ConfigError("--pipeline-stages fixes the stages to a device count, but the scheduler re-plans the layout "
                           "on every allocation; give --tensor-model-parallel-size and "
                           "--pipeline-model-parallel-size instead.")
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors):  # argparse prints its sentence and exits
-            args = build_parser(kind).parse_args(flags)
-            config = parse_config(kind, flags, world_size=args.tensor_model_parallel_size *
-                                  args.pipeline_model_parallel_size)
-    except SystemExit:
-        raise ConfigError(errors.getvalue().strip().splitlines()[-1]) from None
+    args = build_parser(kind).parse_args(flags)  # a bad flag is the training script's own ConfigError
+    config = parse_config(kind, flags, world_size=args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     return JobSpec(kind, [script] + flags, config)

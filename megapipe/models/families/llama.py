@@ -4,7 +4,7 @@ biases. It trains under ``pretrain_gpt.py``; ``--model-preset`` picks one of the
 The shape flags themselves (``--position-embedding-type``, ``--swiglu``, ``--num-query-groups`` ...)
 are ``ModelConfig`` fields, so any GPT can use them; this entry adds Megatron-LM's
 ``--group-query-attention`` switch, the presets and the Hugging Face mapping. A preset fills in
-every flag the command line left at its default (a flag given explicitly wins).
+every flag the command line did not give (a flag given wins, even at the script's default).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ take keywords ``(p, m, v, batches, replicas, vertical_sync)``, return the unroll
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -90,7 +91,11 @@ def schedule_descriptor(name: str) -> ScheduleDescriptor:
         return SEARCHED
     descriptor = _REGISTRY.get(name)
     if descriptor is None:
-        raise ConfigError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(accepted_names())}.")
+        names = accepted_names()
+        close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)  # 1F1B -> 1f1b
+        case = " the names are lower case" if name != name.lower() else ""
+        hint = f" (did you mean {close[0]}?{case})" if close else ""
+        raise ConfigError(f"--pipeline-schedule {name} is unknown{hint}; choose one of {', '.join(names)}.")
     return descriptor
 
 
