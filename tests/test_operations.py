@@ -72,6 +72,32 @@ def test_schedule_on_resume_follows_megatrons_two_flags():
     assert checkpoint.optimizer.param_groups[0]["lr"] == saved.lr
 
 
+def _defaults_scheduler(train_iters: int, **flags) -> LRScheduler:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return LRScheduler(optimizer, OptimizerConfig(**flags), train_iters)
+
+
+@pytest.mark.unit
+def test_extending_train_iters_keeps_a_pinned_schedule_and_names_every_moved_flag_otherwise():
+    """The recipe: --train-iters 300 --lr-decay-iters 600, resumed with --train-iters 600, is one 600-iteration
+    schedule (the default warm-up follows the decay, not --train-iters). Unpinned, the refusal names the decay
+    and the warm-up, each with the value that keeps the checkpoint's schedule."""
+    saved = _defaults_scheduler(300, lr_decay_iters=600)
+    saved.step(300)
+    resumed = _defaults_scheduler(600)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.iteration == 300 and resumed.schedule == saved.schedule
+    unpinned = _defaults_scheduler(300)
+    with pytest.raises(CheckpointError) as refused:
+        _defaults_scheduler(900).load_state_dict(unpinned.state_dict())
+    text = str(refused.value)
+    assert "(--lr-warmup-iters 30 -> 50, --lr-decay-iters 300 -> 900;" in text, text
+    assert "resume with --lr-warmup-iters 30 --lr-decay-iters 300 to keep the checkpoint's schedule" in text, text
+    kept = _defaults_scheduler(900, lr_warmup_iters=30, lr_decay_iters=300)
+    kept.load_state_dict(unpinned.state_dict())  # the flags the sentence names resume it
+    assert kept.schedule == unpinned.schedule
+
+
 @pytest.mark.system
 def test_resuming_with_more_iterations_repeats_the_longer_run(tmp_path):
     """A run of 3 iterations saved, resumed with --train-iters 6, logs the uninterrupted 6-iteration
@@ -105,7 +131,8 @@ def test_exit_interval_and_duration_save_and_exit_then_skip_train_evaluates(tmp_
     timed = run(TINY + ["--save", str(tmp_path / "timed"), "--exit-duration-in-mins", "1e-9"], cache=tmp_path)
     assert timed.returncode == 0 and "exiting on --exit-duration-in-mins 1e-09 at iteration 1" in timed.stdout
     assert os.path.isdir(os.path.join(tmp_path, "timed", "iter_0000001")), timed.stdout
-    evaluated = run(TINY + ["--load", ckpt, "--skip-train"], cache=tmp_path)
+    # another --train-iters moves the learning-rate schedule, which evaluation never uses
+    evaluated = run(TINY + ["--load", ckpt, "--skip-train", "--train-iters", "9"], cache=tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr
     assert not losses(evaluated.stdout)  # no training iteration
     for split in ("validation", "test"):

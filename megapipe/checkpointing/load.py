@@ -154,6 +154,9 @@ def _check_optimizer_fits(path: str, common: Common, run: RunState) -> None:
 
 
 def _schedule_source(t) -> str:
+    """--skip-train uses no learning rate, so it takes the checkpoint's schedule whatever the flags say."""
+    if t.skip_train:
+        return "checkpoint"
     return schedule_source(t.override_opt_param_scheduler, t.use_checkpoint_opt_param_scheduler)
 
 

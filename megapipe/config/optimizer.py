@@ -50,7 +50,7 @@ class OptimizerConfig:
     hysteresis: int = 2
     # learning-rate schedule, counted in iterations
     lr_decay_style: str = flag("cosine", choices=LR_DECAY_STYLES)
-    # None: min(50, train_iters // 10) iterations, or none with --lr-warmup-fraction (the LR schedule decides)
+    # None: min(50, decay iterations // 10), or none with --lr-warmup-fraction (the LR schedule decides)
     lr_warmup_iters: Optional[int] = None
     lr_warmup_fraction: Optional[float] = None  # of the decay iterations
     lr_decay_iters: Optional[int] = None  # defaults to the number of training iterations

@@ -5,7 +5,9 @@ The rate rises linearly from 0 to ``--lr`` over the warm-up (``--lr-warmup-iters
 ``--min-lr`` at ``--lr-decay-iters`` (default: the training iterations) and stays there.
 Iteration 0 of a warm-up uses rate 0, as in Megatron. ``inverse-square-root`` is
 ``lr * sqrt(warmup) / sqrt(iteration)``, floored at ``--min-lr``. Weight decay stays constant.
-Without either warm-up flag the warm-up is min(50, training iterations / 10).
+Without either warm-up flag the warm-up is min(50, decay iterations / 10): it moves with the decay
+only, so a run whose decay ``--lr-decay-iters`` pins keeps its whole schedule when ``--train-iters``
+grows on resume.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class LRSchedule:
             warmup = config.lr_warmup_fraction * decay_iters
         elif config.lr_warmup_iters is not None:
             warmup = config.lr_warmup_iters
-        else:  # unset: a tenth of the run, at most 50 iterations
-            warmup = min(50, train_iters // 10)
+        else:  # unset: a tenth of the decay, at most 50 iterations
+            warmup = min(50, decay_iters // 10)
         if warmup >= decay_iters:
             raise ConfigError(f"the warm-up of {warmup:g} iterations must be shorter than --lr-decay-iters "
                               f"{decay_iters}; shorten the warm-up or decay for longer.")
@@ -100,16 +102,37 @@ class LRScheduler:
         self._apply()
 
     def check_matches(self, state: dict) -> None:
-        """Raise CheckpointError naming the flags when the checkpoint's schedule differs from the flags'."""
+        """Raise CheckpointError when the checkpoint's schedule differs from the flags', naming every flag
+        that moved and the flags that restore the checkpoint's values."""
         saved = LRSchedule(**state["schedule"])
-        if saved != self.schedule:
-            changed = [f"{name} {getattr(saved, name)} -> {getattr(self.schedule, name)}"
-                       for name in vars(saved) if getattr(saved, name) != getattr(self.schedule, name)]
-            raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}); "
-                                  "resume with the checkpoint's --lr/--min-lr/--lr-decay-style/warm-up/decay flags "
-                                  "(--train-iters sets the decay unless --lr-decay-iters does), or pass "
-                                  "--override-opt-param-scheduler to follow the flags or "
-                                  "--use-checkpoint-opt-param-scheduler to follow the checkpoint.")
+        moved = [name for name in SCHEDULE_FLAGS if getattr(saved, name) != getattr(self.schedule, name)]
+        if not moved:
+            return
+        changes = ", ".join(f"{SCHEDULE_FLAGS[name]} {_text(getattr(saved, name))} -> "
+                            f"{_text(getattr(self.schedule, name))}" for name in moved)
+        restore = " ".join(_restoring_flag(name, saved) for name in moved)
+        raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({changes}; --train-iters "
+                              "sets the decay unless --lr-decay-iters does, and the decay sets the default warm-up); "
+                              f"resume with {restore} to keep the checkpoint's schedule, or pass "
+                              "--override-opt-param-scheduler to follow the flags or "
+                              "--use-checkpoint-opt-param-scheduler to follow the checkpoint.")
+
+
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "style": "--lr-decay-style",
+                  "warmup_iters": "--lr-warmup-iters", "decay_iters": "--lr-decay-iters"}
+"""The flag that sets each field of ``LRSchedule``."""
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _restoring_flag(name: str, saved: LRSchedule) -> str:
+    """The flag and value that give ``saved``'s field ``name`` back (a fractional warm-up as a fraction)."""
+    value = getattr(saved, name)
+    if name == "warmup_iters" and not float(value).is_integer():
+        return f"--lr-warmup-fraction {value / saved.decay_iters:g}"
+    return f"{SCHEDULE_FLAGS[name]} {_text(int(value) if name == 'warmup_iters' else value)}"
 
 
 def schedule_source(override_opt_param_scheduler: bool, use_checkpoint_opt_param_scheduler: bool) -> str:
