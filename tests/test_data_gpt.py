@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 
 import numpy as np
 import pytest
@@ -164,8 +165,24 @@ def test_train_valid_test_use_disjoint_documents_in_proportion(tmp_path):
 
 @pytest.mark.unit
 def test_split_without_tokens_is_reported(tmp_path):
-    prefix = write_dataset(str(tmp_path / "ds"), [[[1, 2, 3]]] * 3)
+    prefix = write_dataset(str(tmp_path / "ds"), [[[1, 2, 3]]] * 3 + [[]])  # the valid split's document is empty
     with pytest.raises(DataError, match="the valid split of .* has no tokens but 4 samples were asked for"):
-        build_train_valid_test_datasets("gpt", [prefix], "100,1,0", 4, 1, (4, 4, 0), BYTE_LEVEL)
+        build_train_valid_test_datasets("gpt", [prefix], "3,1,0", 4, 1, (4, 4, 0), BYTE_LEVEL)
     with pytest.raises(ConfigError, match="dataset kind t5 is unknown"):
         build_train_valid_test_datasets("t5", [prefix], "1", 4, 1, (4, 0, 0), BYTE_LEVEL)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("count, samples", [(20, (4, 4, 4)), (150, (4, 4, 4)), (2, (4, 4, 4)), (10, (4, 4, 0))])
+def test_a_split_that_gets_no_document_names_one_that_works(tmp_path, count, samples):
+    """Megatron's default 969,30,1 leaves the test split of a small corpus empty: the error names a split
+    that gives every split that samples are asked of a document (as many as there are), and that split runs."""
+    prefix = write_dataset(str(tmp_path / "ds"), [[[d % 250 + 1] * 8] for d in range(count)])
+    with pytest.raises(DataError, match=f"--split 969,30,1 gives the .* split of {prefix} none of its {count} "
+                                        "documents; use --split") as refused:
+        build_train_valid_test_datasets("gpt", [prefix], "969,30,1", 4, 1, samples, BYTE_LEVEL)
+    suggested = re.search(r"use --split (\S+) \(documents per split\)", str(refused.value))[1]
+    datasets = build_train_valid_test_datasets("gpt", [prefix], suggested, 4, 1, samples, BYTE_LEVEL)
+    built = [n > 0 and w > 0 for n, w in zip(samples, parse_split(suggested))]
+    assert [ds is not None for ds in datasets] == built
+    assert built == ([True, True, False] if count == 2 else [n > 0 for n in samples])

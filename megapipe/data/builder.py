@@ -11,7 +11,7 @@ from megapipe.data.blended_dataset import BlendedDataset, blending_index, parse_
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.index_cache import default_cache_dir
 from megapipe.data.indexed_dataset import IndexedDataset
-from megapipe.data.splits import SPLIT_NAMES, parse_split, split_document_ranges
+from megapipe.data.splits import SPLIT_NAMES, check_split_documents, parse_split, split_document_ranges
 from megapipe.data.tokenizer import Tokenizer
 from megapipe.errors import ConfigError
 
@@ -46,6 +46,8 @@ def build_train_valid_test_datasets(kind: str, data_path: Sequence[str], split: 
     blend = parse_data_path(data_path)
     indexed = [IndexedDataset(prefix, vocab_size=tokenizer.vocab_size) for _, prefix in blend]
     split_weights = parse_split(split)
+    check_split_documents(split, {prefix: ds.num_documents for (_, prefix), ds in zip(blend, indexed)},
+                          [w > 0 and n > 0 for w, n in zip(split_weights, num_samples)])
     document_ranges = [split_document_ranges(ds.num_documents, split_weights) for ds in indexed]
 
     def component(d: int, s: int, count: int):
