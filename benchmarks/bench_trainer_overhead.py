@@ -63,7 +63,8 @@ def trainer_flags(settings: Settings, p: int, rounds: int) -> list[str]:
             "--attention-dropout", "0", "--untie-embeddings-and-output-weights", "--optimizer", "adamw",
             "--lr", "1e-3", "--weight-decay", "0.01", "--clip-grad", "0", "--lr-warmup-iters", "0",
             "--pipeline-model-parallel-size", str(p), "--pipeline-schedule", "1f1b",
-            "--train-iters", str(iterations), "--log-interval", str(iterations + 1),
+            # one iteration more than are run: the last iteration logs, and none of the timed ones may
+            "--train-iters", str(iterations + 1), "--log-interval", str(iterations + 1),
             "--eval-interval", str(iterations + 1), "--eval-iters", "1"]
 
 
