@@ -27,7 +27,8 @@ def test_flags_given_at_the_script_default_beat_the_preset_and_say_so_once(capsy
     [line] = notes(capsys.readouterr().err)
     assert line == ("note: the flags given win over --model-preset llama-1b: --num-layers 4, --hidden-size 128, "
                     "--num-attention-heads 4, --num-query-groups 2, --seq-length 128 (the preset's --num-layers 16, "
-                    "--hidden-size 2048, --num-attention-heads 32, --num-query-groups 8, --seq-length 2048)")
+                    "--hidden-size 2048, --num-attention-heads 32, --num-query-groups 8, --seq-length 2048); it still "
+                    "sets --ffn-hidden-size 8192")
     parse_config("gpt", ["--model-preset", "llama-tiny", "--num-layers", "4", "--swiglu"])  # agreeing: nothing said
     assert not notes(capsys.readouterr().err)
 

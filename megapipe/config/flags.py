@@ -120,7 +120,7 @@ def section_values(args: argparse.Namespace, section: str) -> dict:
 def apply_preset(args: argparse.Namespace, given: set[str], kind: str) -> tuple[Optional[Any], Optional[str]]:
     """Give every flag the command line did not give (``given``: argparse dests) the ``--model-preset``'s
     value; returns the preset's family (None without a preset) and, when a given flag differs from the
-    preset, the one line that says the given flags win."""
+    preset, the one line that says the given flags win and which sizes the preset still sets."""
     from megapipe.models.families import presets
 
     name = getattr(args, "model_preset", None)
@@ -132,7 +132,11 @@ def apply_preset(args: argparse.Namespace, given: set[str], kind: str) -> tuple[
         setattr(args, dest, values[dest])
     if not overridden:
         return family, None
-    flags = [f"--{dest.replace('_', '-')}" for dest in overridden]
-    theirs = ", ".join(f"{flag} {values[dest]}" for flag, dest in zip(flags, overridden))
-    ours = ", ".join(f"{flag} {getattr(args, dest)}" for flag, dest in zip(flags, overridden))
-    return family, f"note: the flags given win over --model-preset {name}: {ours} (the preset's {theirs})"
+    kept = [dest for dest in values if dest not in given and type(values[dest]) is int]  # the rest of its shape
+
+    def listed(dests: list[str], source: dict) -> str:
+        return ", ".join(f"--{dest.replace('_', '-')} {source[dest]}" for dest in dests)
+
+    line = (f"note: the flags given win over --model-preset {name}: {listed(overridden, vars(args))} (the preset's "
+            f"{listed(overridden, values)})")
+    return family, line + (f"; it still sets {listed(kept, values)}" if kept else "")
