@@ -45,7 +45,7 @@ def stops(service, host):
 def test_a_job_no_worker_type_can_hold_says_why_everywhere(service):
     wide = service.submit("wide", 1.0, SMALL + ["--tensor-model-parallel-size", "2"])
     narrow = service.submit("narrow", 1.0, SMALL)
-    assert service.status()["jobs"][wide]["waiting"].startswith("no worker has registered yet")
+    assert service.status()["jobs"][wide]["waiting"].startswith("no worker is registered")
     service.register_worker("host-a", "127.0.0.1", {"fast": 1, "slow": 1}, {})
     service.before_round()
     jobs = service.status()["jobs"]

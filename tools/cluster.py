@@ -19,6 +19,10 @@ The scheduler service runs real megapipe jobs on worker agents::
     python tools/cluster.py status --scheduler 127.0.0.1:8470 [--json]
     python tools/cluster.py cancel --scheduler 127.0.0.1:8470 0
 
+``serve`` and ``worker`` print one line per event: workers registered or lost, jobs submitted,
+placed (a round's placements, when they change), started, stopped and ended, and a job no worker
+type can hold, with why (``status`` shows that reason too).
+
 ``simulate`` ends with ``average JCT: <hours> h`` over the steady-state window (``--window START END``,
 job indices; by default the 25 jobs in the middle of the trace, or all of them when it has 25 or
 fewer) and ``makespan: <hours> h``; ``--jcts-out`` writes every job's JCT in the same hours.
@@ -149,6 +153,11 @@ def _service_commands(commands) -> None:
     cancel.add_argument("id", type=int)
 
 
+def say(line: str) -> None:
+    """One line of what serve or worker does, at once (their output is often a log file)."""
+    print(line, flush=True)
+
+
 def run_service(args) -> None:
     from megapipe.cluster.service.http_api import serve
     from megapipe.cluster.service.journal import Journal
@@ -164,12 +173,11 @@ def run_service(args) -> None:
         raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             f"{args.host}:{args.port}", seed=args.seed, backend=backend,
-                             announce=lambda line: print(line, flush=True))
+                             f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say)
     server = serve(service, args.host, args.port)
+    say(f"scheduler listening on http://{args.host}:{server.server_address[1]}/ (status page; journal "
+        f"{args.journal}, job logs and checkpoints in {work_dir})")
     service.start()
-    print(f"scheduler at http://{args.host}:{server.server_address[1]}/ (journal {args.journal}, jobs in {work_dir})",
-          flush=True)
     signal.signal(signal.SIGTERM, lambda *_: service.shutdown())
     while not service.stopping:
         time.sleep(0.5)
@@ -181,7 +189,7 @@ def run_worker(args) -> None:
 
     devices = parse_devices(args.devices)
     agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices),
-                        announce=lambda line: print(line, flush=True))
+                        announce=say)
     agent.run()
 
 

@@ -13,8 +13,8 @@ from typing import Optional
 def unplaceable_reason(devices: int, devices_by_type: dict) -> Optional[str]:
     """One sentence naming the requirement and the fix, or None when some worker type can hold the job."""
     if not devices_by_type:
-        return ("no worker has registered yet; start one with tools/cluster.py worker --scheduler HOST:PORT "
-                "--devices TYPE:N.")
+        return ("no worker is registered (none has joined yet, or all were lost); start one with tools/cluster.py "
+                "worker --scheduler HOST:PORT --devices TYPE:N.")
     if devices <= max(devices_by_type.values()):
         return None
     have = ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices_by_type.items()))

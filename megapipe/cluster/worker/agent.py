@@ -146,7 +146,7 @@ class WorkerAgent:
                 self._handle(message)
             time.sleep(HEARTBEAT_SECONDS)
         if self.jobs:
-            self.announce(f"worker {self.host} stopping: stopping jobs {', '.join(map(str, sorted(self.jobs)))}")
+            self.announce(f"worker {self.host} stopping; its jobs first: {', '.join(map(str, sorted(self.jobs)))}")
         for process in self.jobs.values():
             process.stop(10.0)
 
