@@ -1,8 +1,8 @@
 """Reading a cluster job's log (everything it printed over all its allocations) and running it alone.
 
 The service writes one ``[cluster] lease N on HOSTS: COMMAND`` line before each launch (and a
-``[cluster] done: ...`` line once the job has finished); the training loop logs every ``--log-interval`` iterations with its losses. ``iteration_losses``
-gives each iteration's loss as printed (its last print, should a killed run have logged
+``[cluster] done: ...`` line once the job has finished); the training loop logs every
+``--log-interval`` iterations with its losses. ``iteration_losses`` gives each iteration's loss as printed (its last print, should a killed run have logged
 iterations its checkpoint did not keep); ``overlapping_runs`` finds a run that printed while
 another of the same job was printing (the iterations go back without a new lease line).
 ``run_alone`` trains the same command uninterrupted, the reference for loss continuity.
