@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from harness import cli
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.partition import Level, PartitionProblem, StageMemory, partition
 from megapipe.planner.plan import PlanRequest, plan
@@ -92,6 +93,11 @@ def big_gpt_plans() -> None:
                           f"{mine[0].samples_per_second:7.1f} samples/s")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    cli.parser(__doc__).parse_args()
     partitioner_runtime()
     big_gpt_plans()
+
+
+if __name__ == "__main__":
+    main()

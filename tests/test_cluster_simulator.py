@@ -92,7 +92,19 @@ def test_cli_simulate_prints_the_contract_lines(capsys, tmp_path):
     lines = out.strip().splitlines()
     assert lines[-2].startswith("average JCT: ") and lines[-2].endswith(" h")
     assert lines[-1].startswith("makespan: ") and lines[-1].endswith(" h")
-    assert len(json.loads((tmp_path / "j.json").read_text())) == 20
+    written = json.loads((tmp_path / "j.json").read_text())
+    assert written["units"] == "hours" and len(written["jct_hours"]) == 20  # the whole trace is the window
+    assert float(lines[-2].split()[2]) == pytest.approx(np.mean(list(written["jct_hours"].values())), abs=0.005)
+
+
+def test_cli_generate_trace_says_what_it_wrote(capsys, tmp_path, table):
+    path = tmp_path / "g.trace"
+    code, out, _ = run_cli(["generate-trace", "--throughputs", DATA + "simulation_throughputs.json", "--num-jobs", "30",
+                            "--jobs-per-hour", "4", "--multi-worker", "--seed", "3", "--output", str(path)], capsys)
+    jobs = read_trace(path, table)
+    assert code == 0 and len(jobs) == 30
+    assert out == (f"wrote 30 jobs to {path}: arrivals over {jobs[-1].arrival_time / 3600:.1f} h, "
+                   f"{sum(j.scale_factor > 1 for j in jobs)} of them on more than one worker\n")
 
 
 def bad_trace(tmp_path, mutate):

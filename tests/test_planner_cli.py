@@ -131,3 +131,18 @@ def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
 def test_missing_inputs_are_named(argv, message, tmp_path, capsys):
     code, _, err = run(argv + ["--cluster", write_cluster(tmp_path / "c.json")], capsys)
     assert code == 2 and message in err
+
+
+@pytest.mark.unit
+def test_an_asynchronous_best_plan_says_its_weights_are_stale_and_shows_the_best_synchronous_one(capsys):
+    common = ["--model", "gpt-1.3b", "--cluster", "a100-80gb-1x8", "--global-batch-size", 64, "--top", 1]
+    code, out, _ = run(common + ["--schedules", "2bw,1f1b"], capsys)
+    lines = out.splitlines()
+    assert code == 0 and ", 2bw, " in next(line for line in lines if line.startswith("best: "))
+    assert "gradients are computed on weights one or more updates old (stale weights)" in out
+    synchronous = next(line for line in lines if line.startswith("best synchronous: "))
+    _, alone, _ = run(common + ["--schedules", "1f1b"], capsys)  # the synchronous search on its own
+    best_alone = next(line for line in alone.splitlines() if line.startswith("best: "))
+    layout_and_speed = lambda line, prefix: line.removeprefix(prefix).split(" samples/s")[0]  # noqa: E731
+    assert layout_and_speed(synchronous, "best synchronous: ") == layout_and_speed(best_alone, "best: ")
+    assert "stale weights" not in alone

@@ -19,9 +19,13 @@ The scheduler service runs real megapipe jobs on worker agents::
     python tools/cluster.py status --scheduler 127.0.0.1:8470 [--json]
     python tools/cluster.py cancel --scheduler 127.0.0.1:8470 0
 
+``serve`` and ``worker`` print one line per event: workers registered or lost, jobs submitted,
+placed (a round's placements, when they change), started, stopped and ended, and a job no worker
+type can hold, with why (``status`` shows that reason too).
+
 ``simulate`` ends with ``average JCT: <hours> h`` over the steady-state window (``--window START END``,
 job indices; by default the 25 jobs in the middle of the trace, or all of them when it has 25 or
-fewer) and ``makespan: <hours> h``.
+fewer) and ``makespan: <hours> h``; ``--jcts-out`` writes every job's JCT in the same hours.
 """
 
 import argparse
@@ -93,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prices", help="TYPE:$/h,... for cost and cost policies")
     run.add_argument("--estimate-throughputs", type=float, metavar="FRACTION",
                      help="policies see co-location throughputs estimated from profiling against FRACTION of the reference jobs")
-    run.add_argument("--jcts-out", help="write {job id: JCT seconds} as JSON")
+    run.add_argument("--jcts-out", help='write each finished job\'s JCT as JSON: {"units": "hours", "jct_hours": '
+                                        '{job id: JCT}}, in the hours of the summary')
     run.add_argument("--plots-dir", help="write jct_cdf.png and utilisation.png here")
     est = commands.add_parser("estimate", help="error of the co-location throughput estimator (matrix completion)")
     est.add_argument("--throughputs", required=True)
@@ -148,6 +153,11 @@ def _service_commands(commands) -> None:
     cancel.add_argument("id", type=int)
 
 
+def say(line: str) -> None:
+    """One line of what serve or worker does, at once (their output is often a log file)."""
+    print(line, flush=True)
+
+
 def run_service(args) -> None:
     from megapipe.cluster.service.http_api import serve
     from megapipe.cluster.service.journal import Journal
@@ -163,11 +173,11 @@ def run_service(args) -> None:
         raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             f"{args.host}:{args.port}", seed=args.seed, backend=backend)
+                             f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say)
     server = serve(service, args.host, args.port)
+    say(f"scheduler listening on http://{args.host}:{server.server_address[1]}/ (status page; journal "
+        f"{args.journal}, job logs and checkpoints in {work_dir})")
     service.start()
-    print(f"scheduler at http://{args.host}:{server.server_address[1]}/ (journal {args.journal}, jobs in {work_dir})",
-          flush=True)
     signal.signal(signal.SIGTERM, lambda *_: service.shutdown())
     while not service.stopping:
         time.sleep(0.5)
@@ -178,8 +188,8 @@ def run_worker(args) -> None:
     from megapipe.cluster.worker.agent import WorkerAgent, parse_devices, parse_throttle
 
     devices = parse_devices(args.devices)
-    agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices))
-    print(f"worker {args.host}: {args.devices} for {args.scheduler}", flush=True)
+    agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices),
+                        announce=say)
     agent.run()
 
 
@@ -204,15 +214,20 @@ def _call(scheduler: str, path: str, body: dict | None = None) -> dict:
 
 def print_status(args) -> None:
     status = _call(args.scheduler, "/status")
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return
-    print(f"{'id':>3}  {'name':<12} {'state':<9} {'iterations':>11}  {'allocation':<28} {'JCT':>8}  log")
+    print(json.dumps(status, indent=1) if args.json else status_table(status))
+
+
+def status_table(status: dict) -> str:
+    """The jobs, one line each, and under a queued job that no worker type can hold, why."""
+    lines = [f"{'id':>3}  {'name':<12} {'state':<9} {'iterations':>11}  {'allocation':<28} {'JCT':>9}  log"]
     for job in status["jobs"]:
         slots = ",".join(f"{h}:{t}x{n}" for h, t, n in job["allocation"] or []) or "-"
-        jct = "-" if job["jct"] is None else f"{job['jct']:.1f}s"
-        print(f"{job['id']:>3}  {job['name']:<12} {job['state']:<9} {job['iterations']:>5}/{job['target_iters']:<5}  "
-              f"{slots:<28} {jct:>8}  {job['log']}")
+        jct = "-" if job["jct"] is None else f"{job['jct']:.1f} s"
+        lines.append(f"{job['id']:>3}  {job['name']:<12} {job['state']:<9} {job['iterations']:>5}/"
+                     f"{job['target_iters']:<5}  {slots:<28} {jct:>9}  {job['log']}")
+        if job["waiting"]:
+            lines.append(f"{'':>5}cannot be placed: {job['waiting']}")
+    return "\n".join(lines)
 
 
 def run_simulation(args) -> None:
@@ -245,7 +260,8 @@ def run_simulation(args) -> None:
     jcts = completion_times(scheduler.records)
     if args.jcts_out:
         with open(args.jcts_out + ".tmp", "w") as handle:
-            json.dump({str(k): v for k, v in sorted(jcts.items())}, handle, indent=1)
+            json.dump({"units": "hours", "jct_hours": {str(k): v / 3600 for k, v in sorted(jcts.items())}}, handle,
+                      indent=1)
         os.replace(args.jcts_out + ".tmp", args.jcts_out)
     if args.plots_dir:
         from megapipe.cluster.sim.plots import plot_jct_cdf, plot_utilisation
@@ -253,8 +269,8 @@ def run_simulation(args) -> None:
         os.makedirs(args.plots_dir, exist_ok=True)
         plot_jct_cdf({args.policy: list(jcts.values())}, os.path.join(args.plots_dir, "jct_cdf.png"))
         plot_utilisation(scheduler.utilisation, cluster.total, os.path.join(args.plots_dir, "utilisation.png"))
-    print(f"jobs {window[0]}-{window[1] - 1} of {len(jobs)}; utilisation {summary.utilisation:.2f}; "
-          f"average finish-time fairness {summary.average_ftf:.2f}")
+    print(f"jobs {window[0]}-{window[1] - 1} of {len(jobs)}; utilisation {summary.utilisation:.0%} of the "
+          f"accelerator time; average finish-time fairness {summary.average_ftf:.2f} (JCT / JCT alone)")
     if scheduler.prices:
         print(f"cost: ${summary.total_cost:.2f}; SLO violations: {summary.slo_violations} of {summary.jobs_with_slo}")
     print(f"average JCT: {summary.average_jct_hours:.2f} h")
@@ -300,7 +316,11 @@ def main(argv=None) -> int:
         if args.num_jobs < 1:
             raise ConfigError(f"--num-jobs {args.num_jobs} must be at least 1.")
         table = ThroughputTable.load(args.throughputs)
-        write_trace(generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker), args.output)
+        jobs = generate_trace(table, args.num_jobs, args.jobs_per_hour, args.seed, args.multi_worker)
+        write_trace(jobs, args.output)
+        multi = sum(job.scale_factor > 1 for job in jobs)
+        print(f"wrote {len(jobs)} jobs to {args.output}: arrivals over {jobs[-1].arrival_time / 3600:.1f} h, "
+              f"{multi} of them on more than one worker")
     else:
         parser.print_help()
         return USAGE_ERROR

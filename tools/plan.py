@@ -13,7 +13,9 @@ Examples::
     python tools/plan.py --model gpt-1.3b --cluster v100-16gb-1x8 --pipedream --micro-batch-size 4
 
 Prints the best configurations, the torchrun command of the best, and writes the plan file
-(``--plan-out``) the training scripts accept and a throughput map over (d, p) (``--plot-out``).
+(``--plan-out``) the training scripts accept and a throughput map over (d, p) (``--plot-out``). A best
+plan on an asynchronous schedule (2BW, PipeDream) comes with a note that it trains with stale
+weights and with the best synchronous plan beside it.
 Cluster presets: v100-16gb-1x8, v100-16gb-8x8, a100-80gb-1x8, a100-80gb-8x8.
 """
 
@@ -34,7 +36,7 @@ from megapipe.planner.profile_partition import partition_profile  # noqa: E402
 from megapipe.planner.plan import PlanRequest, plan  # noqa: E402
 from megapipe.planner.presets import CLUSTERS, MODELS, cluster_preset, model_preset  # noqa: E402
 from megapipe.planner.profile import ModelProfile, ModelShape  # noqa: E402
-from megapipe.planner.schedule_costs import SCHEDULES  # noqa: E402
+from megapipe.planner.schedule_costs import FLUSHING, SCHEDULES, flushes  # noqa: E402
 from megapipe.planner.units import human_bytes  # noqa: E402
 
 
@@ -153,6 +155,21 @@ def _shardings(names: str) -> tuple[str, ...]:
     return chosen
 
 
+def stale_weights_note(result) -> str:
+    """For an asynchronous best plan: that it trains with stale weights, and the best synchronous plan beside it."""
+    best = result.best
+    note = (f"note: {best.layout.schedule} is asynchronous: 2BW and PipeDream never flush the pipeline, so "
+            "gradients are computed on weights one or more updates old (stale weights), which can change "
+            "convergence compared with a synchronous schedule")
+    synchronous = next((e for e in result.ranked if flushes(e.layout.schedule)), None)
+    if synchronous is None:
+        return f"{note}; no synchronous layout was searched (add one of {', '.join(FLUSHING)} to --schedules)."
+    slower = 1 - synchronous.samples_per_second / best.samples_per_second
+    return (f"{note}.\nbest synchronous: {synchronous.layout.describe()}: {synchronous.samples_per_second:.4g} "
+            f"samples/s ({slower:.1%} slower), {human_bytes(synchronous.memory)} per device "
+            f"(--schedules {','.join(FLUSHING)} plans only synchronous schedules)")
+
+
 def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
     if not args.global_batch_size:
         raise ConfigError("--global-batch-size is required; it is the batch every layout must reach.")
@@ -171,6 +188,8 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
     best = result.best
     print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")
+    if not flushes(best.layout.schedule):
+        print(stale_weights_note(result))
     print(torchrun_command(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce))
     if args.plan_out:
         write_plan(uniform_plan(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce),

@@ -5,7 +5,9 @@
 ``stop_token_ids``) answers ``{"text": [...], "tokens": [...]}``: each prompt followed by its
 continuation, and the new token ids. ``PUT /loglikelihood`` with ``{"requests": [[context,
 continuation], ...]}`` (texts) answers ``{"loglikelihoods": [[logprob, is_greedy], ...]}``.
-A bad request gets 400 and one sentence naming the field; the server keeps serving.
+A bad request gets 400 and one sentence naming the field; the server keeps serving. Another
+method than PUT gets 405 with ``Allow: PUT`` and a JSON sentence naming PUT (http.server alone
+would answer an HTML 501 page). Each request is logged in one line, a refusal with its reason.
 
 Global rank 0 listens; it checks each request, then broadcasts it to every rank, and all
 ranks run it together (the other ranks wait in ``follow``).
@@ -93,9 +95,14 @@ def make_handler(loaded: LoadedModel):
     tokenizer = loaded.tokenizer
 
     class Handler(BaseHTTPRequestHandler):
-        def _reply(self, status: int, payload: dict) -> None:
+        refusal = None  # the reason of the reply being sent, for its log line
+
+        def _reply(self, status: int, payload: dict, headers: tuple = ()) -> None:
             data = json.dumps(payload).encode()
+            self.refusal = payload.get("error")
             self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -126,7 +133,17 @@ def make_handler(loaded: LoadedModel):
             texts = [tokenizer.decode(p + new) for p, new in zip(prompts, result)]
             return self._reply(200, {"text": texts, "tokens": result})
 
-        def log_message(self, fmt, *args):  # one line per request on stderr
+        def _not_put(self):
+            self._reply(405, {"error": f"{self.command} is not served here; send PUT /api (generation) or PUT "
+                                       "/loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
+
+        do_GET = do_POST = do_DELETE = do_PATCH = _not_put  # noqa: N815 (http.server's names)
+
+        def log_request(self, code="-", size="-"):  # one line per request, a refusal with its reason
+            reason = f" {self.refusal}" if self.refusal else ""
+            self.log_message('"%s" %s %s%s', self.requestline, str(getattr(code, "value", code)), size, reason)
+
+        def log_message(self, fmt, *args):
             print(f"{self.address_string()} {fmt % args}", flush=True)
 
     return Handler

@@ -1,13 +1,14 @@
 """Reading a cluster job's log (everything it printed over all its allocations) and running it alone.
 
-The service writes one ``[cluster] lease N on HOSTS: COMMAND`` line before each launch; the
-training loop logs every ``--log-interval`` iterations with its losses. ``iteration_losses``
-gives each iteration's loss as printed (its last print, should a killed run have logged
-iterations its checkpoint did not keep); ``overlapping_runs`` finds a run that printed while
-another of the same job was printing (the iterations go back without a new lease line).
-``run_alone`` trains the same command uninterrupted, the reference for loss continuity.
-``MeasuredThroughput`` reads, as the log grows, the job's speed on each accelerator type from the
-iteration times it printed: the throughputs the scheduler uses once a job has run on a type.
+The service writes one ``[cluster] lease N on HOSTS: COMMAND`` line before each launch (and a
+``[cluster] done: ...`` line once the job has finished); the training loop logs every
+``--log-interval`` iterations with its losses. ``iteration_losses`` gives each iteration's loss as
+printed (its last print, should a killed run have logged iterations its checkpoint did not keep);
+``overlapping_runs`` finds a run that printed while another of the same job was printing (the
+iterations go back without a new lease line). ``run_alone`` trains the same command uninterrupted,
+the reference for loss continuity. ``MeasuredThroughput`` reads, as the log grows, the job's speed
+on each accelerator type from the iteration times it printed: the throughputs the scheduler uses
+once a job has run on a type.
 """
 
 from __future__ import annotations

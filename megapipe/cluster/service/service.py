@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from megapipe.cluster.service.job_spec import parse_job
 from megapipe.cluster.service.job_log import MeasuredThroughput
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.service.journal import Journal
+from megapipe.cluster.service.placeable import unplaceable_reason
 from megapipe.cluster.core.mechanism import RoundMechanism
 from megapipe.cluster.core.policies import make_policy
 from megapipe.cluster.service.relayout import layout_command, predicted_iterations_per_second
@@ -39,6 +39,9 @@ from megapipe.cluster.core.throughputs import ThroughputTable
 from megapipe.errors import ConfigError, SlurmError
 
 STOP_GRACE_SECONDS = 60.0  # a stopped job saves before SIGKILL
+# the units of the status's figures whose names do not say them (readers of the JSON keep their keys)
+STATUS_UNITS = {"jct": "seconds", "elapsed": "seconds", "average_jct": "seconds", "throughput": "iterations/s",
+                "round.seconds": "seconds", "round.ends_in": "seconds"}
 
 
 @dataclass
@@ -60,9 +63,11 @@ class Run:
 class ClusterService:
     def __init__(self, journal: Journal, policy: str, round_seconds: float, work_dir: str,
                  worker_types: tuple = ("fast", "slow"), renew_leases: bool = True, address: str = "127.0.0.1:0",
-                 lost_seconds: float = 5.0, seed: int = 0, backend=None):
+                 lost_seconds: float = 5.0, seed: int = 0, backend=None, announce=None):
         """``backend``: what runs the ranks (the ``Backend`` protocol plus ``nodes()`` and
-        ``running_job_ids()``, as ``SlurmBackend`` has them); worker agents by default."""
+        ``running_job_ids()``, as ``SlurmBackend`` has them); worker agents by default. ``announce``:
+        where the service says what happens, one line per event (workers joining or lost, jobs
+        submitted and ended, a round's placements when they change); silent when None."""
         if round_seconds <= 0:
             raise ConfigError(f"--round-seconds {round_seconds:g} must be positive.")
         self.policy, self.policy_name = make_policy(policy, seed), policy
@@ -94,6 +99,8 @@ class ClusterService:
         self.finished: set = set()  # done, until the round's booking retires them
         self.last_command: dict = {}  # job id -> the command (layout) of its previous launch by this service
         self.placements: dict = {}
+        self.unplaceable: dict = {}  # job id -> why it cannot be placed, as last announced
+        self.announce = announce or (lambda line: None)
         self.round_end = 0.0
         self.rounds = 0
         self.started = time.monotonic()
@@ -155,6 +162,8 @@ class ClusterService:
         with self.lock:
             self.specs[job_id] = spec
             self.source.pending.append(self._job(job_id, spec, priority))
+        self.announce(f"job {job_id} ({name}) submitted: {spec.target_iters} iterations on {spec.devices} "
+                      f"device{'s' if spec.devices > 1 else ''}, priority {priority:g}")
         self.wake.set()
         return job_id
 
@@ -182,14 +191,15 @@ class ClusterService:
             raise ConfigError(f"worker {host} declares no devices; pass --devices TYPE:N with N at least 1.")
         self.agents.register(host, address, {t: int(n) for t, n in devices.items()},
                               {t: float(f) for t, f in throttle.items()})
+        quotas = "".join(f", {t} at {float(f):g} CPU each" for t, f in sorted(throttle.items()) if float(f) < 1)
+        self.announce(f"worker {host} registered: {_devices(devices)}{quotas}")
         self.wake.set()
 
     def lease_report(self, job_id: int, lease: int, report: dict) -> dict:
         """A running job's report and, with ``renew``, its request to renew (blocks until the round is decided)."""
         with self.lock:
             if job_id not in self.specs:
-                print(f"refused a lease report from job {job_id}, which this scheduler does not know.",
-                      file=sys.stderr, flush=True)
+                self.announce(f"refused a lease report from job {job_id}, which this scheduler does not know")
                 return {"error": f"job {job_id} is not known to this scheduler; run jobs through tools/cluster.py "
                                  "submit."}
             run = self.runs.get(job_id)
@@ -274,6 +284,7 @@ class ClusterService:
         jobs = []
         now = time.time()
         for row in self.journal.jobs():
+            waiting = unplaceable_reason(row.scale_factor, by_type) if row.state == "queued" else None
             jobs.append({
                 "id": row.id, "name": row.name, "state": row.state, "priority": row.priority,
                 "iterations": live.get(row.id, row.iterations), "target_iters": row.target_iters,
@@ -281,9 +292,10 @@ class ClusterService:
                 "jct": row.jct, "elapsed": (row.finished or now) - row.submitted, "error": row.error,
                 "throughput": {t: r for (j, t), r in rates.items() if j == row.id} or row.throughputs,
                 "overhead_seconds": row.overhead, "fixed_seconds": row.fixed, "leases": row.lease,
-                "relayouts": row.relayouts, "costs": costs.get(row.id)})
+                "relayouts": row.relayouts, "costs": costs.get(row.id), "waiting": waiting})
         done = [j["jct"] for j in jobs if j["state"] == "done"]
-        return {"jobs": jobs, "round": round_info, "average_jct": sum(done) / len(done) if done else None,
+        return {"units": STATUS_UNITS, "jobs": jobs, "round": round_info,
+                "average_jct": sum(done) / len(done) if done else None,
                 "workers": [{"host": host, "devices": devices,
                              "throttle": {t: f for t, f in throttles.items() if t in devices and f < 1}}
                             for host, devices in sorted(hosts.items())],
@@ -306,9 +318,22 @@ class ClusterService:
                                                               self.scheduler.seed + 5)
                     self.scheduler.needs_allocation = True
                 self._predict_missing()
+                self._announce_unplaceable(counts)
                 if counts:
                     return
             self.wake.wait(0.5)
+
+    def _announce_unplaceable(self, counts: dict) -> None:
+        """Say once why each queued job cannot be placed on the workers there are (and nothing again until
+        that changes); a job the workers can hold is forgotten."""
+        for job in self.source.pending + list(self.scheduler.active.values()):
+            reason = unplaceable_reason(job.scale_factor, counts)
+            if reason is not None and self.unplaceable.get(job.job_id) != reason:
+                self.announce(f"job {job.job_id} cannot be placed: {reason}")
+            if reason is None:
+                self.unplaceable.pop(job.job_id, None)
+            else:
+                self.unplaceable[job.job_id] = reason
 
     def _predict_missing(self) -> None:
         """Planner predictions for every (job, type) not measured yet."""
@@ -336,12 +361,19 @@ class ClusterService:
         return tuple(HostSlots(host, worker_type, n) for host, n in counts.items())
 
     def begin_round(self, placements: dict, end: float, renew: bool) -> None:
-        """Extend the leases of runs that keep their workers; revoke every other."""
+        """Extend the leases of runs that keep their workers; revoke every other, except a run that reported
+        its last iteration: it is finishing on its own (final save, evaluation, exit), and a SIGTERM then
+        could only cut that short; one that lands while a rank's interpreter exits (which restores the
+        default action) kills the rank, and torchrun ends the finished job's log with FAILED."""
         with self.lock:
             self.rounds += 1
+            if placements != self.placements:
+                self.announce(f"round {self.rounds} ({self.round_seconds:g} s): " + (
+                    "; ".join(f"job {j} on {_slots(hosts)}" for j, hosts in sorted(placements.items()))
+                    or "no job placed"))
             self.placements, self.round_end = placements, end
             for job_id, run in list(self.runs.items()):
-                if run.stop_requested is not None:
+                if run.stop_requested is not None or run.iteration >= self.specs[job_id].target_iters:
                     continue
                 if renew and placements.get(job_id) == run.hosts:
                     run.lease_end = end
@@ -358,7 +390,9 @@ class ClusterService:
                 self._retire(job_id, "cancelled")
             self.cancelled.clear()
             if self.agents is not None:
-                self.agents.forget_lost()
+                for host in self.agents.forget_lost():
+                    self.announce(f"worker {host} lost: no heartbeat for {self.agents.lost_seconds:g} s; its "
+                                  "jobs go back to the queue")
             self.hosts, self.alive = self.backend.nodes(), self.backend.running_job_ids()
             for job_id, run in list(self.runs.items()):
                 self._measure(job_id)
@@ -444,8 +478,14 @@ class ClusterService:
         if iterations >= row.target_iters:  # the last iteration's report to the exit: final save and evaluation
             exit_seconds = max(0.0, self.clock.now() - run.last_report)
             self._costs(job_id)["exit"] = exit_seconds
-            self.journal.update(job_id, state="done", finished=time.time(), fixed=row.fixed + exit_seconds)
+            finished = time.time()
+            self.journal.update(job_id, state="done", finished=finished, fixed=row.fixed + exit_seconds)
             self.finished.add(job_id)  # the round's booking takes it out of the scheduler
+            with open(row.log_path, "a") as log:  # the log ends with the scheduler's word, not the ranks' last line
+                log.write(f"[cluster] done: {iterations} of {row.target_iters} iterations, the ranks exited with "
+                          f"code {code}\n")
+            self.announce(f"job {job_id} ({row.name}) done: {iterations} iterations, JCT "
+                          f"{finished - row.submitted:.1f} s")
             return
         if run.stop_requested is not None:
             self._add_overhead(job_id, self.clock.now() - run.stop_requested)
@@ -465,8 +505,17 @@ class ClusterService:
         self.scheduler.needs_allocation = True
         if job_id in self.runs and self.runs[job_id].stop_requested is None:
             self._revoke(job_id)
-        if error:
-            print(f"job {job_id} failed: {error}", file=sys.stderr, flush=True)
+        self.announce(f"job {job_id} {state}" + (f": {error}" if error else ""))
+
+
+def _devices(devices: dict) -> str:
+    """{"fast": 2, "slow": 1} -> "2 fast, 1 slow"."""
+    return ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices.items()))
+
+
+def _slots(hosts: tuple) -> str:
+    """A placement's hosts as "host-a: 1 fast, host-b: 1 fast"."""
+    return ", ".join(f"{slot.host}: {slot.devices} {slot.worker_type}" for slot in hosts)
 
 
 def _last_error(log_path: str, code: int) -> str:

@@ -1,6 +1,7 @@
 """The scheduler's status page: one self-refreshing HTML page, no scripts, no external files.
 
-Jobs with their state (coloured: queued grey, running blue, done green, failed red), iterations
+Jobs with their state (coloured: queued grey, running blue, done green, failed red; a queued job
+that no worker type can hold says why), iterations
 out of the target as a bar, allocation, measured throughput and JCT (so far, for unfinished
 jobs); the workers by type; the current round's placements; the average JCT of the finished
 jobs.
@@ -26,6 +27,8 @@ def _job_row(job: dict) -> str:
     fraction = min(1.0, job["iterations"] / max(job["target_iters"], 1))
     rates = ", ".join(f"{t}: {r:.2f} it/s" for t, r in sorted(job["throughput"].items())) or "-"
     error = f'<div class="error">{escape(job["error"])}</div>' if job["error"] else ""
+    if job["waiting"]:
+        error += f'<div class="waiting">cannot be placed: {escape(job["waiting"])}</div>'
     return (f'<tr id="job-{job["id"]}"><td>{job["id"]}</td><td>{escape(job["name"])}</td>'
             f'<td><span class="state" style="background:{STATE_COLOURS.get(job["state"], "#000")}">'
             f'{job["state"]}</span>{error}</td>'
@@ -65,6 +68,7 @@ td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
 .bar {{ width: 120px; height: 10px; background: #eee; display: inline-block; margin-right: 6px; }}
 .bar div {{ height: 10px; background: #1565c0; }}
 .error {{ color: #c62828; font-size: smaller; }}
+.waiting {{ color: #e65100; font-size: smaller; max-width: 40em; }}
 </style></head><body>
 <h1>megapipe cluster</h1>
 <p id="summary">policy {escape(round_["policy"])}; round {round_["number"]} ({round_["seconds"]:g} s, ends in

@@ -105,17 +105,23 @@ class JobProcess:
 
 
 class WorkerAgent:
-    def __init__(self, scheduler: str, host: str, address: str, devices: dict, throttle: dict):
+    def __init__(self, scheduler: str, host: str, address: str, devices: dict, throttle: dict, announce=None):
+        """``announce``: where the agent says what happens, one line per event (registered, the scheduler
+        lost and back, each job's ranks started, stopped and ended); silent when None."""
         self.url, self.host, self.address = f"http://{scheduler}", host, address
         self.devices, self.throttle = devices, throttle
+        self.announce = announce or (lambda line: None)
         self.jobs: dict[int, JobProcess] = {}
         self.stopping = False
+        self.unreachable = False  # the last call found no scheduler (said once, until it answers again)
 
     def register(self) -> None:
         answer = post_json(f"{self.url}/workers", {"host": self.host, "address": self.address,
                                                    "devices": self.devices, "throttle": self.throttle}, timeout=10)
         if "error" in answer:
             raise ConfigError(answer["error"])
+        devices = ", ".join(f"{n} {t}" for t, n in sorted(self.devices.items()))
+        self.announce(f"worker {self.host} registered with the scheduler at {self.url}: {devices}")
 
     def run(self) -> None:
         """Heartbeat until stopped; a scheduler that is down is waited for, one that forgot us is re-joined."""
@@ -126,33 +132,56 @@ class WorkerAgent:
             try:
                 answer = post_json(f"{self.url}/workers/{self.host}/heartbeat", {"running": running}, timeout=10)
             except OSError:
-                time.sleep(1.0)
+                self._lost_scheduler()
                 continue
+            self._found_scheduler()
             if "error" in answer:
                 self._call(self.register)
                 continue
             for job_id, code in running.items():
                 if code is not None:
                     del self.jobs[int(job_id)]  # its exit code went out with this heartbeat
+                    self.announce(f"job {job_id}: its ranks here ended with exit code {code}")
             for message in answer["messages"]:
                 self._handle(message)
             time.sleep(HEARTBEAT_SECONDS)
+        if self.jobs:
+            self.announce(f"worker {self.host} stopping; its jobs first: {', '.join(map(str, sorted(self.jobs)))}")
         for process in self.jobs.values():
             process.stop(10.0)
 
     def _call(self, function) -> None:
         while not self.stopping:
             try:
-                return function()
+                function()
             except OSError:
-                time.sleep(1.0)
+                self._lost_scheduler()
+                continue
+            self._found_scheduler()
+            return
+
+    def _lost_scheduler(self) -> None:
+        if not self.unreachable:
+            self.announce(f"no scheduler answers at {self.url}; trying again every second")
+        self.unreachable = True
+        time.sleep(1.0)
+
+    def _found_scheduler(self) -> None:
+        if self.unreachable:
+            self.announce(f"the scheduler at {self.url} answers again")
+        self.unreachable = False
 
     def _handle(self, message: dict) -> None:
         if "launch" in message:
             launch = dict(message["launch"], host=self.host)
-            worker_type = next(s["worker_type"] for s in launch["hosts"] if s["host"] == self.host)
-            self.jobs[launch["job_id"]] = JobProcess(launch, self.throttle.get(worker_type, 1.0))
+            slot = next(s for s in launch["hosts"] if s["host"] == self.host)
+            self.jobs[launch["job_id"]] = JobProcess(launch, self.throttle.get(slot["worker_type"], 1.0))
+            self.announce(f"job {launch['job_id']}: started {slot['devices']} rank{'s' if slot['devices'] > 1 else ''} "
+                          f"on {slot['worker_type']} (node {launch['node_rank']} of {len(launch['hosts'])}), "
+                          f"output in {launch['log_path']}")
         elif "stop" in message:
-            process = self.jobs.get(message["stop"]["job_id"])
+            job_id, grace = message["stop"]["job_id"], message["stop"]["grace_seconds"]
+            process = self.jobs.get(job_id)
             if process is not None:
-                threading.Thread(target=process.stop, args=(message["stop"]["grace_seconds"],), daemon=True).start()
+                self.announce(f"job {job_id}: stopping (SIGTERM; the job saves and exits, SIGKILL after {grace:g} s)")
+                threading.Thread(target=process.stop, args=(grace,), daemon=True).start()

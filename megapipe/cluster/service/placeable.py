@@ -1,0 +1,24 @@
+"""Why a queued job cannot be placed on the cluster as it is: the one requirement no worker type meets.
+
+A job runs on ``devices`` (its tensor x pipeline size) accelerators of one type, on one host or
+spread over several. The round mechanism skips a job that no type has that many of, so without
+a word it would stay queued forever; ``status`` and the status page show this sentence instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def unplaceable_reason(devices: int, devices_by_type: dict) -> Optional[str]:
+    """One sentence naming the requirement and the fix, or None when some worker type can hold the job."""
+    if not devices_by_type:
+        return ("no worker is registered (none has joined yet, or all were lost); start one with tools/cluster.py "
+                "worker --scheduler HOST:PORT --devices TYPE:N.")
+    if devices <= max(devices_by_type.values()):
+        return None
+    have = ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices_by_type.items()))
+    return (f"it needs {devices} devices of one type (--tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size) but no worker type has that many (the workers have {have}); "
+            f"start workers with --devices TYPE:N adding up to {devices} of one type, or cancel it and submit it "
+            f"with a tensor x pipeline size of at most {max(devices_by_type.values())}.")
