@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from docs_example_helpers import REPO, Block, Command, run_block, runnable_blocks, shrunk, working_directory
+from docs_example_helpers import REPO, Command, run_block, runnable_blocks, shrunk, working_directory
 
 PAGES = sorted(str(path.relative_to(REPO)) for path in pathlib.Path(REPO).glob("docs/*.md")) + ["README.md"]
 RUNNABLE_PAGES = [page for page in PAGES if runnable_blocks(page, (pathlib.Path(REPO) / page).read_text())]
@@ -48,7 +48,7 @@ def test_training_commands_are_shrunk_to_one_iteration_and_others_run_as_written
         "torchrun --nproc_per_node=2 pretrain_gpt.py --save ckpt --exit-interval 1 --log-interval 1"
     assert shrunk("python tools/plot_schedule.py --schedule zbv -p 4") == "python tools/plot_schedule.py --schedule zbv -p 4"
     block = runnable_blocks("x.md", "<!-- runnable -->\n```bash\n# a comment\npython a.py \\\n    --b 1\n```\n")[0]
-    assert block.commands == [Command(4, "python a.py      --b 1")] and isinstance(block, Block)
+    assert block.commands == [Command(4, "python a.py      --b 1")]
 
 
 @pytest.mark.unit
