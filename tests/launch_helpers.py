@@ -25,7 +25,7 @@ def standalone(nproc: int, script_argv: list[str]) -> list[str]:
 
 
 def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = "megapipe") -> list[str]:
-    """The README's multi-node torchrun for node ``node`` of ``hosts``, run inside that host.
+    """The multi-node torchrun of docs/parallelism.md for node ``node`` of ``hosts``, run inside that host.
 
     ``--local-addr`` gives the node its own address (all hosts share one hostname) and the first
     node is told that it hosts the rendezvous store (``is_host=1``)."""

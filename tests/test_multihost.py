@@ -1,7 +1,7 @@
 """Two hosts of two ranks each train exactly like one host of four.
 
-Each host is a network namespace (``make_test_hosts``) running the README's multi-node
-command: one torchrun per host with c10d rendezvous on host 0's address, ``--local-addr`` and
+Each host is a network namespace (``make_test_hosts``) running the multi-node
+command of docs/parallelism.md: one torchrun per host with c10d rendezvous on host 0's address, ``--local-addr`` and
 ``is_host=1`` on the first. The reference is the same ``pretrain_gpt.py`` command under
 ``torchrun --standalone`` with 4 processes on one host. The same layout performs the same
 floating-point operations in the same order wherever its ranks live, so every logged number

@@ -1,6 +1,6 @@
 """Hosts that fail in mid-training: a host that disappears, a link cut that heals, one that does not.
 
-Two test hosts of one rank each run a 2-stage pipeline with the README's multi-node command
+Two test hosts of one rank each run a 2-stage pipeline with the multi-node command of docs/parallelism.md
 (``--save`` and ``--load`` the same directory, a checkpoint every 2 iterations, a distributed
 timeout of 30 s), as a job script would, and the same command is started again afterwards.
 

@@ -2,7 +2,7 @@
 alternation), ``build_schedule``'s size checks (the least microbatches are exactly where it starts to
 succeed), the simulator (closed forms marked exact), the weight versions the lists hold (the weight
 policy's count), the planner (placement, what it plans), the command line (exactly the registered names
-and ``auto``) and the README's table (generated from the registry)."""
+and ``auto``) and the table of docs/schedules.md (generated from the registry)."""
 
 import re
 import sys
@@ -202,9 +202,10 @@ def _parse_unknown(name):
                                 "--pipeline-schedule", name], world_size=2)
 
 
-def test_the_readme_table_and_flag_list_are_the_registry_s():
-    readme = (ROOT / "README.md").read_text()
-    assert schedule_table.readme_table(readme) == schedule_table.schedule_table(), \
-        "the README's schedule table is stale: run python tools/schedule_table.py --write"
-    flag_list = re.search(r"`--pipeline-schedule \{([^}]*)\}`", readme).group(1).split(",")
+def test_the_docs_table_and_flag_list_are_the_registry_s():
+    schedules_page = (ROOT / "docs" / "schedules.md").read_text()
+    assert schedule_table.page_table(schedules_page) == schedule_table.schedule_table(), \
+        "the schedule table of docs/schedules.md is stale: run python tools/schedule_table.py --write"
+    flags_page = (ROOT / "docs" / "training.md").read_text()
+    flag_list = re.search(r"`--pipeline-schedule \{([^}]*)\}`", flags_page).group(1).split(",")
     assert sorted(flag_list) == sorted(accepted_names())

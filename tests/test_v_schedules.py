@@ -11,7 +11,7 @@ computed here independently of the generators:
   forwards ran), with 1F1B's peak p.
 * V-Half and V-Min (Qi et al., NeurIPS 2024) hold half and a third of 1F1B's activations up to a
   constant: exactly floor(p / 2) + 1 and floor((p + 4) / 3) once m >= p (never more below); their
-  bubble is the same for every m (the values the README quotes, pinned here as regression
+  bubble is the same for every m (the values docs/schedules.md quotes, pinned here as regression
   values of the squeeze, not a closed form).
 * DualPipeV's idle per rank is at most (p - 1)(F&B + B - 3W) (DualPipe's README, p counted in V
   ranks), reached by the busiest rank, for the two ends of what overlap can give

@@ -22,7 +22,7 @@ def markdown(header: Sequence[str], rows: Iterable[Sequence] = ()) -> list[str]:
 
 
 def print_markdown(header: Sequence[str], rows: Iterable[Sequence]) -> None:
-    """A Markdown table after a blank line, as the README's tables are written."""
+    """A Markdown table after a blank line, as the docs' tables are written."""
     print("\n" + "\n".join(markdown(header, rows)))
 
 

@@ -1,0 +1,134 @@
+"""The runnable examples of the documentation: how they are marked, found, shrunk and run.
+
+A shell block preceded by ``<!-- runnable -->`` is run; a block preceded by
+``<!-- expected output -->`` right after it lists lines its output must contain. docs/tests.md
+describes the convention for writers."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNABLE = "<!-- runnable -->"
+EXPECTED = "<!-- expected output -->"
+TRAINING_SCRIPT = re.compile(r"\bpretrain_(gpt|bert)\.py\b")
+SHRINK_FLAGS = "--exit-interval 1 --log-interval 1"  # one iteration, saved when --save is given, then exit
+COMMAND_SECONDS = 180
+
+
+@dataclass
+class Command:
+    line: int  # where it starts in the page
+    text: str
+
+
+@dataclass
+class Block:
+    page: str
+    line: int  # of its opening fence
+    commands: list[Command]
+    expected: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _fences(lines: list[str]):
+    """(marker line above, opening line number, body lines) of every fenced block; a block opened
+    with more backticks may hold fences of fewer (as docs/tests.md's example of the convention)."""
+    index = 0
+    while index < len(lines):
+        opening = re.match(r"(`{3,})", lines[index])
+        if opening:
+            start = index
+            index += 1
+            while lines[index].strip() != opening.group(1):
+                index += 1
+            marker = lines[start - 1].strip() if start else ""
+            yield marker, start + 1, lines[start + 1:index]
+        index += 1
+
+
+def _commands(first_line: int, body: list[str]) -> list[Command]:
+    """The block's commands: continuation lines joined, blank and comment-only lines left out."""
+    commands, pending, start = [], "", 0
+    for offset, text in enumerate(body):
+        if not pending:
+            start = first_line + 1 + offset
+            if not text.strip() or text.lstrip().startswith("#"):
+                continue
+        if text.endswith("\\"):
+            pending += text[:-1] + " "
+            continue
+        commands.append(Command(start, pending + text))
+        pending = ""
+    return commands
+
+
+def runnable_blocks(page: str, text: str) -> list[Block]:
+    """The page's runnable blocks in order, each with the expected-output block that follows it."""
+    blocks: list[Block] = []
+    previous_runnable = False
+    for marker, line, body in _fences(text.splitlines()):
+        if marker == RUNNABLE:
+            blocks.append(Block(page, line, _commands(line, body)))
+        elif marker == EXPECTED:
+            if not previous_runnable:
+                raise AssertionError(f"{page}:{line}: an expected-output block must follow a runnable block")
+            blocks[-1].expected = [" ".join(text.split()) for text in body if text.strip()]
+        previous_runnable = marker == RUNNABLE
+    return blocks
+
+
+def shrunk(command: str) -> str:
+    """The command as the test runs it: a training run gets SHRINK_FLAGS (after its own, before a comment)."""
+    if not TRAINING_SCRIPT.search(command):
+        return command
+    without_comment = re.sub(r"\s+#\s.*$", "", command)
+    return f"{without_comment} {SHRINK_FLAGS}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def working_directory(path: str) -> str:
+    """A fresh directory where the repository's entry points and folders appear as in a checkout."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(REPO):
+        if not name.startswith("."):
+            os.symlink(os.path.join(REPO, name), os.path.join(path, name))
+    return path
+
+
+def run_block(block: Block, cwd: str, cache: str) -> None:
+    """Run the block's commands in ``cwd``; fail naming the page, the line and the block."""
+    env = dict(os.environ, PYTHONPATH=REPO, MEGAPIPE_CACHE=cache, MEGAPIPE_DEVICE="cpu", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    output = ""
+    for command in block.commands:
+        env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's port, so parallel test runs do not collide
+        try:
+            done = subprocess.run(["bash", "-c", shrunk(command.text)], cwd=cwd, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=COMMAND_SECONDS)
+        except subprocess.TimeoutExpired as error:
+            raise AssertionError(f"{block.page} line {command.line} (block {block.name}) ran past "
+                                 f"{COMMAND_SECONDS} s: {command.text}\n{error.output or ''}") from None
+        output += done.stdout
+        if done.returncode:
+            raise AssertionError(f"{block.page} line {command.line} (block {block.name}) failed with exit status "
+                                 f"{done.returncode}: {command.text}\n{done.stdout[-3000:]}")
+    seen = " ".join(output.split())
+    for line in block.expected:
+        if line not in seen:
+            raise AssertionError(f"{block.page} (block {block.name}): expected output line {line!r} is not in its "
+                                 f"output any more\n{output[-3000:]}")

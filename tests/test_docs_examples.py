@@ -1,0 +1,58 @@
+"""Every shell block the documentation marks runnable runs, shrunk to one iteration per training run,
+and prints the lines its expected-output block lists (convention: docs/tests.md, "Runnable examples").
+
+The blocks of one page run in order in one fresh working directory, so a later block can use what an
+earlier one wrote (train, then resume or generate)."""
+
+import pathlib
+
+import pytest
+
+from docs_example_helpers import REPO, Command, run_block, runnable_blocks, shrunk, working_directory
+
+PAGES = sorted(str(path.relative_to(REPO)) for path in pathlib.Path(REPO).glob("docs/*.md")) + ["README.md"]
+RUNNABLE_PAGES = [page for page in PAGES if runnable_blocks(page, (pathlib.Path(REPO) / page).read_text())]
+
+
+@pytest.fixture(scope="module")
+def corpus_cache(tmp_path_factory):
+    """One cache of the tokenised embedded corpus for every page, as a user's ~/.cache/megapipe."""
+    return str(tmp_path_factory.mktemp("megapipe-cache"))
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+def test_the_runnable_blocks_of_a_page_run_and_print_what_it_says(page, tmp_path, corpus_cache):
+    cwd = working_directory(str(tmp_path / "work"))
+    for block in runnable_blocks(page, (pathlib.Path(REPO) / page).read_text()):
+        run_block(block, cwd, corpus_cache)
+
+
+@pytest.mark.system
+def test_a_failing_command_or_a_missing_output_line_names_the_page_the_line_and_the_block(tmp_path):
+    page = "\n".join(["# A page", "", "<!-- runnable -->", "```bash", "echo one", "false  # fails", "```",
+                      "", "<!-- runnable -->", "```bash", "echo two", "```", "<!-- expected output -->", "```text",
+                      "three", "```"])
+    failing, mismatched = runnable_blocks("docs/page.md", page)
+    cwd = working_directory(str(tmp_path / "work"))
+    with pytest.raises(AssertionError, match=r"docs/page.md line 6 \(block docs/page.md:4\) failed with exit status 1"):
+        run_block(failing, cwd, str(tmp_path))
+    with pytest.raises(AssertionError, match=r"docs/page.md \(block docs/page.md:10\): expected output line 'three'"):
+        run_block(mismatched, cwd, str(tmp_path))
+
+
+@pytest.mark.unit
+def test_training_commands_are_shrunk_to_one_iteration_and_others_run_as_written():
+    assert shrunk("torchrun --nproc_per_node=2 pretrain_gpt.py --save ckpt   # later:") == \
+        "torchrun --nproc_per_node=2 pretrain_gpt.py --save ckpt --exit-interval 1 --log-interval 1"
+    assert shrunk("python tools/plot_schedule.py --schedule zbv -p 4") == "python tools/plot_schedule.py --schedule zbv -p 4"
+    block = runnable_blocks("x.md", "<!-- runnable -->\n```bash\n# a comment\npython a.py \\\n    --b 1\n```\n")[0]
+    assert block.commands == [Command(4, "python a.py      --b 1")]
+
+
+@pytest.mark.unit
+def test_the_first_run_a_newcomer_copies_is_among_the_tested_blocks():
+    training = (pathlib.Path(REPO) / "docs" / "training.md").read_text()
+    commands = [command.text for block in runnable_blocks("docs/training.md", training) for command in block.commands]
+    assert "python pretrain_gpt.py" in commands and "docs/training.md" in RUNNABLE_PAGES
