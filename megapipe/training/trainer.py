@@ -41,6 +41,7 @@ from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.training.logger import IterationStats, TrainLogger
+from megapipe.training.startup import startup_line, where_losses_are_logged
 
 
 class Trainer:
@@ -92,7 +93,7 @@ class Trainer:
         self.counters, self.nan_iterations = StepCounters(self.device), 0
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
-        self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
+        self.logs_loss = self.ps.rank == self.ps.loss_rank
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
                                   self.state, timeout, self.logger.print)  # what checkpoints save and load
@@ -110,11 +111,15 @@ class Trainer:
         lease = self.exit_conditions.lease
         if lease is not None:
             lease.start(self.state.iteration)
-        data = self.data.description() if self.logs_loss else ""  # a reader: it opens the dataset
-        self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
-                          f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
-                          f"vocabulary {self.tokenizer.vocab_size} | {data} | fusion backend "
-                          f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
+        if self.logs_loss:
+            self.logger.print(startup_line(
+                self.kind, self.ps, self.engine.schedule.name, self.m, t.micro_batch_size,
+                self.config.optimizer.sharding.strategy, _plain_value(self.config.model.params_dtype),
+                f"{self.fusion_backend.name} ({self.fusion_backend.reason})", self.tokenizer.vocab_size,
+                self.data.description()))  # a reader: it opens the dataset
+        elsewhere = where_losses_are_logged(self.ps, int(os.environ.get("LOCAL_RANK", "0")), _ranks_per_node())
+        if elsewhere:
+            print(elsewhere, flush=True)
         if self.search is not None:
             costs_for = functools.partial(stage_costs, self.kind, self.config, self.ps.pp_size)
             limit = self.config.parallel.schedule_search.memory_limit or self.ps.pp_size
@@ -322,20 +327,26 @@ def _placement(par) -> Placement:
     return schedule_descriptor(par.pipeline_schedule).placement
 
 
+def _plain_value(value):
+    """A configuration value as plain data: a dtype by its name (``bfloat16``), anything else as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
 def _plain(config: Config) -> dict:
     """The run's configuration as plain values (for W&B and checkpoints)."""
-    def convert(value):
-        if isinstance(value, torch.dtype):
-            return str(value).removeprefix("torch.")
-        return value
-    return {section: {k: convert(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
+    return {section: {k: _plain_value(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
             for section in ("model", "parallel", "data", "training", "optimizer")}
 
 
-def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
+def _ranks_per_node():
+    """torchrun's processes per node (``LOCAL_WORLD_SIZE``), or None outside torchrun."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
+
+
+def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
     config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                          ranks_per_node=int(local) if local else None)
+                          ranks_per_node=_ranks_per_node())
     trainer = Trainer(kind, config)
     trainer.train()
     return trainer
