@@ -40,7 +40,7 @@ from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
-from megapipe.training.logger import IterationStats, TrainLogger
+from megapipe.training.logger import IterationStats, TrainLogger, amended_text
 from megapipe.training.startup import startup_line, where_losses_are_logged
 
 
@@ -91,6 +91,8 @@ class Trainer:
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.counters, self.nan_iterations = StepCounters(self.device), 0
+        self.validated_iteration = 0  # the iteration of the last step counted (``_count``)
+        self.amended: list[int] = []  # under post-validation: the iterations whose steps it redid
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
         self.logs_loss = self.ps.rank == self.ps.loss_rank
@@ -139,7 +141,8 @@ class Trainer:
 
     def train_batches(self) -> Iterator[list[dict]]:
         """The training batches from where the run stands; the logging window starts now."""
-        self._window = _LogWindow(self._no_losses())
+        self._window = _LogWindow(self._no_losses(), len(self.amended))
+        self.validated_iteration = self.state.iteration
         return self.batches.batches("train", self.state.consumed_samples)
 
     def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
@@ -155,7 +158,7 @@ class Trainer:
         self._window.iterations += 1
         if self.state.iteration % t.log_interval == 0:
             self._log(result)
-            self._window = _LogWindow(self._no_losses())
+            self._window = _LogWindow(self._no_losses(), len(self.amended))
         if self.state.iteration % t.eval_interval == 0:
             self.evaluate("validation")
         if self._saves_after(self.state.iteration):
@@ -214,6 +217,7 @@ class Trainer:
         else:
             self._count(self.engine.drain())
             self.logger.print(f"exiting on {reason}")
+        self._report_amended()
         if t.save:
             self.checkpointer.wait()
         self._close()
@@ -263,9 +267,19 @@ class Trainer:
         return dict(zip(named, means.tolist()))
 
     def _count(self, result) -> None:
-        """Add the steps that became final in an engine call to the device counters (no host read)."""
+        """Add the steps that became final in an engine call to the device counters (no host read),
+        one per iteration in order, and note the iterations whose steps post-validation redid."""
         for step in result.settled:
             self.counters.add(step)
+            self.validated_iteration += 1
+            if step.amended:
+                self.amended.append(self.validated_iteration)
+
+    def _report_amended(self) -> None:
+        """Under post-validation, the run's summary of the steps it redid."""
+        if self.engine.validation is not None:
+            self.logger.print(f"post-validation amended {len(self.amended)} of {self.validated_iteration} steps: "
+                              f"iterations {amended_text(self.amended)}")
 
     def _count_steps(self, last_step=None) -> None:
         """Read the device counters of skipped and NaN iterations into the train state."""
@@ -291,7 +305,8 @@ class Trainer:
             skipped_iterations=self.state.skipped_iterations, nan_iterations=self.nan_iterations,
             tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
-            memory_gib=peak_memory_gib(self.device)))
+            memory_gib=peak_memory_gib(self.device),
+            amended=self.amended[self._window.amended_from:] if self.engine.validation is not None else None))
 
     def evaluate(self, split: str) -> Optional[dict[str, float]]:
         """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");
@@ -312,9 +327,11 @@ class Trainer:
 
 @dataclasses.dataclass
 class _LogWindow:
-    """The iterations since the last log line: per loss name [device sum, count], start time, count."""
+    """The iterations since the last log line: per loss name [device sum, count], where the amended
+    iterations noted since start (``Trainer.amended[amended_from:]``), start time, count."""
 
     losses: dict[str, list]
+    amended_from: int
     start: float = dataclasses.field(default_factory=time.time)
     iterations: int = 0
 
