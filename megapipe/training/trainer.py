@@ -42,6 +42,8 @@ from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.training.logger import IterationStats, TrainLogger, amended_text
 from megapipe.training.startup import startup_line, where_losses_are_logged
+from megapipe.training.timeline_file import save_run_timeline
+from megapipe.pipeline.analysis.timeline import Timeline
 
 
 class Trainer:
@@ -83,11 +85,15 @@ class Trainer:
         if par.pipeline_schedule == AUTO:
             self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
             schedule = self.search.schedule
+        # with --record-timeline: when each pipeline action ran, one row per pipeline rank
+        self.timeline = Timeline(meta={"p": self.ps.pp_size, "v": self.ps.virtual_pipeline, "m": self.m}) \
+            if t.record_timeline else None
         self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
-                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync)
+                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
+                                     timeline=self.timeline)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.counters, self.nan_iterations = StepCounters(self.device), 0
@@ -223,8 +229,13 @@ class Trainer:
         self._close()
 
     def _close(self) -> None:
-        """Complete the exit agreement in flight, close the logger and give the cluster lease back."""
+        """Complete the exit agreement in flight, save the timeline, close the logger and give the
+        cluster lease back."""
         self.exit_conditions.close()
+        if self.timeline is not None:
+            self.timeline.meta["schedule"] = self.engine.schedule.name
+            save_run_timeline(self.timeline, self.ps, self.config.training.record_timeline)
+            self.logger.print(f"timeline of the training iterations written to {self.config.training.record_timeline}")
         self.logger.close()
         if self.exit_conditions.lease is not None:
             self.exit_conditions.lease.finish(self.state.iteration)
