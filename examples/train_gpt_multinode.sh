@@ -29,27 +29,15 @@ if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RAN
     exit 2
 fi
 # the rendezvous host must answer before torchrun waits minutes on it: node 0 must own MASTER_ADDR
-# (it hosts the store), every other node must reach it within RDZV_TIMEOUT
+# (it hosts the store), every other node must find torchrun's rendezvous store there within
+# RDZV_TIMEOUT (megapipe/launcher/rendezvous.py: the store's own protocol, not a bare TCP connect)
 if (( NODE_RANK == 0 )); then
     if ! python -c "import socket, sys; socket.socket().bind((sys.argv[1], 0))" "$MASTER_ADDR" 2>/dev/null; then
         echo "error: MASTER_ADDR=$MASTER_ADDR is not an address of node 0, which hosts the rendezvous; set it to this node's address." >&2
         exit 2
     fi
-elif ! python - "$MASTER_ADDR" "$PORT" "$RDZV_TIMEOUT" <<'EOF'
-import socket, sys, time
-host, port, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
-while True:
-    try:
-        socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
-        break
-    except OSError:
-        if time.monotonic() >= deadline:
-            sys.exit(1)
-        time.sleep(1)  # node 0 may not have started yet: try again until the deadline
-EOF
-then
-    echo "error: the rendezvous endpoint MASTER_ADDR=$MASTER_ADDR port $PORT did not answer within RDZV_TIMEOUT=$RDZV_TIMEOUT s; check that MASTER_ADDR is node 0's address and that node 0 has started." >&2
-    exit 2
+elif ! python -m megapipe.launcher.rendezvous "$MASTER_ADDR" "$PORT" "$RDZV_TIMEOUT"; then
+    exit 2  # it said why, in one sentence
 fi
 
 PP=1

@@ -47,7 +47,7 @@ class PeerLost(UserError, RuntimeError):
         self.store_reachable = store_reachable
 
 
-def print_error(error: UserError) -> None:
+def print_error(error: UserError | str) -> None:
     print(f"error: {error}", file=sys.stderr, flush=True)
 
 

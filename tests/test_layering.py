@@ -23,6 +23,7 @@ PACKAGE = Path(megapipe.__file__).parent
 LAYERS = (
     ("errors",),
     ("optional",),
+    ("launcher",),  # megapipe's side of torchrun: no torch until torchrun has imported it
     ("layout",),
     ("pipeline.ir",),
     ("pipeline.analysis",),

@@ -1,8 +1,10 @@
 """How a layout sits on nodes: refused node counts, warned tensor groups across nodes, and the
-multi-node launch script's rendezvous checks (one sentence each, before any wait on torchrun)."""
+multi-node launch script's rendezvous checks (one sentence each, before any wait on torchrun): an
+unreachable address, something that is not a rendezvous store on the port, node 0's own address."""
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -31,6 +33,13 @@ def test_a_tensor_group_across_nodes_is_warned_about_in_one_sentence():
     assert check_nodes(4, 4, tensor=8, pipeline=1) is None  # one node: nothing to say
 
 
+RENDEZVOUS_PORT = 29500
+# a proxy on the rendezvous port: accepts every connection and answers it as HTTP
+ANSWERS_HTTP = ("import socket, sys\nserver = socket.create_server(('', int(sys.argv[1])))\nwhile True:\n"
+                "    connection = server.accept()[0]\n    connection.recv(64)\n"
+                "    connection.sendall(b'HTTP/1.1 400 Bad Request\\r\\n\\r\\n')\n    connection.close()\n")
+
+
 def _script(hosts, node: int, master: str, timeout: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=master, RDZV_TIMEOUT=str(timeout))
     return hosts.run(node, ["bash", os.path.join(REPO, "examples", "train_gpt_multinode.sh")], env=env, timeout=60)
@@ -46,6 +55,16 @@ def test_the_launch_script_refuses_an_unreachable_rendezvous_within_its_timeout(
     assert result.stderr.strip() == (f"error: the rendezvous endpoint MASTER_ADDR={nobody} port 29500 did not answer "
                                      "within RDZV_TIMEOUT=3 s; check that MASTER_ADDR is node 0's address and that "
                                      "node 0 has started.")
+    proxy = hosts.popen(0, [sys.executable, "-c", ANSWERS_HTTP, str(RENDEZVOUS_PORT)])
+    try:  # something else accepts on the rendezvous port: a bare connect would pass, the store's protocol does not
+        result = _script(hosts, 1, hosts[0].address, timeout=3)
+    finally:
+        proxy.kill()
+        proxy.wait()
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: MASTER_ADDR={hosts[0].address} port 29500 accepts connections but is not "
+                                     "torchrun's rendezvous store (a proxy or another service answers there); set "
+                                     "MASTER_ADDR to node 0's own address, or MASTER_PORT to a port free on node 0.")
     result = _script(hosts, 0, hosts[1].address, timeout=3)  # node 0 hosts the store: the address must be its own
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: MASTER_ADDR={hosts[1].address} is not an address of node 0, which hosts "

@@ -150,3 +150,25 @@ def test_cluster_descriptions(tmp_path):
     with pytest.raises(ConfigError, match="memory_per_gpu 0"):
         Cluster.from_dict({**good, "memory_per_gpu": 0})
     assert math.isclose(Cluster.from_dict({**good, "reserved_memory": 1e9}).usable_memory, 15e9)
+
+
+def test_the_profile_tools_defaults_fit_the_default_training_run(tmp_path):
+    """The README's recipe: ``tools/profile_model.py --output F`` with no model flags, then the default
+    run at p = 2 with ``--pipeline-schedule auto --schedule-profile F``: the run's checks before and
+    after the tokenizer gives the vocabulary (``Trainer``) accept the profile."""
+    import importlib.util
+    from pathlib import Path
+
+    from megapipe.config.parse import parse_config
+    from megapipe.data.rank_data import run_tokenizer
+    from megapipe.pipeline.selection import searched_schedule
+
+    spec = importlib.util.spec_from_file_location("profile_tool", Path(__file__).parents[1] / "tools" / "profile_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    path = str(tmp_path / "gpt.profile.json")
+    assert tool.main(["--output", path, "--iterations", "1", "--warmup", "0"]) == 0
+    config = parse_config("gpt", ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto",
+                                  "--schedule-profile", path], world_size=2)
+    config.model.vocab_size = run_tokenizer("gpt", config).vocab_size  # as the trainer does
+    assert searched_schedule("gpt", config, 2, config.training.num_microbatches(1), 1).schedule.actions

@@ -25,6 +25,7 @@ post-validation: a SIGTERM on one rank stops every rank one iteration later, wit
 
 import contextlib
 import datetime
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -191,14 +192,20 @@ def test_post_validation_refuses_what_it_cannot_run(argv, world_size, message):
 @pytest.mark.system
 def test_training_script_with_post_validation_logs_what_the_synchronous_step_logs(tmp_path):
     """pretrain_gpt.py at p = 2, zb-h2, --clip-grad below every norm (each step redone), an
-    evaluation and an exit that saves: the same losses, gradient norms and skip counts."""
+    evaluation and an exit that saves: the same losses, gradient norms and skip counts; the
+    post-validated run's lines list the steps it redid (each known one iteration later, when it
+    is validated) and its summary all five."""
     args = TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--clip-grad", "0.3",
                    "--eval-interval", "3", "--exit-interval", "5"]
-    logs = {}
+    logs, amended, summaries = {}, {}, {}
     for flags in ([], ["--enable-optimizer-post-validation"]):
         done = run(args + flags + ["--save", str(tmp_path / str(len(flags)))], nproc=2, cache=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "exiting on --exit-interval 5 at iteration 5" in done.stdout
         logs[len(flags)] = [line.split("| tokens/s")[0].split("lm loss")[1] for line in done.stdout.splitlines()
                             if line.strip().startswith("iteration")]
+        amended[len(flags)] = re.findall(r"\| amended steps: ([^|]*) \|", done.stdout)
+        summaries[len(flags)] = re.findall(r"post-validation amended .*", done.stdout)
     assert len(logs[0]) == 5 and logs[0] == logs[1]
+    assert amended == {0: [], 1: ["none", "1", "2", "3", "4"]}
+    assert summaries == {0: [], 1: ["post-validation amended 5 of 5 steps: iterations 1, 2, 3, 4, 5"]}

@@ -4,13 +4,17 @@ import os
 import subprocess
 import sys
 
+import matplotlib.image
 import pytest
 
+from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.training.logger import losses_in_log
 
 pytestmark = pytest.mark.system
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plot_schedule  # noqa: E402
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
         "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -62,13 +66,24 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
     """(t, p) = (2, 2) on 4 processes gives the losses of one process (same seed, same global batch).
 
     The logs carry 7 significant digits; the runs differ only in fp32 summation order, so the
-    losses agree to ~1e-6 relative: 1e-5 is the bound.
+    losses agree to ~1e-6 relative: 1e-5 is the bound. The parallel run records its timeline
+    (``--record-timeline``): every forward and backward of both pipeline ranks, which
+    ``tools/plot_schedule.py --timeline`` draws.
     """
     single = run(TINY, cache=tmp_path)
     assert single.returncode == 0, single.stderr
-    parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], nproc=4,
-                   cache=tmp_path)
+    timeline = tmp_path / "run.timeline.json"
+    parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--record-timeline", str(timeline)], nproc=4, cache=tmp_path)
     assert parallel.returncode == 0, parallel.stderr
+    recorded = Timeline.load(timeline)
+    assert recorded.meta == {"p": 2, "v": 1, "m": 4, "schedule": "1f1b"}
+    for rank in (0, 1):  # 6 iterations of 4 microbatches
+        kinds = [e.action.kind.name for e in recorded.events if e.rank == rank]
+        assert (kinds.count("F"), kinds.count("B"), kinds.count("STEP")) == (24, 24, 6), kinds
+    picture = tmp_path / "run.png"
+    assert plot_schedule.main(["--timeline", str(timeline), "-o", str(picture)]) == 0
+    assert matplotlib.image.imread(picture).shape[0] > 100
     expected, actual = losses(single.stdout), losses(parallel.stdout)
     assert sorted(expected) == list(range(1, 7)) and sorted(actual) == sorted(expected)
     for i in expected:

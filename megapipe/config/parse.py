@@ -23,7 +23,7 @@ from megapipe.errors import ConfigError
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
 
-__all__ = ["build_parser", "config_from_args", "parse_config", "validate_config"]
+__all__ = ["build_parser", "config_from_args", "config_from_argv", "parse_config", "validate_config"]
 
 
 def _virtual_pipeline_size(args) -> int:
@@ -125,14 +125,20 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     return data
 
 
-def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1,
-                 ranks_per_node: Optional[int] = None) -> Config:
+def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:
+    """The dataclasses of a training command line (presets applied), not yet checked against a world:
+    what a tool that needs only the run's model and data reads from the run's own flags."""
     parser = build_parser(kind)
     args = parser.parse_args(argv)
     family, overridden = apply_preset(args, parser.given(argv), kind)
     for note in (overridden, _one_chunk_note(args)):  # before any refusal they may explain
         if note:
             tell(note)
-    config = config_from_args(kind, args, family)
+    return config_from_args(kind, args, family)
+
+
+def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1,
+                 ranks_per_node: Optional[int] = None) -> Config:
+    config = config_from_argv(kind, argv)
     validate_config(config, world_size, kind, ranks_per_node)
     return config

@@ -305,6 +305,9 @@ class TrainingConfig:
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     tensorboard_dir: Optional[str] = None
+    record_timeline: Optional[str] = flag(None, help=(
+        "write when each pipeline action of every training iteration ran, per pipeline rank, to this JSON "
+        "(tools/plot_schedule.py --timeline draws it); it grows with the iterations: meant for short runs"))
     # for model FLOPs utilisation; known GPUs are looked up
     device_peak_tflops: Optional[float] = flag(None, help=(
         "peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are looked up by name)"))

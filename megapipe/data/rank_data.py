@@ -107,6 +107,11 @@ def _split_exists(config: Config, num_samples: tuple) -> tuple:
     return tuple(w > 0 and n > 0 for w, n in zip(weights, num_samples))
 
 
+def run_tokenizer(kind: str, config: Config) -> Tokenizer:
+    """The tokenizer every rank of this run uses (its vocabulary sizes the model)."""
+    return _tokenizer_and_path(kind, config)[0]
+
+
 def _tokenizer_and_path(kind: str, config: Config) -> tuple[Tokenizer, list[str]]:
     data = config.data
     if data.mock_data:

@@ -31,3 +31,8 @@ def check_nodes(world_size: int, ranks_per_node: Optional[int], tensor: int, pip
                 f"node, so tensor-parallel groups span nodes and their all-reduces cross the inter-node network; "
                 f"use a divisor of {ranks_per_node} and put the rest in pipeline or data parallelism.")
     return None
+
+
+def node_of(rank: int, ranks_per_node: int) -> int:
+    """The node (torchrun's ``--node-rank``) a rank runs on: torchrun numbers ranks node by node."""
+    return rank // ranks_per_node

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megapipe.layout.degrees import Degrees
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.layout.placement import first_worker
 
@@ -45,6 +46,14 @@ class PlanLayout:
     def stage_replicas(self) -> Optional[tuple[int, ...]]:
         """Workers per stage when the pipeline group holds replicated stages, else None."""
         return None if self.plan.equal_replication is not None else self.plan.replicas
+
+    def degrees(self, virtual: int = 1) -> Degrees:
+        """p counts the plan's stages (not the ranks of its pipeline group) and d their replicas."""
+        return Degrees(self.tensor, self.plan.num_stages, self.plan.replicas, virtual)
+
+    def loss_rank(self, last: int = -1) -> int:
+        """The rank that logs the losses: tensor index 0 of the first replica of the last stage."""
+        return self.rank(self.worker(self.plan.num_stages - 1, 0), 0)
 
     def worker(self, stage: int, replica: int) -> int:
         return first_worker(self.plan.replicas, stage) + replica

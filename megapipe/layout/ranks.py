@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megapipe.errors import ConfigError
+from megapipe.layout.degrees import Degrees
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,16 @@ class RankLayout:
     def world_size(self) -> int:
         return self.tensor * self.pipeline * self.data
 
+    def degrees(self, virtual: int = 1) -> Degrees:
+        return Degrees(self.tensor, self.pipeline, (self.data,) * self.pipeline, virtual)
+
     def rank(self, t: int, d: int, p: int) -> int:
         return t + self.tensor * (d + self.data * p)
+
+    def loss_rank(self, last: int = -1) -> int:
+        """The rank that logs the losses: tensor index 0 of replica 0 of the pipeline index ``last``
+        holding the last stage (-1, or 0 under the V placement)."""
+        return self.rank(0, 0, last % self.pipeline)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tensor index, data index, pipeline index) of a global rank."""

@@ -51,6 +51,7 @@ class StepResult(NamedTuple):
     norm: torch.Tensor  # the global gradient norm (inf/NaN when the gradients were)
     overflow_flag: torch.Tensor  # bool: fp16 loss scaling found an overflow (the norm means nothing then)
     zeros: Optional[torch.Tensor] = None  # only with OptimizerConfig.log_num_zeros_in_grad
+    amended: bool = False  # post-validation took this eager step back and redid it (a host value, read already)
 
     @property
     def ok(self) -> bool:

@@ -243,8 +243,24 @@ class ParallelState:
         """Context for dropout whose mask must differ across tensor ranks."""
         return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: the pipeline ranks, unless stages are replicated within the pipeline group."""
+        return self.pp_size if self.stage_replicas is None else len(self.stage_replicas)
+
+    @property
+    def loss_rank(self) -> int:
+        """The one global rank that holds, prints and records the losses (its layout's arithmetic)."""
+        return self.layout.loss_rank(self.last_stage_pp_rank)
+
+    @property
+    def degrees(self):
+        """The run's parallel degrees (``megapipe.layout.degrees``), as its layout gives them."""
+        return self.layout.degrees(self.virtual_pipeline)
+
     def describe(self) -> str:
-        return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, pipeline {self.pp_rank}/{self.pp_size}, "
+        """This rank's place, each index of its count: ``rank 2: tensor 0/1, stage 1/2, data 0/1``."""
+        return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, stage {self.pipeline_stage}/{self.num_stages}, "
                 f"data {self.dp_rank}/{self.dp_size}")
 
 

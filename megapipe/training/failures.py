@@ -1,7 +1,8 @@
 """How a job reports what went wrong: a user's mistake once per job, a lost peer as one sentence.
 
-* ``report_user_error``: under torchrun every rank usually finds the same mistake; only the first
-  rank to find it prints it, the others exit with the same code in silence.
+* ``report_user_error``: under torchrun every rank usually finds the same mistake; each hands it
+  to torchrun (``megapipe.launcher``), which prints it once when megapipe's hook runs in it;
+  otherwise only the first rank to find it prints it, the others exit with the same code in silence.
 * ``explain_lost_peers``: a collective or pipeline message that failed because a peer went away
   becomes one sentence naming the ranks lost (a roll call in the rendezvous store), or the
   rendezvous host when the store itself cannot be reached.
@@ -15,6 +16,7 @@ import os
 import torch.distributed as dist
 
 from megapipe.errors import PeerLost, PipelineTimeout, print_error
+from megapipe.launcher.usage_errors import hand_to_launcher
 
 USER_ERROR_KEY = "megapipe/user-error-reported"
 REPORT_STORE_TIMEOUT = datetime.timedelta(seconds=10)  # the store may sit on a host that is gone
@@ -22,12 +24,15 @@ ROLL_CALL_KEY = "megapipe/roll-call/"
 
 
 def report_user_error(error: Exception) -> None:
-    """Print ``error: ...`` on the first rank that reports it (one line per job, not per rank).
+    """Print ``error: ...`` on the first rank that reports it (one line per job, not per rank),
+    unless torchrun prints it (``hand_to_launcher``).
 
     With a process group the ranks race on a counter in its store; without one (a flag checked
     before any group exists, which every rank finds alike) rank 0 prints. A rank that cannot
     reach the store (``PeerLost``) prints its own view.
     """
+    if hand_to_launcher(str(error)):
+        return
     if not getattr(error, "store_reachable", True) or _first_to_report():
         print_error(error)
 

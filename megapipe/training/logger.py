@@ -33,6 +33,7 @@ class IterationStats:
     tflops_per_device: float
     mfu: Optional[float]
     memory_gib: float
+    amended: Optional[list[int]] = None  # under post-validation: the iterations whose steps it redid
     extra: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -54,6 +55,8 @@ class IterationStats:
         if self.mfu is not None:
             parts.append(f"MFU: {100 * self.mfu:.1f}%")
         parts.append(f"peak memory (GiB): {self.memory_gib:.2f}")
+        if self.amended is not None:
+            parts.append(f"amended steps: {amended_text(self.amended)}")
         return " | ".join(parts) + " |"
 
     def scalars(self) -> dict:
@@ -66,6 +69,11 @@ class IterationStats:
             if value is not None:
                 values[name] = value
         return values
+
+
+def amended_text(iterations: list[int]) -> str:
+    """The iterations whose steps post-validation redid, as the log lists them: ``3, 4`` or ``none``."""
+    return ", ".join(map(str, iterations)) or "none"
 
 
 def losses_in_log(text: str, name: str = "lm loss") -> dict[int, float]:

@@ -40,7 +40,10 @@ from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
-from megapipe.training.logger import IterationStats, TrainLogger
+from megapipe.training.logger import IterationStats, TrainLogger, amended_text
+from megapipe.training.startup import startup_line, where_losses_are_logged
+from megapipe.training.timeline_file import save_run_timeline
+from megapipe.pipeline.analysis.timeline import Timeline
 
 
 class Trainer:
@@ -82,17 +85,23 @@ class Trainer:
         if par.pipeline_schedule == AUTO:
             self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
             schedule = self.search.schedule
+        # with --record-timeline: when each pipeline action ran, one row per pipeline rank
+        self.timeline = Timeline(meta={"p": self.ps.pp_size, "v": self.ps.virtual_pipeline, "m": self.m}) \
+            if t.record_timeline else None
         self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
-                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync)
+                                     timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
+                                     timeline=self.timeline)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.counters, self.nan_iterations = StepCounters(self.device), 0
+        self.validated_iteration = 0  # the iteration of the last step counted (``_count``)
+        self.amended: list[int] = []  # under post-validation: the iterations whose steps it redid
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
-        self.logs_loss = self.ps.is_last_stage and self.ps.tp_rank == 0 and self.ps.dp_rank == 0
+        self.logs_loss = self.ps.rank == self.ps.loss_rank
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
                                   self.state, timeout, self.logger.print)  # what checkpoints save and load
@@ -110,11 +119,15 @@ class Trainer:
         lease = self.exit_conditions.lease
         if lease is not None:
             lease.start(self.state.iteration)
-        data = self.data.description() if self.logs_loss else ""  # a reader: it opens the dataset
-        self.logger.print(f"> {self.kind.upper()} training: {self.ps.describe()} | schedule "
-                          f"{self.engine.schedule.name} with {self.m} microbatches of {t.micro_batch_size} | "
-                          f"vocabulary {self.tokenizer.vocab_size} | {data} | fusion backend "
-                          f"{self.fusion_backend.name} ({self.fusion_backend.reason})")
+        if self.logs_loss:
+            self.logger.print(startup_line(
+                self.kind, self.ps, self.engine.schedule.name, self.m, t.micro_batch_size,
+                self.config.optimizer.sharding.strategy, _plain_value(self.config.model.params_dtype),
+                f"{self.fusion_backend.name} ({self.fusion_backend.reason})", self.tokenizer.vocab_size,
+                self.data.description()))  # a reader: it opens the dataset
+        elsewhere = where_losses_are_logged(self.ps, int(os.environ.get("LOCAL_RANK", "0")), _ranks_per_node())
+        if elsewhere:
+            print(elsewhere, flush=True)
         if self.search is not None:
             costs_for = functools.partial(stage_costs, self.kind, self.config, self.ps.pp_size)
             limit = self.config.parallel.schedule_search.memory_limit or self.ps.pp_size
@@ -134,7 +147,8 @@ class Trainer:
 
     def train_batches(self) -> Iterator[list[dict]]:
         """The training batches from where the run stands; the logging window starts now."""
-        self._window = _LogWindow(self._no_losses())
+        self._window = _LogWindow(self._no_losses(), len(self.amended))
+        self.validated_iteration = self.state.iteration
         return self.batches.batches("train", self.state.consumed_samples)
 
     def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
@@ -150,7 +164,7 @@ class Trainer:
         self._window.iterations += 1
         if t.logs_after(self.state.iteration):
             self._log(result)
-            self._window = _LogWindow(self._no_losses())
+            self._window = _LogWindow(self._no_losses(), len(self.amended))
         if self.state.iteration % t.eval_interval == 0:
             self.evaluate("validation")
         if self._saves_after(self.state.iteration):
@@ -212,13 +226,19 @@ class Trainer:
         else:
             self._count(self.engine.drain())
             self.logger.print(f"exiting on {reason}")
+        self._report_amended()
         if t.save:
             self.checkpointer.wait()
         self._close()
 
     def _close(self) -> None:
-        """Complete the exit agreement in flight, close the logger and give the cluster lease back."""
+        """Complete the exit agreement in flight, save the timeline, close the logger and give the
+        cluster lease back."""
         self.exit_conditions.close()
+        if self.timeline is not None:
+            self.timeline.meta["schedule"] = self.engine.schedule.name
+            save_run_timeline(self.timeline, self.ps, self.config.training.record_timeline)
+            self.logger.print(f"timeline of the training iterations written to {self.config.training.record_timeline}")
         self.logger.close()
         if self.exit_conditions.lease is not None:
             self.exit_conditions.lease.finish(self.state.iteration)
@@ -261,9 +281,19 @@ class Trainer:
         return dict(zip(named, means.tolist()))
 
     def _count(self, result) -> None:
-        """Add the steps that became final in an engine call to the device counters (no host read)."""
+        """Add the steps that became final in an engine call to the device counters (no host read),
+        one per iteration in order, and note the iterations whose steps post-validation redid."""
         for step in result.settled:
             self.counters.add(step)
+            self.validated_iteration += 1
+            if step.amended:
+                self.amended.append(self.validated_iteration)
+
+    def _report_amended(self) -> None:
+        """Under post-validation, the run's summary of the steps it redid."""
+        if self.engine.validation is not None:
+            self.logger.print(f"post-validation amended {len(self.amended)} of {self.validated_iteration} steps: "
+                              f"iterations {amended_text(self.amended)}")
 
     def _count_steps(self, last_step=None) -> None:
         """Read the device counters of skipped and NaN iterations into the train state."""
@@ -289,7 +319,8 @@ class Trainer:
             skipped_iterations=self.state.skipped_iterations, nan_iterations=self.nan_iterations,
             tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
-            memory_gib=peak_memory_gib(self.device)))
+            memory_gib=peak_memory_gib(self.device),
+            amended=self.amended[self._window.amended_from:] if self.engine.validation is not None else None))
 
     def evaluate(self, split: str) -> Optional[dict[str, float]]:
         """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");
@@ -310,9 +341,11 @@ class Trainer:
 
 @dataclasses.dataclass
 class _LogWindow:
-    """The iterations since the last log line: per loss name [device sum, count], start time, count."""
+    """The iterations since the last log line: per loss name [device sum, count], where the amended
+    iterations noted since start (``Trainer.amended[amended_from:]``), start time, count."""
 
     losses: dict[str, list]
+    amended_from: int
     start: float = dataclasses.field(default_factory=time.time)
     iterations: int = 0
 
@@ -325,20 +358,26 @@ def _placement(par) -> Placement:
     return schedule_descriptor(par.pipeline_schedule).placement
 
 
+def _plain_value(value):
+    """A configuration value as plain data: a dtype by its name (``bfloat16``), anything else as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
 def _plain(config: Config) -> dict:
     """The run's configuration as plain values (for W&B and checkpoints)."""
-    def convert(value):
-        if isinstance(value, torch.dtype):
-            return str(value).removeprefix("torch.")
-        return value
-    return {section: {k: convert(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
+    return {section: {k: _plain_value(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
             for section in ("model", "parallel", "data", "training", "optimizer")}
 
 
-def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
+def _ranks_per_node():
+    """torchrun's processes per node (``LOCAL_WORLD_SIZE``), or None outside torchrun."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
+
+
+def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
     config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                          ranks_per_node=int(local) if local else None)
+                          ranks_per_node=_ranks_per_node())
     trainer = Trainer(kind, config)
     trainer.train()
     return trainer

@@ -178,7 +178,7 @@ class PipelineEngine:
         """Post-validation: read the verdict on the last eager step and redo it if needed (True then)."""
         amend, validated = self.validation.settle()
         if amend:
-            validated = self.validation.redo()
+            validated = self.validation.redo()._replace(amended=True)
             self.optimizer.zero_grad()
             self.passes.updated(list(range(len(self.chunks))))
         if validated is not None:
