@@ -61,7 +61,7 @@ def reshard(source: str, target: str, layout: SavedLayout) -> Conversion:
     path, common, tensors = read_checkpoint(source)
     in_flight = any(key.startswith("inflight/") for key in tensors)
     tensors = _written(tensors)
-    written = write_checkpoint(target, common, tensors, layout, read_tokenizer(path, common))
+    written = write_checkpoint(target, common, tensors, layout, read_tokenizer(path, common.tokenizer))
     return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors), in_flight)
 
 
@@ -85,6 +85,6 @@ def export_hf_checkpoint(source: str, hf_dir: str, max_shard_size: str = "5GB") 
     path, common, tensors = read_checkpoint(source)
     names = [key.removeprefix("model/") for key in tensors if key.startswith("model/")]
     canonical = {name: tensors.get(optimizer_key(name, MASTER), tensors[model_key(name)]) for name in names}
-    export_hf(common.kind, common.model_config, canonical, hf_dir, common.hf_model_type, read_tokenizer(path, common),
-              max_shard_size)
+    export_hf(common.kind, common.model_config, canonical, hf_dir, common.hf_model_type,
+              read_tokenizer(path, common.tokenizer), max_shard_size)
     return Conversion(path, common.layout, os.path.abspath(hf_dir), None, len(canonical), _size(canonical))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megapipe.checkpointing.common import Common
 from megapipe.checkpointing.paths import fsync_dir
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -35,13 +34,13 @@ def write_tokenizer(tokenizer: Optional[Tokenizer], checkpoint_dir: str) -> Opti
     return spec
 
 
-def read_tokenizer(checkpoint_dir: str, common: Common) -> Optional[Tokenizer]:
-    """The tokenizer ``checkpoint_dir`` carries, or None for a checkpoint saved without one.
+def read_tokenizer(checkpoint_dir: str, spec) -> Optional[Tokenizer]:
+    """The tokenizer ``checkpoint_dir`` carries, from ``spec`` (its ``common.json``'s ``tokenizer``), or
+    None for a checkpoint saved without one.
 
-    Imports by megapipe versions before this one kept only a tokenizer.json's text; they count
-    as saved without one (the tools then ask for the tokenizer flags).
+    Imports by megapipe versions before this one kept only a tokenizer.json's text there; they
+    count as saved without one (the tools then ask for the tokenizer flags).
     """
-    spec = common.tokenizer
     if not isinstance(spec, dict):
         return None
     files = {flag: os.path.join(checkpoint_dir, TOKENIZER_DIR, name) for flag, name in spec.items()

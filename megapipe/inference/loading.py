@@ -46,7 +46,7 @@ def _missing_tokenizer(directory: str, reads_text: str) -> ConfigError:
 def _tokenizer(args: argparse.Namespace, directory: str, common: Common, vocab_size: int) -> Optional[Tokenizer]:
     """The tokenizer flags' tokenizer if given (it must fit the model's vocabulary), else the checkpoint's."""
     if args.tokenizer_type is None:
-        return read_tokenizer(directory, common)
+        return read_tokenizer(directory, common.tokenizer)
     tokenizer = tokenizer_from_args(args)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"--tokenizer-type {args.tokenizer_type} has {tokenizer.vocab_size} token ids but the model "
