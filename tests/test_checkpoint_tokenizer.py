@@ -72,7 +72,8 @@ def test_the_hugging_face_export_encodes_like_megapipe(tokenizers, name, tmp_pat
     for text in TEXTS:
         ids = ours.tokenize(text)
         assert theirs(text, add_special_tokens=False)["input_ids"] == ids, text
-    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.special_id("eod"), ours.special_id("pad"))
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (
+        ours.special_id("eod"), ours.special_id("eod"), ours.special_id("pad"))
     assert theirs.eos_token_id is not None and theirs.eos_token_id < ours.vocab_size
 
 

@@ -25,10 +25,9 @@ from megapipe.errors import CheckpointError
 from megapipe.checkpointing.hf_tokenizer import config_token_ids, save_hf_tokenizer
 from megapipe.checkpointing.safetensors_files import SafetensorsFiles, has_safetensors
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.data.tokenizer.hf_backed import TOKENIZER_JSON
 from megapipe.data.tokenizer.sentencepiece_model import MODEL_FILE as SENTENCEPIECE_FILE
 from megapipe.models.families import HF_ARCHITECTURES, HFArchitecture, family_of
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def _check_options(model_type: str, hf_config, hf_dir: str) -> None:
 
 def hf_dir_tokenizer(hf_dir: str) -> Tokenizer | None:
     """The tokenizer of a Hugging Face directory: its ``tokenizer.json``, else its ``tokenizer.model``, or None."""
-    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILE)):
+    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_JSON)):
         return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
     if os.path.isfile(os.path.join(hf_dir, SENTENCEPIECE_FILE)):
         return build_tokenizer("SentencePieceTokenizer", tokenizer_model=os.path.join(hf_dir, SENTENCEPIECE_FILE))

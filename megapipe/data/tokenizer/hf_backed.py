@@ -12,6 +12,8 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 from megapipe.data.tokenizer.base import SPECIAL_SPELLINGS, Tokenizer
 from megapipe.errors import ConfigError
 
+TOKENIZER_JSON = "tokenizer.json"  # a fast tokenizer's one file
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside it: which of its tokens are special, among others
 # The keys of a Hugging Face tokenizer_config.json that declare each special role.
 CONFIG_KEYS = {"eod": "eos_token", "cls": "cls_token", "sep": "sep_token", "mask": "mask_token", "pad": "pad_token"}
 
@@ -120,7 +122,7 @@ def huggingface(tokenizer_model: str) -> HFBackedTokenizer:
     """
     path = tokenizer_model
     if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
+        path = os.path.join(path, TOKENIZER_JSON)
         if not os.path.isfile(path):
             raise ConfigError(f"--tokenizer-model {tokenizer_model} is a directory without tokenizer.json; "
                               "point it at a fast tokenizer's folder or use SentencePieceTokenizer for a .model file.")
@@ -129,16 +131,16 @@ def huggingface(tokenizer_model: str) -> HFBackedTokenizer:
     except Exception as error:  # the Rust library raises a bare Exception on malformed files
         raise ConfigError(f"--tokenizer-model {path} is not a valid tokenizer.json ({error}); "
                           "save one with tokenizers' Tokenizer.save or tools/train_tokenizer.py.") from None
-    declared = _declared_specials(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    declared = _declared_specials(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG))
     return HFBackedTokenizer("HuggingFaceTokenizer", (huggingface, (tokenizer_model,)), backend,
                              _find_specials(backend, declared), lossless=False, save_files=_save_huggingface)
 
 
 def _save_huggingface(tokenizer: HFBackedTokenizer, directory: str) -> dict[str, str]:
     """tokenizer.json, and a tokenizer_config.json declaring the special tokens found, so they are found again."""
-    tokenizer._backend.save(os.path.join(directory, "tokenizer.json"))
+    tokenizer._backend.save(os.path.join(directory, TOKENIZER_JSON))
     declared = {key: tokenizer._backend.id_to_token(tokenizer.special_id(role)) for role, key in CONFIG_KEYS.items()
                 if tokenizer.special_id(role) is not None}
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(declared, f, indent=1)
-    return {"tokenizer_type": tokenizer.name, "tokenizer_model": "tokenizer.json"}
+    return {"tokenizer_type": tokenizer.name, "tokenizer_model": TOKENIZER_JSON}
