@@ -14,6 +14,7 @@ from fake_device_helpers import DEVICE_MISMATCH, V, model_config, pipeline_rank,
 from megapipe import fusions
 from megapipe.testing.fake_device import FAKE_DEVICE, GeneratorDeviceMismatch, fake_accelerator
 from megapipe.inference import SamplingParams, generate
+from megapipe.data.tokenizer import build_tokenizer
 from megapipe.inference.loading import LoadedModel
 from megapipe.inference.sampling import apply_repetition_penalty, next_tokens
 from megapipe.inference.server import make_handler
@@ -181,14 +182,14 @@ def _put(handler, path: str, body) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(payload)
 
 
-def test_server_request_path_runs_on_the_device_only():
+def test_server_request_path_runs_on_the_device_only(tmp_path):
     """``PUT /api`` and ``PUT /loglikelihood`` through the server's own handler (no network): parsing,
     checks, the broadcast to a world of one, generation or scoring on the device, the reply."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer.from_str(json.dumps({
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
         "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
         "model": {"type": "WordLevel", "vocab": {w: i for i, w in enumerate(WORDS)}, "unk_token": "the"}}))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     ps = ParallelState.single()
     with fake_accelerator(), stubbed_transport():
         fusions.select_backend("eager", FAKE_DEVICE)

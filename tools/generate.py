@@ -4,9 +4,9 @@
     torchrun --nproc_per_node 4 tools/generate.py --load ckpt/ --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompt "a" --prompt "bb" --temperature 0.8 --top-p 0.9
 
-Prompts are text when the checkpoint carries a tokenizer.json (an import from Hugging Face),
-else space-separated token ids (``--prompt-ids``). Prints each prompt with its continuation, one
-line per prompt, on global rank 0.
+Prompts are text (``--prompt``, read with the tokenizer the checkpoint carries) or space-separated
+token ids (``--prompt-ids``). Prints each prompt with its continuation, one line per prompt, on
+global rank 0: as text when there is a tokenizer, else as ids.
 """
 
 import argparse
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.distributed as dist  # noqa: E402
 
 from megapipe.errors import reports_user_errors  # noqa: E402
-from megapipe.inference import GenerationError, SamplingParams, generate  # noqa: E402
+from megapipe.inference import SamplingParams, generate  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 
 
@@ -43,11 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    loaded = load_for_inference(args)
-    if args.prompt and loaded.tokenizer is None:
-        raise GenerationError("--prompt needs a checkpoint with a tokenizer.json (import one from Hugging Face); "
-                              "give token ids with --prompt-ids instead.")
-    prompts = [loaded.tokenizer.encode(text).ids for text in args.prompt]
+    loaded = load_for_inference(args, reads_text="--prompt" if args.prompt else None)
+    prompts = [loaded.tokenizer.tokenize(text) for text in args.prompt]
     prompts += [[int(t) for t in ids.split()] for ids in args.prompt_ids]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
@@ -57,7 +54,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         for prompt, new in zip(prompts, outputs):  # each prompt followed by its continuation
             ids = prompt + new
-            print(loaded.tokenizer.decode(ids) if loaded.tokenizer is not None else " ".join(map(str, ids)))
+            print(loaded.tokenizer.detokenize(ids) if loaded.tokenizer is not None else " ".join(map(str, ids)))
     dist.destroy_process_group()
     return 0
 

@@ -6,8 +6,8 @@
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \\
         -d '{"prompts": ["Hello"], "tokens_to_generate": 16, "temperature": 0.8, "top_k": 40, "top_p": 0.9}'
 
-The checkpoint must carry a tokenizer.json (import it from Hugging Face with
-tools/convert_checkpoint.py import-hf). PUT /loglikelihood scores (context, continuation) pairs.
+Texts are read with the tokenizer the checkpoint carries (or the tokenizer flags', for a checkpoint
+saved without one). PUT /loglikelihood scores (context, continuation) pairs.
 """
 
 import argparse
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
+from megapipe.errors import reports_user_errors  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 from megapipe.inference.server import serve  # noqa: E402
 
@@ -28,10 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed)")
     args = parser.parse_args(argv)
-    loaded = load_for_inference(args)
-    if loaded.tokenizer is None:
-        raise ConfigError(f"--load {args.load} carries no tokenizer.json; import the model with "
-                          "tools/convert_checkpoint.py import-hf from a directory that has one.")
+    loaded = load_for_inference(args, reads_text="the server")
     serve(loaded, args.host, args.port, announce=lambda line: print(line, flush=True))
     return 0
 

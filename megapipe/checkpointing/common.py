@@ -98,7 +98,7 @@ class Common:
     loss_scaler: Optional[dict]
     has_optimizer: bool
     has_rng: bool
-    tokenizer: Optional[str] = None  # a Hugging Face tokenizer.json's text, carried from an import
+    tokenizer: Optional[dict] = None  # build_tokenizer's arguments for the files in tokenizer/ (tokenizer_files.py)
     hf_model_type: Optional[str] = None  # the Hugging Face architecture an import came from
     format: str = FORMAT
     version: int = VERSION

@@ -17,6 +17,7 @@ from megapipe.checkpointing.common import Common, SavedLayout, plain
 from megapipe.checkpointing.hf import export_hf, import_hf
 from megapipe.checkpointing.offline import read_checkpoint, write_checkpoint
 from megapipe.checkpointing.state import MASTER, is_rank_local, model_key, optimizer_key
+from megapipe.checkpointing.tokenizer_files import read_tokenizer
 from megapipe.config import Config
 
 
@@ -60,20 +61,20 @@ def reshard(source: str, target: str, layout: SavedLayout) -> Conversion:
     path, common, tensors = read_checkpoint(source)
     in_flight = any(key.startswith("inflight/") for key in tensors)
     tensors = _written(tensors)
-    written = write_checkpoint(target, common, tensors, layout)
+    written = write_checkpoint(target, common, tensors, layout, read_tokenizer(path, common.tokenizer))
     return Conversion(path, common.layout, written, layout, len(tensors), _size(tensors), in_flight)
 
 
 def import_hf_checkpoint(hf_dir: str, target: str, layout: SavedLayout,
                          initialize_missing_heads: bool = False) -> Conversion:
-    """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face directory; its tokenizer.json
-    and architecture name go into the checkpoint's metadata."""
+    """A megapipe checkpoint (weights only, iteration 0) of a Hugging Face directory, with its tokenizer;
+    the architecture name goes into the checkpoint's metadata."""
     imported = import_hf(hf_dir, initialize_missing_heads)
     tensors = {model_key(name): value for name, value in imported.canonical.items()}
     common = Common(kind=imported.kind, iteration=0, consumed_samples=0, skipped_iterations=0, layout=layout,
                     config=plain(Config(model=imported.config)), scheduler=None, loss_scaler=None,
-                    has_optimizer=False, has_rng=False, tokenizer=imported.tokenizer, hf_model_type=imported.model_type)
-    written = write_checkpoint(target, common, tensors, layout)
+                    has_optimizer=False, has_rng=False, hf_model_type=imported.model_type)
+    written = write_checkpoint(target, common, tensors, layout, imported.tokenizer)
     return Conversion(os.path.abspath(hf_dir), None, written, layout, len(tensors), _size(tensors),
                       initialized_heads=imported.initialized_heads)
 
@@ -84,6 +85,6 @@ def export_hf_checkpoint(source: str, hf_dir: str, max_shard_size: str = "5GB") 
     path, common, tensors = read_checkpoint(source)
     names = [key.removeprefix("model/") for key in tensors if key.startswith("model/")]
     canonical = {name: tensors.get(optimizer_key(name, MASTER), tensors[model_key(name)]) for name in names}
-    export_hf(common.kind, common.model_config, canonical, hf_dir, common.hf_model_type, common.tokenizer,
-              max_shard_size)
+    export_hf(common.kind, common.model_config, canonical, hf_dir, common.hf_model_type,
+              read_tokenizer(path, common.tokenizer), max_shard_size)
     return Conversion(path, common.layout, os.path.abspath(hf_dir), None, len(canonical), _size(canonical))

@@ -6,8 +6,10 @@ GPT-2 (``GPT2LMHeadModel``), BERT (``BertForPreTraining``) and the Llama family
 ``from_pretrained`` (safetensors or ``.bin``, sharded or not). Import refuses what megapipe
 cannot compute identically: other architectures, and options that change the maths. Export
 writes ``config.json`` and safetensors through ``save_pretrained`` of a model that received
-every weight, so what it writes is exactly what ``from_pretrained`` loads. A ``tokenizer.json``
-travels with the weights both ways.
+every weight, so what it writes is exactly what ``from_pretrained`` loads. The tokenizer travels
+with the weights both ways: an import keeps the directory's ``tokenizer.json`` (else its
+SentencePiece ``tokenizer.model``); an export writes the checkpoint's tokenizer as files
+``AutoTokenizer`` loads, and names its special tokens in ``config.json``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
+from megapipe.checkpointing.hf_tokenizer import config_token_ids, save_hf_tokenizer
 from megapipe.checkpointing.safetensors_files import SafetensorsFiles, has_safetensors
+from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.data.tokenizer.hf_backed import TOKENIZER_JSON
+from megapipe.data.tokenizer.sentencepiece_model import MODEL_FILE as SENTENCEPIECE_FILE
 from megapipe.models.families import HF_ARCHITECTURES, HFArchitecture, family_of
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,13 @@ def _check_options(model_type: str, hf_config, hf_dir: str) -> None:
                               "megapipe uses absolute position embeddings.")
 
 
-def read_tokenizer(hf_dir: str) -> str | None:
-    """The text of the directory's ``tokenizer.json``, or None."""
-    path = os.path.join(hf_dir, TOKENIZER_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read()
+def hf_dir_tokenizer(hf_dir: str) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face directory: its ``tokenizer.json``, else its ``tokenizer.model``, or None."""
+    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_JSON)):
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
+    if os.path.isfile(os.path.join(hf_dir, SENTENCEPIECE_FILE)):
+        return build_tokenizer("SentencePieceTokenizer", tokenizer_model=os.path.join(hf_dir, SENTENCEPIECE_FILE))
+    return None
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Imported:
     model_type: str  # Hugging Face's model_type, kept so export writes the same architecture
     config: ModelConfig
     canonical: dict
-    tokenizer: str | None  # tokenizer.json text
+    tokenizer: Tokenizer | None
     initialized_heads: list  # pretraining heads that were missing and freshly initialised
 
 
@@ -104,7 +108,7 @@ def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
         config = arch.model_config(hf_config)
     except ValueError as error:
         raise CheckpointError(f"{hf_dir}: {error}.") from None
-    tokenizer = read_tokenizer(hf_dir)
+    tokenizer = hf_dir_tokenizer(hf_dir)
     if arch.reads_safetensors and has_safetensors(hf_dir):
         return Imported(arch.kind, model_type, config, arch.from_hf(SafetensorsFiles(hf_dir), config), tokenizer, [])
     try:
@@ -132,28 +136,28 @@ def hf_model_type(kind: str, config: ModelConfig, remembered: str | None) -> str
     return family_of(kind, config).hf_export_type(config)
 
 
-def hf_config_of(kind: str, config: ModelConfig, model_type: str | None = None):
-    """The transformers config of a megapipe model, or CheckpointError when Hugging Face has no equal."""
+def hf_config_of(kind: str, config: ModelConfig, model_type: str | None = None, **token_ids):
+    """The transformers config of a megapipe model with ``token_ids`` (bos_token_id ...), or CheckpointError
+    when Hugging Face has no equal."""
     model_type = model_type or hf_model_type(kind, config, None)
     try:
-        return ARCHITECTURES[model_type].hf_config(config)
+        return ARCHITECTURES[model_type].hf_config(config, **token_ids)
     except ValueError as error:
         raise CheckpointError(f"cannot export as {model_type}: {error}.") from None
 
 
 def export_hf(kind: str, config: ModelConfig, canonical: dict[str, torch.Tensor], hf_dir: str,
-              model_type: str | None = None, tokenizer: str | None = None, max_shard_size: str = "5GB") -> None:
+              model_type: str | None = None, tokenizer: Tokenizer | None = None, max_shard_size: str = "5GB") -> None:
     """Write ``canonical`` (megapipe names, whole tensors) as a Hugging Face directory of ``model_type``
-    (by default the architecture the options match), with ``tokenizer`` as its tokenizer.json."""
+    (by default the architecture the options match), with ``tokenizer``'s files and special-token ids."""
     import transformers
 
     model_type = hf_model_type(kind, config, model_type)
     arch = ARCHITECTURES[model_type]
-    hf_config = hf_config_of(kind, config, model_type)
+    hf_config = hf_config_of(kind, config, model_type, **config_token_ids(tokenizer))
     model = getattr(transformers, arch.hf_class)(hf_config)
     state = {key: value.float() for key, value in arch.to_hf(canonical, config).items()}
     model.load_state_dict(state, strict=True)
     model.save_pretrained(hf_dir, max_shard_size=max_shard_size)
     if tokenizer is not None:
-        with open(os.path.join(hf_dir, TOKENIZER_FILE), "w") as f:
-            f.write(tokenizer)
+        save_hf_tokenizer(tokenizer, hf_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +23,9 @@ from megapipe.checkpointing.planners import ShardSavePlanner
 from megapipe.checkpointing.shards import Shard, cut
 from megapipe.checkpointing.state import is_rank_local, model_key
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
+from megapipe.checkpointing.tokenizer_files import write_tokenizer
 from megapipe.config import ModelConfig
+from megapipe.data.tokenizer import Tokenizer
 from megapipe.errors import CheckpointError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name
@@ -112,8 +115,10 @@ def write_as_ranks(pieces: list[dict[str, Shard]], directory: str) -> None:
     writers[0].finish(metadata=metadata, results=results)
 
 
-def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor], layout: SavedLayout) -> str:
-    """Write ``tensors`` (whole) under ``root`` as ``layout`` would have saved them; returns the directory.
+def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor], layout: SavedLayout,
+                     tokenizer: Optional[Tokenizer]) -> str:
+    """Write ``tensors`` (whole) and ``tokenizer`` under ``root`` as ``layout`` would have saved them; returns
+    the directory.
 
     Random states and in-flight pipeline state are dropped (they belong to the ranks of the
     layout that made them).
@@ -126,5 +131,6 @@ def write_checkpoint(root: str, common: Common, tensors: dict[str, torch.Tensor]
     os.makedirs(root, exist_ok=True)
     staging = prepare_staging(root, common.iteration)
     write_as_ranks(pieces, staging)
+    common.tokenizer = write_tokenizer(tokenizer, staging)
     common.write(staging)
     return publish(root, common.iteration)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from megapipe.config import Config
+from megapipe.data.tokenizer import Tokenizer
 from megapipe.optim.lr_schedule import LRScheduler
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.runtime.engine import PipelineEngine
@@ -42,3 +43,4 @@ class RunState:
     progress: TrainState
     timeout: datetime.timedelta  # of the background writer's collectives (--async-save)
     log: Callable[[str], None]  # the run's logger: messages for the user about what was loaded
+    tokenizer: Tokenizer  # saved with every checkpoint, so generation and export need no flags

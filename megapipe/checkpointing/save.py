@@ -2,9 +2,10 @@
 
 Rank 0 prepares ``iter_N.tmp``; every rank writes its shards there through DCP. When DCP
 returns on rank 0, every rank's files and the index are on disk and synced; rank 0 then adds
-``common.json`` and publishes (see ``paths.publish``). With ``--async-save`` the pieces are
-first copied to CPU memory and a background thread writes and publishes them over a process
-group of its own while training goes on; ``latest`` moves only once that write is complete.
+the run's tokenizer (``tokenizer_files``) and ``common.json`` and publishes (see
+``paths.publish``). With ``--async-save`` the pieces are first copied to CPU memory and a
+background thread writes and publishes them over a process group of its own while training
+goes on; ``latest`` moves only once that write is complete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.shards import Shard
 from megapipe.checkpointing.state import param_entries, precision_optimizers, save_shards
 from megapipe.checkpointing.storage import write_shards
+from megapipe.checkpointing.tokenizer_files import write_tokenizer
 from megapipe.errors import CheckpointError
 
 
@@ -66,6 +68,7 @@ class Checkpointer:
         dist.barrier()  # the staging directory exists before any rank writes into it
 
         def finish() -> None:  # rank 0, once every rank's pieces are on disk (it may not be the logging rank)
+            common.tokenizer = write_tokenizer(run.tokenizer, staging)
             common.write(staging)
             final = publish(directory, iteration)
             print(f"> saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - started:.2f} s",

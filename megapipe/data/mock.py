@@ -37,6 +37,9 @@ class NullTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def save(self, directory: str) -> None:
+        return None  # random ids stand for no text: a checkpoint of mock data carries no tokenizer
+
 
 class MockGPTDataset:
     """``num_samples`` items in ``GPTDataset``'s format (``tokens``, ``labels``, ``loss_mask``) of random tokens."""

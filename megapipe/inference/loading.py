@@ -11,6 +11,9 @@ import torch
 from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common
 from megapipe.checkpointing.paths import find_checkpoint
+from megapipe.checkpointing.tokenizer_files import read_tokenizer
+from megapipe.data.tokenizer import Tokenizer
+from megapipe.data.tokenizer.flags import add_tokenizer_arguments, tokenizer_from_args
 from megapipe.parallel.launch import init_distributed
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models import build_model_chunks
@@ -22,18 +25,41 @@ class LoadedModel:
     chunks: list
     ps: ParallelState
     config: object  # ModelConfig
-    tokenizer: Optional[object]  # a tokenizers.Tokenizer from the checkpoint's tokenizer.json, or None
+    tokenizer: Optional[Tokenizer]  # the checkpoint's (or the tokenizer flags'), None when neither has one
 
 
 def layout_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags inference tools share with training (Megatron-LM names)."""
+    """The flags inference tools share with training (Megatron-LM names); the tokenizer flags are
+    for checkpoints saved without a tokenizer (and override the one a checkpoint carries)."""
     parser.add_argument("--load", required=True, help="a --save directory or one iter_* directory")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_tokenizer_arguments(parser, required=False)
 
 
-def load_for_inference(args: argparse.Namespace) -> LoadedModel:
-    """Join the torchrun world, build this rank's stage and load the checkpoint's weights into it."""
+def _missing_tokenizer(directory: str, reads_text: str) -> ConfigError:
+    return ConfigError(f"{reads_text} needs a tokenizer, and {directory} carries none (it was saved before "
+                       "megapipe stored tokenizers in checkpoints, or trained on --mock-data); pass the tokenizer "
+                       "flags it was trained with, e.g. --tokenizer-type ByteLevelTokenizer for the default data.")
+
+
+def _tokenizer(args: argparse.Namespace, directory: str, common: Common, vocab_size: int) -> Optional[Tokenizer]:
+    """The tokenizer flags' tokenizer if given (it must fit the model's vocabulary), else the checkpoint's."""
+    if args.tokenizer_type is None:
+        return read_tokenizer(directory, common.tokenizer)
+    tokenizer = tokenizer_from_args(args)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} has {tokenizer.vocab_size} token ids but the model "
+                          f"in {directory} knows only {vocab_size}; pass the tokenizer flags it was trained with.")
+    return tokenizer
+
+
+def load_for_inference(args: argparse.Namespace, reads_text: Optional[str] = None) -> LoadedModel:
+    """Join the torchrun world, build this rank's stage and load the checkpoint's weights into it.
+
+    ``reads_text`` names what will read text (e.g. "--prompt"): then a missing tokenizer is refused
+    first, in one sentence, before any process group exists.
+    """
     directory = find_checkpoint(args.load)
     if directory is None:
         raise CheckpointError(f"--load {args.load} holds no checkpoint; pass a --save directory or an iter_* "
@@ -43,14 +69,12 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
         raise ConfigError(f"--load {args.load} holds a {common.kind.upper()} model; generation needs a GPT/Llama "
                           "(causal) model.")
     config = common.model_config
+    tokenizer = _tokenizer(args, directory, common, config.vocab_size)
+    if reads_text and tokenizer is None:
+        raise _missing_tokenizer(directory, reads_text)
     device = init_distributed()
     ps = ParallelState.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     chunks = build_model_chunks("gpt", config, ps, device=device)
     load_weights(args.load, "gpt", chunks, ps, config)
-    tokenizer = None
-    if common.tokenizer is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(common.tokenizer)
     torch.set_grad_enabled(False)
     return LoadedModel(chunks, ps, config, tokenizer)

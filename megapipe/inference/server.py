@@ -51,7 +51,7 @@ def parse_generate(body, tokenizer) -> tuple[list, SamplingParams]:
             raise GenerationError(f"field {name!r} is {value!r}; it must be {what}.")
     if "prompts" not in body:
         raise GenerationError("field 'prompts' is missing; give a list of prompt strings.")
-    prompts = [tokenizer.encode(text).ids for text in body["prompts"]]
+    prompts = [tokenizer.tokenize(text) for text in body["prompts"]]
     params = SamplingParams(max_new_tokens=body.get("tokens_to_generate", 64),
                             temperature=float(body.get("temperature", 1.0)), top_k=body.get("top_k", 0),
                             top_p=float(body.get("top_p", 0.0)), seed=body.get("random_seed", 1234),
@@ -66,7 +66,7 @@ def parse_loglikelihood(body, tokenizer) -> list:
     if set(body or {}) != {"requests"} or not isinstance(requests, list) or not all(
             isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in requests):
         raise GenerationError("the body must be {\"requests\": [[context, continuation], ...]} with texts.")
-    return [(tokenizer.encode(c).ids, tokenizer.encode(x).ids) for c, x in requests]
+    return [(tokenizer.tokenize(c), tokenizer.tokenize(x)) for c, x in requests]
 
 
 def run(loaded: LoadedModel, command: tuple):
@@ -130,7 +130,7 @@ def make_handler(loaded: LoadedModel):
             result = run(loaded, broadcast(command))
             if command[0] == "score":
                 return self._reply(200, {"loglikelihoods": [list(r) for r in result]})
-            texts = [tokenizer.decode(p + new) for p, new in zip(prompts, result)]
+            texts = [tokenizer.detokenize(p + new) for p, new in zip(prompts, result)]
             return self._reply(200, {"text": texts, "tokens": result})
 
         def _not_put(self):

@@ -126,8 +126,9 @@ def llama_to_hf(state: dict, config: ModelConfig) -> dict:
     return {k: v.clone() for k, v in out.items()}
 
 
-def llama_hf_config(model_type: str, config: ModelConfig):
-    """The transformers config of a megapipe Llama-shaped model (ValueError when it has no equal)."""
+def llama_hf_config(model_type: str, config: ModelConfig, **token_ids):
+    """The transformers config of a megapipe Llama-shaped model, with ``token_ids`` (bos_token_id ...)
+    (ValueError when it has no equal)."""
     import transformers
 
     wanted = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
@@ -148,4 +149,4 @@ def llama_hf_config(model_type: str, config: ModelConfig):
                         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
                         rope_parameters=rope, attention_dropout=config.attention_dropout,
                         initializer_range=config.init_method_std,
-                        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra)
+                        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra, **token_ids)

@@ -193,8 +193,9 @@ def _hf_activation(config: ModelConfig) -> str:
     return {"gelu": "gelu", "gelu_tanh": "gelu_new"}[config.activation]
 
 
-def gpt2_hf_config(config: ModelConfig):
-    """The ``transformers.GPT2Config`` of a megapipe GPT (ValueError when it has no equal)."""
+def gpt2_hf_config(config: ModelConfig, **token_ids):
+    """The ``transformers.GPT2Config`` of a megapipe GPT, with ``token_ids`` (bos_token_id ...)
+    (ValueError when it has no equal)."""
     import transformers
 
     act = _hf_activation(config)
@@ -206,11 +207,12 @@ def gpt2_hf_config(config: ModelConfig):
                                    layer_norm_epsilon=config.layernorm_epsilon, activation_function=act,
                                    resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
                                    attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
-                                   tie_word_embeddings=not config.untie_embeddings_and_output_weights)
+                                   tie_word_embeddings=not config.untie_embeddings_and_output_weights, **token_ids)
 
 
-def bert_hf_config(config: ModelConfig):
-    """The ``transformers.BertConfig`` of a megapipe BERT (ValueError when it has no equal)."""
+def bert_hf_config(config: ModelConfig, **token_ids):
+    """The ``transformers.BertConfig`` of a megapipe BERT, with ``token_ids`` (bos_token_id ...)
+    (ValueError when it has no equal)."""
     import transformers
 
     act = _hf_activation(config)
@@ -223,4 +225,4 @@ def bert_hf_config(config: ModelConfig):
                                    hidden_dropout_prob=config.hidden_dropout,
                                    attention_probs_dropout_prob=config.attention_dropout,
                                    vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
-                                   initializer_range=config.init_method_std)
+                                   initializer_range=config.init_method_std, **token_ids)

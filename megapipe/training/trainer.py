@@ -104,7 +104,8 @@ class Trainer:
         self.logs_loss = self.ps.rank == self.ps.loss_rank
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
-                                  self.state, timeout, self.logger.print)  # what checkpoints save and load
+                                  self.state, timeout, self.logger.print,
+                                  self.tokenizer)  # what checkpoints save and load
         self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
                                    self.m)
         self.flops = family_of(kind, config.model).flops(config.model, t.global_batch_size,

@@ -21,6 +21,15 @@ SPECIAL_ROLES = {
            "BertWordPieceCase or ByteLevelTokenizer",
 }
 
+# Spellings of each special token in common vocabularies, most likely first.
+SPECIAL_SPELLINGS = {
+    "eod": ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>", "[SEP]"),
+    "cls": ("[CLS]", "<s>", "<cls>"),
+    "sep": ("[SEP]", "</s>", "<sep>"),
+    "mask": ("[MASK]", "<mask>"),
+    "pad": ("[PAD]", "<pad>"),
+}
+
 
 class Tokenizer(ABC):
     """Text <-> token ids, plus the ids of the special tokens GPT and BERT need.
@@ -51,6 +60,21 @@ class Tokenizer(ABC):
     @abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of the token ids ``ids``."""
+
+    @abstractmethod
+    def save(self, directory: str) -> Optional[dict[str, str]]:
+        """Write the files that rebuild this tokenizer into the existing ``directory`` and return the
+        ``build_tokenizer`` keyword arguments that load them, paths relative to ``directory``
+        (None for a tokenizer that reads no text), so a checkpoint carries the tokenizer of its run."""
+
+    def hf_backend(self):
+        """A ``tokenizers.Tokenizer`` that encodes text to the same ids, for Hugging Face exports."""
+        raise ConfigError(f"{self.name} has no Hugging Face equivalent; train with a text tokenizer "
+                          "(--tokenizer-type) to export one.")
+
+    def special_id(self, role: str) -> Optional[int]:
+        """The id of the special token playing ``role`` (a key of SPECIAL_ROLES), or None when there is none."""
+        return self._special_ids[role]
 
     def _special(self, role: str) -> int:
         token_id = self._special_ids[role]

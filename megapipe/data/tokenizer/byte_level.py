@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megapipe.data.tokenizer.base import Tokenizer
+from megapipe.data.tokenizer.base import SPECIAL_SPELLINGS, Tokenizer
 
 SPECIAL_TOKENS = ("eod", "cls", "sep", "mask", "pad")
 
@@ -31,3 +31,20 @@ class ByteLevelTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def save(self, directory: str) -> dict[str, str]:
+        return {"tokenizer_type": self.name}  # no files: the type says everything
+
+    def hf_backend(self):
+        """Byte-level BPE without merges: GPT-2's byte-to-character map sends byte ``b`` to id ``b``, and the
+        special tokens take their usual spellings (``<|endoftext|>``, ``[CLS]`` ...) at ids 256-260."""
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        vocab.update({SPECIAL_SPELLINGS[role][0]: 256 + i for i, role in enumerate(SPECIAL_TOKENS)})
+        backend = Backend(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        return backend

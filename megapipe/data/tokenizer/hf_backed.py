@@ -4,32 +4,33 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from megapipe.data.tokenizer.base import Tokenizer
+from megapipe.data.tokenizer.base import SPECIAL_SPELLINGS, Tokenizer
 from megapipe.errors import ConfigError
 
-# Spellings of each special token in common vocabularies, most likely first.
-SPECIAL_SPELLINGS = {
-    "eod": ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>", "[SEP]"),
-    "cls": ("[CLS]", "<s>", "<cls>"),
-    "sep": ("[SEP]", "</s>", "<sep>"),
-    "mask": ("[MASK]", "<mask>"),
-    "pad": ("[PAD]", "<pad>"),
-}
+TOKENIZER_JSON = "tokenizer.json"  # a fast tokenizer's one file
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside it: which of its tokens are special, among others
+# The keys of a Hugging Face tokenizer_config.json that declare each special role.
+CONFIG_KEYS = {"eod": "eos_token", "cls": "cls_token", "sep": "sep_token", "mask": "mask_token", "pad": "pad_token"}
 
 
 class HFBackedTokenizer(Tokenizer):
-    """Adapts a ``tokenizers.Tokenizer`` to the common interface; special tokens are never added."""
+    """Adapts a ``tokenizers.Tokenizer`` to the common interface; special tokens are never added.
+
+    ``save_files(tokenizer, directory)`` writes the files its type is built from (``save``).
+    """
 
     def __init__(self, name: str, rebuild: tuple, backend: Backend,
-                 special_ids: dict[str, Optional[int]], lossless: bool):
+                 special_ids: dict[str, Optional[int]], lossless: bool,
+                 save_files: Callable[["HFBackedTokenizer", str], dict[str, str]]):
         super().__init__(name, rebuild, special_ids)
         self._backend = backend
         self.lossless = lossless
+        self._save_files = save_files
 
     @property
     def vocab_size(self) -> int:
@@ -40,6 +41,12 @@ class HFBackedTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, directory: str) -> dict[str, str]:
+        return self._save_files(self, directory)
+
+    def hf_backend(self) -> Backend:
+        return Backend.from_str(self._backend.to_str())  # a copy: transformers registers special tokens in it
 
 
 def _find_specials(backend: Backend, declared: dict[str, str]) -> dict[str, Optional[int]]:
@@ -60,8 +67,14 @@ def gpt2_bpe(vocab_file: str, merge_file: str) -> HFBackedTokenizer:
     backend = Backend(models.BPE.from_file(vocab_file, merge_file))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return HFBackedTokenizer("GPT2BPETokenizer", (gpt2_bpe, (vocab_file, merge_file)), backend, {"eod": backend.token_to_id("<|endoftext|>")},
-                             lossless=True)
+    return HFBackedTokenizer("GPT2BPETokenizer", (gpt2_bpe, (vocab_file, merge_file)), backend,
+                             {"eod": backend.token_to_id("<|endoftext|>")}, lossless=True, save_files=_save_bpe)
+
+
+def _save_bpe(tokenizer: HFBackedTokenizer, directory: str) -> dict[str, str]:
+    vocab_file, merge_file = tokenizer._backend.model.save(directory)
+    return {"tokenizer_type": tokenizer.name, "vocab_file": os.path.basename(vocab_file),
+            "merge_file": os.path.basename(merge_file)}
 
 
 def bert_wordpiece(vocab_file: str, lowercase: bool) -> HFBackedTokenizer:
@@ -77,7 +90,12 @@ def bert_wordpiece(vocab_file: str, lowercase: bool) -> HFBackedTokenizer:
     specials = {role: backend.token_to_id(f"[{role.upper()}]") for role in ("cls", "sep", "mask", "pad")}
     specials["eod"] = specials["sep"]
     return HFBackedTokenizer(name, (bert_wordpiece, (vocab_file, lowercase)), backend, specials,
-                             lossless=False)
+                             lossless=False, save_files=_save_wordpiece)
+
+
+def _save_wordpiece(tokenizer: HFBackedTokenizer, directory: str) -> dict[str, str]:
+    (vocab_file,) = tokenizer._backend.model.save(directory)
+    return {"tokenizer_type": tokenizer.name, "vocab_file": os.path.basename(vocab_file)}
 
 
 def _declared_specials(config_path: str) -> dict[str, str]:
@@ -87,8 +105,7 @@ def _declared_specials(config_path: str) -> dict[str, str]:
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     declared = {}
-    for role, key in (("eod", "eos_token"), ("cls", "cls_token"), ("sep", "sep_token"),
-                      ("mask", "mask_token"), ("pad", "pad_token")):
+    for role, key in CONFIG_KEYS.items():
         value = config.get(key)
         if isinstance(value, dict):
             value = value.get("content")
@@ -105,7 +122,7 @@ def huggingface(tokenizer_model: str) -> HFBackedTokenizer:
     """
     path = tokenizer_model
     if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
+        path = os.path.join(path, TOKENIZER_JSON)
         if not os.path.isfile(path):
             raise ConfigError(f"--tokenizer-model {tokenizer_model} is a directory without tokenizer.json; "
                               "point it at a fast tokenizer's folder or use SentencePieceTokenizer for a .model file.")
@@ -114,6 +131,16 @@ def huggingface(tokenizer_model: str) -> HFBackedTokenizer:
     except Exception as error:  # the Rust library raises a bare Exception on malformed files
         raise ConfigError(f"--tokenizer-model {path} is not a valid tokenizer.json ({error}); "
                           "save one with tokenizers' Tokenizer.save or tools/train_tokenizer.py.") from None
-    declared = _declared_specials(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
-    return HFBackedTokenizer("HuggingFaceTokenizer", (huggingface, (tokenizer_model,)), backend, _find_specials(backend, declared),
-                             lossless=False)
+    declared = _declared_specials(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG))
+    return HFBackedTokenizer("HuggingFaceTokenizer", (huggingface, (tokenizer_model,)), backend,
+                             _find_specials(backend, declared), lossless=False, save_files=_save_huggingface)
+
+
+def _save_huggingface(tokenizer: HFBackedTokenizer, directory: str) -> dict[str, str]:
+    """tokenizer.json, and a tokenizer_config.json declaring the special tokens found, so they are found again."""
+    tokenizer._backend.save(os.path.join(directory, TOKENIZER_JSON))
+    declared = {key: tokenizer._backend.id_to_token(tokenizer.special_id(role)) for role, key in CONFIG_KEYS.items()
+                if tokenizer.special_id(role) is not None}
+    with open(os.path.join(directory, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(declared, f, indent=1)
+    return {"tokenizer_type": tokenizer.name, "tokenizer_model": TOKENIZER_JSON}

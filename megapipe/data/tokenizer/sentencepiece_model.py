@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import sentencepiece
@@ -9,6 +10,7 @@ import sentencepiece
 from megapipe.data.tokenizer.base import Tokenizer
 from megapipe.errors import ConfigError
 
+MODEL_FILE = "tokenizer.model"  # the name Llama's Hugging Face directories give it
 # Piece spellings looked up for the BERT roles; eod and pad come from the model's own ids.
 BERT_PIECES = {"cls": ("[CLS]", "<cls>"), "sep": ("[SEP]", "<sep>"), "mask": ("[MASK]", "<mask>")}
 
@@ -24,6 +26,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise ConfigError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model ({error}); "
                               "pass a .model file written by sentencepiece or tools/train_tokenizer.py.") from None
         self._processor = processor
+        self._model_file = tokenizer_model
         special_ids = {"eod": self._own_id(processor.eos_id()), "pad": self._own_id(processor.pad_id())}
         for role, pieces in BERT_PIECES.items():
             special_ids[role] = self._find_piece(pieces)
@@ -49,3 +52,16 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
+
+    def save(self, directory: str) -> dict[str, str]:
+        with open(os.path.join(directory, MODEL_FILE), "wb") as f:
+            f.write(self._processor.serialized_model_proto())
+        return {"tokenizer_type": self.name, "tokenizer_model": MODEL_FILE}
+
+    def hf_backend(self):
+        """transformers' conversion of the model's own settings (normalizer, dummy prefix, byte fallback,
+        merges from the piece scores), which encodes as ``SentencePieceProcessor.encode``."""
+        from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+        extractor = SentencePieceExtractor(self._model_file)
+        return SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, extractor.extract(None)["vocab"])

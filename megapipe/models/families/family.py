@@ -25,7 +25,8 @@ class HFArchitecture:
     model_config: Callable  # transformers config -> ModelConfig
     from_hf: Callable  # (Hugging Face state dict, ModelConfig) -> canonical megapipe state dict
     to_hf: Callable  # (canonical state dict, ModelConfig) -> Hugging Face state dict
-    hf_config: Callable  # ModelConfig -> transformers config (ValueError when Hugging Face has no equal)
+    # (ModelConfig, **special-token ids such as eos_token_id) -> transformers config (ValueError when it has no equal)
+    hf_config: Callable
     # options whose other values change the maths in ways megapipe does not implement
     unsupported: dict = field(default_factory=dict)
     reads_safetensors: bool = False  # import reads safetensors tensor by tensor instead of from_pretrained
