@@ -1,6 +1,7 @@
 """The text-generation server's HTTP answers that need no model, through its handler on an in-memory
 connection (no socket): another method than PUT is refused with 405, ``Allow: PUT`` and a JSON
-sentence naming PUT; a refused request's log line carries the reason it was refused."""
+sentence naming PUT; a refused request's log line carries the reason it was refused; a request stops at
+end-of-text unless it names its stop tokens."""
 
 import io
 import json
@@ -8,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megapipe.inference.server import make_handler
+from megapipe.data.tokenizer import build_tokenizer
+from megapipe.inference.server import make_handler, parse_generate
 
 pytestmark = pytest.mark.unit
 
@@ -51,3 +53,15 @@ def test_a_refused_request_is_logged_with_its_reason(capsys):
     assert status == 400 and body == {"error": "field 'top_p' is 2; it must be a number within [0, 1]."}
     assert capsys.readouterr().out == ('10.0.0.7 "PUT /api HTTP/1.0" 400 - field \'top_p\' is 2; it must be a '
                                        'number within [0, 1].\n')
+
+
+def test_generation_stops_at_end_of_text_unless_the_request_names_its_stops():
+    """As Megatron-LM's generation stops at the tokenizer's eod (and an exported model at its
+    eos_token_id), a request without ``stop_token_ids`` stops there; ``[]`` asks for no stop."""
+    tokenizer = build_tokenizer("ByteLevelTokenizer")
+    end_of_text = tokenizer.special_id("eod")
+    assert end_of_text is not None
+    _, default = parse_generate({"prompts": ["The"]}, tokenizer)
+    _, none = parse_generate({"prompts": ["The"], "stop_token_ids": []}, tokenizer)
+    _, given = parse_generate({"prompts": ["The"], "stop_token_ids": [7, 9]}, tokenizer)
+    assert (default.stop_tokens, none.stop_tokens, given.stop_tokens) == ((end_of_text,), (), (7, 9))

@@ -19,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megapipe.errors import reports_user_errors  # noqa: E402
 from megapipe.inference import SamplingParams, generate  # noqa: E402
+from megapipe.inference.sampling import stop_tokens_or_end_of_text  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 
 
@@ -33,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--stop-token", type=int, action="append", default=[])
+    parser.add_argument("--stop-token", type=int, action="append", default=None,
+                        help="a token id that ends a sequence (repeat for several); default: the tokenizer's "
+                             "end-of-text token")
+    parser.add_argument("--ignore-eod", action="store_true", help="generate --max-new-tokens past end-of-text")
     parser.add_argument("--padding", choices=("left", "right"), default="left")
     parser.add_argument("--naive-decode", action="store_true", help="one microbatch (no pipelined decode)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -48,7 +52,8 @@ def main(argv=None) -> int:
     prompts += [[int(t) for t in ids.split()] for ids in args.prompt_ids]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                            stop_tokens=tuple(args.stop_token), seed=args.seed)
+                            stop_tokens=stop_tokens_or_end_of_text(args.stop_token or (() if args.ignore_eod else None),
+                                                                   loaded.tokenizer), seed=args.seed)
     outputs = generate(loaded.chunks, loaded.ps, loaded.config, prompts, params, padding=args.padding,
                        microbatches=1 if args.naive_decode else None)
     if dist.get_rank() == 0:

@@ -29,6 +29,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def stop_tokens_or_end_of_text(given, tokenizer) -> tuple:
+    """The token ids that end a sequence: ``given`` when not None, else the tokenizer's end-of-text token
+    (as Megatron-LM's generation stops at its eod, and an exported model's ``eos_token_id`` does), else none."""
+    if given is not None:
+        return tuple(given)
+    end_of_text = tokenizer.special_id("eod") if tokenizer is not None else None
+    return () if end_of_text is None else (end_of_text,)
+
+
 def sequence_generators(seed: int, rows: range, device: torch.device) -> list:
     """One generator per sequence of ``rows`` (indices in the request), on the device that samples."""
     return [torch.Generator(device=device).manual_seed(seed + row) for row in rows]

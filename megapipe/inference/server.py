@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megapipe.inference.generation import GenerationError, check_request, generate
 from megapipe.inference.loading import LoadedModel
-from megapipe.inference.sampling import SamplingParams
+from megapipe.inference.sampling import SamplingParams, stop_tokens_or_end_of_text
 from megapipe.inference.scoring import check_pairs, score_continuations
 
 # field -> (type(s), check, what a good value is)
@@ -56,7 +56,7 @@ def parse_generate(body, tokenizer) -> tuple[list, SamplingParams]:
                             temperature=float(body.get("temperature", 1.0)), top_k=body.get("top_k", 0),
                             top_p=float(body.get("top_p", 0.0)), seed=body.get("random_seed", 1234),
                             repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-                            stop_tokens=tuple(body.get("stop_token_ids", ())))
+                            stop_tokens=stop_tokens_or_end_of_text(body.get("stop_token_ids"), tokenizer))
     return prompts, params
 
 
