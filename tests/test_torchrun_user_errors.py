@@ -54,6 +54,13 @@ def test_a_bad_flag_under_torchrun_prints_its_sentence_once_and_exits_2(site_dir
 
 
 @pytest.mark.system
+def test_a_generation_tool_under_torchrun_reports_like_training(site_dir, tmp_path):
+    result = run_torchrun(site_dir, "tools/generate.py", "--load", str(tmp_path / "none"), "--prompt", "The")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", f"error: checkpoint directory {tmp_path / 'none'} does not exist.\n")
+
+
+@pytest.mark.system
 def test_a_crash_under_torchrun_keeps_torchruns_report(site_dir, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text("import os\nraise RuntimeError(f'crash on rank {os.environ[\"RANK\"]}')\n")

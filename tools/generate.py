@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch.distributed as dist  # noqa: E402
 
 from megapipe.errors import reports_user_errors  # noqa: E402
+from megapipe.training.failures import report_user_error  # noqa: E402
 from megapipe.inference import SamplingParams, generate  # noqa: E402
 from megapipe.inference.sampling import stop_tokens_or_end_of_text  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
@@ -44,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@reports_user_errors
+@reports_user_errors(report=report_user_error)  # once per job under torchrun, as training does
 def main(argv=None) -> int:
     args = parse_args(argv)
     loaded = load_for_inference(args, reads_text="--prompt" if args.prompt else None)

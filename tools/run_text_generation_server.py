@@ -17,11 +17,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import reports_user_errors  # noqa: E402
+from megapipe.training.failures import report_user_error  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 from megapipe.inference.server import serve  # noqa: E402
 
 
-@reports_user_errors
+@reports_user_errors(report=report_user_error)  # once per job under torchrun, as training does
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     layout_flags(parser)
