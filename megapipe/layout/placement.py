@@ -27,13 +27,15 @@ from megapipe.errors import ConfigError
 
 
 class Placement(str, Enum):
+    """A placement compares equal to its text, so the functions below take either."""
+
     LOOPED = "looped"
     V = "v"
 
 
 def rank_of_stage(placement: Placement, p: int, stage: int) -> int:
     """The pipeline rank that holds virtual ``stage``."""
-    if Placement(placement) is Placement.V:
+    if placement == Placement.V:
         return stage if stage < p else 2 * p - 1 - stage
     return stage % p
 
@@ -45,7 +47,7 @@ def chunk_of_stage(p: int, stage: int) -> int:
 
 def stage_of_chunk(placement: Placement, p: int, rank: int, chunk: int) -> int:
     """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` holds."""
-    if Placement(placement) is Placement.V:
+    if placement == Placement.V:
         return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
 
@@ -57,7 +59,7 @@ def stages_of_rank(placement: Placement, p: int, v: int, rank: int) -> list[int]
 
 def check_placement(placement: Placement, v: int, schedule: str) -> None:
     """The V placement holds exactly two chunks per rank."""
-    if Placement(placement) is Placement.V and v != 2:
+    if placement == Placement.V and v != 2:
         raise ConfigError(f"--pipeline-schedule {schedule} places two model chunks per rank in a V, but this run has "
                           f"v={v}; set --num-layers-per-virtual-pipeline-stage to --num-layers / "
                           "(2 x --pipeline-model-parallel-size) so that v = 2.")

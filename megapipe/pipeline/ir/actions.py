@@ -91,13 +91,16 @@ class ActionKind(str, Enum):
     STEP = "STEP"
     UPDATE = "UPDATE"
 
+    # The predicates below run millions of times in replays and searches: each tests the kind's
+    # text against a set of texts (hashing a str is cached; an Enum's own hash runs Python).
+
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
+        return self._value_ in _COMPUTE
 
     @property
     def is_backward(self) -> bool:
-        return self in (ActionKind.B, ActionKind.BI, ActionKind.BW)
+        return self._value_ in _BACKWARD
 
     @property
     def makes_input_grad(self) -> bool:
@@ -111,7 +114,7 @@ class ActionKind(str, Enum):
 
     @property
     def is_optimizer_step(self) -> bool:
-        return self is ActionKind.STEP or self is ActionKind.UPDATE
+        return self._value_ in _OPTIMIZER_STEP
 
     @property
     def is_send(self) -> bool:
@@ -123,7 +126,13 @@ class ActionKind(str, Enum):
 
     @property
     def is_communication(self) -> bool:
-        return not (self.is_compute or self.is_optimizer_step)
+        return self._value_ in _COMMUNICATION
+
+
+_COMPUTE = frozenset({"F", "B", "BI", "BW"})
+_BACKWARD = frozenset({"B", "BI", "BW"})
+_OPTIMIZER_STEP = frozenset({"STEP", "UPDATE"})
+_COMMUNICATION = frozenset(kind.value for kind in ActionKind) - _COMPUTE - _OPTIMIZER_STEP
 
 
 @dataclass(frozen=True)
