@@ -25,14 +25,15 @@ ROLL_CALL_KEY = "megapipe/roll-call/"
 
 def report_user_error(error: Exception) -> None:
     """Print ``error: ...`` on the first rank that reports it (one line per job, not per rank),
-    unless torchrun prints it (``hand_to_launcher``).
+    unless torchrun prints it (``hand_to_launcher``; never a lost peer's, which each rank that
+    cannot reach the store prints at once in its own view).
 
     With a process group the ranks race on a counter in its store; without one (a flag checked
     before any group exists, which every rank finds alike) rank 0 prints. A rank that cannot
     reach the store (``PeerLost``) prints its own view.
     """
-    if hand_to_launcher(str(error)):
-        return
+    if not isinstance(error, PeerLost) and hand_to_launcher(str(error)):
+        return  # a lost peer is said at once, where it was seen: that host's torchrun may be cut off too
     if not getattr(error, "store_reachable", True) or _first_to_report():
         print_error(error)
 
