@@ -3,6 +3,7 @@ job (not per rank), not a traceback."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch.distributed as dist
@@ -18,6 +19,10 @@ def _run(kind: str, argv: list[str]) -> int:
 
     try:
         pretrain(kind, argv)
+        # the run's objects form reference cycles holding process groups, pending works and their
+        # tensors: free them now, not in the interpreter's teardown, where a gloo thread that drops
+        # the last reference to a tensor can abort the process after a successful run
+        gc.collect()
         if dist.is_initialized():  # no rank tears its connections down while a peer still uses them
             dist.barrier()
     except Exception as error:
