@@ -43,3 +43,8 @@ def parse_cluster(text: str, gpus_per_server: int = 1) -> ClusterSpec:
     if gpus_per_server < 1:
         raise ConfigError(f"--gpus-per-server {gpus_per_server} must be at least 1.")
     return ClusterSpec({k: v for k, v in counts.items() if v > 0}, gpus_per_server)
+
+
+def devices_text(devices: dict) -> str:
+    """Accelerators by type as people read them: ``{"fast": 2, "slow": 1}`` -> ``"2 fast, 1 slow"``."""
+    return ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices.items()))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megapipe.cluster.core.cluster_spec import devices_text
+
 
 def unplaceable_reason(devices: int, devices_by_type: dict) -> Optional[str]:
     """One sentence naming the requirement and the fix, or None when some worker type can hold the job."""
@@ -17,7 +19,7 @@ def unplaceable_reason(devices: int, devices_by_type: dict) -> Optional[str]:
                 "worker --scheduler HOST:PORT --devices TYPE:N.")
     if devices <= max(devices_by_type.values()):
         return None
-    have = ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices_by_type.items()))
+    have = devices_text(devices_by_type)
     return (f"it needs {devices} devices of one type (--tensor-model-parallel-size x "
             f"--pipeline-model-parallel-size) but no worker type has that many (the workers have {have}); "
             f"start workers with --devices TYPE:N adding up to {devices} of one type, or cancel it and submit it "

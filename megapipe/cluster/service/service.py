@@ -24,7 +24,7 @@ from typing import Optional
 from megapipe.checkpointing.paths import read_latest
 from megapipe.cluster.service.backends.agents import LOST, AgentsBackend
 from megapipe.cluster.service.backends.base import HostSlots, Launch
-from megapipe.cluster.core.cluster_spec import ClusterSpec
+from megapipe.cluster.core.cluster_spec import ClusterSpec, devices_text
 from megapipe.cluster.service.job_spec import parse_job
 from megapipe.cluster.service.job_log import MeasuredThroughput
 from megapipe.cluster.core.jobs import Job
@@ -192,7 +192,7 @@ class ClusterService:
         self.agents.register(host, address, {t: int(n) for t, n in devices.items()},
                               {t: float(f) for t, f in throttle.items()})
         quotas = "".join(f", {t} at {float(f):g} CPU each" for t, f in sorted(throttle.items()) if float(f) < 1)
-        self.announce(f"worker {host} registered: {_devices(devices)}{quotas}")
+        self.announce(f"worker {host} registered: {devices_text(devices)}{quotas}")
         self.wake.set()
 
     def lease_report(self, job_id: int, lease: int, report: dict) -> dict:
@@ -506,11 +506,6 @@ class ClusterService:
         if job_id in self.runs and self.runs[job_id].stop_requested is None:
             self._revoke(job_id)
         self.announce(f"job {job_id} {state}" + (f": {error}" if error else ""))
-
-
-def _devices(devices: dict) -> str:
-    """{"fast": 2, "slow": 1} -> "2 fast, 1 slow"."""
-    return ", ".join(f"{n} {worker_type}" for worker_type, n in sorted(devices.items()))
 
 
 def _slots(hosts: tuple) -> str:

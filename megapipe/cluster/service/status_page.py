@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from html import escape
 
+from megapipe.cluster.core.cluster_spec import devices_text
+
 STATE_COLOURS = {"queued": "#9e9e9e", "running": "#1565c0", "done": "#2e7d32", "failed": "#c62828",
                  "cancelled": "#6d4c41"}
 
@@ -49,9 +51,9 @@ def _jct(job: dict) -> str:
 
 def render_status_page(status: dict) -> str:
     jobs = "\n".join(_job_row(job) for job in status["jobs"]) or '<tr><td colspan="8">no jobs</td></tr>'
-    types = ", ".join(f"{n} {t}" for t, n in sorted(status["workers_by_type"].items())) or "none"
+    types = devices_text(status["workers_by_type"]) or "none"
     workers = "\n".join(
-        f'<tr><td>{escape(w["host"])}</td><td>{escape(", ".join(f"{n} {t}" for t, n in sorted(w["devices"].items())))}'
+        f'<tr><td>{escape(w["host"])}</td><td>{escape(devices_text(w["devices"]))}'
         f'</td><td>{escape(", ".join(f"{t}: {f:g} CPU" for t, f in sorted(w["throttle"].items())) or "-")}</td></tr>'
         for w in status["workers"])
     round_ = status["round"]

@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from megapipe.cluster.core.cluster_spec import devices_text
 from megapipe.cluster.worker.torchrun import node_shell_command
 from megapipe.cluster.client.lease import post_json
 from megapipe.cluster.worker.process_tree import signal_tree
@@ -120,8 +121,7 @@ class WorkerAgent:
                                                    "devices": self.devices, "throttle": self.throttle}, timeout=10)
         if "error" in answer:
             raise ConfigError(answer["error"])
-        devices = ", ".join(f"{n} {t}" for t, n in sorted(self.devices.items()))
-        self.announce(f"worker {self.host} registered with the scheduler at {self.url}: {devices}")
+        self.announce(f"worker {self.host} registered with the scheduler at {self.url}: {devices_text(self.devices)}")
 
     def run(self) -> None:
         """Heartbeat until stopped; a scheduler that is down is waited for, one that forgot us is re-joined."""
