@@ -52,7 +52,8 @@ class PlanLayout:
         return Degrees(self.tensor, self.plan.num_stages, self.plan.replicas, virtual)
 
     def loss_rank(self, last: int = -1) -> int:
-        """The rank that logs the losses: tensor index 0 of the first replica of the last stage."""
+        """The rank that logs the losses: tensor index 0 of the first replica of the last stage (a stage plan
+        is looped, so ``last``, which ``RankLayout.loss_rank`` takes for the V placement, changes nothing)."""
         return self.rank(self.worker(self.plan.num_stages - 1, 0), 0)
 
     def worker(self, stage: int, replica: int) -> int:

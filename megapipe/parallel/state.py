@@ -205,7 +205,7 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         """Whether this rank holds the last stage (the loss): the last rank, or rank 0 under the V placement."""
         if self.stage_replicas is not None:
-            return self.pipeline_stage == len(self.stage_replicas) - 1
+            return self.pipeline_stage == self.num_stages - 1
         return self.pp_rank == self.last_stage_pp_rank % self.pp_size
 
     @property
