@@ -63,7 +63,8 @@ def test_a_generation_tool_under_torchrun_reports_like_training(site_dir, tmp_pa
 @pytest.mark.system
 def test_a_crash_under_torchrun_keeps_torchruns_report(site_dir, tmp_path):
     script = tmp_path / "crash.py"
-    script.write_text("import os\nraise RuntimeError(f'crash on rank {os.environ[\"RANK\"]}')\n")
+    # one rank crashes (the other exits 0), so its traceback is not interleaved with a second one
+    script.write_text("import os\nif os.environ['RANK'] == '0':\n    raise RuntimeError('crash on rank 0')\n")
     result = run_torchrun(site_dir, str(script))
     assert result.returncode == 1
     assert "RuntimeError: crash on rank" in result.stderr
