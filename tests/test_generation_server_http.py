@@ -1,16 +1,21 @@
 """The text-generation server's HTTP answers that need no model, through its handler on an in-memory
 connection (no socket): another method than PUT is refused with 405, ``Allow: PUT`` and a JSON
 sentence naming PUT; a refused request's log line carries the reason it was refused; a request stops at
-end-of-text unless it names its stop tokens."""
+end-of-text unless it names its stop tokens; each limit, a body that is not UTF-8 JSON holding an
+object, a short body and a full queue are refused with their status and one sentence naming the flag;
+a queued request given up at its deadline is passed over by the worker."""
 
 import io
+import itertools
 import json
 from types import SimpleNamespace
 
 import pytest
 
 from megapipe.data.tokenizer import build_tokenizer
+from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.server import make_handler, parse_generate
+from megapipe.inference.server_limits import ServerLimits
 
 pytestmark = pytest.mark.unit
 
@@ -24,15 +29,31 @@ class Connection:
     def makefile(self, mode, *args, **kwargs):
         return io.BytesIO(self.request)
 
+    def settimeout(self, seconds):
+        self.timeout = seconds
+
     def sendall(self, data):
         self.sent += data
 
 
-def exchange(method: str, path: str, body: bytes = b"") -> tuple[int, dict, dict]:
-    """Status, headers and JSON body of the server's answer to one request."""
-    connection = Connection(f"{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\n"
-                            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    make_handler(SimpleNamespace(tokenizer=None, config=None))(connection, ("10.0.0.7", 4242), None)
+LIMITS = ServerLimits(max_request_bytes=200, max_prompts=2, max_prompt_tokens=8, max_tokens_to_generate=5,
+                      max_queued_requests=1)
+MODEL = SimpleNamespace(tokenizer=build_tokenizer("ByteLevelTokenizer"),
+                        config=SimpleNamespace(max_position_embeddings=64, vocab_size=300))
+
+
+class Full:
+    def submit(self, job):
+        raise QueueFull
+
+
+def exchange(method: str, path: str, body: bytes = b"", length=None) -> tuple[int, dict, dict]:
+    """Status, headers and JSON body of the server's answer to one request (its queue always full)."""
+    length = len(body) if length is None else length
+    headers = "" if length == "" else f"Content-Length: {length}\r\n"
+    connection = Connection(f"{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\n{headers}"
+                            "\r\n".encode() + body)
+    make_handler(MODEL, LIMITS, Full())(connection, ("10.0.0.7", 4242), None)
     head, _, payload = connection.sent.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode().split("\r\n")
     headers = dict(line.split(": ", 1) for line in header_lines)
@@ -65,3 +86,58 @@ def test_generation_stops_at_end_of_text_unless_the_request_names_its_stops():
     _, none = parse_generate({"prompts": ["The"], "stop_token_ids": []}, tokenizer)
     _, given = parse_generate({"prompts": ["The"], "stop_token_ids": [7, 9]}, tokenizer)
     assert (default.stop_tokens, none.stop_tokens, given.stop_tokens) == ((end_of_text,), (), (7, 9))
+
+
+@pytest.mark.parametrize("body, length, status, message", [
+    (b"", 201, 413, "the body of 201 bytes exceeds --max-request-bytes 200; send fewer or shorter prompts."),
+    (b"", "", 411, "the request has no Content-Length header; send the body's length in bytes."),
+    (b"{}", "2x", 400, "Content-Length '2x' is not a byte count; send the body's length in bytes."),
+    (b'{"prompts"', 30, 400, "the body stopped short of the 30 bytes its Content-Length announced (nothing more "
+                             "came for --read-timeout-seconds 10.0 or the connection closed); send the whole body."),
+    (b'{"prompts": ["\xff"]}', None, 400, "the request body is not UTF-8 (byte 0xff at offset 14); send JSON "
+                                          "encoded in UTF-8."),
+    (b'["hello"]', None, 400, 'the request body is an array, not a JSON object; send an object such as {"prompts": '
+                              '["Hello"]}.'),
+    (b"[" * 150, None, 400, "the request body is not JSON (Expecting value at character 150); send a JSON object."),
+    (b'{"prompts": ["a", "b", "c"]}', None, 400, "3 prompts exceed --max-prompts 2; send at most 2 per request."),
+    (b'{"prompts": ["abcdefghi"]}', None, 400, "a prompt of 9 tokens exceeds --max-prompt-tokens 8; shorten it."),
+    (b'{"prompts": ["a"], "tokens_to_generate": 6}', None, 400,
+     "tokens_to_generate 6 exceeds --max-tokens-to-generate 5; ask for fewer tokens."),
+    (b'{"prompts": ["\\ud800"]}', None, 400, "field 'prompts' is ['\\ud800']; it must be a non-empty list of "
+                                               "non-empty strings (without lone surrogates)."),
+    (b'{"prompts": ["a"], "random_seed": 18446744073709551616}', None, 400,
+     "field 'random_seed' is 18446744073709551616; it must be an integer within [0, 2**32)."),
+    (b'{"requests": [["a", "b"], ["c", "d"], ["e", "f"]]}', None, 400,
+     "3 requests exceed --max-prompts 2; send at most 2 per request."),
+    (b'{"prompts": ["a"]}', None, 503, "the server is busy: --max-queued-requests 1 requests already wait; retry "
+                                       "later."),
+])
+def test_each_bound_is_refused_with_its_status_and_one_sentence(body, length, status, message):
+    path = "/loglikelihood" if b"requests" in body else "/api"
+    answer_status, headers, answer = exchange("PUT", path, body, length)
+    assert (answer_status, answer) == (status, {"error": message})
+    assert headers.get("Retry-After") == ("1" if status == 503 else None)
+
+
+def test_a_scoring_pair_longer_than_the_token_limit_is_refused():
+    status, _, answer = exchange("PUT", "/loglikelihood", b'{"requests": [["abcde", "fghij"]]}')
+    assert (status, answer) == (400, {"error": "a context and continuation of 10 tokens exceeds --max-prompt-tokens "
+                                               "8; shorten it."})
+
+
+def test_an_unknown_method_is_405_in_json_not_an_html_501():
+    status, headers, answer = exchange("BREW", "/api")
+    assert status == 405 and headers["Allow"] == "PUT" and answer["error"].startswith("BREW is not served here")
+
+
+def test_the_worker_passes_over_a_request_given_up_at_its_deadline():
+    """A request still queued at its deadline is given up by its connection; the worker then takes the
+    next one, in arrival order, and a full queue refuses another."""
+    jobs = RequestQueue(2)
+    late, on_time = jobs.submit(Job(("late",), deadline=5.0)), jobs.submit(Job(("on time",), deadline=50.0))
+    with pytest.raises(QueueFull):
+        jobs.submit(Job(("third",), deadline=50.0))
+    assert late.wait(clock=lambda: 6.0) is False  # past its deadline, not started: given up at once
+    assert jobs.next() is on_time
+    on_time.finish("answer")
+    assert on_time.wait(clock=itertools.count().__next__) is True and on_time.result == "answer"

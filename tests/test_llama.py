@@ -7,11 +7,15 @@ One world of 4 ranks checks, at (t, p) = (1, 1), (2, 1), (1, 2), (2, 2):
 - greedy generation of 32 new tokens for prompts of different lengths, left and right padded,
   equals transformers' ``generate`` token for token, pipelined and naive decode alike;
 - sampling with a fixed seed gives the same tokens on every layout;
-- log-likelihoods of (context, continuation) pairs equal transformers' within 1e-5 relative.
-Single-process checks: a KV-cache decode equals recomputing without a cache, export is
-bit-exact, the FLOP formula counts SwiGLU and GQA, and bad input is one sentence.
+- log-likelihoods of (context, continuation) pairs equal transformers' within 1e-5 relative;
+- a deadline that the first stage's first tensor rank alone sees pass stops every rank of the
+  layout alike, each row keeping the greedy tokens chosen before it.
+Single-process checks: a KV-cache decode equals recomputing without a cache, a deadline cuts every
+row at the same round, export is bit-exact, the FLOP formula counts SwiGLU and GQA, and bad input
+is one sentence.
 """
 
+import itertools
 import os
 
 import pytest
@@ -28,6 +32,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models.flops import flops_per_iteration
 from megapipe.inference import GenerationError, SamplingParams, generate, score_continuations
+from megapipe.inference.deadline import Deadline
 from megapipe.inference.scoring import pipeline_logits
 from megapipe.models import build_model_chunks
 from megapipe.models.families.llama import llama_model_config
@@ -39,6 +44,7 @@ from megapipe.testing.worlds import run_distributed
 RTOL = 1e-5
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 NEW = 32
+ROUNDS = 4  # the rounds a deadline lets run in the checks below
 TOKENIZER = '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "a"}}'
 
 
@@ -83,6 +89,11 @@ def _reference_scores(model, pairs):
     return out
 
 
+def _after_rounds(rounds: int, decides: bool) -> Deadline:
+    """A deadline reached after ``rounds`` decode rounds on the rank that ``decides``; never elsewhere."""
+    return Deadline(rounds if decides else None, clock=itertools.count().__next__)
+
+
 def _layout_checks(rank, world_size, checkpoints, tokens, prompts, pairs):
     """Everything each layout computes; returned from global rank 0 (a first stage) and the last stage."""
     out = {}
@@ -103,6 +114,10 @@ def _layout_checks(rank, world_size, checkpoints, tokens, prompts, pairs):
                     greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
                     result = generate([chunk], ps, config, prompts, greedy, padding=padding, microbatches=m)
                     out[("greedy", padding, m, t, p, ps.pp_rank)] = result
+            deadline = _after_rounds(ROUNDS, ps.is_first_stage and ps.tp_rank == 0)
+            cut = generate([chunk], ps, config, prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0),
+                           deadline=deadline)
+            out[("cut", t, p, ps.pp_rank)] = cut, deadline.cut
             sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95,
                                      repetition_penalty=1.3, seed=7)
             out[("sampled", t, p, ps.pp_rank)] = generate([chunk], ps, config, prompts, sampled)
@@ -156,6 +171,15 @@ def test_greedy_generation_equals_transformers_on_every_layout(world):
             for m in (None, 1):  # pipelined (one microbatch per stage) and naive decode
                 for stage in {0, p - 1}:
                     assert results[("greedy", padding, m, t, p, stage)] == expected, (t, p, padding, m, stage)
+
+
+@pytest.mark.distributed
+def test_a_deadline_seen_by_one_rank_stops_every_rank_of_the_layout(world):
+    models, _, _, prompts, _, results, _ = world
+    expected = [tokens[:ROUNDS] for tokens in _reference_generation(models["llama"], prompts)]
+    for t, p in LAYOUTS:
+        assert results[("cut", t, p, 0)] == (expected, True), (t, p)
+        assert results[("cut", t, p, p - 1)][0] == expected, (t, p)
 
 
 @pytest.mark.distributed
@@ -247,6 +271,20 @@ def test_stop_tokens_and_max_new_tokens():
     for row, tokens in enumerate(full):
         cut = tokens.index(stop) + 1 if stop in tokens else len(tokens)
         assert stopped[row] == tokens[:cut]
+
+
+@pytest.mark.unit
+def test_a_deadline_cuts_every_row_at_the_same_round():
+    chunk, ps, config = _single(_hf_models()["llama"])
+    prompts, greedy = _prompts(), SamplingParams(max_new_tokens=8, temperature=0.0)
+    full = generate([chunk], ps, config, prompts, greedy)
+    for rounds in (0, 3):
+        deadline = _after_rounds(rounds, decides=True)
+        assert generate([chunk], ps, config, prompts, greedy, microbatches=2, deadline=deadline) == [
+            tokens[:rounds] for tokens in full]
+        assert deadline.cut
+    never = _after_rounds(100, decides=True)
+    assert generate([chunk], ps, config, prompts, greedy, deadline=never) == full and not never.cut
 
 
 @pytest.mark.unit

@@ -7,7 +7,8 @@
         -d '{"prompts": ["Hello"], "tokens_to_generate": 16, "temperature": 0.8, "top_k": 40, "top_p": 0.9}'
 
 Texts are read with the tokenizer the checkpoint carries (or the tokenizer flags', for a checkpoint
-saved without one). PUT /loglikelihood scores (context, continuation) pairs.
+saved without one). PUT /loglikelihood scores (context, continuation) pairs. Every request is held to
+the limits below before any rank works on it; requests run one at a time, in arrival order.
 """
 
 import argparse
@@ -20,17 +21,20 @@ from megapipe.errors import reports_user_errors  # noqa: E402
 from megapipe.training.failures import report_user_error  # noqa: E402
 from megapipe.inference.loading import layout_flags, load_for_inference  # noqa: E402
 from megapipe.inference.server import serve  # noqa: E402
+from megapipe.inference.server_limits import ServerLimits, add_limit_flags  # noqa: E402
 
 
 @reports_user_errors(report=report_user_error)  # once per job under torchrun, as training does
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     layout_flags(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed)")
+    add_limit_flags(parser)
     args = parser.parse_args(argv)
     loaded = load_for_inference(args, reads_text="the server")
-    serve(loaded, args.host, args.port, announce=lambda line: print(line, flush=True))
+    serve(loaded, args.host, args.port, ServerLimits.from_args(args), announce=lambda line: print(line, flush=True))
     return 0
 
 

@@ -20,6 +20,10 @@ decode step reads the device only where a host decision needs it: a later stage 
 header (which microbatch, or stop), and the first stage reads a microbatch's done flags when the
 request has stop tokens (without them every row stops at the frame's end, a host number). Per
 request, the frame and the stop ids go to the device and the answer (counts and tokens) comes back.
+
+A ``Deadline`` (``deadline.py``) stops a generation early on every rank alike: the first stage
+asks it before each round and, once it is reached, takes the answers in flight and sends the stop
+header; each row keeps what it has.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from megapipe.errors import UserError
 from megapipe.config import ModelConfig
+from megapipe.inference.deadline import Deadline
 from megapipe.inference.frame import Frame
 from megapipe.inference.kv_cache import KVCache
 from megapipe.inference.sampling import SamplingParams, next_tokens, sequence_generators
@@ -142,11 +147,13 @@ def _logits(out: torch.Tensor, ps: ParallelState, config: ModelConfig) -> torch.
 
 
 def generate(chunks: list, ps: ParallelState, config: ModelConfig, prompts: list, params: SamplingParams,
-             padding: str = "left", microbatches: Optional[int] = None, pad_id: int = 0) -> Optional[list]:
+             padding: str = "left", microbatches: Optional[int] = None, pad_id: int = 0,
+             deadline: Optional[Deadline] = None) -> Optional[list]:
     """New tokens for each prompt (token id lists); None on middle pipeline stages, which never see them.
 
     ``microbatches``: sequences in flight (default: one microbatch per pipeline stage, the
-    pipelined decode; 1 is the naive decode).
+    pipelined decode; 1 is the naive decode). ``deadline``: given on every rank or on none; when
+    reached, every row ends with the tokens chosen so far and ``deadline.cut`` is set.
     """
     check_request(prompts, params, config, padding)
     if len(chunks) != 1:
@@ -165,7 +172,7 @@ def generate(chunks: list, ps: ParallelState, config: ModelConfig, prompts: list
     link = PeerMessages(ps, device)
     with torch.inference_mode():
         if ps.is_first_stage:
-            _drive(model, ps, config, batches, link)
+            _drive(model, ps, config, batches, link, deadline)
         else:
             _follow(model, ps, config, batches, link)
     link.finish()
@@ -174,8 +181,9 @@ def generate(chunks: list, ps: ParallelState, config: ModelConfig, prompts: list
     return frame.new_tokens(torch.cat([mb.generated for mb in batches]).cpu().tolist())
 
 
-def _drive(model, ps, config, batches, link) -> None:
-    """The first stage: runs each unfinished microbatch in turn, waiting for its previous token."""
+def _drive(model, ps, config, batches, link, deadline: Optional[Deadline]) -> None:
+    """The first stage: runs each unfinished microbatch in turn, waiting for its previous token; stops
+    early, after the answers in flight, when ``deadline`` is reached before a round."""
     in_flight: list[int] = []  # microbatches sent down the pipeline, oldest first
 
     def take_answer():  # the last stage answers in the order it was asked
@@ -184,6 +192,10 @@ def _drive(model, ps, config, batches, link) -> None:
 
     active = [not mb.finished for mb in batches]
     while any(active):
+        if deadline is not None and deadline.reached(ps, link.device):
+            while in_flight:
+                take_answer()
+            break
         for j, mb in enumerate(batches):
             if not active[j]:
                 continue

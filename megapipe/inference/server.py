@@ -1,79 +1,174 @@
-"""Megatron-LM's text-generation REST interface over ``generate`` and ``score_continuations``.
+"""Megatron-LM's text-generation REST interface over ``generate`` and ``score_continuations``, bounded.
 
 ``PUT /api`` with JSON ``{"prompts": [...], "tokens_to_generate": n, "temperature": t,
 "top_k": k, "top_p": p}`` (and optionally ``random_seed``, ``repetition_penalty``,
-``stop_token_ids``) answers ``{"text": [...], "tokens": [...]}``: each prompt followed by its
-continuation, and the new token ids. ``PUT /loglikelihood`` with ``{"requests": [[context,
-continuation], ...]}`` (texts) answers ``{"loglikelihoods": [[logprob, is_greedy], ...]}``.
-A bad request gets 400 and one sentence naming the field; the server keeps serving. Another
-method than PUT gets 405 with ``Allow: PUT`` and a JSON sentence naming PUT (http.server alone
-would answer an HTML 501 page). Each request is logged in one line, a refusal with its reason.
+``stop_token_ids``) answers ``{"text": [...], "tokens": [...], "cut_at_deadline": false}``: each
+prompt followed by its continuation, and the new token ids. ``PUT /loglikelihood`` with
+``{"requests": [[context, continuation], ...]}`` (texts) answers ``{"loglikelihoods": [[logprob,
+is_greedy], ...]}``. Another method than PUT gets 405 with ``Allow: PUT`` and a JSON sentence naming
+PUT (http.server alone would answer an HTML 501 page). Each request is logged in one line, a refusal
+with its reason; the server keeps serving after every refusal.
 
-Global rank 0 listens; it checks each request, then broadcasts it to every rank, and all
-ranks run it together (the other ranks wait in ``follow``).
+Bounds (``server_limits.py``), all checked on rank 0 before any rank works: the body's size from
+its Content-Length (413 above ``--max-request-bytes``, 411 without it, 400 if it is no number), a
+body that stops short of it (400, after ``--read-timeout-seconds`` without bytes), a body that is
+not UTF-8 JSON holding an object (400), the number of prompts or pairs, their tokens and
+``tokens_to_generate`` (400). Connections are served concurrently, but the requests run one at a
+time, in arrival order, on every rank (``request_queue.py``): with ``--max-queued-requests``
+waiting, another gets 503 with ``Retry-After``. Each request has a deadline
+``--request-timeout-seconds`` after its arrival: one still queued then gets 504; a generation
+running then stops on every rank alike (``deadline.py``) and answers 200 with the tokens chosen so
+far and ``"cut_at_deadline": true``. Scoring is one forward pass bounded by the limits, so its
+deadline bounds only its wait in the queue.
+
+Global rank 0 listens; its main thread takes each request from the queue and broadcasts it, and
+all ranks run it together (the other ranks wait in ``follow``).
 """
 
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch.distributed as dist
 
+from megapipe.errors import first_line
+from megapipe.inference.deadline import Deadline
 from megapipe.inference.generation import GenerationError, check_request, generate
 from megapipe.inference.loading import LoadedModel
+from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.sampling import SamplingParams, stop_tokens_or_end_of_text
 from megapipe.inference.scoring import check_pairs, score_continuations
+from megapipe.inference.server_limits import Refusal, ServerLimits
+
+ENDPOINTS = ("/api", "/loglikelihood")
+SEED_LIMIT = 1 << 32
+TOKEN_ID_LIMIT = 1 << 62  # any id a torch long holds; ids outside the vocabulary simply never occur
+
+
+def _text(value) -> bool:
+    """A non-empty string that UTF-8 can carry (JSON's \\ud800 escapes give lone surrogates, which it cannot)."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _int_list(v, limit: int) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v)
+
 
 # field -> (type(s), check, what a good value is)
 FIELDS = {
-    "prompts": (list, lambda v: v and all(isinstance(p, str) and p for p in v),
-                "a non-empty list of non-empty strings"),
+    "prompts": (list, lambda v: v and all(_text(p) for p in v),
+                "a non-empty list of non-empty strings (without lone surrogates)"),
     "tokens_to_generate": (int, lambda v: v >= 1, "an integer of at least 1"),
     "temperature": ((int, float), lambda v: v >= 0, "a number of at least 0 (0 is greedy)"),
     "top_k": (int, lambda v: v >= 0, "an integer of at least 0"),
     "top_p": ((int, float), lambda v: 0 <= v <= 1, "a number within [0, 1]"),
-    "random_seed": (int, lambda v: v >= 0, "a non-negative integer"),
+    "random_seed": (int, lambda v: 0 <= v < SEED_LIMIT, "an integer within [0, 2**32)"),
     "repetition_penalty": ((int, float), lambda v: v > 0, "a positive number"),
-    "stop_token_ids": (list, lambda v: all(isinstance(t, int) for t in v), "a list of token ids"),
+    "stop_token_ids": (list, lambda v: _int_list(v, TOKEN_ID_LIMIT), "a list of non-negative token ids"),
 }
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
 
 
-def parse_generate(body, tokenizer) -> tuple[list, SamplingParams]:
-    """Prompts (token ids) and sampling parameters of a ``PUT /api`` body; GenerationError names a bad field."""
+def _shown(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, so a refusal stays one short sentence."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def decode_body(data: bytes) -> dict:
+    """The JSON object of a request body; GenerationError says, in one sentence, why it is none."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise GenerationError(f"the request body is not UTF-8 (byte {data[error.start]:#04x} at offset "
+                              f"{error.start}); send JSON encoded in UTF-8.") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise GenerationError(f"the request body is not JSON ({error.msg} at character {error.pos}); send a JSON "
+                              "object.") from None
+    except RecursionError:
+        raise GenerationError("the request body nests JSON too deeply; send a flat JSON object.") from None
     if not isinstance(body, dict):
-        raise GenerationError("the request body must be a JSON object with at least \"prompts\".")
+        raise GenerationError(f"the request body is {JSON_KINDS.get(type(body), 'a value')}, not a JSON object; send "
+                              "an object such as {\"prompts\": [\"Hello\"]}.")
+    return body
+
+
+def parse_generate(body: dict, tokenizer, limits: ServerLimits = ServerLimits()) -> tuple[list, SamplingParams]:
+    """Prompts (token ids) and sampling parameters of a ``PUT /api`` body within ``limits``;
+    GenerationError names a bad field, Refusal an exceeded limit."""
     for name, value in body.items():
         if name not in FIELDS:
-            raise GenerationError(f"field {name!r} is unknown; use {', '.join(FIELDS)}.")
+            raise GenerationError(f"field {_shown(name)} is unknown; use {', '.join(FIELDS)}.")
         kind, ok, what = FIELDS[name]
         if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
-            raise GenerationError(f"field {name!r} is {value!r}; it must be {what}.")
+            raise GenerationError(f"field {name!r} is {_shown(value)}; it must be {what}.")
     if "prompts" not in body:
         raise GenerationError("field 'prompts' is missing; give a list of prompt strings.")
+    limits.check_count(len(body["prompts"]), "prompts")
     prompts = [tokenizer.tokenize(text) for text in body["prompts"]]
-    params = SamplingParams(max_new_tokens=body.get("tokens_to_generate", 64),
+    default_tokens = min(64, limits.max_tokens_to_generate)
+    params = SamplingParams(max_new_tokens=body.get("tokens_to_generate", default_tokens),
                             temperature=float(body.get("temperature", 1.0)), top_k=body.get("top_k", 0),
                             top_p=float(body.get("top_p", 0.0)), seed=body.get("random_seed", 1234),
                             repetition_penalty=float(body.get("repetition_penalty", 1.0)),
                             stop_tokens=stop_tokens_or_end_of_text(body.get("stop_token_ids"), tokenizer))
+    if all(prompts):
+        limits.check_prompts(prompts, params.max_new_tokens)
     return prompts, params
 
 
-def parse_loglikelihood(body, tokenizer) -> list:
-    """(context ids, continuation ids) pairs of a ``PUT /loglikelihood`` body."""
-    requests = body.get("requests") if isinstance(body, dict) else None
-    if set(body or {}) != {"requests"} or not isinstance(requests, list) or not all(
-            isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in requests):
-        raise GenerationError("the body must be {\"requests\": [[context, continuation], ...]} with texts.")
-    return [(tokenizer.tokenize(c), tokenizer.tokenize(x)) for c, x in requests]
+def parse_loglikelihood(body: dict, tokenizer, limits: ServerLimits = ServerLimits()) -> list:
+    """(context ids, continuation ids) pairs of a ``PUT /loglikelihood`` body within ``limits``."""
+    requests = body.get("requests")
+    if set(body) != {"requests"} or not isinstance(requests, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(_text(x) for x in r) for r in requests):
+        raise GenerationError("the body must be {\"requests\": [[context, continuation], ...]} with non-empty texts.")
+    limits.check_count(len(requests), "requests")
+    pairs = [(tokenizer.tokenize(c), tokenizer.tokenize(x)) for c, x in requests]
+    if pairs:
+        limits.check_pairs(pairs)
+    return pairs
 
 
-def run(loaded: LoadedModel, command: tuple):
-    """Run one broadcast command on this rank: ("generate", prompts, params) or ("score", pairs)."""
+def command_of(path: str, body: dict, loaded: LoadedModel, limits: ServerLimits) -> tuple:
+    """The command every rank runs for a checked request: ("generate", prompts, params) or ("score", pairs)."""
+    if path == "/api":
+        prompts, params = parse_generate(body, loaded.tokenizer, limits)
+        check_request(prompts, params, loaded.config, "left")
+        return "generate", prompts, params
+    pairs = parse_loglikelihood(body, loaded.tokenizer, limits)
+    check_pairs(pairs, loaded.config)
+    return "score", pairs
+
+
+def run(loaded: LoadedModel, command: tuple, deadline: Deadline):
+    """Run one broadcast command on this rank: (new tokens, cut at the deadline) or the scores."""
     if command[0] == "generate":
-        return generate(loaded.chunks, loaded.ps, loaded.config, command[1], command[2])
+        tokens = generate(loaded.chunks, loaded.ps, loaded.config, command[1], command[2], deadline=deadline)
+        return tokens, deadline.cut
     return score_continuations(loaded.chunks, loaded.ps, loaded.config, command[1])
+
+
+def answer(command: tuple, result, tokenizer) -> dict:
+    """The JSON answer of a command that ran."""
+    if command[0] == "score":
+        return {"loglikelihoods": [list(r) for r in result]}
+    tokens, cut = result
+    texts = [tokenizer.detokenize(p + new) for p, new in zip(command[1], tokens)]
+    return {"text": texts, "tokens": tokens, "cut_at_deadline": cut}
 
 
 def broadcast(command) -> tuple:
@@ -83,18 +178,29 @@ def broadcast(command) -> tuple:
 
 
 def follow(loaded: LoadedModel) -> None:
-    """Ranks other than 0: run what rank 0 broadcasts until it says stop."""
+    """Ranks other than 0: run what rank 0 broadcasts until it says stop (rank 0 alone keeps the clock)."""
     while True:
         command = broadcast(None)
         if command[0] == "stop":
             return
-        run(loaded, command)
+        run(loaded, command, Deadline())
 
 
-def make_handler(loaded: LoadedModel):
-    tokenizer = loaded.tokenizer
+def work(loaded: LoadedModel, jobs: RequestQueue) -> None:
+    """Rank 0's main thread: run the queued requests one at a time, in arrival order, on every rank."""
+    while True:
+        job = jobs.next()
+        try:
+            job.finish(run(loaded, broadcast(job.command), Deadline(job.deadline)))
+        except Exception as error:  # the connection answers 500 with it; the server goes on
+            traceback.print_exc()
+            job.finish(error=error)
 
+
+def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), jobs: RequestQueue = None,
+                 clock=time.monotonic):
     class Handler(BaseHTTPRequestHandler):
+        timeout = limits.read_timeout_seconds  # the socket's: a client that stops sending cannot hold a thread
         refusal = None  # the reason of the reply being sent, for its log line
 
         def _reply(self, status: int, payload: dict, headers: tuple = ()) -> None:
@@ -108,36 +214,53 @@ def make_handler(loaded: LoadedModel):
             self.end_headers()
             self.wfile.write(data)
 
-        def do_PUT(self):  # noqa: N802 (http.server's name)
-            if self.path not in ("/api", "/loglikelihood"):
-                return self._reply(404, {"error": f"no endpoint {self.path}; use PUT /api or PUT /loglikelihood."})
+        def _body(self) -> bytes:
+            length = limits.body_length(self.headers.get("Content-Length"))
             try:
-                length = int(self.headers.get("Content-Length", 0))
-                try:
-                    body = json.loads(self.rfile.read(length) or b"null")
-                except json.JSONDecodeError as error:
-                    raise GenerationError(f"the request body is not JSON ({error.msg}).") from None
-                if self.path == "/api":
-                    prompts, params = parse_generate(body, tokenizer)
-                    check_request(prompts, params, loaded.config, "left")
-                    command = ("generate", prompts, params)
-                else:
-                    pairs = parse_loglikelihood(body, tokenizer)
-                    check_pairs(pairs, loaded.config)
-                    command = ("score", pairs)
+                data = self.rfile.read(length)
+            except OSError:  # the read timeout: the client stopped sending
+                data = None
+            if data is None or len(data) < length:
+                raise Refusal(400, f"the body stopped short of the {length} bytes its Content-Length announced "
+                                   f"(nothing more came for --read-timeout-seconds {limits.read_timeout_seconds} or "
+                                   "the connection closed); send the whole body.")
+            return data
+
+        def do_PUT(self):  # noqa: N802 (http.server's name)
+            deadline = clock() + limits.request_timeout_seconds
+            try:
+                if self.path not in ENDPOINTS:
+                    raise Refusal(404, f"no endpoint {_shown(self.path)}; use PUT /api or PUT /loglikelihood.")
+                command = command_of(self.path, decode_body(self._body()), loaded, limits)
+                job = jobs.submit(Job(command, deadline))
+            except Refusal as refusal:
+                return self._reply(refusal.status, {"error": str(refusal)}, refusal.headers)
             except GenerationError as error:
                 return self._reply(400, {"error": str(error)})
-            result = run(loaded, broadcast(command))
-            if command[0] == "score":
-                return self._reply(200, {"loglikelihoods": [list(r) for r in result]})
-            texts = [tokenizer.detokenize(p + new) for p, new in zip(prompts, result)]
-            return self._reply(200, {"text": texts, "tokens": result})
+            except QueueFull:
+                return self._reply(503, {"error": f"the server is busy: --max-queued-requests "
+                                                  f"{limits.max_queued_requests} requests already wait; retry "
+                                                  "later."}, (("Retry-After", "1"),))
+            if not job.wait(clock):
+                return self._reply(504, {"error": f"the request waited in the queue past its deadline "
+                                                  f"(--request-timeout-seconds {limits.request_timeout_seconds}); "
+                                                  "retry later."})
+            if job.error is not None:
+                return self._reply(500, {"error": f"the request failed on the server ({first_line(job.error)})."})
+            return self._reply(200, answer(command, job.result, loaded.tokenizer))
 
         def _not_put(self):
-            self._reply(405, {"error": f"{self.command} is not served here; send PUT /api (generation) or PUT "
-                                       "/loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
+            self._reply(405, {"error": f"{self.command[:40]} is not served here; send PUT /api (generation) or "
+                                       "PUT /loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
 
         do_GET = do_POST = do_DELETE = do_PATCH = _not_put  # noqa: N815 (http.server's names)
+
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (a malformed request line or header, another method) in JSON."""
+            if code == 501:  # a method without a do_ method
+                return self._not_put()
+            self._reply(code, {"error": f"the request is malformed ({message or code}); send PUT /api or PUT "
+                                        "/loglikelihood with a JSON body."})
 
         def log_request(self, code="-", size="-"):  # one line per request, a refusal with its reason
             reason = f" {self.refusal}" if self.refusal else ""
@@ -149,14 +272,17 @@ def make_handler(loaded: LoadedModel):
     return Handler
 
 
-def serve(loaded: LoadedModel, host: str, port: int, announce=print) -> None:
-    """Serve on rank 0 (one request at a time, as every rank runs it); other ranks follow."""
+def serve(loaded: LoadedModel, host: str, port: int, limits: ServerLimits = ServerLimits(), announce=print) -> None:
+    """Serve on rank 0 (connections concurrently, requests one at a time on every rank); other ranks follow."""
     if dist.get_rank() != 0:
         return follow(loaded)
-    server = HTTPServer((host, port), make_handler(loaded))  # one request at a time: all ranks run it together
+    jobs = RequestQueue(limits.max_queued_requests)
+    server = ThreadingHTTPServer((host, port), make_handler(loaded, limits, jobs))
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     announce(f"serving on http://{host}:{server.server_address[1]}/api")
     try:
-        server.serve_forever()
+        work(loaded, jobs)
     finally:
+        server.shutdown()
         broadcast(("stop",))
         server.server_close()
