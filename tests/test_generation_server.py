@@ -15,47 +15,17 @@ import urllib.request
 
 import pytest
 import torch
-import transformers
 
-from megapipe.checkpointing.common import SavedLayout
-from megapipe.checkpointing.convert import import_hf_checkpoint
+from server_helpers import ROOT, WORDS, server_env, serving, tiny_checkpoint
 
 pytestmark = pytest.mark.system
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and", "then", "slept", "here", "now",
-         "big", "red", "sun", "rose", "over", "hills"]
-
-
-def _tokenizer_json() -> str:
-    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-                       "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-                       "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
-                       "model": {"type": "WordLevel", "vocab": {w: i for i, w in enumerate(WORDS)},
-                                 "unk_token": "the"}})
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=len(WORDS), max_position_embeddings=64,
-        initializer_range=0.3)).eval()  # logits far apart, so no near-tie decides a greedy token
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text(_tokenizer_json())
-    import_hf_checkpoint(str(root / "hf"), str(root / "ckpt"), SavedLayout(1, 1, 1))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
-                               "--load", str(root / "ckpt"), "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        line = server.stdout.readline()  # blocks until the server announces itself (or exits)
-        assert line.startswith("serving on http://"), line
-        yield model, line.split()[-1], str(root / "ckpt"), env
-    finally:
-        server.kill()
-        server.wait(timeout=30)
+    model, checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("server"))
+    with serving(checkpoint) as (url, _):
+        yield model, url, checkpoint, server_env()
 
 
 def _put(url, body):

@@ -229,9 +229,10 @@ def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), job
         def do_PUT(self):  # noqa: N802 (http.server's name)
             deadline = clock() + limits.request_timeout_seconds
             try:
+                body = self._body()  # read first, so that the client is not cut off while it still sends
                 if self.path not in ENDPOINTS:
                     raise Refusal(404, f"no endpoint {_shown(self.path)}; use PUT /api or PUT /loglikelihood.")
-                command = command_of(self.path, decode_body(self._body()), loaded, limits)
+                command = command_of(self.path, decode_body(body), loaded, limits)
                 job = jobs.submit(Job(command, deadline))
             except Refusal as refusal:
                 return self._reply(refusal.status, {"error": str(refusal)}, refusal.headers)
@@ -250,6 +251,11 @@ def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), job
             return self._reply(200, answer(command, job.result, loaded.tokenizer))
 
         def _not_put(self):
+            if self.headers.get("Content-Length") is not None:
+                try:  # read a body within the limits, so that the client is not cut off while it still sends
+                    self._body()
+                except Refusal:
+                    pass
             self._reply(405, {"error": f"{self.command[:40]} is not served here; send PUT /api (generation) or "
                                        "PUT /loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
 
