@@ -39,6 +39,11 @@ class SlurmError(UserError, RuntimeError):
     """Slurm refused or lost a job of the Slurm backend, or its commands do not answer."""
 
 
+class NonFiniteError(UserError, ArithmeticError):
+    """A NaN or Inf in the loss or the gradients stopped the run (``--check-for-nan-in-loss-and-grad``);
+    the message names the iteration and the rank."""
+
+
 class PeerLost(UserError, RuntimeError):
     """A peer process or host went away (or its link was cut); the message names who was lost."""
 

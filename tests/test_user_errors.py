@@ -51,6 +51,8 @@ def test_every_error_kind_a_user_fixes_is_a_user_error():
         "DistributedFailure",  # the test harness's report of a failed rank
         "GeneratorDeviceMismatch",  # a library bug the fake device exists to catch
         "ServiceStopped",  # control flow: leaves the scheduler's round loop at shutdown
+        "Refusal",  # an HTTP answer of the text-generation server to a client, never an entry point's exit
+        "QueueFull",  # control flow: the text-generation server answers 503
     }
     found = {}
     for module in pkgutil.walk_packages(megapipe.__path__, "megapipe."):

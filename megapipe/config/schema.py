@@ -323,6 +323,13 @@ class TrainingConfig:
                                                           "flags, not the checkpoint")
     use_checkpoint_opt_param_scheduler: bool = flag(False, help="on resume, take the learning-rate schedule from "
                                                                 "the checkpoint, not the flags")
+    # NaN/Inf in the loss or gradients (megapipe/training/non_finite.py)
+    check_for_nan_in_loss_and_grad: bool = flag(False, help=(
+        "watch every iteration's loss and gradient norm for NaN/Inf (on the device; read at each log and save); "
+        "the update of such an iteration is skipped on every rank, and --non-finite-action says what follows"))
+    non_finite_action: str = flag("stop", choices=("stop", "skip"), help=(
+        "with --check-for-nan-in-loss-and-grad: stop (Megatron-LM's behaviour: exit 2 with one sentence naming "
+        "the iteration and the rank, before any later checkpoint) or skip (log the same and keep training)"))
     # scheduler address of this job's lease (megapipe/cluster/client/lease.py)
     cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
         "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "

@@ -41,6 +41,7 @@ from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.training.logger import IterationStats, TrainLogger, amended_text
+from megapipe.training.non_finite import NonFiniteWatch
 from megapipe.training.startup import startup_line, where_losses_are_logged
 from megapipe.training.timeline_file import save_run_timeline
 from megapipe.pipeline.analysis.timeline import Timeline
@@ -93,10 +94,12 @@ class Trainer:
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
                                      timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
-                                     timeline=self.timeline)
+                                     timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.counters, self.nan_iterations = StepCounters(self.device), 0
+        # with --check-for-nan-in-loss-and-grad: the iterations whose loss or gradient norm was NaN/Inf
+        self.watch = NonFiniteWatch(self.device, t.non_finite_action) if t.check_for_nan_in_loss_and_grad else None
         self.validated_iteration = 0  # the iteration of the last step counted (``_count``)
         self.amended: list[int] = []  # under post-validation: the iterations whose steps it redid
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
@@ -160,6 +163,8 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += t.global_batch_size
         self.scheduler.step()
+        if self.watch is not None:
+            self.watch.note_losses(self.state.iteration, result.batch.loss_tensors)
         self._count(result)
         self._add_losses(self._window.losses, result.batch)
         self._window.iterations += 1
@@ -287,6 +292,8 @@ class Trainer:
         for step in result.settled:
             self.counters.add(step)
             self.validated_iteration += 1
+            if self.watch is not None:
+                self.watch.note_step(self.validated_iteration, step)
             if step.amended:
                 self.amended.append(self.validated_iteration)
 
@@ -297,7 +304,11 @@ class Trainer:
                               f"iterations {amended_text(self.amended)}")
 
     def _count_steps(self, last_step=None) -> None:
-        """Read the device counters of skipped and NaN iterations into the train state."""
+        """Read the device counters of skipped and NaN iterations into the train state; with
+        --check-for-nan-in-loss-and-grad, say which iteration went NaN/Inf where (or stop there)."""
+        message = self.watch.read() if self.watch is not None else None
+        if message:
+            self.logger.print(message)
         skipped, nan = self.counters.read()
         self.state.skipped_iterations += skipped
         self.nan_iterations += nan

@@ -27,6 +27,7 @@ import torch
 from megapipe.errors import ConfigError
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
+from megapipe.optim.non_finite import poisoning_non_finite
 from megapipe.optim.passes import SyncPasses
 from megapipe.optim.post_validation import PostValidation
 from megapipe.parallel.state import ParallelState
@@ -77,7 +78,8 @@ class PipelineEngine:
 
     ``vertical_sync`` applies to ``pipedream``; a state built from a stage plan with replicated
     stages (``ps.stage_replicas``) gives 1F1B-RR. ``versions_used`` (a dict) records the weight
-    version of every pass, as in ``PipelineExecutor``.
+    version of every pass, as in ``PipelineExecutor``. ``skip_non_finite_loss``: a NaN/Inf loss skips
+    its step like a NaN/Inf gradient (``optim/non_finite.py``).
     """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
@@ -85,7 +87,7 @@ class PipelineEngine:
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
-                 versions_used: Optional[dict] = None):
+                 versions_used: Optional[dict] = None, skip_non_finite_loss: bool = False):
         self.chunks, self.ps = chunks, ps
         named = isinstance(schedule, str)
         policy = schedule_descriptor(schedule).weight_policy if named else WeightPolicy.SINGLE  # a file flushes
@@ -127,8 +129,11 @@ class PipelineEngine:
             self.validation = PostValidation(self.optimizer, ps, timeout)
         self._redo_iteration = False  # the previous step is being amended: this call's list runs again
         self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
+        scale_loss = self.optimizer.scale_loss
+        if skip_non_finite_loss:
+            scale_loss = poisoning_non_finite(scale_loss)
         self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
-                                         update=self._update, scale_loss=self.optimizer.scale_loss,
+                                         update=self._update, scale_loss=scale_loss,
                                          scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
                                          stores=self.stores, versions_used=versions_used, passes=self.passes)
         self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas,
