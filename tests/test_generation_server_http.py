@@ -8,6 +8,7 @@ a queued request given up at its deadline is passed over by the worker."""
 import io
 import itertools
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -47,13 +48,14 @@ class Full:
         raise QueueFull
 
 
-def exchange(method: str, path: str, body: bytes = b"", length=None) -> tuple[int, dict, dict]:
-    """Status, headers and JSON body of the server's answer to one request (its queue always full)."""
+def exchange(method: str, path: str, body: bytes = b"", length=None, jobs=None, clock=None) -> tuple[int, dict, dict]:
+    """Status, headers and JSON body of the server's answer to one request (by default its queue is full)."""
     length = len(body) if length is None else length
     headers = "" if length == "" else f"Content-Length: {length}\r\n"
     connection = Connection(f"{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\n{headers}"
                             "\r\n".encode() + body)
-    make_handler(MODEL, LIMITS, Full())(connection, ("10.0.0.7", 4242), None)
+    handler = make_handler(MODEL, LIMITS, jobs or Full(), **({"clock": clock} if clock else {}))
+    handler(connection, ("10.0.0.7", 4242), None)
     head, _, payload = connection.sent.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode().split("\r\n")
     headers = dict(line.split(": ", 1) for line in header_lines)
@@ -141,3 +143,27 @@ def test_the_worker_passes_over_a_request_given_up_at_its_deadline():
     assert jobs.next() is on_time
     on_time.finish("answer")
     assert on_time.wait(clock=itertools.count().__next__) is True and on_time.result == "answer"
+
+
+def test_a_request_still_queued_at_its_deadline_gets_504():
+    """Nobody serves the queue and the clock has passed the deadline when the connection waits."""
+    clock = itertools.count(step=LIMITS.request_timeout_seconds).__next__
+    status, _, answer = exchange("PUT", "/api", b'{"prompts": ["a"]}', jobs=RequestQueue(1), clock=clock)
+    assert (status, answer) == (504, {"error": "the request waited in the queue past its deadline "
+                                               "(--request-timeout-seconds 300.0); retry later."})
+
+
+def test_a_generation_cut_at_its_deadline_answers_what_it_has_and_says_so():
+    jobs, ran = RequestQueue(1), []
+
+    def worker():  # what every rank ran: one new token per prompt, then the deadline
+        job = jobs.next()
+        ran.append(job.command[:2])
+        job.finish(([[100], [101]], True))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    status, _, answer = exchange("PUT", "/api", b'{"prompts": ["a", "bc"], "tokens_to_generate": 5}', jobs=jobs)
+    thread.join(30)
+    assert ran == [("generate", [[97], [98, 99]])]
+    assert (status, answer) == (200, {"text": ["ad", "bce"], "tokens": [[100], [101]], "cut_at_deadline": True})
