@@ -6,6 +6,7 @@ messages go through a stubbed transport that records them; one on the host fails
 
 import io
 import json
+import threading
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from megapipe.inference import SamplingParams, generate
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.inference.loading import LoadedModel
 from megapipe.inference.sampling import apply_repetition_penalty, next_tokens
-from megapipe.inference.server import make_handler
+from megapipe.inference.request_queue import RequestQueue
+from megapipe.inference.server import make_handler, run_next
+from megapipe.inference.server_limits import ServerLimits
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.actions import parse_action
@@ -169,15 +172,26 @@ class _Connection:
     def makefile(self, mode, *args):
         return self.request
 
+    def settimeout(self, seconds):
+        pass
+
     def sendall(self, data):
         self.reply += data
 
 
-def _put(handler, path: str, body) -> tuple[int, dict]:
+def _put(server: tuple, path: str, body, runs: bool = True) -> tuple[int, dict]:
+    """The answer of the ``server`` (handler, queue, model) to one request, which its connection's thread
+    queues and this thread runs (``run_next``, as the server's main thread), where the fake device is."""
+    handler, jobs, loaded = server
     data = json.dumps(body).encode()
     request = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
     connection = _Connection(request)
-    handler(connection, ("127.0.0.1", 0), None)  # handles the one request, then finds the stream closed
+    # handles the one request, then finds the stream closed
+    thread = threading.Thread(target=handler, args=(connection, ("127.0.0.1", 0), None))
+    thread.start()
+    if runs:
+        run_next(loaded, jobs)
+    thread.join(60)
     head, _, payload = bytes(connection.reply).partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(payload)
 
@@ -194,12 +208,13 @@ def test_server_request_path_runs_on_the_device_only(tmp_path):
     with fake_accelerator(), stubbed_transport():
         fusions.select_backend("eager", FAKE_DEVICE)
         config = model_config("gpt", **LLAMA)
-        handler = make_handler(LoadedModel(build_model_chunks("gpt", config, ps, device=FAKE_DEVICE), ps, config,
-                                           tokenizer))
-        status, answer = _put(handler, "/api", {"prompts": ["the cat sat", "a dog"], "tokens_to_generate": 3,
-                                                "temperature": 0.9, "top_p": 0.9, "random_seed": 3})
+        loaded = LoadedModel(build_model_chunks("gpt", config, ps, device=FAKE_DEVICE), ps, config, tokenizer)
+        jobs = RequestQueue(1)
+        server = make_handler(loaded, ServerLimits(), jobs), jobs, loaded
+        status, answer = _put(server, "/api", {"prompts": ["the cat sat", "a dog"], "tokens_to_generate": 3,
+                                               "temperature": 0.9, "top_p": 0.9, "random_seed": 3})
         assert status == 200 and len(answer["tokens"]) == len(answer["text"]) == 2
-        status, answer = _put(handler, "/loglikelihood", {"requests": [["the cat", "sat on"], ["a", "dog"]]})
+        status, answer = _put(server, "/loglikelihood", {"requests": [["the cat", "sat on"], ["a", "dog"]]})
         assert status == 200 and len(answer["loglikelihoods"]) == 2
-        status, answer = _put(handler, "/api", {"prompts": ["the"], "top_k": -1})
+        status, answer = _put(server, "/api", {"prompts": ["the"], "top_k": -1}, runs=False)
         assert status == 400 and answer["error"].startswith("field 'top_k' is -1")

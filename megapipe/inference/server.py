@@ -186,15 +186,20 @@ def follow(loaded: LoadedModel) -> None:
         run(loaded, command, Deadline())
 
 
+def run_next(loaded: LoadedModel, jobs: RequestQueue) -> None:
+    """Rank 0: run the next queued request on every rank and hand its outcome to its connection."""
+    job = jobs.next()
+    try:
+        job.finish(run(loaded, broadcast(job.command), Deadline(job.deadline)))
+    except Exception as error:  # the connection answers 500 with it; the server goes on
+        traceback.print_exc()
+        job.finish(error=error)
+
+
 def work(loaded: LoadedModel, jobs: RequestQueue) -> None:
     """Rank 0's main thread: run the queued requests one at a time, in arrival order, on every rank."""
     while True:
-        job = jobs.next()
-        try:
-            job.finish(run(loaded, broadcast(job.command), Deadline(job.deadline)))
-        except Exception as error:  # the connection answers 500 with it; the server goes on
-            traceback.print_exc()
-            job.finish(error=error)
+        run_next(loaded, jobs)
 
 
 def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), jobs: RequestQueue = None,
