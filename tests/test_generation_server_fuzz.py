@@ -8,6 +8,7 @@ the end the server still answers a good request as before. Run with ``-s`` to se
 """
 
 import json
+import math
 import socket
 import threading
 import urllib.parse
@@ -130,19 +131,30 @@ def test_bodies_that_are_not_utf8_json_are_refused(address, body, encoding, nois
         assert_refusal(*exchange(address, request("PUT", "/api", raw))[::2])
 
 
+def announced_bytes(text: str):
+    """The byte count a Content-Length of ``text`` announces (inf beyond 18 digits), None if it is no number."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    return math.inf if len(digits) > 18 else int(digits)
+
+
 @settings(FUZZ, max_examples=200)
-@given(body=st.binary(max_size=100), announced=st.integers(0, 3 * MAX_BYTES) | st.text(max_size=8) | st.just(""))
+@given(body=st.binary(max_size=100), announced=st.integers(0, 3 * MAX_BYTES) | st.integers(0, 10 ** 30)
+       | st.text(max_size=8) | st.just("") | st.text("0123456789", min_size=19, max_size=40)
+       | st.integers(4000, 6000).map(lambda n: "9" * n))  # beyond what int() takes from a string
 def test_any_content_length_gets_its_refusal(address, body, announced):
     """Missing (411), not a number (400), above the limit (413, the body never sent), above what is sent (400)."""
     text = str(announced)
-    too_big = isinstance(announced, int) and announced > MAX_BYTES
+    count = announced_bytes(text)
+    too_big = count is not None and count > MAX_BYTES
     status, _, answer = exchange(address, request("PUT", "/api", b"" if too_big else body, text))
     assert_refusal(status, answer)
     if text == "":
         assert status == 411
     elif too_big:
         assert status == 413 and f"--max-request-bytes {MAX_BYTES}" in answer["error"]
-    elif isinstance(announced, int) and announced > len(body):
+    elif count is not None and count > len(body):
         assert status == 400 and "stopped short" in answer["error"]
 
 

@@ -92,6 +92,8 @@ def test_generation_stops_at_end_of_text_unless_the_request_names_its_stops():
 
 @pytest.mark.parametrize("body, length, status, message", [
     (b"", 201, 413, "the body of 201 bytes exceeds --max-request-bytes 200; send fewer or shorter prompts."),
+    (b"", "9" * 5000, 413, "the body of 99999999999999999... bytes exceeds --max-request-bytes 200; send fewer or "
+                           "shorter prompts."),
     (b"", "", 411, "the request has no Content-Length header; send the body's length in bytes."),
     (b"{}", "2x", 400, "Content-Length '2x' is not a byte count; send the body's length in bytes."),
     (b'{"prompts"', 30, 400, "the body stopped short of the 30 bytes its Content-Length announced (nothing more "

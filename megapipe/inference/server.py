@@ -247,12 +247,15 @@ def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), job
                 return self._reply(503, {"error": f"the server is busy: --max-queued-requests "
                                                   f"{limits.max_queued_requests} requests already wait; retry "
                                                   "later."}, (("Retry-After", "1"),))
+            except Exception as error:  # a bug, answered rather than a dropped connection; the server goes on
+                traceback.print_exc()
+                return self._reply(500, {"error": f"the server failed on this request ({first_line(error)})."})
             if not job.wait(clock):
                 return self._reply(504, {"error": f"the request waited in the queue past its deadline "
                                                   f"(--request-timeout-seconds {limits.request_timeout_seconds}); "
                                                   "retry later."})
             if job.error is not None:
-                return self._reply(500, {"error": f"the request failed on the server ({first_line(job.error)})."})
+                return self._reply(500, {"error": f"the server failed on this request ({first_line(job.error)})."})
             return self._reply(200, answer(command, job.result, loaded.tokenizer))
 
         def _not_put(self):

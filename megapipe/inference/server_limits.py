@@ -39,11 +39,12 @@ class ServerLimits:
         if not (header.isascii() and header.isdigit()):
             raise Refusal(400, f"Content-Length {header[:40]!r} is not a byte count; send the body's length in "
                                "bytes.")
-        length = int(header)
-        if length > self.max_request_bytes:
-            raise Refusal(413, f"the body of {length} bytes exceeds --max-request-bytes {self.max_request_bytes}; "
+        digits = header.lstrip("0") or "0"
+        if len(digits) > 18 or int(digits) > self.max_request_bytes:  # no int() of thousands of digits
+            shown = digits if len(digits) <= 20 else digits[:17] + "..."
+            raise Refusal(413, f"the body of {shown} bytes exceeds --max-request-bytes {self.max_request_bytes}; "
                                "send fewer or shorter prompts.")
-        return length
+        return int(digits)
 
     def check_prompts(self, prompts: list, tokens_to_generate: int) -> None:
         """A generation request (prompts as token ids) within --max-prompts, --max-prompt-tokens and
