@@ -5,6 +5,7 @@ end-of-text unless it names its stop tokens; each limit, a body that is not UTF-
 object, a short body and a full queue are refused with their status and one sentence naming the flag;
 a queued request given up at its deadline is passed over by the worker."""
 
+import argparse
 import io
 import itertools
 import json
@@ -16,7 +17,7 @@ import pytest
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.server import make_handler, parse_generate
-from megapipe.inference.server_limits import ServerLimits
+from megapipe.inference.server_limits import ServerLimits, add_limit_flags
 
 pytestmark = pytest.mark.unit
 
@@ -169,3 +170,14 @@ def test_a_generation_cut_at_its_deadline_answers_what_it_has_and_says_so():
     thread.join(30)
     assert ran == [("generate", [[97], [98, 99]])]
     assert (status, answer) == (200, {"text": ["ad", "bce"], "tokens": [[100], [101]], "cut_at_deadline": True})
+
+
+@pytest.mark.parametrize("flags", [["--max-prompts", "0"], ["--request-timeout-seconds", "nan"],
+                                   ["--read-timeout-seconds", "inf"], ["--max-request-bytes", "1e3"]])
+def test_a_limit_must_be_a_positive_finite_number(flags, capsys):
+    parser = argparse.ArgumentParser()
+    add_limit_flags(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(flags)
+    assert exit_.value.code == 2 and f"{flags[0]}: {flags[1]!r} is not a positive finite" in capsys.readouterr().err
+    assert ServerLimits.from_args(parser.parse_args([])) == ServerLimits()

@@ -19,7 +19,8 @@ waiting, another gets 503 with ``Retry-After``. Each request has a deadline
 ``--request-timeout-seconds`` after its arrival: one still queued then gets 504; a generation
 running then stops on every rank alike (``deadline.py``) and answers 200 with the tokens chosen so
 far and ``"cut_at_deadline": true``. Scoring is one forward pass bounded by the limits, so its
-deadline bounds only its wait in the queue.
+deadline bounds only its wait in the queue. A failure of the server itself answers 500 with one
+sentence (its traceback goes to the log) and the server goes on.
 
 Global rank 0 listens; its main thread takes each request from the queue and broadcasts it, and
 all ranks run it together (the other ranks wait in ``follow``).
