@@ -3,12 +3,12 @@ job (not per rank), not a traceback."""
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch.distributed as dist
 
 from megapipe.errors import reports_user_errors
+from megapipe.parallel.teardown import close_distributed
 from megapipe.training.failures import explain_lost_peers, is_lost_peer, report_user_error
 
 
@@ -19,10 +19,6 @@ def _run(kind: str, argv: list[str]) -> int:
 
     try:
         pretrain(kind, argv)
-        # the run's objects form reference cycles holding process groups, pending works and their
-        # tensors: free them now, not in the interpreter's teardown, where a gloo thread that drops
-        # the last reference to a tensor can abort the process after a successful run
-        gc.collect()
         if dist.is_initialized():  # no rank tears its connections down while a peer still uses them
             dist.barrier()
     except Exception as error:
@@ -36,7 +32,6 @@ def main(kind: str) -> None:
     try:
         code = _run(kind, sys.argv[1:])
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed()  # before the interpreter's teardown (teardown.py says why)
     if code:
         sys.exit(code)

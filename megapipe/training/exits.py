@@ -80,9 +80,11 @@ class ExitConditions:
         return None
 
     def close(self) -> None:
-        """Complete the agreement still in flight (every rank started it, so this does not wait long)."""
+        """Complete the agreement still in flight (every rank started it, so this does not wait long)
+        and let its group go (the SIGTERM handler keeps this object alive until the process ends)."""
         if self._agreement is not None:
             self._agreement.close()
+            self._agreement = None
 
 
 class LaggedAgreement:

@@ -233,9 +233,10 @@ class Trainer:
         self._close()
 
     def _close(self) -> None:
-        """Complete the exit agreement in flight, save the timeline, close the logger and give the
-        cluster lease back."""
+        """Complete the exit agreement and the weight gathers in flight, save the timeline, close the
+        logger and give the cluster lease back."""
         self.exit_conditions.close()
+        self.engine.complete_communication()
         if self.timeline is not None:
             self.timeline.meta["schedule"] = self.engine.schedule.name
             save_run_timeline(self.timeline, self.ps, self.config.training.record_timeline)
