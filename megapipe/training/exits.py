@@ -29,6 +29,7 @@ EXIT_SECONDS = 2.0
 """Seconds an exit takes after its save (draining a pipeline, closing the groups, ending the
 processes), kept free of the grace period when deciding whether the save fits (``time_for``)."""
 
+
 def distributed_timeout(config: Config) -> datetime.timedelta:
     """``--distributed-timeout-minutes`` as the timeout of every collective."""
     return datetime.timedelta(minutes=config.training.distributed_timeout_minutes)
