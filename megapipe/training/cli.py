@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from megapipe.errors import reports_user_errors
 from megapipe.parallel.teardown import close_distributed
-from megapipe.training.sigterm import SigtermNotice
 from megapipe.training.failures import explain_lost_peers, is_lost_peer, report_user_error
+from megapipe.training.sigterm import SigtermNotice
 
 
 @reports_user_errors(report=report_user_error)

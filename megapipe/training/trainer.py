@@ -160,8 +160,9 @@ class Trainer:
         return self.batches.batches("train", self.state.consumed_samples)
 
     def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
-        """Train on the next batch of ``batches`` (``train_batches``), then log, evaluate and save where
-        their intervals say; the reason to stop after this iteration (the same on every rank), or None."""
+        """Train on the next batch of ``batches`` (``train_batches``) and log where the interval says;
+        unless the run stops here, evaluate and save where their intervals say. The reason to stop
+        after this iteration (the same on every rank; ``_finish`` then saves), or None."""
         t = self.config.training
         result = self.engine.train_batch(next(batches))
         self.state.iteration += 1
