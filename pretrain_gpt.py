@@ -6,7 +6,10 @@
 Flags follow Megatron-LM; `python pretrain_gpt.py --help` lists them.
 """
 
-from megapipe.training.cli import main
+from megapipe.training.sigterm import SigtermNotice
 
 if __name__ == "__main__":
-    main("gpt")
+    notice = SigtermNotice().install()  # before torch is imported: a SIGTERM during start-up is noted
+    from megapipe.training.cli import main
+
+    main("gpt", notice)

@@ -120,7 +120,8 @@ def exits_without_agreement():
     """Without a SIGTERM handler, --exit-duration-in-mins or a lease, boundaries make no collective
     (any would fail here) and --exit-interval alone stops every rank at its iteration."""
     nothing = SimpleNamespace(training=SimpleNamespace(exit_interval=2, exit_duration_in_mins=None,
-                                                       exit_on_sigterm=False, cluster_lease=None))
+                                                       exit_on_sigterm=False, cluster_lease=None,
+                                                       exit_signal_grace_seconds=None))
     conditions = ExitConditions(nothing)
     collectives = (dist.all_reduce, dist.new_group)
 

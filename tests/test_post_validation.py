@@ -116,6 +116,7 @@ def lagged_exit_reasons(rank):
     """Rank 1 gets SIGTERM during iteration 1: every rank agrees on it one boundary later."""
     no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None,
                                                          exit_on_sigterm=True, cluster_lease=None,
+                                                         exit_signal_grace_seconds=None,
                                                          distributed_timeout_minutes=1))
     conditions = ExitConditions(no_limits)
     reasons = []

@@ -1,6 +1,6 @@
 """The operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
-``--distributed-timeout-minutes``, ``--skip-train``, ``--load``, ``--mock-data``, the two
-scheduler-on-resume flags), checked before any process group, one sentence per mistake.
+``--exit-signal-grace-seconds``, ``--distributed-timeout-minutes``, ``--skip-train``, ``--load``,
+``--mock-data``, the two scheduler-on-resume flags), checked before any process group, one sentence per mistake.
 (What they do at run time: ``megapipe/training/exits.py``.)"""
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ def validate_operations(kind: str, config: Config) -> None:
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {t.exit_duration_in_mins:g} must be above 0; drop the flag to "
                           "train to --train-iters.")
+    if t.exit_signal_grace_seconds is not None:
+        if t.exit_signal_grace_seconds <= 0:
+            raise ConfigError(f"--exit-signal-grace-seconds {t.exit_signal_grace_seconds:g} must be above 0: it is "
+                              "the time between SIGTERM and SIGKILL (Slurm's KillWait or GraceTime).")
+        if not t.exit_on_sigterm:
+            raise ConfigError("--exit-signal-grace-seconds needs the SIGTERM handler; drop "
+                              "--no-exit-signal-handler or the grace period.")
     if t.skip_train and not t.load:
         raise ConfigError("--skip-train evaluates a checkpoint and needs --load DIR; pass the checkpoint directory.")
     if t.load and not os.path.isdir(t.load) and (t.skip_train or not same_path(t.load, t.save)):

@@ -301,6 +301,9 @@ class TrainingConfig:
     exit_on_sigterm: bool = flag(True, name="--exit-signal-handler", action=BooleanOptionalAction, help=(
         "on SIGTERM, save (with --save) and exit at the next iteration every rank agrees on (on by default; "
         "--no-exit-signal-handler leaves SIGTERM to Python's default)"))
+    exit_signal_grace_seconds: Optional[float] = flag(None, help=(
+        "seconds between SIGTERM and SIGKILL (Slurm's KillWait or GraceTime): the exit save is skipped, leaving "
+        "the previous checkpoint, when the last save took longer than the time left"))
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None

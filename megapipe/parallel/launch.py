@@ -76,6 +76,10 @@ def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torc
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         choose_gloo_interface()
+        # torch._dynamo (which the fused optimizers import) keeps references to the default group
+        # when it is first imported after the group exists, so the group, and its threads, would
+        # outlive ``close_distributed`` into the interpreter's teardown (``teardown.py``)
+        import torch._dynamo  # noqa: F401
         eager = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(default_backend(device), timeout=timeout, **eager)
         if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and dist.get_rank() == 0:

@@ -44,6 +44,12 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     return _GROUPS[key]
 
 
+def forget_groups() -> None:
+    """Drop this module's references to the groups it built (after they were destroyed), so that
+    their backends, and gloo's worker threads, are freed now rather than at interpreter exit."""
+    _GROUPS.clear()
+
+
 @dataclass
 class ParallelState:
     """The process groups and rank queries of one process.

@@ -30,6 +30,8 @@ from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.training.exits import ExitConditions, distributed_timeout
+from megapipe.training.sigterm import SigtermNotice
+from megapipe.checkpointing.paths import read_latest
 from megapipe.optim import LRScheduler
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.schedule_search import comparison
@@ -50,9 +52,9 @@ from megapipe.pipeline.analysis.timeline import Timeline
 class Trainer:
     """Owns one rank's engine, schedule, data iterators and logger for one run."""
 
-    def __init__(self, kind: str, config: Config):
+    def __init__(self, kind: str, config: Config, notice: Optional[SigtermNotice] = None):
         self.kind, self.config = kind, config
-        self.exit_conditions = ExitConditions(config)  # --exit-duration-in-mins counts from here
+        self.exit_conditions = ExitConditions(config, notice=notice)  # --exit-duration-in-mins counts from here
         self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
         self.device = init_distributed(timeout)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -101,6 +103,7 @@ class Trainer:
         # with --check-for-nan-in-loss-and-grad: the iterations whose loss or gradient norm was NaN/Inf
         self.watch = NonFiniteWatch(self.device, t.non_finite_action) if t.check_for_nan_in_loss_and_grad else None
         self.validated_iteration = 0  # the iteration of the last step counted (``_count``)
+        self.save_seconds: Optional[float] = None  # how long the last checkpoint save took (``_checkpoint``)
         self.amended: list[int] = []  # under post-validation: the iterations whose steps it redid
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
         self.loss_names = ("lm loss", "sop loss") if kind == "bert" and config.model.bert_binary_head else ("lm loss",)
@@ -143,8 +146,12 @@ class Trainer:
             self.evaluate("test")
             self._close()
             return
+        reason = self.exit_conditions.reason_at_start(self.state.iteration)
+        if reason is not None:  # nothing trained yet: the checkpoint loaded (if any) is where the run stands
+            self.logger.print(f"exiting on {reason}")
+            self._close()
+            return
         batches = self.train_batches()
-        reason = None
         while reason is None and self.state.iteration < t.train_iters:
             reason = self.train_iteration(batches)
         self._finish(reason)
@@ -156,8 +163,9 @@ class Trainer:
         return self.batches.batches("train", self.state.consumed_samples)
 
     def train_iteration(self, batches: Iterator[list[dict]]) -> Optional[str]:
-        """Train on the next batch of ``batches`` (``train_batches``), then log, evaluate and save where
-        their intervals say; the reason to stop after this iteration (the same on every rank), or None."""
+        """Train on the next batch of ``batches`` (``train_batches``) and log where the interval says;
+        unless the run stops here, evaluate and save where their intervals say. The reason to stop
+        after this iteration (the same on every rank; ``_finish`` then saves), or None."""
         t = self.config.training
         result = self.engine.train_batch(next(batches))
         self.state.iteration += 1
@@ -171,11 +179,14 @@ class Trainer:
         if t.logs_after(self.state.iteration):
             self._log(result)
             self._window = _LogWindow(self._no_losses(), len(self.amended))
+        reason = self.exit_conditions.reason(self.state.iteration)
+        if reason is not None:  # the exit saves (``_finish``), in the time a preemption leaves
+            return reason
         if self.state.iteration % t.eval_interval == 0:
             self.evaluate("validation")
         if self._saves_after(self.state.iteration):
-            self.save(t.save)
-        return self.exit_conditions.reason(self.state.iteration)
+            self._checkpoint(t.save)
+        return None
 
     def count_synchronisations(self, iterations: int, warmup: int = 1) -> int:
         """How often the host waits for the device in ``iterations`` training iterations (everything
@@ -212,7 +223,9 @@ class Trainer:
     def _finish(self, reason: Optional[str]) -> None:
         """End the run, at --train-iters (``reason`` None) or early on an exit condition.
 
-        The last checkpoint is written unless this iteration just wrote one. Early, it is written
+        The last checkpoint is written unless this iteration just wrote one, or, on an early exit
+        after SIGTERM, when a rank has less time left before SIGKILL (``--exit-signal-grace-seconds``)
+        than the last save took (``ExitConditions.time_for``). Early, it is written
         before the pipeline drains, so that an asynchronous schedule's checkpoint keeps the
         microbatches in flight and a resumed run continues as if it never stopped; at the end
         the pipeline drains first (a post-validated step is validated too), so that the last
@@ -223,8 +236,8 @@ class Trainer:
         if reason is None:
             self._count(self.engine.drain())
             self._count_steps()
-        if t.save and not self._saves_after(self.state.iteration):
-            self.save(t.save)
+        if t.save and (reason is not None or not self._saves_after(self.state.iteration)):
+            self._checkpoint(t.save)
         if reason is None:
             if self.state.iteration % t.eval_interval:
                 self.evaluate("validation")
@@ -238,9 +251,10 @@ class Trainer:
         self._close()
 
     def _close(self) -> None:
-        """Complete the exit agreement in flight, save the timeline, close the logger and give the
-        cluster lease back."""
+        """Complete the exit agreement and the weight gathers in flight, save the timeline, close the
+        logger and give the cluster lease back."""
         self.exit_conditions.close()
+        self.engine.complete_communication()
         if self.timeline is not None:
             self.timeline.meta["schedule"] = self.engine.schedule.name
             save_run_timeline(self.timeline, self.ps, self.config.training.record_timeline)
@@ -255,6 +269,22 @@ class Trainer:
         from megapipe.checkpointing.save import Checkpointer
 
         return Checkpointer(self.run_state)
+
+    def _checkpoint(self, directory: str) -> None:
+        """``save``, timed, unless a rank has less time left before SIGKILL (``--exit-signal-grace-seconds``
+        after its SIGTERM) than the last save took: the previous checkpoint then stays. Without a save
+        so far it is tried: one cut off by SIGKILL publishes nothing. Every rank calls it."""
+        needed = self.save_seconds or 0.0
+        if not self.exit_conditions.time_for(needed):
+            latest = read_latest(directory)
+            kept = "there is no earlier one" if latest is None else f"the checkpoint of iteration {latest} stays"
+            self.logger.print(f"> no checkpoint at iteration {self.state.iteration}: less time is left before SIGKILL "
+                              f"(--exit-signal-grace-seconds {self.config.training.exit_signal_grace_seconds:g}) "
+                              f"than the last save took ({needed:.1f} s) and the exit; {kept}")
+            return
+        started = time.monotonic()
+        self.save(directory)
+        self.save_seconds = time.monotonic() - started
 
     def save(self, directory: str) -> None:
         self._count(self.engine.settle())  # a post-validated step is validated (and redone if needed) first
@@ -387,9 +417,9 @@ def _ranks_per_node():
     return int(local) if local else None
 
 
-def pretrain(kind: str, argv: Optional[list[str]] = None) -> Trainer:
+def pretrain(kind: str, argv: Optional[list[str]] = None, notice: Optional[SigtermNotice] = None) -> Trainer:
     config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                           ranks_per_node=_ranks_per_node())
-    trainer = Trainer(kind, config)
+    trainer = Trainer(kind, config, notice)
     trainer.train()
     return trainer

@@ -6,8 +6,9 @@ would answer by forwarding it to its workers, killing them 30 s later and exitin
 which cuts off a longer save. So it runs with SIGTERM ignored (``trap '' TERM`` before ``exec``)
 and without its own handler for it (``--signals-to-handle`` without SIGTERM): the workers
 install the training loop's handler, save at the next iteration boundary and exit 0, and
-torchrun then exits 0 as after any successful run. (A worker that is still starting inherits
-the ignored SIGTERM until the loop installs its handler; the lease, answered ``stop``, ends it.)
+torchrun then exits 0 as after any successful run. (A worker inherits the ignored SIGTERM until
+the first line of its script installs the handler, ``training/sigterm.py``; one that arrives
+before is lost, and the lease, answered ``stop``, ends the run.)
 """
 
 from __future__ import annotations

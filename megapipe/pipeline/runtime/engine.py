@@ -141,6 +141,13 @@ class PipelineEngine:
                                               boundary_shape, dtype, device, step=lambda: None,
                                               scatter_gather=scatter_gather, timeout=timeout, passes=self.passes)
 
+    def complete_communication(self) -> None:
+        """Wait for the data-parallel weight gathers still in flight (``--overlap-param-gather`` leaves
+        the last step's to the next forward), so that no work is pending when the run's groups close;
+        every other message and collective is completed where it was issued."""
+        for sync in self.syncs:
+            sync.wait_for_weights()
+
     def _sync_of(self, chunk: torch.nn.Module) -> Optional[GradSync]:
         """The gradient sync that owns ``chunk``'s parameters (None when it trains none)."""
         params = {id(p) for p in chunk.parameters()}
