@@ -45,6 +45,6 @@ def _check(flag: str, path: str, roots: tuple[str, ...]) -> None:
         raise ConfigError(f"{flag} {path} is a relative path; give an absolute path inside {where}.")
     real = os.path.realpath(path)
     if not any(real.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
-        really = f" (really {real})" if real != os.path.normpath(path) else ""
+        really = f" (really {real})" if real != path else ""
         raise ConfigError(f"{flag} {path}{really} is outside the paths this scheduler allows ({where}); move it "
                           "under one of them or start serve with --allowed-paths naming its directory.")
