@@ -116,7 +116,8 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
             self.close_connection = True
             if code == 501:
                 code, message = 405, f"{self.command} is not a method of this scheduler; use GET or POST."
-            else:
+            else:  # a malformed request line or headers, an HTTP version of 2 and above (505): the client's fault
+                code = code if code < 500 else 400
                 message = f"{message or 'the request is malformed'}; send HTTP/1.1 as tools/cluster.py does."
             self._json(code, {"error": message})
 
@@ -217,6 +218,8 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
             self._send(code, json.dumps(value).encode(), "application/json")
 
         def _send(self, code: int, data: bytes, content_type: str) -> None:
+            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # an answer to HTTP/0.9 or a broken line
+                self.request_version = "HTTP/1.0"  # has a status line and headers too
             try:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
