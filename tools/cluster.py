@@ -206,6 +206,7 @@ def run_service(args) -> None:
     from megapipe.cluster.service.service import ClusterService
 
     work_dir = args.work_dir or os.path.splitext(os.path.abspath(args.journal))[0] + "-work"
+    secret = configured_secret(args.secret_file)  # first: what serve starts (sbatch too) must not inherit it
     backend = None
     if args.backend == "slurm":
         from megapipe.cluster.service.backends.slurm import SlurmBackend
@@ -213,7 +214,6 @@ def run_service(args) -> None:
         backend = SlurmBackend(args.slurm_partition, args.slurm_conf)
     elif args.slurm_partition or args.slurm_conf:
         raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
-    secret = configured_secret(args.secret_file)
     if secret is None:
         if not is_loopback(args.host):
             raise ConfigError(f"serve --host {args.host} is reachable from other machines, so it needs a secret; "
