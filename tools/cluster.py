@@ -60,6 +60,7 @@ from megapipe.cluster.sim.trace import generate_trace, read_trace, write_trace  
 from megapipe.errors import ConfigError, USAGE_ERROR, reports_user_errors  # noqa: E402
 
 WINDOW_JOBS = 25
+SCHEDULER_HELP = "the scheduler's HOST:PORT, or the https://... address of a TLS proxy in front of it"
 
 
 def default_window(num_jobs: int) -> tuple[int, int]:
@@ -144,11 +145,14 @@ def _service_commands(commands) -> None:
     serve.add_argument("--secret-file", default=None, help=(
         f"the cluster's secret, a file only its owner may read (chmod 600); else ${SECRET_ENV}; with neither, "
         "serve on a loopback --host creates WORK_DIR/secret, and on any other address refuses to start"))
+    serve.add_argument("--public-address", default=None, metavar="URL", help=(
+        "where jobs reach the scheduler for their leases, e.g. https://sched.example.org behind a TLS proxy "
+        "(default: http://HOST:PORT)"))
     serve.add_argument("--allowed-paths", nargs="+", metavar="DIR", default=None, help=(
         "the only directories a submitted job's path flags (--data-path, --vocab-file, --tensorboard-dir, ...) "
         "may name, symlinks resolved (default: WORK_DIR/files)"))
     worker = commands.add_parser("worker", help="run a worker agent for this host")
-    worker.add_argument("--scheduler", required=True, metavar="HOST:P")
+    worker.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
     _secret_flag(worker)
     worker.add_argument("--devices", required=True, metavar="TYPE:N[,TYPE:N]")
     worker.add_argument("--host", default=socket.gethostname(), help="this host's name (default: the hostname)")
@@ -156,19 +160,19 @@ def _service_commands(commands) -> None:
     worker.add_argument("--throttle", default="", metavar="TYPE:FRACTION[,...]",
                         help="CPU fraction each device of a type gets (e.g. slow:0.5); default a whole CPU")
     submit = commands.add_parser("submit", help="submit a megapipe job; prints its id")
-    submit.add_argument("--scheduler", required=True, metavar="HOST:P")
+    submit.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
     _secret_flag(submit)
     submit.add_argument("--name", required=True)
     submit.add_argument("--priority", type=float, default=1.0)
     submit.add_argument("job", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py FLAGS...")
     status = commands.add_parser("status", help="jobs, their state, progress, allocation, JCT and log")
-    status.add_argument("--scheduler", required=True, metavar="HOST:P")
+    status.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
     _secret_flag(status)
     status.add_argument("--json", action="store_true")
     status.add_argument("--page-url", action="store_true",
                         help="print the status page's address with its read-only token (for a browser) and exit")
     cancel = commands.add_parser("cancel", help="cancel a queued or running job")
-    cancel.add_argument("--scheduler", required=True, metavar="HOST:P")
+    cancel.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
     _secret_flag(cancel)
     cancel.add_argument("id", type=int)
 
@@ -224,7 +228,7 @@ def run_service(args) -> None:
             "and cancel")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say,
+                             args.public_address or f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say,
                              secret=secret, allowed_paths=args.allowed_paths)
     server = serve(service, args.host, args.port, secret)
     say(f"scheduler listening on {args.host}:{server.server_address[1]} (journal {args.journal}, job logs and "
@@ -248,10 +252,10 @@ def run_worker(args) -> None:
 
 def _call(args, path: str, body: dict | None = None) -> dict:
     """One signed request to the service at ``args.scheduler``; its refusal sentence becomes a ConfigError."""
-    from megapipe.cluster.client.lease import get_json, post_json
+    from megapipe.cluster.client.lease import get_json, post_json, scheduler_url
 
     scheduler, key = args.scheduler, client_secret(args)
-    url = f"http://{scheduler}{path}"
+    url = f"{scheduler_url(scheduler)}{path}"
     try:
         answer = get_json(url, 30, key) if body is None else post_json(url, body, 30, key)
     except OSError as error:
@@ -265,8 +269,9 @@ def _call(args, path: str, body: dict | None = None) -> dict:
 def print_status(args) -> None:
     if args.page_url:
         from megapipe.cluster.auth import page_token
+        from megapipe.cluster.client.lease import scheduler_url
 
-        print(f"http://{args.scheduler}/?token={page_token(client_secret(args))}")
+        print(f"{scheduler_url(args.scheduler)}/?token={page_token(client_secret(args))}")
         return
     status = _call(args, "/status")
     print(json.dumps(status, indent=1) if args.json else status_table(status))

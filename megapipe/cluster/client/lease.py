@@ -27,6 +27,11 @@ ANSWER_SECONDS = 3600.0  # longest wait for an answer (a renewal is answered whe
 UNREACHABLE_GRACE = 5.0  # seconds past the lease's end a job waits for an unreachable scheduler
 
 
+def scheduler_url(scheduler: str) -> str:
+    """``HOST:PORT`` as ``http://HOST:PORT``; a full ``http(s)://...`` address (a TLS proxy's) as given."""
+    return scheduler.rstrip("/") if "://" in scheduler else f"http://{scheduler}"
+
+
 def post_json(url: str, body: dict, timeout: float, key: Optional[bytes] = None) -> dict:
     """POST ``body`` as JSON, signed with ``key`` if given; the decoded answer (an error answer's JSON body too)."""
     data = json.dumps(body).encode()

@@ -24,6 +24,7 @@ from typing import Optional
 
 from megapipe.checkpointing.paths import read_latest
 from megapipe.cluster.auth import LEASE_KEY_ENV, lease_key
+from megapipe.cluster.client.lease import scheduler_url
 from megapipe.cluster.service.backends.agents import LOST, AgentsBackend
 from megapipe.cluster.service.backends.base import HostSlots, Launch
 from megapipe.cluster.core.cluster_spec import ClusterSpec, devices_text
@@ -449,7 +450,7 @@ class ClusterService:
             if self.last_command.get(job_id, command) != command:  # another layout than its previous run's
                 self.journal.update(job_id, relayouts=row.relayouts + 1)
             self.last_command[job_id] = list(command)
-            address = f"http://{self.address}/leases/{job_id}/{lease}"
+            address = f"{scheduler_url(self.address)}/leases/{job_id}/{lease}"
             command = command + ["--save", row.save_dir, "--load", row.save_dir, "--cluster-lease", address]
             start_iteration = self.known_iterations(job_id)
             self.runs[job_id] = Run(lease, hosts, self.clock.now(), start_iteration, lease_end,
