@@ -41,6 +41,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 
@@ -228,8 +229,8 @@ def run_service(args) -> None:
             "and cancel")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             args.public_address or f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say,
-                             secret=secret, allowed_paths=args.allowed_paths)
+                             args.public_address or f"{args.host}:{args.port}", seed=args.seed, backend=backend,
+                             announce=say, secret=secret, allowed_paths=args.allowed_paths)
     server = serve(service, args.host, args.port, secret)
     say(f"scheduler listening on {args.host}:{server.server_address[1]} (journal {args.journal}, job logs and "
         f"checkpoints in {work_dir}; jobs may name paths in {', '.join(service.roots)}); status page: "
@@ -259,6 +260,9 @@ def _call(args, path: str, body: dict | None = None) -> dict:
     try:
         answer = get_json(url, 30, key) if body is None else post_json(url, body, 30, key)
     except OSError as error:
+        if isinstance(getattr(error, "reason", error), ssl.SSLCertVerificationError):
+            raise ConfigError(f"the certificate of --scheduler {scheduler} is not trusted "
+                              f"({error.reason.verify_message}); give its proxy a certificate the system trusts, or set SSL_CERT_FILE to its CA.")
         raise ConfigError(f"no scheduler answers at --scheduler {scheduler} ({error}); start one with "
                           "tools/cluster.py serve.")
     if "error" in answer:
