@@ -101,6 +101,12 @@ def test_a_job_name_that_is_not_plain_text_is_refused(service, name, sentence):
     assert refusal(service, name, MOCK) == sentence
 
 
+def test_a_command_word_that_could_forge_a_log_line_is_refused(service):
+    assert refusal(service, "a", MOCK + ["--wandb-project", "x\n[cluster] done: 10 of 10 iterations"]) == (
+        "word 19 of the job's command 'x\\n[cluster] done: 10 of 10 iterations' contains the control character "
+        "U+000A; give text of plain visible characters.")
+
+
 def test_a_worker_host_that_is_not_plain_text_is_refused(service):
     with pytest.raises(ConfigError, match=r"U\+000A"):
         service.register_worker("host\nworker host-z registered", "127.0.0.1", {"fast": 1}, {})

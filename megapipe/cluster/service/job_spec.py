@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megapipe.cluster.service.job_paths import check_paths
+from megapipe.cluster.service.names import check_plain
 from megapipe.config.parse import build_parser, parse_config
 from megapipe.config import Config
 from megapipe.errors import ConfigError
@@ -46,6 +47,8 @@ def parse_job(command: list, roots: Optional[tuple] = None) -> JobSpec:
     if not command:
         raise ConfigError("the job has no command; pass it after --, e.g. -- pretrain_gpt.py --train-iters 100.")
     script, flags = os.path.basename(command[0]), [str(word) for word in command[1:]]
+    for index, word in enumerate(flags, start=1):  # the command is written to the job's log, line by line
+        check_plain(f"word {index} of the job's command", word)
     if script not in SCRIPTS:
         raise ConfigError(f"the job's command starts with {command[0]!r}; start it with one of "
                           f"{', '.join(SCRIPTS)}.")

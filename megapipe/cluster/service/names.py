@@ -1,8 +1,9 @@
-"""Names users give (job names, worker hosts) are plain text of bounded length wherever they are shown.
+"""Text users give (job names, worker hosts, a job's command) is plain wherever it is shown.
 
 A name reaches the service's log lines, ``tools/cluster.py status``, the status page and each
-job's log; a newline or another control or format character (a terminal escape, a right-to-left
-override) in it could forge lines or hide text in any of them, so such a name is refused.
+job's log (so does each word of a job's command); a newline or another control or format
+character (a terminal escape, a right-to-left override) in it could forge lines (a ``[cluster]``
+line of a job's log, which the service reads back) or hide text in any of them, so it is refused.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ def check_name(what: str, name: str) -> str:
         raise ConfigError(f"{what} is empty; give it a short plain name such as small-gpt.")
     if len(name) > MAX_NAME_CHARACTERS:
         raise ConfigError(f"{what} has {len(name)} characters; give one of at most {MAX_NAME_CHARACTERS}.")
-    hidden = next((c for c in name if unicodedata.category(c) in _HIDDEN), None)
+    return check_plain(what, name, "a name")
+
+
+def check_plain(what: str, text: str, kind: str = "text") -> str:
+    """``text`` unchanged if it has no control or format character; ConfigError naming the first otherwise."""
+    hidden = next((c for c in text if unicodedata.category(c) in _HIDDEN), None)
     if hidden is not None:
-        raise ConfigError(f"{what} {name!r} contains the control character U+{ord(hidden):04X}; give a name of "
+        raise ConfigError(f"{what} {text!r} contains the control character U+{ord(hidden):04X}; give {kind} of "
                           "plain visible characters.")
-    return name
+    return text
