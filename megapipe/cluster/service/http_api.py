@@ -42,6 +42,7 @@ from megapipe.errors import ConfigError
 
 MAX_BODY_BYTES = 1 << 20
 READ_SECONDS = 10.0  # a client that stops sending mid-request is dropped after this long
+NUMBER = (int, float)
 
 
 class Refused(Exception):
@@ -94,8 +95,6 @@ def _string_map(value: dict, route: str, key: str, kinds: tuple, what: str) -> d
         raise ConfigError(f"POST {route} needs {key!r} as {what}; use tools/cluster.py.")
     return value
 
-
-NUMBER = (int, float)
 
 
 def _handler_for(service: ClusterService, guard: ReplayGuard):
