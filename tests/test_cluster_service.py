@@ -61,18 +61,21 @@ def test_bad_input_is_one_sentence_and_the_service_keeps_running(cluster):
     refused = cluster.submit("odd", ["pretrain_gpt.py", "--num-layers", "3", "--pipeline-model-parallel-size", "2"])
     assert refused["error"] == ("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2; every stage "
                                 "must hold the same number of layers.")
-    unknown = subprocess.run([sys.executable, TOOL, "worker", "--scheduler", cluster.address, "--devices", "tpu:1",
-                              "--host", "host-z"], capture_output=True, text=True, timeout=120, env=cluster.env)
+    unknown = subprocess.run([sys.executable, TOOL, "worker", "--scheduler", cluster.address, "--secret-file",
+                              cluster.secret_file, "--devices", "tpu:1", "--host", "host-z"], capture_output=True,
+                             text=True, timeout=120, env=cluster.env)
     assert unknown.returncode == 2
     assert unknown.stderr.strip() == ("error: worker host-z declares accelerator type 'tpu', which this scheduler "
                                       "does not know; declare one of fast, slow (or start serve with --worker-types "
                                       "listing it).")
-    stranger = post_json(f"http://{cluster.address}/leases/99/1", {"iteration": 3, "renew": True}, timeout=30)
+    stranger = post_json(f"http://{cluster.address}/leases/99/1", {"iteration": 3, "renew": True}, timeout=30,
+                         key=cluster.key)
     assert stranger == {"error": "job 99 is not known to this scheduler; run jobs through tools/cluster.py submit."}
-    broken = cluster.submit("broken", ["pretrain_gpt.py", "--data-path", "/nonexistent/corpus", "--train-iters", "5"])
+    missing = f"{cluster.files}/no-corpus"  # inside the paths jobs may name, but not there
+    broken = cluster.submit("broken", ["pretrain_gpt.py", "--data-path", missing, "--train-iters", "5"])
     cluster.wait_for(lambda: cluster.job(broken["id"])["state"] == "failed", 180, "the broken job to fail")
     failed = cluster.job(broken["id"])
-    assert "/nonexistent/corpus" in failed["error"] and failed["allocation"] is None
+    assert missing in failed["error"] and failed["allocation"] is None
     assert len(cluster.status()["workers"]) == 2 and cluster.scheduler.poll() is None
 
 
@@ -116,7 +119,7 @@ def late(cluster, trace):
 def test_status_page_shows_the_running_trace(cluster, trace, late, tmp_path):
     cluster.wait_for(lambda: len(cluster.status()["workers"]) == 2 and cluster.job(late)["iterations"] > 0, 240,
                      "both hosts back and the late job making progress")
-    dom, picture = render_in_chromium(f"http://{cluster.address}/", tmp_path)
+    dom, picture = render_in_chromium(cluster.page_url(), tmp_path)
     for name in list(trace) + ["late"]:
         assert f"<td>{name}</td>" in dom
     assert ">running</span>" in dom and ">failed</span>" in dom  # the broken job of the bad-input test

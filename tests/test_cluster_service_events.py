@@ -104,7 +104,7 @@ def test_the_worker_announces_each_event_once(monkeypatch):
         def exit_code(self):
             return self.code
 
-    def scheduler(url, body, timeout):
+    def scheduler(url, body, timeout, key=None):
         calls.append(url)
         if len(calls) <= 2:
             raise ConnectionRefusedError("down")

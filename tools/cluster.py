@@ -13,11 +13,18 @@ Examples::
 The scheduler service runs real megapipe jobs on worker agents::
 
     python tools/cluster.py serve --port 8470 --journal cluster.db --policy max_min_fairness_perf --round-seconds 30
-    python tools/cluster.py worker --scheduler 127.0.0.1:8470 --devices fast:2,slow:2 --host host-a --throttle slow:0.5
-    python tools/cluster.py submit --scheduler 127.0.0.1:8470 --name small --priority 1 -- \\
+    python tools/cluster.py worker --scheduler 127.0.0.1:8470 --secret-file cluster-work/secret \\
+        --devices fast:2,slow:2 --host host-a --throttle slow:0.5
+    python tools/cluster.py submit --scheduler 127.0.0.1:8470 --secret-file cluster-work/secret --name small -- \\
         pretrain_gpt.py --train-iters 200 --mock-data --vocab-size 128
-    python tools/cluster.py status --scheduler 127.0.0.1:8470 [--json]
-    python tools/cluster.py cancel --scheduler 127.0.0.1:8470 0
+    python tools/cluster.py status --scheduler 127.0.0.1:8470 --secret-file cluster-work/secret [--json | --page-url]
+    python tools/cluster.py cancel --scheduler 127.0.0.1:8470 --secret-file cluster-work/secret 0
+
+Every request is signed with the cluster's secret: ``--secret-file PATH`` (a file only its owner
+may read) or the variable MEGAPIPE_CLUSTER_SECRET. ``serve`` on a loopback address without one
+creates ``WORK_DIR/secret`` and prints where it is; on any other address it needs one. Jobs get
+a key for their own lease only (MEGAPIPE_CLUSTER_LEASE_KEY); the status page opens with the
+read-only token in the address ``serve`` and ``status --page-url`` print.
 
 ``serve`` and ``worker`` print one line per event: workers registered or lost, jobs submitted,
 placed (a round's placements, when they change), started, stopped and ended, and a job no worker
@@ -29,18 +36,20 @@ fewer) and ``makespan: <hours> h``; ``--jcts-out`` writes every job's JCT in the
 """
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from tqdm import tqdm  # noqa: E402
 
+from megapipe.cluster.auth import SECRET_ENV, configured_secret  # noqa: E402
 from megapipe.cluster.core.cluster_spec import parse_cluster  # noqa: E402
 from megapipe.cluster.sim.metrics import completion_times, summarise  # noqa: E402
 from megapipe.cluster.core.policies import POLICY_NAMES, make_policy  # noqa: E402
@@ -52,6 +61,7 @@ from megapipe.cluster.sim.trace import generate_trace, read_trace, write_trace  
 from megapipe.errors import ConfigError, USAGE_ERROR, reports_user_errors  # noqa: E402
 
 WINDOW_JOBS = 25
+SCHEDULER_HELP = "the scheduler's HOST:PORT, or the https://... address of a TLS proxy in front of it"
 
 
 def default_window(num_jobs: int) -> tuple[int, int]:
@@ -133,24 +143,60 @@ def _service_commands(commands) -> None:
                             "partition's nodes, typed by their GPU GRES")
     serve.add_argument("--slurm-partition", default=None, help="with --backend slurm: the partition (default Slurm's)")
     serve.add_argument("--slurm-conf", default=None, help="with --backend slurm: the slurm.conf (default Slurm's)")
+    serve.add_argument("--secret-file", default=None, help=(
+        f"the cluster's secret, a file only its owner may read (chmod 600); else ${SECRET_ENV}; with neither, "
+        "serve on a loopback --host creates WORK_DIR/secret, and on any other address refuses to start"))
+    serve.add_argument("--public-address", default=None, metavar="URL", help=(
+        "where jobs reach the scheduler for their leases, e.g. https://sched.example.org behind a TLS proxy "
+        "(default: http://HOST:PORT)"))
+    serve.add_argument("--allowed-paths", nargs="+", metavar="DIR", default=None, help=(
+        "the only directories a submitted job's path flags (--data-path, --vocab-file, --tensorboard-dir, ...) "
+        "may name, symlinks resolved (default: WORK_DIR/files)"))
     worker = commands.add_parser("worker", help="run a worker agent for this host")
-    worker.add_argument("--scheduler", required=True, metavar="HOST:P")
+    worker.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
+    _secret_flag(worker)
     worker.add_argument("--devices", required=True, metavar="TYPE:N[,TYPE:N]")
     worker.add_argument("--host", default=socket.gethostname(), help="this host's name (default: the hostname)")
     worker.add_argument("--address", default="127.0.0.1", help="address other hosts reach this one at")
     worker.add_argument("--throttle", default="", metavar="TYPE:FRACTION[,...]",
                         help="CPU fraction each device of a type gets (e.g. slow:0.5); default a whole CPU")
     submit = commands.add_parser("submit", help="submit a megapipe job; prints its id")
-    submit.add_argument("--scheduler", required=True, metavar="HOST:P")
+    submit.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
+    _secret_flag(submit)
     submit.add_argument("--name", required=True)
     submit.add_argument("--priority", type=float, default=1.0)
     submit.add_argument("job", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py FLAGS...")
     status = commands.add_parser("status", help="jobs, their state, progress, allocation, JCT and log")
-    status.add_argument("--scheduler", required=True, metavar="HOST:P")
+    status.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
+    _secret_flag(status)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--page-url", action="store_true",
+                        help="print the status page's address with its read-only token (for a browser) and exit")
     cancel = commands.add_parser("cancel", help="cancel a queued or running job")
-    cancel.add_argument("--scheduler", required=True, metavar="HOST:P")
+    cancel.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
+    _secret_flag(cancel)
     cancel.add_argument("id", type=int)
+
+
+def _secret_flag(command) -> None:
+    command.add_argument("--secret-file", default=None, help=(
+        f"the scheduler's secret (the file serve uses, WORK_DIR/secret by default); else ${SECRET_ENV}"))
+
+
+def client_secret(args) -> bytes:
+    """The secret a worker or client signs its requests with; ConfigError when none is configured."""
+    secret = configured_secret(args.secret_file)
+    if secret is None:
+        raise ConfigError(f"tools/cluster.py {args.command} needs the scheduler's secret; pass --secret-file PATH "
+                          f"(serve prints where it is) or set {SECRET_ENV}.")
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def say(line: str) -> None:
@@ -159,11 +205,13 @@ def say(line: str) -> None:
 
 
 def run_service(args) -> None:
+    from megapipe.cluster.auth import create_secret_file, page_token
     from megapipe.cluster.service.http_api import serve
     from megapipe.cluster.service.journal import Journal
     from megapipe.cluster.service.service import ClusterService
 
     work_dir = args.work_dir or os.path.splitext(os.path.abspath(args.journal))[0] + "-work"
+    secret = configured_secret(args.secret_file)  # first: what serve starts (sbatch too) must not inherit it
     backend = None
     if args.backend == "slurm":
         from megapipe.cluster.service.backends.slurm import SlurmBackend
@@ -171,12 +219,22 @@ def run_service(args) -> None:
         backend = SlurmBackend(args.slurm_partition, args.slurm_conf)
     elif args.slurm_partition or args.slurm_conf:
         raise ConfigError("--slurm-partition and --slurm-conf need --backend slurm; add it or drop them.")
+    if secret is None:
+        if not is_loopback(args.host):
+            raise ConfigError(f"serve --host {args.host} is reachable from other machines, so it needs a secret; "
+                              f"pass --secret-file PATH (a file only you can read) or set {SECRET_ENV}.")
+        secret_file = os.path.join(work_dir, "secret")
+        secret = create_secret_file(secret_file)
+        say(f"the cluster's secret is in {secret_file}: pass --secret-file {secret_file} to worker, submit, status "
+            "and cancel")
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
-                             f"{args.host}:{args.port}", seed=args.seed, backend=backend, announce=say)
-    server = serve(service, args.host, args.port)
-    say(f"scheduler listening on http://{args.host}:{server.server_address[1]}/ (status page; journal "
-        f"{args.journal}, job logs and checkpoints in {work_dir})")
+                             args.public_address or f"{args.host}:{args.port}", seed=args.seed, backend=backend,
+                             announce=say, secret=secret, allowed_paths=args.allowed_paths)
+    server = serve(service, args.host, args.port, secret)
+    say(f"scheduler listening on {args.host}:{server.server_address[1]} (journal {args.journal}, job logs and "
+        f"checkpoints in {work_dir}; jobs may name paths in {', '.join(service.roots)}); status page: "
+        f"http://{args.host}:{server.server_address[1]}/?token={page_token(secret)}")
     service.start()
     signal.signal(signal.SIGTERM, lambda *_: service.shutdown())
     while not service.stopping:
@@ -189,22 +247,22 @@ def run_worker(args) -> None:
 
     devices = parse_devices(args.devices)
     agent = WorkerAgent(args.scheduler, args.host, args.address, devices, parse_throttle(args.throttle, devices),
-                        announce=say)
+                        announce=say, key=client_secret(args))
     agent.run()
 
 
-def _call(scheduler: str, path: str, body: dict | None = None) -> dict:
-    """One request to the service; its refusal sentence becomes a ConfigError."""
-    from megapipe.cluster.client.lease import post_json
+def _call(args, path: str, body: dict | None = None) -> dict:
+    """One signed request to the service at ``args.scheduler``; its refusal sentence becomes a ConfigError."""
+    from megapipe.cluster.client.lease import get_json, post_json, scheduler_url
 
-    url = f"http://{scheduler}{path}"
+    scheduler, key = args.scheduler, client_secret(args)
+    url = f"{scheduler_url(scheduler)}{path}"
     try:
-        if body is None:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                answer = json.loads(response.read())
-        else:
-            answer = post_json(url, body, timeout=30)
+        answer = get_json(url, 30, key) if body is None else post_json(url, body, 30, key)
     except OSError as error:
+        if isinstance(getattr(error, "reason", error), ssl.SSLCertVerificationError):
+            raise ConfigError(f"the certificate of --scheduler {scheduler} is not trusted "
+                              f"({error.reason.verify_message}); give its proxy a certificate the system trusts, or set SSL_CERT_FILE to its CA.")
         raise ConfigError(f"no scheduler answers at --scheduler {scheduler} ({error}); start one with "
                           "tools/cluster.py serve.")
     if "error" in answer:
@@ -213,7 +271,13 @@ def _call(scheduler: str, path: str, body: dict | None = None) -> dict:
 
 
 def print_status(args) -> None:
-    status = _call(args.scheduler, "/status")
+    if args.page_url:
+        from megapipe.cluster.auth import page_token
+        from megapipe.cluster.client.lease import scheduler_url
+
+        print(f"{scheduler_url(args.scheduler)}/?token={page_token(client_secret(args))}")
+        return
+    status = _call(args, "/status")
     print(json.dumps(status, indent=1) if args.json else status_table(status))
 
 
@@ -305,12 +369,12 @@ def main(argv=None) -> int:
         run_worker(args)
     elif args.command == "submit":
         command = args.job[1:] if args.job[:1] == ["--"] else args.job
-        print(_call(args.scheduler, "/jobs", {"name": args.name, "priority": args.priority,
+        print(_call(args, "/jobs", {"name": args.name, "priority": args.priority,
                                               "command": command})["id"])
     elif args.command == "status":
         print_status(args)
     elif args.command == "cancel":
-        _call(args.scheduler, f"/jobs/{args.id}/cancel", {})
+        _call(args, f"/jobs/{args.id}/cancel", {})
         print(f"job {args.id} cancelled")
     elif args.command == "generate-trace":
         if args.num_jobs < 1:

@@ -36,7 +36,7 @@ def validate_operations(kind: str, config: Config) -> None:
     if t.load and not os.path.isdir(t.load) and (t.skip_train or not same_path(t.load, t.save)):
         raise ConfigError(f"--load {t.load} does not exist; pass a checkpoint directory (or the --save directory, "
                           "to start a job that resumes itself).")
-    if t.cluster_lease is not None and not t.cluster_lease.startswith("http://"):
+    if t.cluster_lease is not None and not t.cluster_lease.startswith(("http://", "https://")):
         raise ConfigError(f"--cluster-lease {t.cluster_lease} is not an http:// address; the scheduler service sets "
                           "it, so drop the flag when running outside the cluster.")
     if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:

@@ -7,25 +7,44 @@ the iterations the ranks take to agree on a stop, ``exit_lag``), asks to renew i
 answers with the seconds left in the renewed lease when the job keeps its workers next round,
 or with ``stop`` (a new allocation, a cancel, a restarted scheduler); the training loop then
 saves a checkpoint and exits cleanly, and resumes from it on its next allocation. With the
-scheduler unreachable the lease runs out and the job stops the same way.
+scheduler unreachable the lease runs out and the job stops the same way. Reports are signed
+with the key the scheduler gave this launch for its lease alone (``MEGAPIPE_CLUSTER_LEASE_KEY``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 from typing import Optional
+
+from megapipe.cluster.auth import LEASE_KEY_ENV, sign
 
 REPORT_SECONDS = 1.0  # how often progress is reported between renewals
 ANSWER_SECONDS = 3600.0  # longest wait for an answer (a renewal is answered when the next round is planned)
 UNREACHABLE_GRACE = 5.0  # seconds past the lease's end a job waits for an unreachable scheduler
 
 
-def post_json(url: str, body: dict, timeout: float) -> dict:
-    """POST ``body`` as JSON; the decoded answer (an error answer's JSON body too)."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def scheduler_url(scheduler: str) -> str:
+    """``HOST:PORT`` as ``http://HOST:PORT``; a full ``http(s)://...`` address (a TLS proxy's) as given."""
+    return scheduler.rstrip("/") if "://" in scheduler else f"http://{scheduler}"
+
+
+def post_json(url: str, body: dict, timeout: float, key: Optional[bytes] = None) -> dict:
+    """POST ``body`` as JSON, signed with ``key`` if given; the decoded answer (an error answer's JSON body too)."""
+    data = json.dumps(body).encode()
+    return _exchange(urllib.request.Request(url, data, {"Content-Type": "application/json",
+                                                        **(sign(key, "POST", url, data) if key else {})}), timeout)
+
+
+def get_json(url: str, timeout: float, key: Optional[bytes] = None) -> dict:
+    """GET ``url``, signed with ``key`` if given; the decoded answer (an error answer's JSON body too)."""
+    return _exchange(urllib.request.Request(url, headers=sign(key, "GET", url) if key else {}), timeout)
+
+
+def _exchange(request: urllib.request.Request, timeout: float) -> dict:
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -36,8 +55,9 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
 class ClusterLease:
     """Reports progress and renews the lease; ``stop_reason`` says when the job must save and exit."""
 
-    def __init__(self, address: str, exit_lag: int = 0):
+    def __init__(self, address: str, exit_lag: int = 0, key: Optional[bytes] = None):
         self.address = address
+        self.key = key or os.environ.get(LEASE_KEY_ENV, "").encode() or None  # unsigned without one
         self.exit_lag = exit_lag  # iterations between a stop reported here and the exit (the ranks' agreement)
         self.deadline: Optional[float] = None  # local monotonic time the lease ends; None until granted
         self.last_report = -float("inf")
@@ -69,7 +89,7 @@ class ClusterLease:
     def finish(self, iteration: int) -> None:
         """Tell the scheduler this run of the job is exiting (the lease is free for its next allocation)."""
         try:
-            post_json(self.address, {"iteration": iteration, "exiting": True}, timeout=5)
+            post_json(self.address, {"iteration": iteration, "exiting": True}, timeout=5, key=self.key)
         except OSError:
             pass  # a scheduler that is down learns the end from the worker agent instead
 
@@ -77,7 +97,7 @@ class ClusterLease:
         body = {"iteration": iteration, "seconds_per_iteration": self.seconds_per_iteration, "renew": renew}
         while True:
             try:
-                answer = post_json(self.address, body, timeout=ANSWER_SECONDS)
+                answer = post_json(self.address, body, timeout=ANSWER_SECONDS, key=self.key)
                 break
             except OSError:
                 if not renew:

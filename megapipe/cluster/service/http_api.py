@@ -1,4 +1,4 @@
-"""The service's transport: HTTP with JSON bodies, on the standard library.
+"""The service's transport: HTTP with JSON bodies, on the standard library, every request signed.
 
 Why HTTP+JSON and not gRPC (the original system's choice): every party here is Python in the
 same repository, the messages are a handful of small dictionaries a few times a second, and
@@ -17,81 +17,215 @@ Routes::
     POST /leases/<job>/<lease>     {"iteration", "seconds_per_iteration", "renew", "exiting"}
                                    -> {"expires_in"} | {"stop"} | {"error"}
 
-A refused request answers 400 (404 for what does not exist) with ``{"error": sentence}``.
+Every request is signed with the cluster's secret (``megapipe/cluster/auth.py``; a lease's
+route also with the key derived for that lease, the two GET routes also with the status page's
+``?token=``); one that is not gets 401. A refused request answers 4xx with ``{"error":
+sentence}``: 400 for a malformed body or field, 404 for what does not exist, 405 for another
+method, 411 for a chunked body, 413 for a body over ``MAX_BODY_BYTES``, 429 when too many signed
+requests arrive to remember their nonces. A refused request changes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
+from megapipe.cluster.auth import ReplayGuard
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
 from megapipe.errors import ConfigError
 
+MAX_BODY_BYTES = 1 << 20
+READ_SECONDS = 10.0  # a client that stops sending mid-request is dropped after this long
+NUMBER = (int, float)
 
-def serve(service: ClusterService, host: str, port: int) -> ThreadingHTTPServer:
+
+class Refused(Exception):
+    """A request answered ``code`` with the one sentence ``str(self)``."""
+
+    def __init__(self, code: int, sentence: str):
+        super().__init__(sentence)
+        self.code = code
+
+
+def serve(service: ClusterService, host: str, port: int, secret: bytes) -> ThreadingHTTPServer:
     """Start answering on ``host:port`` in a background thread; returns the server (``.server_address``)."""
-    server = ThreadingHTTPServer((host, port), _handler_for(service))
+    server = ThreadingHTTPServer((host, port), _handler_for(service, ReplayGuard(secret)))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server
 
 
-def _handler_for(service: ClusterService):
+def json_object(body: bytes) -> dict:
+    """The body as a JSON object (empty: ``{}``); Refused(400) says what it is instead."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise Refused(400, f"the body is not UTF-8 (byte {error.start} is {body[error.start]:#04x}); send JSON "
+                           "text in UTF-8.")
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise Refused(400, f"the body is not JSON ({error.msg} at character {error.pos}); send a JSON object.")
+    except RecursionError:
+        raise Refused(400, "the body's JSON nests too deeply; send a flat JSON object.")
+    if not isinstance(value, dict):
+        raise Refused(400, f"the body is a JSON {type(value).__name__}, not an object; send a JSON object.")
+    return value
+
+
+def field(body: dict, route: str, key: str, kinds: tuple, what: str, default=None):
+    """``body[key]`` if it is one of ``kinds`` (``default`` when absent and not None); else ConfigError."""
+    if key not in body and default is not None:
+        return default
+    value = body.get(key)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"POST {route} needs {key!r} as {what}; use tools/cluster.py.")
+    return value
+
+
+def _string_map(value: dict, route: str, key: str, kinds: tuple, what: str) -> dict:
+    if not all(isinstance(k, str) and isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+               for k, v in value.items()):
+        raise ConfigError(f"POST {route} needs {key!r} as {what}; use tools/cluster.py.")
+    return value
+
+
+
+def _handler_for(service: ClusterService, guard: ReplayGuard):
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_SECONDS  # the connection's socket timeout: a stalled client is not waited for
+
         def log_message(self, *args):  # one line per request would drown the service's own messages
             pass
 
         def do_GET(self):
-            if self.path == "/":
-                self._send(200, render_status_page(service.status()).encode(), "text/html; charset=utf-8")
-            elif self.path == "/status":
-                self._json(200, service.status())
-            else:
-                self._json(404, {"error": f"{self.path} is not a page of this scheduler; open / or /status."})
+            self._answer()
 
         def do_POST(self):
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                self._json(*self._route(body))
-            except ConfigError as error:
-                self._json(400, {"error": str(error)})
-            except (ValueError, KeyError, TypeError) as error:
-                self._json(400, {"error": f"malformed request to {self.path} ({error}); use tools/cluster.py."})
+            self._answer()
 
-        def _route(self, body: dict) -> tuple[int, dict]:
-            path = self.path
-            if path == "/jobs":
-                return 200, {"id": service.submit(str(body["name"]), float(body.get("priority", 1.0)),
-                                                  list(body["command"]))}
-            if match := re.fullmatch(r"/jobs/(\d+)/cancel", path):
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (a malformed request line or header, another method) as JSON too."""
+            self.close_connection = True
+            if code == 501:
+                code, message = 405, f"{self.command} is not a method of this scheduler; use GET or POST."
+            else:  # a malformed request line or headers, an HTTP version of 2 and above (505): the client's fault
+                code = code if code < 500 else 400
+                message = f"{message or 'the request is malformed'}; send HTTP/1.1 as tools/cluster.py does."
+            self._json(code, {"error": message})
+
+        def _answer(self) -> None:
+            try:
+                body = self._body()
+                refusal = guard.refusal(self.command, self.path, self.headers, body)
+                if refusal is not None:
+                    raise Refused(*refusal)
+                route = urlsplit(self.path).path
+                code, value = self._get(route) if self.command == "GET" else self._post(route, json_object(body))
+            except Refused as refused:
+                code, value = refused.code, {"error": str(refused)}
+            except ConfigError as error:
+                code, value = 400, {"error": str(error)}
+            except Exception:  # a fault of the service, not of the request: said once, in its log
+                traceback.print_exc(file=sys.stderr)
+                code, value = 500, {"error": f"the scheduler failed on {self.command} {self.path}; see its log."}
+            if code == 200 and self.command == "GET" and urlsplit(self.path).path == "/":
+                self._send(200, value["page"].encode(), "text/html; charset=utf-8")
+            else:
+                self._json(code, value)
+
+        def _body(self) -> bytes:
+            """The request's body: at most ``MAX_BODY_BYTES``, all of its Content-Length, within READ_SECONDS."""
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                raise Refused(411, "a chunked body is not accepted; send the body with a Content-Length.")
+            text = self.headers.get("Content-Length")
+            if text is None:
+                return b""
+            if not re.fullmatch(r"[0-9]{1,15}", text.strip()):
+                self.close_connection = True
+                raise Refused(400, f"Content-Length {text[:40]!r} is not a byte count; send the body's length "
+                                   "in bytes.")
+            length = int(text)
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise Refused(413, f"the body of {length} bytes is over the scheduler's limit of {MAX_BODY_BYTES} "
+                                   "bytes; send a smaller request.")
+            try:
+                body = self.rfile.read(length)
+            except OSError:
+                body = b""
+            if len(body) < length:
+                self.close_connection = True
+                raise Refused(400, f"the body ended after {len(body)} of its {length} bytes (Content-Length); "
+                                   "send the whole body.")
+            return body
+
+        def _get(self, route: str) -> tuple[int, dict]:
+            if route == "/":
+                return 200, {"page": render_status_page(service.status())}
+            if route == "/status":
+                return 200, service.status()
+            return 404, {"error": f"{route} is not a page of this scheduler; open / or /status."}
+
+        def _post(self, route: str, body: dict) -> tuple[int, dict]:
+            if route == "/jobs":
+                name = field(body, route, "name", (str,), "a string")
+                command = field(body, route, "command", (list,), "a list of strings")
+                if not all(isinstance(word, str) for word in command):
+                    raise ConfigError(f"POST {route} needs 'command' as a list of strings; use tools/cluster.py.")
+                priority = field(body, route, "priority", NUMBER, "a number", default=1.0)
+                return 200, {"id": service.submit(name, float(priority), command)}
+            if match := re.fullmatch(r"/jobs/(\d+)/cancel", route):
                 service.cancel(int(match[1]))
                 return 200, {"ok": True}
-            if path == "/workers":
-                service.register_worker(str(body["host"]), str(body["address"]), dict(body["devices"]),
-                                        dict(body.get("throttle", {})))
+            if route == "/workers":
+                host = field(body, route, "host", (str,), "a string")
+                address = field(body, route, "address", (str,), "a string")
+                devices = _string_map(field(body, route, "devices", (dict,), "an object"), route, "devices",
+                                      (int,), "an object of device counts")
+                throttle = _string_map(field(body, route, "throttle", (dict,), "an object", default={}), route,
+                                       "throttle", NUMBER, "an object of CPU fractions")
+                service.register_worker(host, address, devices, throttle)
                 return 200, {"ok": True}
-            if match := re.fullmatch(r"/workers/([^/]+)/heartbeat", path):
-                messages = service.heartbeat(match[1], dict(body.get("running", {})))
+            if match := re.fullmatch(r"/workers/([^/]+)/heartbeat", route):
+                running = field(body, route, "running", (dict,), "an object", default={})
+                if not all(re.fullmatch(r"\d{1,12}", k) and (v is None or type(v) is int) for k, v in running.items()):
+                    raise ConfigError(f"POST {route} needs 'running' as job ids with exit codes or null; use "
+                                      "tools/cluster.py worker.")
+                messages = service.heartbeat(match[1], running)
                 if messages is None:
                     return 404, {"error": f"worker {match[1]} is not registered; register again."}
                 return 200, {"messages": messages}
-            if match := re.fullmatch(r"/leases/(\d+)/(\d+)", path):
+            if match := re.fullmatch(r"/leases/(\d+)/(\d+)", route):
+                for key, kinds, what in (("iteration", (int,), "an integer"), ("seconds_per_iteration", NUMBER,
+                                         "a number"), ("renew", (bool,), "true or false"),
+                                         ("exiting", (bool,), "true or false")):
+                    if key in body:
+                        field(body, route, key, kinds, what)
                 answer = service.lease_report(int(match[1]), int(match[2]), body)
                 return (404 if "error" in answer else 200), answer
-            return 404, {"error": f"{path} is not a route of this scheduler; use tools/cluster.py."}
+            return 404, {"error": f"{route} is not a route of this scheduler; use tools/cluster.py."}
 
         def _json(self, code: int, value: dict) -> None:
             self._send(code, json.dumps(value).encode(), "application/json")
 
         def _send(self, code: int, data: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # an answer to HTTP/0.9 or a broken line
+                self.request_version = "HTTP/1.0"  # has a status line and headers too
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client left before its answer
+                self.close_connection = True
 
     return Handler

@@ -7,22 +7,23 @@ address, or, given ``test_hosts`` (``megapipe/testing/hosts.py``), real hosts: e
 inside its own network namespace with that host's ``--address``, so its jobs' ranks live there
 and reach ranks on the other host over the bridge; the scheduler listens on the bridge's address
 (the gateway every host reaches), where agents, jobs' leases and this class's requests find it.
+Every party signs its requests with the secret in ``WORK_DIR/secret`` (``megapipe/cluster/auth.py``);
+jobs may name paths under ``files`` (the service's default root).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from megapipe.cluster.client.lease import post_json
+from megapipe.cluster.auth import create_secret_file, page_token
+from megapipe.cluster.client.lease import get_json, post_json
 
 ROOT = Path(__file__).resolve().parents[3]
 TOOL = str(ROOT / "tools" / "cluster.py")
@@ -49,11 +50,14 @@ class LocalCluster:
         self.listen = "127.0.0.1" if test_hosts is None else test_hosts.gateway
         self.address = f"{self.listen}:{self.port}"
         self.journal = os.path.join(work_dir, "journal.db")
+        self.files = os.path.join(work_dir, "journal-work", "files")  # serve's default root for jobs' paths
+        self.secret_file = os.path.join(work_dir, "secret")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.scheduler = None
         self.agents: dict[str, subprocess.Popen] = {}
         os.makedirs(work_dir, exist_ok=True)
+        self.key = create_secret_file(self.secret_file)
 
     def _spawn(self, args: list[str], log_name: str, inside: Optional[int] = None) -> subprocess.Popen:
         """``tools/cluster.py ARGS`` in a session of its own, inside test host ``inside`` if given."""
@@ -65,15 +69,15 @@ class LocalCluster:
 
     def start_scheduler(self) -> None:
         self.scheduler = self._spawn(["serve", "--port", str(self.port), "--host", self.listen, "--journal",
-                                      self.journal, "--policy", self.policy, "--round-seconds",
-                                      str(self.round_seconds), *self.extra], "scheduler.log")
+                                      self.journal, "--secret-file", self.secret_file, "--policy", self.policy,
+                                      "--round-seconds", str(self.round_seconds), *self.extra], "scheduler.log")
         self.wait_for(lambda: self._answers(), 60, "the scheduler to answer")
 
     def start_agent(self, host: str) -> None:
         types = {entry.split(":")[0] for entry in self.hosts[host].split(",")}
         throttle = ",".join(entry for entry in self.throttle.split(",") if entry.split(":")[0] in types)
-        args = ["worker", "--scheduler", self.address, "--devices", self.hosts[host], "--host", host,
-                "--throttle", throttle]
+        args = ["worker", "--scheduler", self.address, "--secret-file", self.secret_file, "--devices",
+                self.hosts[host], "--host", host, "--throttle", throttle]
         inside = None
         if self.test_hosts is not None:
             inside = list(self.hosts).index(host)
@@ -109,12 +113,18 @@ class LocalCluster:
             return False
 
     def status(self) -> dict:
-        with urllib.request.urlopen(f"http://{self.address}/status", timeout=30) as response:
-            return json.loads(response.read())
+        status = get_json(f"http://{self.address}/status", 30, self.key)
+        if "error" in status:
+            raise RuntimeError(f"the scheduler refused GET /status: {status['error']}")
+        return status
 
     def submit(self, name: str, command: list[str], priority: float = 1.0) -> dict:
         return post_json(f"http://{self.address}/jobs", {"name": name, "priority": priority, "command": command},
-                         timeout=60)
+                         timeout=60, key=self.key)
+
+    def page_url(self) -> str:
+        """The status page's address, with its read-only token (what a browser opens)."""
+        return f"http://{self.address}/?token={page_token(self.key)}"
 
     def job(self, job_id: int) -> dict:
         return next(j for j in self.status()["jobs"] if j["id"] == job_id)

@@ -14,6 +14,7 @@ no run of it (this service's or a previous incarnation's) has reported within
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -22,13 +23,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megapipe.checkpointing.paths import read_latest
+from megapipe.cluster.auth import LEASE_KEY_ENV, lease_key
+from megapipe.cluster.client.lease import scheduler_url
 from megapipe.cluster.service.backends.agents import LOST, AgentsBackend
 from megapipe.cluster.service.backends.base import HostSlots, Launch
 from megapipe.cluster.core.cluster_spec import ClusterSpec, devices_text
+from megapipe.cluster.service.job_paths import resolved_roots
 from megapipe.cluster.service.job_spec import parse_job
 from megapipe.cluster.service.job_log import MeasuredThroughput
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.service.journal import Journal
+from megapipe.cluster.service.names import check_name
 from megapipe.cluster.service.placeable import unplaceable_reason
 from megapipe.cluster.core.mechanism import RoundMechanism
 from megapipe.cluster.core.policies import make_policy
@@ -63,11 +68,15 @@ class Run:
 class ClusterService:
     def __init__(self, journal: Journal, policy: str, round_seconds: float, work_dir: str,
                  worker_types: tuple = ("fast", "slow"), renew_leases: bool = True, address: str = "127.0.0.1:0",
-                 lost_seconds: float = 5.0, seed: int = 0, backend=None, announce=None):
+                 lost_seconds: float = 5.0, seed: int = 0, backend=None, announce=None,
+                 secret: Optional[bytes] = None, allowed_paths: Optional[tuple] = None):
         """``backend``: what runs the ranks (the ``Backend`` protocol plus ``nodes()`` and
         ``running_job_ids()``, as ``SlurmBackend`` has them); worker agents by default. ``announce``:
         where the service says what happens, one line per event (workers joining or lost, jobs
-        submitted and ended, a round's placements when they change); silent when None."""
+        submitted and ended, a round's placements when they change); silent when None. ``secret``:
+        the cluster's secret, from which each launch gets its lease's key (``auth.lease_key``).
+        ``allowed_paths``: the roots every path of a submitted job must lie in (default
+        ``WORK_DIR/files``)."""
         if round_seconds <= 0:
             raise ConfigError(f"--round-seconds {round_seconds:g} must be positive.")
         self.policy, self.policy_name = make_policy(policy, seed), policy
@@ -106,7 +115,12 @@ class ClusterService:
         self.started = time.monotonic()
         self.stopping = False
         self.thread: Optional[threading.Thread] = None
+        self.secret = secret
         os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
+        if not allowed_paths:
+            allowed_paths = (os.path.join(work_dir, "files"),)
+            os.makedirs(allowed_paths[0], exist_ok=True)
+        self.roots = resolved_roots(allowed_paths)
         self._recover()
 
     # ---- life -----------------------------------------------------------------------------------
@@ -154,9 +168,10 @@ class ClusterService:
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, name: str, priority: float, command: list) -> int:
         """Check and journal a job; ConfigError (megapipe's own sentence) refuses it."""
-        if not priority > 0:
+        check_name("--name", name)
+        if not (math.isfinite(priority) and priority > 0):
             raise ConfigError(f"--priority {priority:g} must be positive (a weight; 1 is the default).")
-        spec = parse_job(command)
+        spec = parse_job(command, self.roots)
         job_id = self.journal.add_job(name, spec.kind, spec.command, spec.target_iters, spec.devices, priority,
                                       os.path.join(self.work_dir, "logs"), os.path.join(self.work_dir, "checkpoints"))
         with self.lock:
@@ -179,6 +194,8 @@ class ClusterService:
             self.cancelled.add(job_id)  # the round loop takes it out of the scheduler (tick)
 
     def register_worker(self, host: str, address: str, devices: dict, throttle: dict) -> None:
+        check_name("the worker's --host", host)
+        check_name("the worker's --address", address)
         if self.agents is None:
             raise ConfigError(f"worker {host} registered with a scheduler that runs its jobs through Slurm; it takes "
                               "no worker agents (start serve without --backend slurm for them).")
@@ -189,6 +206,9 @@ class ClusterService:
                               "--worker-types listing it).")
         if not devices or any(int(n) < 1 for n in devices.values()):
             raise ConfigError(f"worker {host} declares no devices; pass --devices TYPE:N with N at least 1.")
+        if any(t not in devices or not 0 < float(f) <= 1 for t, f in throttle.items()):
+            raise ConfigError(f"worker {host} declares a --throttle outside its devices or (0, 1]; write e.g. "
+                              "slow:0.5 for a type of --devices.")
         self.agents.register(host, address, {t: int(n) for t, n in devices.items()},
                               {t: float(f) for t, f in throttle.items()})
         quotas = "".join(f", {t} at {float(f):g} CPU each" for t, f in sorted(throttle.items()) if float(f) < 1)
@@ -430,7 +450,7 @@ class ClusterService:
             if self.last_command.get(job_id, command) != command:  # another layout than its previous run's
                 self.journal.update(job_id, relayouts=row.relayouts + 1)
             self.last_command[job_id] = list(command)
-            address = f"http://{self.address}/leases/{job_id}/{lease}"
+            address = f"{scheduler_url(self.address)}/leases/{job_id}/{lease}"
             command = command + ["--save", row.save_dir, "--load", row.save_dir, "--cluster-lease", address]
             start_iteration = self.known_iterations(job_id)
             self.runs[job_id] = Run(lease, hosts, self.clock.now(), start_iteration, lease_end,
@@ -440,8 +460,11 @@ class ClusterService:
             with open(row.log_path, "a") as log:
                 placed = ", ".join(f"{s.host}:{s.worker_type}x{s.devices}" for s in hosts)
                 log.write(f"[cluster] lease {lease} on {placed}: {' '.join(command)}\n")
+            env = {"MEGAPIPE_CLUSTER_JOB": str(job_id)}
+            if self.secret is not None:  # the job may sign its lease's reports, and nothing else
+                env[LEASE_KEY_ENV] = lease_key(self.secret, job_id, lease).decode()
             try:
-                self.backend.start(Launch(job_id, command, hosts, {"MEGAPIPE_CLUSTER_JOB": str(job_id)}, row.log_path))
+                self.backend.start(Launch(job_id, command, hosts, env, row.log_path))
             except SlurmError as error:  # the backend refused the placement: the job fails with its sentence
                 del self.runs[job_id]
                 self._retire(job_id, "failed", error=str(error))

@@ -27,10 +27,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 from megapipe.cluster.core.cluster_spec import devices_text
 from megapipe.cluster.worker.torchrun import node_shell_command
-from megapipe.cluster.client.lease import post_json
+from megapipe.cluster.client.lease import post_json, scheduler_url
 from megapipe.cluster.worker.process_tree import signal_tree
 from megapipe.errors import ConfigError
 
@@ -106,10 +107,12 @@ class JobProcess:
 
 
 class WorkerAgent:
-    def __init__(self, scheduler: str, host: str, address: str, devices: dict, throttle: dict, announce=None):
+    def __init__(self, scheduler: str, host: str, address: str, devices: dict, throttle: dict, announce=None,
+                 key: Optional[bytes] = None):
         """``announce``: where the agent says what happens, one line per event (registered, the scheduler
-        lost and back, each job's ranks started, stopped and ended); silent when None."""
-        self.url, self.host, self.address = f"http://{scheduler}", host, address
+        lost and back, each job's ranks started, stopped and ended); silent when None. ``key``: the
+        cluster's secret, which signs every request (``megapipe/cluster/auth.py``)."""
+        self.url, self.host, self.address, self.key = scheduler_url(scheduler), host, address, key
         self.devices, self.throttle = devices, throttle
         self.announce = announce or (lambda line: None)
         self.jobs: dict[int, JobProcess] = {}
@@ -118,7 +121,8 @@ class WorkerAgent:
 
     def register(self) -> None:
         answer = post_json(f"{self.url}/workers", {"host": self.host, "address": self.address,
-                                                   "devices": self.devices, "throttle": self.throttle}, timeout=10)
+                                                   "devices": self.devices, "throttle": self.throttle}, timeout=10,
+                           key=self.key)
         if "error" in answer:
             raise ConfigError(answer["error"])
         self.announce(f"worker {self.host} registered with the scheduler at {self.url}: {devices_text(self.devices)}")
@@ -130,7 +134,8 @@ class WorkerAgent:
         while not self.stopping:
             running = {str(j): p.exit_code() for j, p in self.jobs.items()}
             try:
-                answer = post_json(f"{self.url}/workers/{self.host}/heartbeat", {"running": running}, timeout=10)
+                answer = post_json(f"{self.url}/workers/{self.host}/heartbeat", {"running": running}, timeout=10,
+                                   key=self.key)
             except OSError:
                 self._lost_scheduler()
                 continue
