@@ -16,7 +16,7 @@ def unplaceable_reason(devices: int, devices_by_type: dict) -> Optional[str]:
     """One sentence naming the requirement and the fix, or None when some worker type can hold the job."""
     if not devices_by_type:
         return ("no worker is registered (none has joined yet, or all were lost); start one with tools/cluster.py "
-                "worker --scheduler HOST:PORT --devices TYPE:N.")
+                "worker --scheduler HOST:PORT --secret-file SECRET --devices TYPE:N.")
     if devices <= max(devices_by_type.values()):
         return None
     have = devices_text(devices_by_type)
