@@ -161,7 +161,8 @@ def test_the_next_publication_removes_what_killed_saves_left(tmp_path):
         staging = paths.prepare_staging(root, iteration)
         for name in (paths.COMMON, paths.METADATA):
             open(os.path.join(staging, name), "w").close()
-    paths.publish(root, 1)
+        if iteration == 1:
+            paths.publish(root, 1)
     os.rename(paths.iteration_dir(root, 1), paths.iteration_dir(root, 1) + paths.REPLACED_SUFFIX)  # killed re-saving 1
     open(os.path.join(root, f"{paths.LATEST}.123{paths.STAGING_SUFFIX}"), "w").close()  # killed moving the pointer
     paths.prepare_staging(root, 3)  # killed writing iteration 3
