@@ -168,4 +168,4 @@ def test_the_next_publication_removes_what_killed_saves_left(tmp_path):
     paths.prepare_staging(root, 3)  # killed writing iteration 3
     assert paths.find_checkpoint(root) == paths.iteration_dir(root, 1) + paths.REPLACED_SUFFIX
     paths.publish(root, 2)
-    assert sorted(os.listdir(root)) == [paths.LATEST, "iter_0000002"]
+    assert sorted(os.listdir(root)) == ["iter_0000002", paths.LATEST]
