@@ -42,11 +42,16 @@ def fsync_dir(path: str) -> None:
 def write_file_durably(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` atomically: readers see the old or the new content, never a mix."""
     temporary = f"{path}.{os.getpid()}{STAGING_SUFFIX}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError:  # a full disk, say: the old content stays, without a partial copy beside it
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
