@@ -28,11 +28,11 @@ from megapipe.cluster.service.local_cluster import LocalCluster
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 SCHEDULER_KILLS, AGENT_KILLS = 6, 3
-BETWEEN_KILLS = (2.0, 10.0)  # seconds: the random delay before each kill
+BETWEEN_KILLS = (2.0, 8.0)  # seconds: the random delay before each kill
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "64",
          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1"]
-JOBS = {"a": 300, "b": 400, "c": 200}  # name -> target iterations
+JOBS = {"a": 1200, "b": 1600, "c": 800}  # name -> target iterations: each runs through several kills
 LEASE = re.compile(r"--cluster-lease http://\S+/leases/(\d+)/(\d+)")
 
 
