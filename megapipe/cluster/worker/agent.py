@@ -34,7 +34,7 @@ from pathlib import Path
 from megapipe.cluster.core.cluster_spec import devices_text
 from megapipe.cluster.worker.torchrun import node_shell_command
 from megapipe.cluster.client.lease import post_json
-from megapipe.cluster.worker.orphans import HOST, any_alive, orphaned_jobs
+from megapipe.cluster.worker.orphans import AGENT, agent_identity, any_alive, orphaned_jobs
 from megapipe.cluster.worker.process_tree import signal_tree
 from megapipe.errors import ConfigError
 
@@ -80,7 +80,7 @@ class JobProcess:
         command = ["bash", "-c", node_shell_command(
             sys.executable, len(launch["hosts"]), slot["devices"], str(launch["node_rank"]), shlex.quote(endpoint),
             shlex.quote(f"megapipe-{launch['job_id']}-{launch['master_port']}"), launch["command"])]
-        env = {**os.environ, **launch["env"], HOST: launch["host"], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, **launch["env"], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         Path(launch["log_path"]).parent.mkdir(parents=True, exist_ok=True)
         with open(launch["log_path"], "a") as log:
@@ -132,7 +132,7 @@ class WorkerAgent:
     def run(self) -> None:
         """Heartbeat until stopped; a scheduler that is down is waited for, one that forgot us is re-joined."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        self.orphans = orphaned_jobs(self.host)
+        self.orphans = orphaned_jobs(agent_identity(self.host, self.url))
         if self.orphans:
             self.announce(f"ranks of jobs {', '.join(map(str, sorted(self.orphans)))} that a previous agent of "
                           f"{self.host} started still run; reported as running until they end")
@@ -189,6 +189,7 @@ class WorkerAgent:
     def _handle(self, message: dict) -> None:
         if "launch" in message:
             launch = dict(message["launch"], host=self.host)
+            launch["env"] = {**launch["env"], AGENT: agent_identity(self.host, self.url)}  # found again by a restart
             slot = next(s for s in launch["hosts"] if s["host"] == self.host)
             self.jobs[launch["job_id"]] = JobProcess(launch, self.throttle.get(slot["worker_type"], 1.0))
             self.announce(f"job {launch['job_id']}: started {slot['devices']} rank{'s' if slot['devices'] > 1 else ''} "
