@@ -8,7 +8,8 @@ with synchronous and with asynchronous (``--async-save``) saves. After every kil
 ``latest_checkpointed_iteration.txt`` must name a complete checkpoint whose tensors are exactly the
 weights saved at that iteration, read offline, and the next incarnation must load it through the
 real loader and save past the killed save's leftovers; a last incarnation saves once and exits,
-leaving no leftovers behind.
+leaving no leftovers behind. ``MEGAPIPE_CRASH_SEED`` draws other kill moments (to hunt; the suite
+runs the default).
 """
 
 import os
@@ -60,7 +61,7 @@ def _forget_older(root: str, latest: int) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_saves_killed_at_random_moments_keep_the_previous_checkpoint(tmp_path, mode):
-    rng = random.Random(f"checkpoint-kills-{mode}")
+    rng = random.Random(f"checkpoint-kills-{mode}-{os.environ.get('MEGAPIPE_CRASH_SEED', 0)}")
     root = str(tmp_path / "ckpt")
     flags = ["--async-save"] if mode == "async" else []
     latest, in_a_save = 0, 0

@@ -9,6 +9,7 @@ starts each again at once. After every restart the journal's invariants are chec
 (``journal_invariants.py``); throughout, a watcher samples the process table for training ranks of
 two different launches (leases) of one job alive at once. At the end every job is done with its
 target iterations checkpointed, marked finished once, and its log shows no two runs at once.
+``MEGAPIPE_CRASH_SEED`` draws another schedule of kills (to hunt; the suite runs the default).
 """
 
 import os
@@ -77,7 +78,7 @@ def _kill_leftovers(work_dir: str) -> None:
 
 
 def test_jobs_survive_a_scheduler_and_agents_killed_at_random_moments(tmp_path):
-    rng = random.Random("cluster-kills")
+    rng = random.Random(f"cluster-kills-{os.environ.get('MEGAPIPE_CRASH_SEED', 0)}")
     kills = ["scheduler"] * SCHEDULER_KILLS + ["agent"] * AGENT_KILLS
     rng.shuffle(kills)
     cluster = LocalCluster(str(tmp_path), "fifo", 3, {"host-a": "fast:1", "host-b": "fast:1"}, throttle="")
