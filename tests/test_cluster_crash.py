@@ -34,13 +34,14 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "64",
          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1"]
 JOBS = {"a": 1200, "b": 1600, "c": 800}  # name -> target iterations: each runs through several kills
-LEASE = re.compile(r"--cluster-lease http://\S+/leases/(\d+)/(\d+)")
 
 
 class LaunchWatch:
-    """Samples the process table: (job, {leases}) whenever training ranks of two launches of one job live."""
+    """Samples the process table: (job, {leases}) whenever training ranks of two launches of one job of the
+    scheduler at ``address`` live (other clusters may run on the machine)."""
 
-    def __init__(self):
+    def __init__(self, address: str):
+        self.lease = re.compile(rf"--cluster-lease http://{re.escape(address)}/leases/(\d+)/(\d+)")
         self.overlaps: list[tuple[int, set]] = []
         self.samples = 0
         self.stopping = threading.Event()
@@ -55,7 +56,7 @@ class LaunchWatch:
                     command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
                 except OSError:
                     continue
-                match = LEASE.search(command)
+                match = self.lease.search(command)
                 if match and "torch.distributed.run" not in command:  # a rank, not its torchrun
                     leases.setdefault(int(match[1]), set()).add(int(match[2]))
             self.samples += 1
@@ -85,7 +86,7 @@ def test_jobs_survive_a_scheduler_and_agents_killed_at_random_moments(tmp_path):
     watch = journal = None
     try:
         cluster.start()
-        watch, journal = LaunchWatch(), JournalWatch(cluster.journal)
+        watch, journal = LaunchWatch(cluster.address), JournalWatch(cluster.journal)
         ids = {name: cluster.submit(name, ["pretrain_gpt.py", *MODEL, "--train-iters", str(iters)])["id"]
                for name, iters in JOBS.items()}
         cluster.wait_for(lambda: any(j["iterations"] > 0 for j in cluster.status()["jobs"]), 120, "a job to train")
