@@ -5,7 +5,9 @@ returns on rank 0, every rank's files and the index are on disk and synced; rank
 the run's tokenizer (``tokenizer_files``) and ``common.json`` and publishes (see
 ``paths.publish``). With ``--async-save`` the pieces are first copied to CPU memory and a
 background thread writes and publishes them over a process group of its own while training
-goes on; ``latest`` moves only once that write is complete.
+goes on; ``latest`` moves only once that write is complete. A save that fails (a full disk:
+``space.py`` words it) removes its staging directory and raises the same ``CheckpointError`` on
+every rank; whether the run stops is the trainer's choice (``--exit-on-save-failure``).
 """
 
 from __future__ import annotations
