@@ -152,3 +152,20 @@ def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path
 
 def _raise(*args, **kwargs):
     raise KeyboardInterrupt  # stands for the process dying at this point
+
+
+@pytest.mark.unit
+def test_the_next_publication_removes_what_killed_saves_left(tmp_path):
+    root = str(tmp_path)
+    for iteration in (1, 2):
+        staging = paths.prepare_staging(root, iteration)
+        for name in (paths.COMMON, paths.METADATA):
+            open(os.path.join(staging, name), "w").close()
+        if iteration == 1:
+            paths.publish(root, 1)
+    os.rename(paths.iteration_dir(root, 1), paths.iteration_dir(root, 1) + paths.REPLACED_SUFFIX)  # killed re-saving 1
+    open(os.path.join(root, f"{paths.LATEST}.123{paths.STAGING_SUFFIX}"), "w").close()  # killed moving the pointer
+    paths.prepare_staging(root, 3)  # killed writing iteration 3
+    assert paths.find_checkpoint(root) == paths.iteration_dir(root, 1) + paths.REPLACED_SUFFIX
+    paths.publish(root, 2)
+    assert sorted(os.listdir(root)) == ["iter_0000002", paths.LATEST]

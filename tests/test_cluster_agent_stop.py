@@ -11,6 +11,7 @@ torchrun that handled SIGTERM would have killed the saving workers after 30 s an
 an error, leaving no checkpoint.
 """
 
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from megapipe.checkpointing.paths import read_latest
 from megapipe.cluster.worker.agent import JobProcess
+from megapipe.cluster.worker.orphans import agent_identity, any_alive, orphaned_jobs
 from megapipe.cluster.service.local_cluster import free_port
 from megapipe.cluster.worker.process_tree import process_groups, signal_tree
 
@@ -77,3 +79,18 @@ def test_the_process_tree_holds_every_workers_group(tmp_path):
     finally:
         signal_tree(parent.pid, signal.SIGKILL)
         parent.wait(timeout=30)
+
+
+def test_a_restarted_agent_finds_the_ranks_its_previous_incarnation_started():
+    """Found by the agent and job their environment names, reported alive until they end (``orphans.py``)."""
+    identity = agent_identity("host-a", f"http://127.0.0.1:{free_port()}")
+    env = dict(os.environ, MEGAPIPE_CLUSTER_AGENT=identity, MEGAPIPE_CLUSTER_JOB="7")
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True)
+    try:
+        found = orphaned_jobs(identity)
+        assert found == {7: [rank.pid]} and any_alive(found[7])
+        assert orphaned_jobs(agent_identity("host-b", "http://127.0.0.1:1")) == {}
+    finally:
+        rank.kill()
+        rank.wait(timeout=30)
+    assert not any_alive(found[7])

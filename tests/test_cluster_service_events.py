@@ -125,3 +125,20 @@ def test_the_worker_announces_each_event_once(monkeypatch):
         "job 7: stopping (SIGTERM; the job saves and exits, SIGKILL after 60 s)",
         "job 7: its ranks here ended with exit code 0",
     ]
+
+
+def test_a_restarted_agents_jobs_end_even_those_it_never_reported():
+    """An agent that dies between receiving a launch and its next heartbeat never reported the job's
+    ranks; once it registers again, the job's run on that host still ends (LOST), and an exit code it
+    did report, not yet polled, is kept."""
+    from megapipe.cluster.service.backends.agents import LOST, AgentsBackend
+    from megapipe.cluster.service.backends.base import Launch
+
+    backend = AgentsBackend()
+    backend.register("host-a", "127.0.0.1", {"fast": 2}, {})
+    for job_id in (0, 1):
+        backend.start(Launch(job_id, SMALL, (HostSlots("host-a", "fast", 1),), {}, "log"))
+    backend.heartbeat("host-a", {"1": 0})  # job 1 ended well; job 0's ranks were never reported
+    assert (backend.poll(0), backend.poll(1)) == (None, 0)
+    backend.register("host-a", "127.0.0.1", {"fast": 2}, {})  # the agent was killed and started again
+    assert (backend.poll(0), backend.poll(1)) == (LOST, 0)

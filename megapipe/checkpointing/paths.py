@@ -42,11 +42,16 @@ def fsync_dir(path: str) -> None:
 def write_file_durably(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` atomically: readers see the old or the new content, never a mix."""
     temporary = f"{path}.{os.getpid()}{STAGING_SUFFIX}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError:  # a full disk, say: the old content stays, without a partial copy beside it
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -86,16 +91,19 @@ def publish(root: str, iteration: int) -> str:
     os.rename(staging, final)
     fsync_dir(root)
     write_file_durably(os.path.join(root, LATEST), f"{iteration}\n")
-    shutil.rmtree(replaced, ignore_errors=True)
     _remove_leftovers(root)
     return final
 
 
 def _remove_leftovers(root: str) -> None:
-    """Staging directories of saves that were killed before they completed."""
+    """What saves killed before they completed left behind, once ``latest`` names a newer checkpoint:
+    staging directories, checkpoints set aside as ``.replaced`` and temporary copies of ``latest``."""
     for name in os.listdir(root):
-        if name.startswith("iter_") and name.endswith(STAGING_SUFFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        if name.startswith("iter_") and name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(f"{LATEST}.") and name.endswith(STAGING_SUFFIX):
+            os.remove(path)
 
 
 def is_checkpoint(path: str) -> bool:

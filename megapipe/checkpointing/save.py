@@ -5,13 +5,16 @@ returns on rank 0, every rank's files and the index are on disk and synced; rank
 the run's tokenizer (``tokenizer_files``) and ``common.json`` and publishes (see
 ``paths.publish``). With ``--async-save`` the pieces are first copied to CPU memory and a
 background thread writes and publishes them over a process group of its own while training
-goes on; ``latest`` moves only once that write is complete.
+goes on; ``latest`` moves only once that write is complete. A save that fails (a full disk:
+``space.py`` words it) removes its staging directory and raises the same ``CheckpointError`` on
+every rank; whether the run stops is the trainer's choice (``--exit-on-save-failure``).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import threading
 import time
 from typing import Callable, Optional
@@ -23,6 +26,7 @@ from megapipe.checkpointing.load import load_checkpoint
 from megapipe.checkpointing.paths import prepare_staging, publish, staging_dir
 from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.shards import Shard
+from megapipe.checkpointing.space import Room
 from megapipe.checkpointing.state import param_entries, precision_optimizers, save_shards
 from megapipe.checkpointing.storage import write_shards
 from megapipe.checkpointing.tokenizer_files import write_tokenizer
@@ -65,7 +69,7 @@ class Checkpointer:
         if run.ps.rank == 0:
             os.makedirs(directory, exist_ok=True)
             prepare_staging(directory, iteration)
-        dist.barrier()  # the staging directory exists before any rank writes into it
+        room = Room.measure(shards, directory)  # collective: the staging directory exists before any rank writes
 
         def finish() -> None:  # rank 0, once every rank's pieces are on disk (it may not be the logging rank)
             common.tokenizer = write_tokenizer(run.tokenizer, staging)
@@ -74,13 +78,43 @@ class Checkpointer:
             print(f"> saved checkpoint {final} at iteration {iteration} in {time.perf_counter() - started:.2f} s",
                   flush=True)
 
+        def write(process_group) -> None:  # every rank, collective over process_group
+            failure = None
+            try:
+                write_shards(written, staging, process_group=process_group)
+                if run.ps.rank == 0:
+                    finish()
+            except (CheckpointError, OSError) as error:
+                failure = _failure(error, room, iteration, staging)
+                if run.ps.rank == 0:
+                    shutil.rmtree(staging, ignore_errors=True)  # every rank stopped writing: DCP failed on all
+            _agree(failure, process_group)
+
         if t.async_save:
+            written = {key: _cpu_copy(shard) for key, shard in shards.items()}
             writer = self.writer = self.writer or AsyncWriter(run.timeout)
-            writer.start({key: _cpu_copy(shard) for key, shard in shards.items()}, staging, finish)
+            writer.start(write)
             return
-        write_shards(shards, staging)
-        if run.ps.rank == 0:
-            finish()
+        written = shards
+        write(None)
+
+
+def _failure(error: BaseException, room: Room, iteration: int, staging: str) -> str:
+    """The sentence for a failed save: the disk space it lacked, or the error's own."""
+    if room.ran_out(error, staging):
+        return room.sentence(iteration, staging)
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"saving the checkpoint of iteration {iteration} into {staging} failed: {error}."
+
+
+def _agree(failure: Optional[str], process_group) -> None:
+    """Raise the save's failure on every rank: rank 0's sentence (it publishes, so its view is the
+    whole one), else this rank's own."""
+    agreed = [failure]
+    dist.broadcast_object_list(agreed, src=0, group=process_group)
+    if agreed[0] is not None or failure is not None:
+        raise CheckpointError(agreed[0] or failure)
 
 
 def _common(run: RunState, with_optimizer: bool) -> Common:
@@ -110,12 +144,11 @@ class AsyncWriter:
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
 
-    def start(self, shards: dict[str, Shard], staging: str, finish: Callable[[], None]) -> None:
+    def start(self, write: Callable[[object], None]) -> None:
+        """Run ``write(group)`` (collective over the writer's group) on the background thread."""
         def run() -> None:
             try:
-                write_shards(shards, staging, process_group=self.group)
-                if dist.get_rank() == 0:
-                    finish()
+                write(self.group)
             except BaseException as error:  # reported by wait() on the training thread
                 self.error = error
 
@@ -127,5 +160,7 @@ class AsyncWriter:
             return
         self.thread.join()
         self.thread, error, self.error = None, self.error, None
+        if isinstance(error, CheckpointError):
+            raise error
         if error is not None:
             raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error

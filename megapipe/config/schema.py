@@ -297,6 +297,10 @@ class TrainingConfig:
     no_load_rng: bool = False
     finetune: bool = flag(False, help="load weights only; start at iteration 0")
     async_save: bool = False
+    exit_on_save_failure: bool = flag(True, action=BooleanOptionalAction, help=(
+        "stop the run (exit 2) when a checkpoint save fails, e.g. on a full disk (on by default, as in Megatron-LM); "
+        "--no-exit-on-save-failure warns and tries again at the next save (a run's last save has no next one: its "
+        "failure stops the run either way)"))
     # save and exit at the next iteration boundary on SIGTERM (megapipe/training/exits.py)
     exit_on_sigterm: bool = flag(True, name="--exit-signal-handler", action=BooleanOptionalAction, help=(
         "on SIGTERM, save (with --save) and exit at the next iteration every rank agrees on (on by default; "

@@ -25,6 +25,7 @@ from megapipe.checkpointing.run_state import RunState, TrainState
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data
 from megapipe.data.splits import SPLIT_NAMES
+from megapipe.errors import CheckpointError
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
 from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
@@ -99,6 +100,7 @@ class Trainer:
                                      timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
+        self.saved_iteration: Optional[int] = None  # of the last checkpoint saved (or, asynchronous, started)
         self.counters, self.nan_iterations = StepCounters(self.device), 0
         # with --check-for-nan-in-loss-and-grad: the iterations whose loss or gradient norm was NaN/Inf
         self.watch = NonFiniteWatch(self.device, t.non_finite_action) if t.check_for_nan_in_loss_and_grad else None
@@ -236,8 +238,8 @@ class Trainer:
         if reason is None:
             self._count(self.engine.drain())
             self._count_steps()
-        if t.save and (reason is not None or not self._saves_after(self.state.iteration)):
-            self._checkpoint(t.save)
+        if t.save and self.saved_iteration != self.state.iteration:
+            self._checkpoint(t.save, last=True)
         if reason is None:
             if self.state.iteration % t.eval_interval:
                 self.evaluate("validation")
@@ -270,7 +272,7 @@ class Trainer:
 
         return Checkpointer(self.run_state)
 
-    def _checkpoint(self, directory: str) -> None:
+    def _checkpoint(self, directory: str, last: bool = False) -> None:
         """``save``, timed, unless a rank has less time left before SIGKILL (``--exit-signal-grace-seconds``
         after its SIGTERM) than the last save took: the previous checkpoint then stays. Without a save
         so far it is tried: one cut off by SIGKILL publishes nothing. Every rank calls it."""
@@ -283,13 +285,31 @@ class Trainer:
                               f"than the last save took ({needed:.1f} s) and the exit; {kept}")
             return
         started = time.monotonic()
-        self.save(directory)
+        self.save(directory, last)
         self.save_seconds = time.monotonic() - started
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str, last: bool = False) -> None:
+        """Save a checkpoint of this iteration. A failed save (this one, or the asynchronous one before it)
+        stops the run, or with --no-exit-on-save-failure is warned and the next save tries again; the
+        ``last`` save of a run has no next one, so its failure stops the run either way."""
         self._count(self.engine.settle())  # a post-validated step is validated (and redone if needed) first
         self._count_steps()  # the checkpoint's train state counts every skipped iteration so far
-        self.checkpointer.save(directory)
+        retry = not (last or self.config.training.exit_on_save_failure)
+        self._saving(self.checkpointer.wait, retry)  # the asynchronous save before this one ends (or fails) here
+        if self._saving(lambda: self.checkpointer.save(directory), retry):
+            self.saved_iteration = self.state.iteration
+
+    def _saving(self, step, retry: bool) -> bool:
+        """Run a step of saving; whether it succeeded (a failure raises unless ``retry``)."""
+        try:
+            step()
+            return True
+        except CheckpointError as error:
+            if not retry:
+                raise
+            self.logger.print(f"warning: {error} Training goes on (--no-exit-on-save-failure): the next save tries "
+                              "again.")
+            return False
 
     def _no_losses(self) -> dict[str, list]:
         """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""

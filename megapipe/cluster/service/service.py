@@ -495,14 +495,15 @@ class ClusterService:
         row = self.journal.job(job_id)
         iterations = read_latest(row.save_dir) or 0
         throughputs = {t: r for (j, t), r in self.rates.items() if j == job_id}
-        self.journal.update(job_id, iterations=iterations, allocation=None, throughputs=throughputs)
+        ended = dict(iterations=iterations, allocation=None, throughputs=throughputs)  # with the state: one write
         if row.state == "cancelled":
+            self.journal.update(job_id, **ended)
             return
         if iterations >= row.target_iters:  # the last iteration's report to the exit: final save and evaluation
             exit_seconds = max(0.0, self.clock.now() - run.last_report)
             self._costs(job_id)["exit"] = exit_seconds
             finished = time.time()
-            self.journal.update(job_id, state="done", finished=finished, fixed=row.fixed + exit_seconds)
+            self.journal.update(job_id, **ended, state="done", finished=finished, fixed=row.fixed + exit_seconds)
             self.finished.add(job_id)  # the round's booking takes it out of the scheduler
             with open(row.log_path, "a") as log:  # the log ends with the scheduler's word, not the ranks' last line
                 log.write(f"[cluster] done: {iterations} of {row.target_iters} iterations, the ranks exited with "
@@ -516,14 +517,15 @@ class ClusterService:
         if code == LOST:
             self.fenced[job_id] = time.monotonic()  # ranks elsewhere may still be saving
         elif code != 0 and run.stop_requested is None:
-            self._retire(job_id, "failed", error=_last_error(row.log_path, code))
+            self._retire(job_id, "failed", error=_last_error(row.log_path, code), **ended)
             return
-        self.journal.update(job_id, state="queued")
+        self.journal.update(job_id, **ended, state="queued")
         self.wake.set()
 
-    def _retire(self, job_id: int, state: str, error: Optional[str] = None) -> None:
-        """Out of the scheduler for good; its devices are freed (a running cancelled job is stopped)."""
-        self.journal.update(job_id, state=state, error=error, finished=time.time())
+    def _retire(self, job_id: int, state: str, error: Optional[str] = None, **columns) -> None:
+        """Out of the scheduler for good (``columns``: more of its row, written in the same transaction); its
+        devices are freed (a running cancelled job is stopped)."""
+        self.journal.update(job_id, state=state, error=error, finished=time.time(), **columns)
         self.scheduler.active.pop(job_id, None)
         self.scheduler.needs_allocation = True
         if job_id in self.runs and self.runs[job_id].stop_requested is None:

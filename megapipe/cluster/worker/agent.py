@@ -7,6 +7,9 @@ this host, as many processes as devices given, the job's output appended to its 
 started as every backend starts it (``backends/torchrun.py``), so a stop's SIGTERM lets the
 workers save for as long as the save takes (up to the stop's grace period) and exit 0.
 
+A restarted agent reports the ranks its killed predecessor left running as running until they
+end (``orphans.py``), so the scheduler does not launch a second run of their job meanwhile.
+
 CPU devices: every rank gets one thread. A type declared with a throttle (``--throttle
 slow:0.5``) gets that fraction of a CPU per device: ``throttle.py`` suspends and resumes the
 job's process tree with that duty cycle, a CPU quota that needs no cgroup privileges, so slow
@@ -32,10 +35,12 @@ from typing import Optional
 from megapipe.cluster.core.cluster_spec import devices_text
 from megapipe.cluster.worker.torchrun import node_shell_command
 from megapipe.cluster.client.lease import post_json, scheduler_url
+from megapipe.cluster.worker.orphans import AGENT, agent_identity, any_alive, orphaned_jobs
 from megapipe.cluster.worker.process_tree import signal_tree
 from megapipe.errors import ConfigError
 
 HEARTBEAT_SECONDS = 0.3
+ORPHAN_ENDED = -1000  # the exit code reported for an adopted job's ranks (``orphans.py``): unknown, not 0
 ROOT = Path(__file__).resolve().parents[3]  # the checkout holding pretrain_gpt.py
 
 
@@ -116,6 +121,7 @@ class WorkerAgent:
         self.devices, self.throttle = devices, throttle
         self.announce = announce or (lambda line: None)
         self.jobs: dict[int, JobProcess] = {}
+        self.orphans: dict[int, list[int]] = {}  # job id -> pids a previous agent of this host started
         self.stopping = False
         self.unreachable = False  # the last call found no scheduler (said once, until it answers again)
 
@@ -130,9 +136,15 @@ class WorkerAgent:
     def run(self) -> None:
         """Heartbeat until stopped; a scheduler that is down is waited for, one that forgot us is re-joined."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self.orphans = orphaned_jobs(agent_identity(self.host, self.url))
+        if self.orphans:
+            self.announce(f"ranks of jobs {', '.join(map(str, sorted(self.orphans)))} that a previous agent of "
+                          f"{self.host} started still run; reported as running until they end")
         self._call(self.register)
         while not self.stopping:
             running = {str(j): p.exit_code() for j, p in self.jobs.items()}
+            for job_id, pids in self.orphans.items():  # their exit codes are unknown: ended, not 0
+                running.setdefault(str(job_id), None if any_alive(pids) else ORPHAN_ENDED)
             try:
                 answer = post_json(f"{self.url}/workers/{self.host}/heartbeat", {"running": running}, timeout=10,
                                    key=self.key)
@@ -144,7 +156,10 @@ class WorkerAgent:
                 self._call(self.register)
                 continue
             for job_id, code in running.items():
-                if code is not None:
+                if code is not None and int(job_id) in self.orphans:
+                    del self.orphans[int(job_id)]
+                    self.announce(f"job {job_id}: the ranks a previous agent started here have ended")
+                elif code is not None:
                     del self.jobs[int(job_id)]  # its exit code went out with this heartbeat
                     self.announce(f"job {job_id}: its ranks here ended with exit code {code}")
             for message in answer["messages"]:
@@ -179,6 +194,7 @@ class WorkerAgent:
     def _handle(self, message: dict) -> None:
         if "launch" in message:
             launch = dict(message["launch"], host=self.host)
+            launch["env"] = {**launch["env"], AGENT: agent_identity(self.host, self.url)}  # found again by a restart
             slot = next(s for s in launch["hosts"] if s["host"] == self.host)
             self.jobs[launch["job_id"]] = JobProcess(launch, self.throttle.get(slot["worker_type"], 1.0))
             self.announce(f"job {launch['job_id']}: started {slot['devices']} rank{'s' if slot['devices'] > 1 else ''} "

@@ -78,9 +78,12 @@ class AgentsBackend:
     def register(self, host: str, address: str, devices: dict, throttle: dict) -> None:
         with self.lock:
             previous = self.agents.get(host)
-            self.agents[host] = Agent(host, address, dict(devices), dict(throttle))
-            if previous is not None:  # a restarted agent: what it ran before is gone with it
-                self._mark_ended(previous, LOST)
+            agent = self.agents[host] = Agent(host, address, dict(devices), dict(throttle))
+            if previous is not None:  # a restarted agent: the ranks it was given are no longer its own
+                agent.exit_codes = dict(previous.exit_codes)  # those it reported, not yet polled
+                for job_id, hosts in self.hosts_of.items():  # also those it had no heartbeat left to report
+                    if host in hosts and job_id not in agent.exit_codes:
+                        agent.exit_codes[job_id] = LOST
 
     def heartbeat(self, host: str, running: dict) -> Optional[list]:
         """``running``: job id -> exit code or None, for the ranks the agent started. Returns its messages."""
@@ -106,10 +109,6 @@ class AgentsBackend:
             for agent in lost:
                 del self.agents[agent.host]
         return [agent.host for agent in lost]
-
-    def _mark_ended(self, agent: Agent, code: int) -> None:
-        for job_id in agent.running:
-            agent.exit_codes[job_id] = code
 
     # ---- the inventory the service reads (as from SlurmBackend) -------------------------------------
     def nodes(self) -> dict[str, dict[str, int]]:
