@@ -39,7 +39,7 @@ LAYERS = (
     ("optim",),
     ("pipeline.runtime",),
     ("checkpointing",),
-    ("inference", "planner"),
+    ("inference", "planner", "cluster.auth"),  # cluster.auth: the signing both the lease and the service use
     ("pipeline.selection", "cluster.client"),
     ("config.flags",),  # the flags, generated from the dataclasses and the model families' own
     ("config.parse",),  # parse_config: flags, presets and every cross-flag check (the schedule search's too)
