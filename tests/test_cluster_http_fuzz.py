@@ -126,15 +126,18 @@ def test_bad_framing_and_bodies_are_one_sentence_each_and_change_nothing(schedul
         (request("POST", "/jobs", b'{"name": "x"}', length="12abc"),
          400, "Content-Length '12abc' is not a byte count; send the body's length in bytes."),
         (request("POST", "/jobs", b"{}", length=MAX_BODY_BYTES + 1),
-         413, "the body of 1048577 bytes is over the scheduler's limit of 1048576 bytes; send a smaller request."),
+         413, "the body of 1048577 bytes exceeds the scheduler's limit of 1048576 bytes; send a smaller request."),
         (request("POST", "/jobs", b'{"name": "x"}', length=100),
-         400, "the body ended after 13 of its 100 bytes (Content-Length); send the whole body."),
+         400, "the body stopped short of the 100 bytes its Content-Length announced (nothing more came for 10 s or the "
+              "connection closed); send the whole body."),
         (request("POST", "/jobs", b'{"name": "caf\xe9"}'),
-         400, "the body is not UTF-8 (byte 13 is 0xe9); send JSON text in UTF-8."),
+         400, "the body is not UTF-8 (byte 0xe9 at offset 13); send JSON text in UTF-8."),
         (request("POST", "/jobs", b'["pretrain_gpt.py"]'),
-         400, "the body is a JSON list, not an object; send a JSON object."),
+         400, 'the body is an array, not a JSON object; send an object such as '
+         '{"name": "gpt-small", "command": ["pretrain_gpt.py"]}.'),
         (request("POST", "/jobs", b'{"name": '),
-         400, "the body is not JSON (Expecting value at character 9); send a JSON object."),
+         400, 'the body is not JSON (Expecting value at character 9); send a JSON object such as '
+         '{"name": "gpt-small", "command": ["pretrain_gpt.py"]}.'),
         (request("POST", "/jobs", b"[" * 100000 + b"]" * 100000),
          400, "the body's JSON nests too deeply; send a flat JSON object."),
         (request("POST", "/jobs", b'{"name": 3, "command": []}'),

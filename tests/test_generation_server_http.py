@@ -92,18 +92,19 @@ def test_generation_stops_at_end_of_text_unless_the_request_names_its_stops():
 
 
 @pytest.mark.parametrize("body, length, status, message", [
-    (b"", 201, 413, "the body of 201 bytes exceeds --max-request-bytes 200; send fewer or shorter prompts."),
-    (b"", "9" * 5000, 413, "the body of 99999999999999999... bytes exceeds --max-request-bytes 200; send fewer or "
-                           "shorter prompts."),
+    (b"", 201, 413, "the body of 201 bytes exceeds --max-request-bytes 200; send a smaller request."),
+    (b"", "9" * 5000, 413, "the body of 99999999999999999... bytes exceeds --max-request-bytes 200; send a "
+                           "smaller request."),
     (b"", "", 411, "the request has no Content-Length header; send the body's length in bytes."),
     (b"{}", "2x", 400, "Content-Length '2x' is not a byte count; send the body's length in bytes."),
     (b'{"prompts"', 30, 400, "the body stopped short of the 30 bytes its Content-Length announced (nothing more "
-                             "came for --read-timeout-seconds 10.0 or the connection closed); send the whole body."),
-    (b'{"prompts": ["\xff"]}', None, 400, "the request body is not UTF-8 (byte 0xff at offset 14); send JSON "
-                                          "encoded in UTF-8."),
-    (b'["hello"]', None, 400, 'the request body is an array, not a JSON object; send an object such as {"prompts": '
+                             "came for --read-timeout-seconds 10 or the connection closed); send the whole body."),
+    (b'{"prompts": ["\xff"]}', None, 400, "the body is not UTF-8 (byte 0xff at offset 14); send JSON text in "
+                                          "UTF-8."),
+    (b'["hello"]', None, 400, 'the body is an array, not a JSON object; send an object such as {"prompts": '
                               '["Hello"]}.'),
-    (b"[" * 150, None, 400, "the request body is not JSON (Expecting value at character 150); send a JSON object."),
+    (b"[" * 150, None, 400, 'the body is not JSON (Expecting value at character 150); send a JSON object such as '
+                            '{"prompts": ["Hello"]}.'),
     (b'{"prompts": ["a", "b", "c"]}', None, 400, "3 prompts exceed --max-prompts 2; send at most 2 per request."),
     (b'{"prompts": ["abcdefghi"]}', None, 400, "a prompt of 9 tokens exceeds --max-prompt-tokens 8; shorten it."),
     (b'{"prompts": ["a"], "tokens_to_generate": 6}', None, 400,

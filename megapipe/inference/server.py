@@ -43,9 +43,11 @@ from megapipe.inference.loading import LoadedModel
 from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.sampling import SamplingParams, stop_tokens_or_end_of_text
 from megapipe.inference.scoring import check_pairs, score_continuations
-from megapipe.inference.server_limits import Refusal, ServerLimits
+from megapipe.inference.server_limits import ServerLimits
+from megapipe.json_requests import Refusal, body_length, json_object, read_body
 
 ENDPOINTS = ("/api", "/loglikelihood")
+EXAMPLE = '{"prompts": ["Hello"]}'  # a body a refusal shows
 SEED_LIMIT = 1 << 32
 TOKEN_ID_LIMIT = 1 << 62  # any id a torch long holds; ids outside the vocabulary simply never occur
 
@@ -77,34 +79,12 @@ FIELDS = {
     "repetition_penalty": ((int, float), lambda v: v > 0, "a positive number"),
     "stop_token_ids": (list, lambda v: _int_list(v, TOKEN_ID_LIMIT), "a list of non-negative token ids"),
 }
-JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-              type(None): "null"}
 
 
 def _shown(value, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters, so a refusal stays one short sentence."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def decode_body(data: bytes) -> dict:
-    """The JSON object of a request body; GenerationError says, in one sentence, why it is none."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise GenerationError(f"the request body is not UTF-8 (byte {data[error.start]:#04x} at offset "
-                              f"{error.start}); send JSON encoded in UTF-8.") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise GenerationError(f"the request body is not JSON ({error.msg} at character {error.pos}); send a JSON "
-                              "object.") from None
-    except RecursionError:
-        raise GenerationError("the request body nests JSON too deeply; send a flat JSON object.") from None
-    if not isinstance(body, dict):
-        raise GenerationError(f"the request body is {JSON_KINDS.get(type(body), 'a value')}, not a JSON object; send "
-                              "an object such as {\"prompts\": [\"Hello\"]}.")
-    return body
 
 
 def parse_generate(body: dict, tokenizer, limits: ServerLimits = ServerLimits()) -> tuple[list, SamplingParams]:
@@ -221,16 +201,9 @@ def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), job
             self.wfile.write(data)
 
         def _body(self) -> bytes:
-            length = limits.body_length(self.headers.get("Content-Length"))
-            try:
-                data = self.rfile.read(length)
-            except OSError:  # the read timeout: the client stopped sending
-                data = None
-            if data is None or len(data) < length:
-                raise Refusal(400, f"the body stopped short of the {length} bytes its Content-Length announced "
-                                   f"(nothing more came for --read-timeout-seconds {limits.read_timeout_seconds} or "
-                                   "the connection closed); send the whole body.")
-            return data
+            length = body_length(self.headers, f"--max-request-bytes {limits.max_request_bytes}",
+                                 limits.max_request_bytes, required=True)
+            return read_body(self.rfile, length, f"--read-timeout-seconds {limits.read_timeout_seconds:g}")
 
         def do_PUT(self):  # noqa: N802 (http.server's name)
             deadline = clock() + limits.request_timeout_seconds
@@ -238,7 +211,7 @@ def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), job
                 body = self._body()  # read first, so that the client is not cut off while it still sends
                 if self.path not in ENDPOINTS:
                     raise Refusal(404, f"no endpoint {_shown(self.path)}; use PUT /api or PUT /loglikelihood.")
-                command = command_of(self.path, decode_body(body), loaded, limits)
+                command = command_of(self.path, json_object(body, EXAMPLE), loaded, limits)
                 job = jobs.submit(Job(command, deadline))
             except Refusal as refusal:
                 return self._reply(refusal.status, {"error": str(refusal)}, refusal.headers)

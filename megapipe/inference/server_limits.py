@@ -9,13 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-
-class Refusal(Exception):
-    """An HTTP answer other than 200: ``status`` and one sentence (and extra headers)."""
-
-    def __init__(self, status: int, message: str, headers: tuple = ()):
-        super().__init__(message)
-        self.status, self.headers = status, headers
+from megapipe.json_requests import Refusal
 
 
 @dataclass(frozen=True)
@@ -31,20 +25,6 @@ class ServerLimits:
     @staticmethod
     def from_args(args: argparse.Namespace) -> "ServerLimits":
         return ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__dataclass_fields__})
-
-    def body_length(self, header) -> int:
-        """The body's byte count from its Content-Length ``header`` (None when absent), within --max-request-bytes."""
-        if header is None:
-            raise Refusal(411, "the request has no Content-Length header; send the body's length in bytes.")
-        if not (header.isascii() and header.isdigit()):
-            raise Refusal(400, f"Content-Length {header[:40]!r} is not a byte count; send the body's length in "
-                               "bytes.")
-        digits = header.lstrip("0") or "0"
-        if len(digits) > 18 or int(digits) > self.max_request_bytes:  # no int() of thousands of digits
-            shown = digits if len(digits) <= 20 else digits[:17] + "..."
-            raise Refusal(413, f"the body of {shown} bytes exceeds --max-request-bytes {self.max_request_bytes}; "
-                               "send fewer or shorter prompts.")
-        return int(digits)
 
     def check_prompts(self, prompts: list, tokens_to_generate: int) -> None:
         """A generation request (prompts as token ids) within --max-prompts, --max-prompt-tokens and

@@ -39,18 +39,12 @@ from megapipe.cluster.auth import ReplayGuard
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
 from megapipe.errors import ConfigError
+from megapipe.json_requests import Refusal, body_length, json_object, read_body
 
 MAX_BODY_BYTES = 1 << 20
 READ_SECONDS = 10.0  # a client that stops sending mid-request is dropped after this long
 NUMBER = (int, float)
-
-
-class Refused(Exception):
-    """A request answered ``code`` with the one sentence ``str(self)``."""
-
-    def __init__(self, code: int, sentence: str):
-        super().__init__(sentence)
-        self.code = code
+EXAMPLE = '{"name": "gpt-small", "command": ["pretrain_gpt.py"]}'  # a body a refusal shows
 
 
 def serve(service: ClusterService, host: str, port: int, secret: bytes) -> ThreadingHTTPServer:
@@ -59,24 +53,6 @@ def serve(service: ClusterService, host: str, port: int, secret: bytes) -> Threa
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server
-
-
-def json_object(body: bytes) -> dict:
-    """The body as a JSON object (empty: ``{}``); Refused(400) says what it is instead."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise Refused(400, f"the body is not UTF-8 (byte {error.start} is {body[error.start]:#04x}); send JSON "
-                           "text in UTF-8.")
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as error:
-        raise Refused(400, f"the body is not JSON ({error.msg} at character {error.pos}); send a JSON object.")
-    except RecursionError:
-        raise Refused(400, "the body's JSON nests too deeply; send a flat JSON object.")
-    if not isinstance(value, dict):
-        raise Refused(400, f"the body is a JSON {type(value).__name__}, not an object; send a JSON object.")
-    return value
 
 
 def field(body: dict, route: str, key: str, kinds: tuple, what: str, default=None):
@@ -125,11 +101,11 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                 body = self._body()
                 refusal = guard.refusal(self.command, self.path, self.headers, body)
                 if refusal is not None:
-                    raise Refused(*refusal)
+                    raise Refusal(*refusal)
                 route = urlsplit(self.path).path
-                code, value = self._get(route) if self.command == "GET" else self._post(route, json_object(body))
-            except Refused as refused:
-                code, value = refused.code, {"error": str(refused)}
+                code, value = self._get(route) if self.command == "GET" else self._post(route, json_object(body, EXAMPLE) if body.strip() else {})
+            except Refusal as refusal:
+                code, value = refusal.status, {"error": str(refusal)}
             except ConfigError as error:
                 code, value = 400, {"error": str(error)}
             except Exception:  # a fault of the service, not of the request: said once, in its log
@@ -142,30 +118,13 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
 
         def _body(self) -> bytes:
             """The request's body: at most ``MAX_BODY_BYTES``, all of its Content-Length, within READ_SECONDS."""
-            if self.headers.get("Transfer-Encoding"):
-                self.close_connection = True
-                raise Refused(411, "a chunked body is not accepted; send the body with a Content-Length.")
-            text = self.headers.get("Content-Length")
-            if text is None:
-                return b""
-            if not re.fullmatch(r"[0-9]{1,15}", text.strip()):
-                self.close_connection = True
-                raise Refused(400, f"Content-Length {text[:40]!r} is not a byte count; send the body's length "
-                                   "in bytes.")
-            length = int(text)
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise Refused(413, f"the body of {length} bytes is over the scheduler's limit of {MAX_BODY_BYTES} "
-                                   "bytes; send a smaller request.")
             try:
-                body = self.rfile.read(length)
-            except OSError:
-                body = b""
-            if len(body) < length:
-                self.close_connection = True
-                raise Refused(400, f"the body ended after {len(body)} of its {length} bytes (Content-Length); "
-                                   "send the whole body.")
-            return body
+                length = body_length(self.headers, f"the scheduler's limit of {MAX_BODY_BYTES} bytes", MAX_BODY_BYTES,
+                                     required=False)
+                return read_body(self.rfile, length, f"{READ_SECONDS:g} s")
+            except Refusal:
+                self.close_connection = True  # what is left of the body would be read as the next request
+                raise
 
         def _get(self, route: str) -> tuple[int, dict]:
             if route == "/":
