@@ -137,9 +137,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, tm
 def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, dies_in):
     root = str(tmp_path)
     for iteration in (1, 2):
-        staging = paths.prepare_staging(root, iteration)
-        for name in (paths.COMMON, paths.METADATA):
-            open(os.path.join(staging, name), "w").close()
+        _stage_empty_checkpoint(root, iteration)
         if iteration == 2:
             monkeypatch.setattr(paths.os if dies_in == "rename" else paths, dies_in, _raise)
         try:
@@ -150,6 +148,13 @@ def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path
     assert paths.find_checkpoint(root) == paths.iteration_dir(root, 1)
 
 
+def _stage_empty_checkpoint(root: str, iteration: int) -> None:
+    """A staged checkpoint of ``iteration`` with the files publication looks for, empty."""
+    staging = paths.prepare_staging(root, iteration)
+    for name in (paths.COMMON, paths.METADATA):
+        open(os.path.join(staging, name), "w").close()
+
+
 def _raise(*args, **kwargs):
     raise KeyboardInterrupt  # stands for the process dying at this point
 
@@ -158,9 +163,7 @@ def _raise(*args, **kwargs):
 def test_the_next_publication_removes_what_killed_saves_left(tmp_path):
     root = str(tmp_path)
     for iteration in (1, 2):
-        staging = paths.prepare_staging(root, iteration)
-        for name in (paths.COMMON, paths.METADATA):
-            open(os.path.join(staging, name), "w").close()
+        _stage_empty_checkpoint(root, iteration)
         if iteration == 1:
             paths.publish(root, 1)
     os.rename(paths.iteration_dir(root, 1), paths.iteration_dir(root, 1) + paths.REPLACED_SUFFIX)  # killed re-saving 1
