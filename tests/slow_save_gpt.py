@@ -17,11 +17,11 @@ from megapipe.training.trainer import Trainer  # noqa: E402
 real_save = Trainer.save
 
 
-def slow_save(self, directory: str) -> None:
+def slow_save(self, directory: str, last: bool = False) -> None:
     seconds = float(os.environ["SLOW_SAVE_SECONDS"])
     print(f"[test-only slow save] waiting {seconds:g} s before saving iteration {self.state.iteration}", flush=True)
     time.sleep(seconds)
-    real_save(self, directory)
+    real_save(self, directory, last)
 
 
 if __name__ == "__main__":
