@@ -158,7 +158,7 @@ class IndexedDataset:
             modes = f" ({with_modes} with multimodal modes)" if fmt.optional_bytes_per_sequence else ""
             raise DataError(f"{path} has {size} bytes but its header ({n} sequences, {boundaries} document "
                             f"boundaries) needs {expected}{modes}; the file is truncated or corrupt, {RECREATE}.")
-        index = np.memmap(path, dtype=np.uint8, mode="r")
+        index = _memory_map(path, np.dtype(np.uint8), 0)
         offset = fmt.header.size
         arrays = []
         for dtype, length in ((fmt.length_dtype, n), (np.dtype("<i8"), n), (np.dtype("<i8"), boundaries)):
