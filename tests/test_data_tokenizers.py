@@ -196,3 +196,15 @@ def test_bad_tokenizer_arguments_are_one_sentence_errors(tmp_path):
     with pytest.raises(ConfigError, match="is not a valid tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(junk))
     assert set(TOKENIZER_TYPES) >= {"GPT2BPETokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer"}
+
+
+def test_training_flags_build_megatrons_tokenizers_by_name():
+    from megapipe.config.parse import parse_config
+    from megapipe.data.rank_data import run_tokenizer
+
+    null = run_tokenizer("gpt", parse_config("gpt", ["--data-path", "x", "--tokenizer-type", "NullTokenizer",
+                                                     "--vocab-size", "50"]))
+    llama = run_tokenizer("gpt", parse_config("gpt", ["--data-path", "x", "--tokenizer-type", "Llama2Tokenizer",
+                                                      "--tokenizer-model", mistral_sentencepiece_model()]))
+    assert (null.name, null.vocab_size, llama.name, llama.tokenize("Hi")[0]) == ("NullTokenizer", 51,
+                                                                                 "Llama2Tokenizer", 1)
