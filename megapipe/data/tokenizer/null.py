@@ -39,5 +39,14 @@ class NullTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def hf_backend(self):
+        """A word-level ``tokenizers.Tokenizer`` whose words are the decimal ids, split at whitespace."""
+        from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+        backend = Backend(models.WordLevel({str(i): i for i in range(self._size)}))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with one space
+        return backend
+
     def save(self, directory: str) -> dict:
         return {"tokenizer_type": self.name, "vocab_size": self._size - 1}  # no files: N says everything
