@@ -3,15 +3,16 @@
 A dataset is named by its path prefix: ``PREFIX.bin`` and ``PREFIX.idx``. It holds documents,
 each a run of sequences (one sequence per document for GPT, one per sentence for BERT).
 
-``PREFIX.bin`` is the token ids of every sequence, concatenated with no separators, as
-little-endian ``uint16`` when the vocabulary has at most 65,536 ids and ``int32`` otherwise.
+``PREFIX.bin`` is the token ids of every sequence, concatenated with no separators; megapipe
+writes little-endian ``uint16`` when the vocabulary has at most 65,536 ids and ``int32``
+otherwise, and reads any dtype Megatron-LM defines.
 
 Two ``.idx`` formats are read, told apart by their magic, and both are written; Megatron-LM's
 is the default, so datasets move between Megatron-LM and megapipe unchanged. Both are
 little-endian, N sequences and D documents::
 
     Megatron-LM (megatron/core/datasets/indexed_dataset.py)   megapipe
-    magic  bytes[9]    b"MMIDIDX\\x00\\x00"                         bytes[8]  b"MPIPEIDX"
+    magic              bytes[9] "MMIDIDX" + two zero bytes    bytes[8] "MPIPEIDX"
     version            uint64 (1)                             uint32 (1)
     dtype code of .bin uint8: 1 uint8, 2 int8, 3 int16,         uint32: 1 uint16, 2 int32
                        4 int32, 5 int64, 6 float64,
@@ -51,7 +52,8 @@ RECREATE = "re-create it with tools/preprocess_data.py"
 @dataclass(frozen=True)
 class IndexFormat:
     """Where one ``.idx`` format keeps its fields: a header ``(magic, version, dtype code, N, count)``
-    followed by the lengths, pointers and document boundaries (``count + extra_boundaries`` of them)."""
+    followed by the lengths, pointers and document boundaries (``count + extra_boundaries`` of them),
+    then optionally ``optional_bytes_per_sequence * N`` bytes the reader skips (Megatron's modes)."""
 
     name: str
     header: struct.Struct
