@@ -147,7 +147,8 @@ def test_wrong_version_or_unknown_dtype_code_is_reported(dataset_prefix, field, 
     fmt = IndexedDataset(dataset_prefix).format
     version_at, version_struct, code_at, code_struct = HEADER_FIELDS[fmt]
     at, layout = (version_at, version_struct) if field == "version" else (code_at, code_struct)
-    corrupt(dataset_prefix + ".idx", lambda data: data[:at] + struct.pack(layout, value) + data[at + struct.calcsize(layout):])
+    end = at + struct.calcsize(layout)
+    corrupt(dataset_prefix + ".idx", lambda data: data[:at] + struct.pack(layout, value) + data[end:])
     with pytest.raises(DataError, match=message):
         IndexedDataset(dataset_prefix)
 

@@ -1,11 +1,12 @@
 """Tokenizers: real GPT-2 and SentencePiece vocabularies, round trips, special tokens, flag errors."""
 
+import importlib.util
 import json
 import pickle
 
 import pytest
 
-from data_helpers import gpt2_files, mistral_sentencepiece_model
+from data_helpers import gpt2_files, mistral_sentencepiece_model, package_file
 from megapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megapipe.data.tokenizer.training import train_bpe, train_sentencepiece, train_wordpiece
 from megapipe.errors import ConfigError, DataError
@@ -100,11 +101,20 @@ def test_megatron_sentencepiece_types_differ_from_the_plain_one_as_megatrons_do(
     assert (gpt.name, llama.name) == ("GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
+def megatron_null_tokenizer_class():
+    """megatron-core's NullTokenizer, loaded from its file alone (the package's __init__ takes seconds)."""
+    path = package_file("megatron", "core", "tokenizers", "text", "libraries", "null_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("megatron_null_tokenizer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NullTokenizer
+
+
 def test_null_tokenizer_is_megatrons():
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
     assert (tok.vocab_size, tok.eod, tok.special_ids) == (101, 100, frozenset({100}))
     assert tok.tokenize("3 14\t15\n 92") == [3, 14, 15, 92] and tok.detokenize([3, 14, 100]) == "3 14 100"
-    core = pytest.importorskip("megatron.core.tokenizers.text.libraries.null_tokenizer").NullTokenizer(100)
+    core = megatron_null_tokenizer_class()(100)
     assert (core.vocab_size, core.eod, core.text_to_ids("3 14 15 92")) == (101, 100, [3, 14, 15, 92])
     for text in ("3 x 5", "100", "-1"):
         with pytest.raises(DataError, match=f"NullTokenizer reads token ids 0 to 99 written as decimal numbers "
@@ -208,3 +218,15 @@ def test_training_flags_build_megatrons_tokenizers_by_name():
                                                       "--tokenizer-model", mistral_sentencepiece_model()]))
     assert (null.name, null.vocab_size, llama.name, llama.tokenize("Hi")[0]) == ("NullTokenizer", 51,
                                                                                  "Llama2Tokenizer", 1)
+
+
+def test_llama2_tokenizer_needs_a_bos_piece(tmp_path):
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE_CORPUS), model_prefix=str(tmp_path / "m"),
+                                             vocab_size=60, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    model = str(tmp_path / "m.model")
+    assert build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model).tokenize("fox")
+    with pytest.raises(ConfigError, match=r"has no <s> \(bos\) piece, which Llama2Tokenizer starts every text "
+                                          "with; use --tokenizer-type GPTSentencePieceTokenizer"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=model)

@@ -86,7 +86,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer,
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     documents = read_documents(inputs, keys, document_per_file)
     with ExitStack() as stack, tqdm(unit="doc", disable=not progress, desc="preprocess") as bar:
-        builders = {key: stack.enter_context(IndexedDatasetBuilder(prefix, dtype, output_format)) for key, prefix in prefixes.items()}
+        builders = {key: stack.enter_context(IndexedDatasetBuilder(prefix, dtype, output_format))
+                    for key, prefix in prefixes.items()}
         tokens = 0
         for encoded in encode_documents(documents, encoder, workers):
             for key, sequences in encoded.items():

@@ -42,8 +42,9 @@ class SentencePieceTokenizer(Tokenizer):
             special_ids[role] = self._find_piece(pieces)
         self._bos = [processor.bos_id()] if self.prepends_bos else []
         if self._bos == [-1]:
-            raise ConfigError(f"--tokenizer-model {tokenizer_model} has no <s> (bos) piece, which {type(self).__name__} "
-                              "starts every text with; use --tokenizer-type GPTSentencePieceTokenizer.")
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} has no <s> (bos) piece, which "
+                              f"{type(self).__name__} starts every text with; use --tokenizer-type "
+                              "GPTSentencePieceTokenizer.")
         super().__init__(type(self).__name__, (type(self), (tokenizer_model,)), special_ids)
 
     @staticmethod
