@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from data_helpers import random_documents
+from data_helpers import random_documents, write_dataset
 from megapipe.config import ModelConfig
 from megapipe.data.bert_dataset import BERTDataset
+from megapipe.data.builder import build_train_valid_test_datasets
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.preprocess import preprocess
@@ -81,6 +82,19 @@ def test_megapipe_trains_on_megatron_core_data(tmp_path, documents):
                         tokenizer=BYTE_LEVEL)
     sample = pairs[0]
     assert sample["text"][0] == BYTE_LEVEL.cls and BYTE_LEVEL.sep in sample["text"].tolist()
+
+
+def test_a_blend_mixes_megatron_core_and_megapipe_datasets(tmp_path, documents):
+    docs = documents["gpt"]
+    theirs = megatron_writes(str(tmp_path / "theirs"), docs[:20], np.int32)
+    ours = write_dataset(str(tmp_path / "ours"), docs[20:], np.uint16, "megapipe")
+    train, _, _ = build_train_valid_test_datasets("gpt", ["0.5", theirs, "0.5", ours], "1", 8, 1, (40, 0, 0),
+                                                  BYTE_LEVEL, cache_dir=str(tmp_path / "c"))
+    assert [part.indexed.format for part in train.datasets] == ["megatron", "megapipe"]
+    assert len(train) == 40 and set(train.dataset_index.tolist()) == {0, 1}
+    for part, prefix, part_docs in zip(train.datasets, (theirs, ours), (docs[:20], docs[20:])):
+        read = IndexedDataset(prefix)
+        assert [read.document(d).tolist() for d in range(read.num_documents)] == [sum(d, []) for d in part_docs]
 
 
 @pytest.mark.parametrize("split", [False, True])
