@@ -34,9 +34,9 @@ def mistral_sentencepiece_model() -> str:
     return package_file(SENTENCEPIECE_PACKAGE, "data", "tokenizer.model.v1")
 
 
-def write_dataset(prefix: str, documents, dtype=np.uint16) -> str:
+def write_dataset(prefix: str, documents, dtype=np.uint16, output_format: str = "megatron") -> str:
     """Write ``documents`` (each a list of token-id sequences) as an indexed dataset; returns the prefix."""
-    with IndexedDatasetBuilder(prefix, dtype) as builder:
+    with IndexedDatasetBuilder(prefix, dtype, output_format) as builder:
         for sequences in documents:
             builder.add_document(sequences)
     return prefix

@@ -38,7 +38,19 @@ def test_train_tokenizer_then_preprocess(tmp_path):
     assert done.stdout.strip() == f"text: {prefix}.bin / {prefix}.idx"
     tokenizer = build_tokenizer(**dict(zip([f[2:].replace("-", "_") for f in flags[::2]], flags[1::2])))
     ds = IndexedDataset(prefix, vocab_size=tokenizer.vocab_size)
+    assert ds.format == "megatron"  # the default, so Megatron-LM reads it too
     assert [tokenizer.detokenize(ds.document(d)[:-1]) for d in range(3)] == [t * 30 for t in TEXTS]
+
+
+def test_null_tokenizer_and_megapipe_output_format(tmp_path):
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1 2 3", "49 0"]))
+    done = run_tool("preprocess_data.py", "--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--append-eod", "--no-progress",
+                    "--output-format", "megapipe")
+    assert done.returncode == 0, done.stderr
+    ds = IndexedDataset(str(tmp_path / "out_text_document"), vocab_size=51)
+    assert ds.format == "megapipe" and [ds.document(d).tolist() for d in range(2)] == [[1, 2, 3, 50], [49, 0, 50]]
 
 
 def test_user_errors_are_one_line_without_traceback(tmp_path):

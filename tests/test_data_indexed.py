@@ -18,21 +18,36 @@ def documents():
     return random_documents(np.random.default_rng(0), count=30, max_sequences=4, max_length=20, vocab=1000) + [[]]
 
 
-def parse_idx_by_hand(path):
+# format -> (header struct, length dtype, boundaries beyond the header's count)
+BY_HAND = {"megatron": ("<9sQBQQ", "<i4", 0), "megapipe": ("<8sIIQQ", "<i8", 1)}
+
+
+def parse_idx_by_hand(path, output_format):
     """Read an .idx following the layout written in the module docstring, independently of the reader."""
+    header, length_dtype, extra = BY_HAND[output_format]
     data = open(path, "rb").read()
-    magic, version, dtype_code, n, d = struct.unpack_from("<8sIIQQ", data, 0)
-    arrays = np.frombuffer(data, dtype="<i8", offset=32)
-    return magic, version, dtype_code, arrays[:n], arrays[n:2 * n], arrays[2 * n:], d, len(data)
+    magic, version, dtype_code, n, count = struct.unpack_from(header, data, 0)
+    offset = struct.calcsize(header)
+    lengths = np.frombuffer(data, dtype=length_dtype, count=n, offset=offset)
+    pointers = np.frombuffer(data, dtype="<i8", count=n, offset=offset + lengths.nbytes)
+    boundaries = np.frombuffer(data, dtype="<i8", offset=offset + lengths.nbytes + pointers.nbytes)
+    assert len(boundaries) == count + extra
+    return magic, version, dtype_code, lengths, pointers, boundaries, len(data)
 
 
-@pytest.mark.parametrize("dtype, code", [(np.uint16, 1), (np.int32, 2)])
-def test_layout_matches_the_documented_format(tmp_path, documents, dtype, code):
-    prefix = write_dataset(str(tmp_path / "ds"), documents, dtype)
-    magic, version, dtype_code, lengths, pointers, boundaries, d, size = parse_idx_by_hand(prefix + ".idx")
+@pytest.mark.parametrize("output_format, dtype, magic, code, header_size, length_size", [
+    ("megatron", np.uint16, b"MMIDIDX\x00\x00", 8, 34, 4), ("megatron", np.int32, b"MMIDIDX\x00\x00", 4, 34, 4),
+    ("megatron", np.uint8, b"MMIDIDX\x00\x00", 1, 34, 4), ("megatron", np.int64, b"MMIDIDX\x00\x00", 5, 34, 4),
+    ("megapipe", np.uint16, b"MPIPEIDX", 1, 32, 8), ("megapipe", np.int32, b"MPIPEIDX", 2, 32, 8)])
+def test_layout_matches_the_documented_format(tmp_path, documents, output_format, dtype, magic, code,
+                                              header_size, length_size):
+    documents = [[[t % 250 for t in s] for s in doc] for doc in documents]
+    prefix = write_dataset(str(tmp_path / "ds"), documents, dtype, output_format)
+    found_magic, version, dtype_code, lengths, pointers, boundaries, size = parse_idx_by_hand(prefix + ".idx",
+                                                                                              output_format)
     sequences = [s for doc in documents for s in doc]
-    assert (magic, version, dtype_code, d) == (b"MPIPEIDX", 1, code, len(documents))
-    assert size == 32 + 8 * (2 * len(sequences) + len(documents) + 1)
+    assert (found_magic, version, dtype_code) == (magic, 1, code)
+    assert size == header_size + (length_size + 8) * len(sequences) + 8 * (len(documents) + 1)
     assert lengths.tolist() == [len(s) for s in sequences]
     assert boundaries.tolist() == np.cumsum([0] + [len(doc) for doc in documents]).tolist()
     raw = np.fromfile(prefix + ".bin", dtype=np.dtype(dtype).newbyteorder("<"))
@@ -40,6 +55,9 @@ def test_layout_matches_the_documented_format(tmp_path, documents, dtype, code):
     for sequence, pointer in zip(sequences, pointers):
         start = pointer // np.dtype(dtype).itemsize
         assert raw[start:start + len(sequence)].tolist() == sequence
+    ds = IndexedDataset(prefix)
+    assert ds.format == output_format and ds.dtype == np.dtype(dtype)
+    assert [ds.document(d).tolist() for d in range(ds.num_documents)] == [sum(doc, []) for doc in documents]
 
 
 def test_reader_returns_every_sequence_and_document_without_copies(tmp_path, documents):
@@ -79,9 +97,9 @@ def test_builder_publishes_nothing_until_finalized_and_cleans_up_on_error(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
 
 
-@pytest.fixture
-def dataset_prefix(tmp_path, documents):
-    return write_dataset(str(tmp_path / "ds"), documents)
+@pytest.fixture(params=["megatron", "megapipe"])
+def dataset_prefix(tmp_path, documents, request):
+    return write_dataset(str(tmp_path / "ds"), documents, np.uint16, request.param)
 
 
 def corrupt(path, transform):
@@ -106,16 +124,45 @@ def test_missing_bin_file(dataset_prefix):
 
 @pytest.mark.parametrize("transform, message", [
     (lambda data: data[:-8], "is truncated or corrupt"),
-    (lambda data: data[:20], "is truncated .20 bytes, shorter than its 32-byte header"),
-    (lambda data: b"MMIDIDX\x00" + data[8:], "is not a megapipe index .magic b'MMIDIDX"),
-    (lambda data: data[:8] + struct.pack("<I", 7) + data[12:], "has format version 7"),
-    (lambda data: data[:12] + struct.pack("<I", 9) + data[16:], "dtype code 9"),
+    (lambda data: data[:20], r"is truncated .20 bytes, shorter than its 3\d-byte \w+ header"),
+    (lambda data: b"MMIDIDX\x01" + data[8:], r"is not a Megatron-LM or megapipe index .magic b'MMIDIDX\\x01"),
+    (lambda data: b"GARBAGE!" + data[8:], "is not a Megatron-LM or megapipe index"),
     (lambda data: data[:-8] + struct.pack("<q", 3), "has document boundaries from 0 to 3 instead of 0 to"),
 ])
 def test_corrupt_index_is_reported(dataset_prefix, transform, message):
     corrupt(dataset_prefix + ".idx", transform)
     with pytest.raises(DataError, match=message):
         IndexedDataset(dataset_prefix)
+
+
+# format -> (offset of the version, its struct, offset of the dtype code, its struct)
+HEADER_FIELDS = {"megatron": (9, "<Q", 17, "<B"), "megapipe": (8, "<I", 12, "<I")}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("version", 2, "format version 2 but megapipe reads version 1"),
+    ("dtype", 9, "has dtype code 9, which the .* format does not define"),
+])
+def test_wrong_version_or_unknown_dtype_code_is_reported(dataset_prefix, field, value, message):
+    fmt = IndexedDataset(dataset_prefix).format
+    version_at, version_struct, code_at, code_struct = HEADER_FIELDS[fmt]
+    at, layout = (version_at, version_struct) if field == "version" else (code_at, code_struct)
+    end = at + struct.calcsize(layout)
+    corrupt(dataset_prefix + ".idx", lambda data: data[:at] + struct.pack(layout, value) + data[end:])
+    with pytest.raises(DataError, match=message):
+        IndexedDataset(dataset_prefix)
+
+
+def test_megatron_multimodal_modes_are_accepted_and_other_extra_bytes_are_not(tmp_path, documents):
+    prefix = write_dataset(str(tmp_path / "ds"), documents)
+    n = sum(len(doc) for doc in documents)
+    corrupt(prefix + ".idx", lambda data: data + bytes(n))
+    assert [IndexedDataset(prefix).document(d).tolist() for d in range(len(documents))] == \
+        [sum(doc, []) for doc in documents]
+    corrupt(prefix + ".idx", lambda data: data + b"\x00")
+    with pytest.raises(DataError, match=f"has {os.path.getsize(prefix + '.idx')} bytes but its header "
+                                        rf"\({n} sequences, {len(documents) + 1} document boundaries\) needs"):
+        IndexedDataset(prefix)
 
 
 def test_truncated_bin_is_reported_as_index_pointing_past_its_end(dataset_prefix):

@@ -1,14 +1,15 @@
 """Tokenizers: real GPT-2 and SentencePiece vocabularies, round trips, special tokens, flag errors."""
 
+import importlib.util
 import json
 import pickle
 
 import pytest
 
-from data_helpers import gpt2_files, mistral_sentencepiece_model
+from data_helpers import gpt2_files, mistral_sentencepiece_model, package_file
 from megapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megapipe.data.tokenizer.training import train_bpe, train_sentencepiece, train_wordpiece
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.unit
 
@@ -81,6 +82,48 @@ def test_sentencepiece_model_from_mistral():
         tok.mask
 
 
+def test_megatron_sentencepiece_types_differ_from_the_plain_one_as_megatrons_do():
+    """GPTSentencePieceTokenizer: the model's ids, eod = eos, no BERT roles; Llama2Tokenizer: bos first."""
+    import sentencepiece
+
+    model = mistral_sentencepiece_model()
+    processor = sentencepiece.SentencePieceProcessor(model_file=model)
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    llama = build_tokenizer("Llama2Tokenizer", tokenizer_model=model)
+    for tok in (gpt, llama):
+        assert (tok.vocab_size, tok.eod, tok.special_id("pad")) == (32000, processor.eos_id(), None)
+        assert all(tok.special_id(role) is None for role in ("cls", "sep", "mask"))
+        assert pickle.loads(pickle.dumps(tok)).tokenize("Hello world") == tok.tokenize("Hello world")
+    for text in ["Hello world", "héllo wörld 日本語", ""]:
+        assert gpt.tokenize(text) == processor.encode(text)
+        assert llama.tokenize(text) == [processor.bos_id()] + processor.encode(text) and processor.bos_id() == 1
+        assert llama.detokenize(llama.tokenize(text)) == gpt.detokenize(gpt.tokenize(text)) == text
+    assert (gpt.name, llama.name) == ("GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def megatron_null_tokenizer_class():
+    """megatron-core's NullTokenizer, loaded from its file alone (the package's __init__ takes seconds)."""
+    path = package_file("megatron", "core", "tokenizers", "text", "libraries", "null_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("megatron_null_tokenizer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NullTokenizer
+
+
+def test_null_tokenizer_is_megatrons():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert (tok.vocab_size, tok.eod, tok.special_ids) == (101, 100, frozenset({100}))
+    assert tok.tokenize("3 14\t15\n 92") == [3, 14, 15, 92] and tok.detokenize([3, 14, 100]) == "3 14 100"
+    core = megatron_null_tokenizer_class()(100)
+    assert (core.vocab_size, core.eod, core.text_to_ids("3 14 15 92")) == (101, 100, [3, 14, 15, 92])
+    for text in ("3 x 5", "100", "-1"):
+        with pytest.raises(DataError, match=f"NullTokenizer reads token ids 0 to 99 written as decimal numbers "
+                                            f"between whitespace, not '{text.split()[-2 if text == '3 x 5' else 0]}'"):
+            tok.tokenize(text)
+    with pytest.raises(ConfigError, match="--tokenizer-type NullTokenizer needs --vocab-size N"):
+        build_tokenizer("NullTokenizer")
+
+
 def test_huggingface_tokenizer_json_file_and_folder(tmp_path, gpt2):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -135,6 +178,8 @@ def test_trained_tokenizers_load_through_build_tokenizer(tmp_path):
     ("GPT2BPETokenizer", {}, "--vocab-file"),
     ("GPT2BPETokenizer", {"vocab_file": "VOCAB"}, "--merge-file"),
     ("SentencePieceTokenizer", {}, "--tokenizer-model"),
+    ("GPTSentencePieceTokenizer", {}, "--tokenizer-model"),
+    ("Llama2Tokenizer", {}, "--tokenizer-model"),
     ("HuggingFaceTokenizer", {}, "--tokenizer-model"),
     ("BertWordPieceLowerCase", {}, "--vocab-file"),
     ("BertWordPieceCase", {}, "--vocab-file"),
@@ -161,3 +206,27 @@ def test_bad_tokenizer_arguments_are_one_sentence_errors(tmp_path):
     with pytest.raises(ConfigError, match="is not a valid tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(junk))
     assert set(TOKENIZER_TYPES) >= {"GPT2BPETokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer"}
+
+
+def test_training_flags_build_megatrons_tokenizers_by_name():
+    from megapipe.config.parse import parse_config
+    from megapipe.data.rank_data import run_tokenizer
+
+    null = run_tokenizer("gpt", parse_config("gpt", ["--data-path", "x", "--tokenizer-type", "NullTokenizer",
+                                                     "--vocab-size", "50"]))
+    llama = run_tokenizer("gpt", parse_config("gpt", ["--data-path", "x", "--tokenizer-type", "Llama2Tokenizer",
+                                                      "--tokenizer-model", mistral_sentencepiece_model()]))
+    assert (null.name, null.vocab_size, llama.name, llama.tokenize("Hi")[0]) == ("NullTokenizer", 51,
+                                                                                 "Llama2Tokenizer", 1)
+
+
+def test_llama2_tokenizer_needs_a_bos_piece(tmp_path):
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE_CORPUS), model_prefix=str(tmp_path / "m"),
+                                             vocab_size=60, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    model = str(tmp_path / "m.model")
+    assert build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model).tokenize("fox")
+    with pytest.raises(ConfigError, match=r"has no <s> \(bos\) piece, which Llama2Tokenizer starts every text "
+                                          "with; use --tokenizer-type GPTSentencePieceTokenizer"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=model)

@@ -36,7 +36,8 @@ def error_lines(stderr: str) -> list[str]:
     (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"],
      "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler exclude each other"),
     (["--mock-data"], "--mock-data needs --vocab-size N"),
-    (["--vocab-size", "100"], "--vocab-size sets the vocabulary of --mock-data only"),
+    (["--vocab-size", "100"],
+     "--vocab-size sets the vocabulary of --mock-data and --tokenizer-type NullTokenizer only"),
 ])
 def test_bad_operations_flags_name_the_flag_in_one_sentence(argv, message):
     with pytest.raises(ConfigError) as error:

@@ -1,4 +1,4 @@
-"""Tokenize local text into megapipe's indexed format (.bin/.idx), as Megatron-LM's tool of the same name.
+"""Tokenize local text into indexed datasets (.bin/.idx) in Megatron-LM's format, as its tool of the same name.
 
 Example::
 
@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from megapipe.data.indexed_dataset import DEFAULT_FORMAT, FORMATS  # noqa: E402
 from megapipe.data.preprocess import preprocess  # noqa: E402
 from megapipe.data.tokenizer.flags import add_tokenizer_arguments, tokenizer_from_args  # noqa: E402
 from megapipe.errors import reports_user_errors  # noqa: E402
@@ -33,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--split-sentences", action="store_true",
                       help="one sequence per sentence (BERT data)")
     data.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    data.add_argument("--output-format", choices=sorted(FORMATS), default=DEFAULT_FORMAT,
+                      help="the .idx layout: Megatron-LM's (default; Megatron-LM reads it) or megapipe's own")
     data.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     data.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tokenizer_arguments(parser)
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
     prefixes = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                           split_sentences=args.split_sentences, append_eod=args.append_eod,
                           document_per_file=args.document_per_file, workers=args.workers,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, output_format=args.output_format)
     for key, prefix in prefixes.items():
         print(f"{key}: {prefix}.bin / {prefix}.idx")
     return 0

@@ -13,13 +13,14 @@ from typing import Optional
 
 from megapipe.checkpointing.paths import fsync_dir
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.data.tokenizer.build import FILE_ARGUMENTS
 
 TOKENIZER_DIR = "tokenizer"
 
 
 def write_tokenizer(tokenizer: Optional[Tokenizer], checkpoint_dir: str) -> Optional[dict]:
     """Write ``tokenizer``'s files into ``checkpoint_dir/tokenizer`` (synced) and return what
-    ``common.json`` records; None when there is no text tokenizer to store (``--mock-data``)."""
+    ``common.json`` records; None when the run has no tokenizer."""
     if tokenizer is None:
         return None
     directory = os.path.join(checkpoint_dir, TOKENIZER_DIR)
@@ -29,7 +30,7 @@ def write_tokenizer(tokenizer: Optional[Tokenizer], checkpoint_dir: str) -> Opti
         with open(os.path.join(directory, name), "rb+") as f:
             os.fsync(f.fileno())
     fsync_dir(directory)
-    if not os.listdir(directory):  # the byte-level tokenizer and --mock-data's have no files
+    if not os.listdir(directory):  # the byte-level and null tokenizers have no files
         os.rmdir(directory)
     return spec
 
@@ -43,6 +44,6 @@ def read_tokenizer(checkpoint_dir: str, spec) -> Optional[Tokenizer]:
     """
     if not isinstance(spec, dict):
         return None
-    files = {flag: os.path.join(checkpoint_dir, TOKENIZER_DIR, name) for flag, name in spec.items()
-             if flag != "tokenizer_type"}
-    return build_tokenizer(spec["tokenizer_type"], **files)
+    arguments = {flag: os.path.join(checkpoint_dir, TOKENIZER_DIR, value) if flag in FILE_ARGUMENTS else value
+                 for flag, value in spec.items() if flag != "tokenizer_type"}
+    return build_tokenizer(spec["tokenizer_type"], **arguments)

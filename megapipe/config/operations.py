@@ -51,9 +51,9 @@ def validate_operations(kind: str, config: Config) -> None:
         if data.vocab_size is None or data.vocab_size < 2:
             raise ConfigError(f"--mock-data needs --vocab-size N (at least 2, got {data.vocab_size}): the "
                               "synthetic tokens are drawn from [0, N).")
-    elif data.vocab_size is not None:
-        raise ConfigError("--vocab-size sets the vocabulary of --mock-data only (real data takes it from the "
-                          "tokenizer); add --mock-data or drop --vocab-size.")
+    elif data.vocab_size is not None and data.tokenizer_type != "NullTokenizer":
+        raise ConfigError("--vocab-size sets the vocabulary of --mock-data and --tokenizer-type NullTokenizer only "
+                          "(other tokenizers have their own); drop --vocab-size or use one of those.")
 
 
 def same_path(a: str, b: Optional[str]) -> bool:

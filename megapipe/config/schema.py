@@ -267,7 +267,7 @@ class DataConfig:
     short_seq_prob: float = 0.1
     # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
     mock_data: bool = flag(False, help="GPT: synthetic random tokens instead of --data-path")
-    vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data")
+    vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data or --tokenizer-type NullTokenizer")
 
     def __post_init__(self):
         # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1

@@ -3,7 +3,7 @@
 Import from the modules (this package imports nothing, so tokenizer worker processes start
 without loading torch):
 
-- ``tokenizer``: ``build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)``
+- ``tokenizer``: ``build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)``
 - ``indexed_dataset``: the ``.bin``/``.idx`` format, ``IndexedDataset``, ``IndexedDatasetBuilder``
 - ``preprocess``: ``preprocess(inputs, output_prefix, tokenizer, ...)`` behind tools/preprocess_data.py
 - ``gpt_dataset``, ``bert_dataset``, ``blended_dataset``: the datasets the training loop samples

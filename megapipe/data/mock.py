@@ -7,38 +7,9 @@ rank. The tokenizer is Megatron's null tokenizer: ``--vocab-size N`` ids plus an
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from megapipe.data.splits import SPLIT_NAMES
-from megapipe.data.tokenizer import Tokenizer
-
-
-class NullTokenizer(Tokenizer):
-    """Ids are written as decimal numbers separated by spaces; id ``vocab_size`` is eod."""
-
-    lossless = True
-
-    def __init__(self, vocab_size: int):
-        super().__init__("NullTokenizer", {"vocab_size": vocab_size}, {"eod": vocab_size})
-        self._size = vocab_size + 1
-
-    def __reduce__(self):
-        return NullTokenizer, (self._size - 1,)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    def tokenize(self, text: str) -> list[int]:
-        return [int(word) for word in text.split()]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return " ".join(str(int(i)) for i in ids)
-
-    def save(self, directory: str) -> None:
-        return None  # random ids stand for no text: a checkpoint of mock data carries no tokenizer
 
 
 class MockGPTDataset:

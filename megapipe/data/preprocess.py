@@ -15,7 +15,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from megapipe.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from megapipe.data.indexed_dataset import DEFAULT_FORMAT, IndexedDatasetBuilder, dtype_for_vocab
 from megapipe.data.readers import TEXT_KEY, output_keys, read_documents
 from megapipe.data.sentences import split_sentences
 from megapipe.data.tokenizer import Tokenizer
@@ -73,10 +73,12 @@ def encode_documents(documents: Iterable[dict[str, str]], encoder: DocumentEncod
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer,
                json_keys: Sequence[str] = (TEXT_KEY,), split_sentences: bool = False, append_eod: bool = False,
-               document_per_file: bool = False, workers: int = 1, progress: bool = True) -> dict[str, str]:
+               document_per_file: bool = False, workers: int = 1, progress: bool = True,
+               output_format: str = DEFAULT_FORMAT) -> dict[str, str]:
     """Preprocess ``inputs`` into one dataset per key; returns ``{key: dataset prefix}``.
 
-    The .bin dtype is uint16 when the tokenizer's vocabulary fits, int32 otherwise.
+    The .bin dtype is uint16 when the tokenizer's vocabulary fits, int32 otherwise; the .idx is
+    Megatron-LM's (``output_format="megatron"``) or megapipe's own (``"megapipe"``).
     """
     keys = output_keys(inputs, json_keys)
     encoder = DocumentEncoder(tokenizer, split_sentences, append_eod)
@@ -84,7 +86,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer,
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     documents = read_documents(inputs, keys, document_per_file)
     with ExitStack() as stack, tqdm(unit="doc", disable=not progress, desc="preprocess") as bar:
-        builders = {key: stack.enter_context(IndexedDatasetBuilder(prefix, dtype)) for key, prefix in prefixes.items()}
+        builders = {key: stack.enter_context(IndexedDatasetBuilder(prefix, dtype, output_format))
+                    for key, prefix in prefixes.items()}
         tokens = 0
         for encoded in encode_documents(documents, encoder, workers):
             for key, sequences in encoded.items():

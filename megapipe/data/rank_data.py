@@ -24,7 +24,8 @@ import torch.distributed as dist
 from megapipe.config import Config
 from megapipe.data.builder import build_train_valid_test_datasets
 from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
-from megapipe.data.mock import MockGPTDataset, NullTokenizer
+from megapipe.data.mock import MockGPTDataset
+from megapipe.data.tokenizer.null import NullTokenizer
 from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.splits import SPLIT_NAMES, parse_split
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
@@ -121,7 +122,8 @@ def _tokenizer_and_path(kind: str, config: Config) -> tuple[Tokenizer, list[str]
             raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
                               "--vocab-file) matching the tokenizer the data was preprocessed with.")
         tokenizer = build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file,
-                                    merge_file=data.merge_file, tokenizer_model=data.tokenizer_model)
+                                    merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
+                                    vocab_size=data.vocab_size)
         return tokenizer, list(data.data_path)
     prefix, tokenizer = (default_gpt_data if kind == "gpt" else default_bert_data)(data.data_cache_path)
     return tokenizer, [prefix]

@@ -39,7 +39,7 @@ def layout_flags(parser: argparse.ArgumentParser) -> None:
 
 def _missing_tokenizer(directory: str, reads_text: str) -> ConfigError:
     return ConfigError(f"{reads_text} needs a tokenizer, and {directory} carries none (it was saved before "
-                       "megapipe stored tokenizers in checkpoints, or trained on --mock-data); pass the tokenizer "
+                       "megapipe stored tokenizers in checkpoints); pass the tokenizer "
                        "flags it was trained with, e.g. --tokenizer-type ByteLevelTokenizer for the default data.")
 
 

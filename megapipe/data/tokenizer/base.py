@@ -55,7 +55,7 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``; never adds special tokens."""
+        """Token ids of ``text``; adds no special tokens (except Llama2Tokenizer's leading bos, as Megatron's)."""
 
     @abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:

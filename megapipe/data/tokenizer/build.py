@@ -13,11 +13,16 @@ REQUIRED_FLAGS = {
     "GPT2BPETokenizer": {"vocab_file": "the GPT-2 vocab.json / encoder.json",
                          "merge_file": "the GPT-2 merges.txt / vocab.bpe"},
     "SentencePieceTokenizer": {"tokenizer_model": "the SentencePiece .model file"},
+    "GPTSentencePieceTokenizer": {"tokenizer_model": "the SentencePiece .model file"},
+    "Llama2Tokenizer": {"tokenizer_model": "Llama 2's tokenizer.model (SentencePiece)"},
     "HuggingFaceTokenizer": {"tokenizer_model": "a tokenizer.json or a folder holding one"},
     "BertWordPieceLowerCase": {"vocab_file": "the BERT vocab.txt"},
     "BertWordPieceCase": {"vocab_file": "the BERT vocab.txt"},
     "ByteLevelTokenizer": {},
+    "NullTokenizer": {},  # --vocab-size instead of a file
 }
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+FILE_ARGUMENTS = ("vocab_file", "merge_file", "tokenizer_model")
 TOKENIZER_TYPES = tuple(REQUIRED_FLAGS)
 
 
@@ -35,8 +40,9 @@ def _check_files(tokenizer_type: str, paths: dict[str, Optional[str]]) -> None:
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    tokenizer_model: Optional[str] = None) -> Tokenizer:
-    """Build the tokenizer Megatron's ``--tokenizer-type`` names from the files the other flags give.
+                    tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None) -> Tokenizer:
+    """Build the tokenizer Megatron's ``--tokenizer-type`` names from the files the other flags give
+    (``vocab_size``: NullTokenizer's ``--vocab-size``).
 
     Raises ConfigError naming the flag when a needed file is missing or the type is unknown.
     """
@@ -44,12 +50,18 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
         raise ConfigError(f"--tokenizer-type {tokenizer_type} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}.")
     _check_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
                                   "tokenizer_model": tokenizer_model})
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ConfigError(f"--tokenizer-type NullTokenizer needs --vocab-size N (at least 1, got {vocab_size}): "
+                              "the text holds ids 0 to N-1 and id N ends each document.")
+        from megapipe.data.tokenizer.null import NullTokenizer
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteLevelTokenizer":
         from megapipe.data.tokenizer.byte_level import ByteLevelTokenizer
         return ByteLevelTokenizer()
-    if tokenizer_type == "SentencePieceTokenizer":
-        from megapipe.data.tokenizer.sentencepiece_model import SentencePieceTokenizer
-        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        from megapipe.data.tokenizer import sentencepiece_model
+        return getattr(sentencepiece_model, tokenizer_type)(tokenizer_model)
     from megapipe.data.tokenizer import hf_backed
     if tokenizer_type == "GPT2BPETokenizer":
         return hf_backed.gpt2_bpe(vocab_file, merge_file)

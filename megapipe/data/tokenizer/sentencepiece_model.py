@@ -1,4 +1,11 @@
-"""SentencePiece models (.model files), as used by Llama, Mistral and T5."""
+"""SentencePiece models (.model files), as used by Llama, Mistral and T5, under Megatron's three type names.
+
+``SentencePieceTokenizer`` is megapipe's: eod is the model's ``</s>``, pad its pad id, and the
+BERT roles are found by their usual piece spellings. Megatron-LM's ``GPTSentencePieceTokenizer``
+and ``Llama2Tokenizer`` have eod = eos and pad from the model but no BERT roles, and
+``Llama2Tokenizer`` starts every ``tokenize`` with the model's ``<s>`` (bos), so data
+preprocessed with it in either framework has the same ids.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,9 @@ BERT_PIECES = {"cls": ("[CLS]", "<cls>"), "sep": ("[SEP]", "<sep>"), "mask": ("[
 class SentencePieceTokenizer(Tokenizer):
     """Wraps ``sentencepiece.SentencePieceProcessor``; eod is the model's eos id (``</s>``)."""
 
+    bert_pieces = BERT_PIECES  # role -> spellings looked up in the model
+    prepends_bos = False
+
     def __init__(self, tokenizer_model: str):
         processor = sentencepiece.SentencePieceProcessor()
         try:
@@ -28,9 +38,14 @@ class SentencePieceTokenizer(Tokenizer):
         self._processor = processor
         self._model_file = tokenizer_model
         special_ids = {"eod": self._own_id(processor.eos_id()), "pad": self._own_id(processor.pad_id())}
-        for role, pieces in BERT_PIECES.items():
+        for role, pieces in self.bert_pieces.items():
             special_ids[role] = self._find_piece(pieces)
-        super().__init__("SentencePieceTokenizer", (SentencePieceTokenizer, (tokenizer_model,)), special_ids)
+        self._bos = [processor.bos_id()] if self.prepends_bos else []
+        if self._bos == [-1]:
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} has no <s> (bos) piece, which "
+                              f"{type(self).__name__} starts every text with; use --tokenizer-type "
+                              "GPTSentencePieceTokenizer.")
+        super().__init__(type(self).__name__, (type(self), (tokenizer_model,)), special_ids)
 
     @staticmethod
     def _own_id(token_id: int) -> Optional[int]:
@@ -48,7 +63,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._processor.get_piece_size()
 
     def tokenize(self, text: str) -> list[int]:
-        return self._processor.encode(text)
+        return self._bos + self._processor.encode(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
@@ -65,3 +80,15 @@ class SentencePieceTokenizer(Tokenizer):
 
         extractor = SentencePieceExtractor(self._model_file)
         return SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, extractor.extract(None)["vocab"])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``GPTSentencePieceTokenizer``: eod = eos, pad from the model, no BERT roles."""
+
+    bert_pieces: dict = {}
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's ``Llama2Tokenizer``: as ``GPTSentencePieceTokenizer``, with bos before every text."""
+
+    prepends_bos = True
