@@ -23,7 +23,7 @@ deadline bounds only its wait in the queue. A failure of the server itself answe
 sentence (its traceback goes to the log) and the server goes on.
 
 Global rank 0 listens; its main thread takes each request from the queue and broadcasts it, and
-all ranks run it together (the other ranks wait in ``follow``).
+all ranks run it together (the other ranks wait in ``follow``, ``commands.py``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ import torch.distributed as dist
 
 from megapipe.errors import first_line
 from megapipe.inference.deadline import Deadline
-from megapipe.inference.generation import GenerationError, check_request, generate
+from megapipe.inference.commands import broadcast, follow, lead
+from megapipe.inference.generation import GenerationError, check_request
 from megapipe.inference.loading import LoadedModel
 from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.sampling import SamplingParams, stop_tokens_or_end_of_text
-from megapipe.inference.scoring import check_pairs, score_continuations
+from megapipe.inference.scoring import check_pairs
 from megapipe.inference.server_limits import ServerLimits
 from megapipe.json_requests import Refusal, body_length, json_object, read_body
 
@@ -135,14 +136,6 @@ def command_of(path: str, body: dict, loaded: LoadedModel, limits: ServerLimits)
     return "score", pairs
 
 
-def run(loaded: LoadedModel, command: tuple, deadline: Deadline):
-    """Run one broadcast command on this rank: (new tokens, cut at the deadline) or the scores."""
-    if command[0] == "generate":
-        tokens = generate(loaded.chunks, loaded.ps, loaded.config, command[1], command[2], deadline=deadline)
-        return tokens, deadline.cut
-    return score_continuations(loaded.chunks, loaded.ps, loaded.config, command[1])
-
-
 def answer(command: tuple, result, tokenizer) -> dict:
     """The JSON answer of a command that ran."""
     if command[0] == "score":
@@ -152,26 +145,11 @@ def answer(command: tuple, result, tokenizer) -> dict:
     return {"text": texts, "tokens": tokens, "cut_at_deadline": cut}
 
 
-def broadcast(command) -> tuple:
-    box = [command]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def follow(loaded: LoadedModel) -> None:
-    """Ranks other than 0: run what rank 0 broadcasts until it says stop (rank 0 alone keeps the clock)."""
-    while True:
-        command = broadcast(None)
-        if command[0] == "stop":
-            return
-        run(loaded, command, Deadline())
-
-
 def run_next(loaded: LoadedModel, jobs: RequestQueue) -> None:
     """Rank 0: run the next queued request on every rank and hand its outcome to its connection."""
     job = jobs.next()
     try:
-        job.finish(run(loaded, broadcast(job.command), Deadline(job.deadline)))
+        job.finish(lead(loaded, job.command, Deadline(job.deadline)))
     except Exception as error:  # the connection answers 500 with it; the server goes on
         traceback.print_exc()
         job.finish(error=error)
