@@ -52,9 +52,10 @@ class Requests:
         return whole[:len(ids)], whole[len(ids):]
 
     def fit(self, context: list, continuation: list) -> tuple[list, list]:
-        """The pair cut to the last ``max_length`` tokens (the continuation keeps at least one before it)."""
-        continuation = continuation[-(self.max_length - 1):]
-        return context[-(self.max_length - len(continuation)):], continuation
+        """The pair cut to its last ``max_length`` tokens (a continuation keeps at least one token before it)."""
+        window = (context + continuation)[-self.max_length:]
+        split = len(window) - min(len(continuation), self.max_length - 1)
+        return window[:split], window[split:]
 
     def scores(self, pairs: list) -> list:
         """[(log-likelihood, is_greedy)] of token pairs, longest first in each batch, in the given order."""
