@@ -73,6 +73,8 @@ def write_json(path: str, results: dict) -> None:
 @reports_user_errors(report=report_user_error)  # once per job under torchrun, as training does
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1.")
     names = [name for name in args.tasks.split(",") if name]
     manager = task_manager(names, args.include_path)
     loaded = load_for_inference(args, reads_text="evaluation")

@@ -26,9 +26,6 @@ class Requests:
     """Token-level answers to lm_eval's three kinds of request, in batches of ``batch_size`` commands."""
 
     def __init__(self, loaded: LoadedModel, batch_size: int):
-        if loaded.tokenizer is None:
-            raise ConfigError("evaluation reads text, and the checkpoint carries no tokenizer; pass the "
-                              "tokenizer flags it was trained with.")
         self.loaded, self.batch_size = loaded, batch_size
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.config.max_position_embeddings
@@ -36,8 +33,8 @@ class Requests:
     def end_of_text(self) -> int:
         eod = self.tokenizer.special_id("eod")
         if eod is None:
-            raise ConfigError("an empty context is read as the end-of-text token, and this checkpoint's tokenizer "
-                              "has none; evaluate tasks whose contexts are not empty.")
+            raise ConfigError("an empty context and a rolling log-likelihood start from the end-of-text token, and "
+                              "this checkpoint's tokenizer has none; evaluate tasks whose contexts are not empty.")
         return eod
 
     def pair(self, context: str, continuation: str) -> tuple[list, list]:
