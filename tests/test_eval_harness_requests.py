@@ -45,6 +45,7 @@ def test_pairs_split_as_lm_eval_and_an_empty_context_is_end_of_text(requests):
     r, _ = requests
     assert r.pair("ab ", "c") == (list(b"ab"), list(b" c"))  # a context's last spaces go to the continuation
     assert r.pair("", "xy") == ([EOD], list(b"xy"))
+    assert r.pair("  ", "xy") == ([EOD], list(b"  xy"))
     assert r.fit(list(b"0123456789"), list(b"ab")) == (list(b"456789"), list(b"ab"))
     assert r.fit([1], list(b"0123456789")) == ([list(b"0123456789")[2]], list(b"3456789"))
 

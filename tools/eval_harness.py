@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1.")
     names = [name for name in args.tasks.split(",") if name]
+    if not names:
+        raise ConfigError("--tasks names no task; pass lm_eval task names separated by commas.")
     manager = task_manager(names, args.include_path)
     loaded = load_for_inference(args, reads_text="evaluation")
     if dist.get_rank() != 0:

@@ -39,13 +39,15 @@ class Requests:
 
     def pair(self, context: str, continuation: str) -> tuple[list, list]:
         """(context ids, continuation ids) of two texts, as lm_eval's Hugging Face model tokenises them."""
-        if not context:
-            return [self.end_of_text()], self.tokenizer.tokenize(continuation)
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return [self.end_of_text()], self.tokenizer.tokenize(continuation)
         whole = self.tokenizer.tokenize(context + continuation)
         ids = self.tokenizer.tokenize(context)
+        if len(whole) <= len(ids):  # the context's last token swallowed the continuation: keep them apart
+            return ids, self.tokenizer.tokenize(continuation)
         return whole[:len(ids)], whole[len(ids):]
 
     def fit(self, context: list, continuation: list) -> tuple[list, list]:
