@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import transformers
-from launch_helpers import standalone
+from launch_helpers import Job, standalone
 from server_helpers import ROOT, tiny_checkpoint
 
 from megapipe.checkpointing.common import SavedLayout
@@ -31,13 +31,16 @@ TASKS = ["--tasks", "megapipe_tiny_mc,megapipe_tiny_gen", "--include-path", os.p
 
 
 def evaluate(checkpoint, output, *flags, nproc=None):
-    """The tool's run (from the repository root, as the task files expect) and its JSON results."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    """The tool's run (from the repository root, as the task files expect) and its JSON results; its
+    processes are killed as a group if it outlives its deadline."""
     argv = [TOOL, "--load", str(checkpoint), *TASKS, "--output-path", str(output), *flags]
-    command = [sys.executable, *argv] if nproc is None else standalone(nproc, argv)
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "megapipe_tiny_mc" in done.stdout and "acc" in done.stdout, done.stdout  # lm_eval's table
+    job = Job([sys.executable, *argv] if nproc is None else standalone(nproc, argv))
+    try:
+        code = job.finish(240)
+    finally:
+        job.close()
+    assert code == 0, job.output()[-3000:]
+    assert "megapipe_tiny_mc" in job.output() and "acc" in job.output(), job.output()  # lm_eval's table
     with open(output) as f:
         return json.load(f)["samples"]
 
