@@ -73,15 +73,33 @@ def test_a_preempted_job_saves_in_its_grace_period_and_resumes_bit_for_bit(tmp_p
     rng.seed(seed)
     directory = str(tmp_path / "ckpt")
     iterations = 200
-    points = {
-        "a random iteration": lambda job: (job.wait_for(rf"iteration\s+{rng.randint(3, 15)}/", RUN_SECONDS),
-                                           time.sleep(rng.uniform(0, 0.05)), ((0, 1), 1))[-1],
-        "start-up, twice": lambda job: (job.wait_for(r"loaded checkpoint", RUN_SECONDS), ((0, 1), 2))[-1],
-        "one rank only": lambda job: (job.wait_for(r"^ iteration", RUN_SECONDS),
-                                      job.wait_for(r"^ iteration", RUN_SECONDS),
-                                      time.sleep(rng.uniform(0, 0.1)), ((1,), 1))[-1],
-        "a periodic save": lambda job: (job.wait_for(r"iteration\s+\d*0/", RUN_SECONDS), ((0, 1), 1))[-1],
-    }
+
+    def within_iteration(seconds: float) -> None:
+        """Let a random part of the iteration just logged pass: the signal's moment is the random variable."""
+        time.sleep(rng.uniform(0, seconds))
+
+    def at_random_iteration(job):
+        job.wait_for(rf"iteration\s+{rng.randint(3, 15)}/", RUN_SECONDS)
+        within_iteration(0.05)
+        return (0, 1), 1
+
+    def at_start_up_twice(job):
+        job.wait_for(r"loaded checkpoint", RUN_SECONDS)
+        return (0, 1), 2
+
+    def to_one_rank_only(job):
+        job.wait_for(r"^ iteration", RUN_SECONDS)
+        job.wait_for(r"^ iteration", RUN_SECONDS)
+        within_iteration(0.1)
+        return (1,), 1
+
+    def at_a_periodic_save(job):
+        job.wait_for(r"iteration\s+\d*0/", RUN_SECONDS)
+        return (0, 1), 1
+
+    # where to preempt -> when: wait for the moment, then (ranks signalled, SIGTERMs sent)
+    points = {"a random iteration": at_random_iteration, "start-up, twice": at_start_up_twice,
+              "one rank only": to_one_rank_only, "a periodic save": at_a_periodic_save}
     logged: dict[int, str] = {}
     for point, when in points.items():
         reached, seen = _launch(_command(directory, iterations), when)
