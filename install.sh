@@ -9,7 +9,9 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)")
+# The version pip knows (the distribution's), not torch.__version__: a wheel from the package index
+# reports "2.11.0+cu130" at run time but is installed as 2.11.0, and a pin on the former matches nothing.
+TORCH_VERSION=$("$PY" -c "from importlib.metadata import version; print(version('torch'))")
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
