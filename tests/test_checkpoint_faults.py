@@ -133,7 +133,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, tm
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("dies_in", ["rename", "write_file_durably"])
+@pytest.mark.parametrize("dies_in", ["rename", "write_atomically"])
 def test_a_crash_while_publishing_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, dies_in):
     root = str(tmp_path)
     for iteration in (1, 2):

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tqdm import tqdm  # noqa: E402
 
+from megapipe.atomic_files import write_atomically  # noqa: E402
 from megapipe.cluster.auth import SECRET_ENV, configured_secret  # noqa: E402
 from megapipe.cluster.core.cluster_spec import parse_cluster  # noqa: E402
 from megapipe.cluster.sim.metrics import completion_times, summarise  # noqa: E402
@@ -323,10 +324,8 @@ def run_simulation(args) -> None:
     summary = summarise(scheduler, window)
     jcts = completion_times(scheduler.records)
     if args.jcts_out:
-        with open(args.jcts_out + ".tmp", "w") as handle:
-            json.dump({"units": "hours", "jct_hours": {str(k): v / 3600 for k, v in sorted(jcts.items())}}, handle,
-                      indent=1)
-        os.replace(args.jcts_out + ".tmp", args.jcts_out)
+        hours = {str(job): seconds / 3600 for job, seconds in sorted(jcts.items())}
+        write_atomically(args.jcts_out, json.dumps({"units": "hours", "jct_hours": hours}, indent=1))
     if args.plots_dir:
         from megapipe.cluster.sim.plots import plot_jct_cdf, plot_utilisation
 

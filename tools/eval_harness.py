@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch.distributed as dist  # noqa: E402
 
+from megapipe.atomic_files import write_atomically  # noqa: E402
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.inference.commands import broadcast, follow  # noqa: E402
 from megapipe.inference.eval_harness import lm_class  # noqa: E402
@@ -64,10 +65,7 @@ def task_manager(names: list, include_path):
 def write_json(path: str, results: dict) -> None:
     """``results`` as JSON at ``path``, all or nothing."""
     utils = require("lm_eval.utils", "evaluation", "lm-eval")
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(results, f, indent=1, default=utils.handle_non_serializable)
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(results, indent=1, default=utils.handle_non_serializable))
 
 
 @reports_user_errors(report=report_user_error)  # once per job under torchrun, as training does

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from megapipe.acceptance import STEPS, TOTAL_BUDGET_SECONDS, Step
 from megapipe.acceptance.record import Check, read_checks
+from megapipe.atomic_files import write_atomically
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRY_RUN_SCALE = 4  # the CPU runs the small shapes of a dry run about this much slower than a GPU the real ones
@@ -122,14 +123,8 @@ def write_summary(out: str, results: list[StepResult], dry_run: bool, total_seco
             lines += ["", f"## {title}", ""] + [f"- {step}: {c.name}: {c.detail}" for step, c in listed]
     lines += ["", "## Single-device benchmark", ""] + benchmark_table(results)
     text = "\n".join(lines) + "\n"
-    _write_atomically(os.path.join(out, "summary.md"), text)
+    write_atomically(os.path.join(out, "summary.md"), text)
     return text
-
-
-def _write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def run_all(out: str, dry_run: bool, only: list[str], benchmark_args: list[str]) -> list[StepResult]:
@@ -147,7 +142,7 @@ def run_all(out: str, dry_run: bool, only: list[str], benchmark_args: list[str])
                 results.append(result)
                 print(f"{step.name:11s} {result.outcome:9s} {result.seconds:4.0f} s of {budget:.0f}: "
                       f"{result.counts()}", flush=True)
-        _write_atomically(os.path.join(out, "results.json"), json.dumps(
+        write_atomically(os.path.join(out, "results.json"), json.dumps(
             [{"step": r.step.name, "outcome": r.outcome, "seconds": r.seconds, "budget": r.budget,
               "checks": [asdict(c) for c in r.checks]} for r in results], indent=1))
         print(write_summary(out, results, dry_run, time.monotonic() - started))

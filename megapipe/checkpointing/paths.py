@@ -13,6 +13,7 @@ import os
 import shutil
 from typing import Optional
 
+from megapipe.atomic_files import fsync_dir, write_atomically
 from megapipe.errors import CheckpointError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -28,31 +29,6 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def staging_dir(root: str, iteration: int) -> str:
     return iteration_dir(root, iteration) + STAGING_SUFFIX
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (new and renamed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically: readers see the old or the new content, never a mix."""
-    temporary = f"{path}.{os.getpid()}{STAGING_SUFFIX}"
-    try:
-        with open(temporary, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except OSError:  # a full disk, say: the old content stays, without a partial copy beside it
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_latest(root: str) -> Optional[int]:
@@ -90,7 +66,7 @@ def publish(root: str, iteration: int) -> str:
         os.rename(final, replaced)
     os.rename(staging, final)
     fsync_dir(root)
-    write_file_durably(os.path.join(root, LATEST), f"{iteration}\n")
+    write_atomically(os.path.join(root, LATEST), f"{iteration}\n")
     _remove_leftovers(root)
     return final
 

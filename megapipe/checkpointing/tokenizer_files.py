@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megapipe.checkpointing.paths import fsync_dir
+from megapipe.atomic_files import fsync_dir
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
 from megapipe.data.tokenizer.build import FILE_ARGUMENTS
 

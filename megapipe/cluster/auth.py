@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Optional
 from urllib.parse import parse_qs, urlsplit
 
+from megapipe.atomic_files import write_atomically
 from megapipe.errors import ConfigError
 
 SECRET_ENV = "MEGAPIPE_CLUSTER_SECRET"  # the secret itself, for whoever cannot keep a file
@@ -66,11 +67,7 @@ def create_secret_file(path: str) -> bytes:
     if os.path.exists(path):
         return read_secret_file(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(secrets.token_hex(32) + "\n")
-    os.replace(temporary, path)
+    write_atomically(path, secrets.token_hex(32) + "\n", mode=0o600)
     return read_secret_file(path)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megapipe.data.atomic import publish_directory, temporary_sibling
+from megapipe.atomic_files import publish_directory, temporary_sibling
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.preprocess import preprocess
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer

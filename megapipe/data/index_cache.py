@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megapipe.data.atomic import publish_directory, temporary_sibling
+from megapipe.atomic_files import publish_directory, temporary_sibling
 from megapipe.errors import DataError
 
 DESCRIPTION_FILE = "description.json"

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megapipe.data.atomic import temporary_sibling
+from megapipe.atomic_files import temporary_sibling
 from megapipe.errors import DataError
 
 RECREATE = "re-create it with tools/preprocess_data.py"

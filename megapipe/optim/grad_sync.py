@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch

@@ -19,7 +19,7 @@ import functools
 from fractions import Fraction
 from typing import Optional
 
-from megapipe.config import Config, ScheduleSearchConfig
+from megapipe.config import Config
 from megapipe.errors import ConfigError
 from megapipe.pipeline.analysis.schedule_search import MEMORY_FLAG, SearchResult, check_memory_limit, search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel

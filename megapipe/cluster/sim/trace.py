@@ -8,10 +8,10 @@ in the multi-worker regime.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
+from megapipe.atomic_files import write_atomically
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.core.throughputs import ThroughputTable
 from megapipe.errors import ConfigError
@@ -65,10 +65,7 @@ def format_job(job: Job) -> str:
 
 def write_trace(jobs: list[Job], path: str | Path) -> None:
     """Write atomically: a reader never sees half a trace."""
-    path = Path(path)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text("".join(format_job(job) + "\n" for job in jobs))
-    os.replace(partial, path)
+    write_atomically(str(path), "".join(format_job(job) + "\n" for job in jobs))
 
 
 def sample_duration_minutes(rng: random.Random) -> float:
