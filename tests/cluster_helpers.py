@@ -5,8 +5,9 @@ from pathlib import Path
 
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.core.throughputs import ThroughputTable
+from launch_helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 DATA = str(ROOT / "megapipe" / "cluster" / "data") + "/"
 
 

@@ -12,8 +12,8 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from launch_helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNABLE = "<!-- runnable -->"
 EXPECTED = "<!-- expected output -->"
 TRAINING_SCRIPT = re.compile(r"\bpretrain_(gpt|bert)\.py\b")

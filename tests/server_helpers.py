@@ -17,8 +17,8 @@ import transformers
 
 from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import import_hf_checkpoint
+from launch_helpers import REPO as ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and", "then", "slept", "here", "now",
          "big", "red", "sun", "rose", "over", "hills"]
 

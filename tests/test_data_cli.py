@@ -10,10 +10,10 @@ import pytest
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.errors import USAGE_ERROR
+from launch_helpers import REPO as ROOT
 
 pytestmark = pytest.mark.system
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["The first document. It is short.", "Another one, with a comma!", "Third: the last."]
 
 

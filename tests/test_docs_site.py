@@ -5,10 +5,11 @@ import pathlib
 import re
 
 import pytest
+from launch_helpers import REPO
 
 pytestmark = pytest.mark.unit
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(REPO)
 SET_UP = ("bash install.sh && python pretrain_gpt.py", "python -m pytest -q", "python -m pytest -q -m unit")
 
 

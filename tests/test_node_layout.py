@@ -11,8 +11,8 @@ import pytest
 
 from megapipe.errors import ConfigError
 from megapipe.layout.nodes import check_nodes
+from launch_helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.unit

@@ -10,8 +10,9 @@ import pytest
 from megapipe.layout.stage_plan import read_stage_plan
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.profile import ModelShape
+from launch_helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 
 
 def load_tool():

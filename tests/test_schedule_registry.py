@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from launch_helpers import REPO
 from schedule_helpers import assert_closed_forms_match_the_simulator, versions_held
 from megapipe.errors import ConfigError
 from megapipe.pipeline.analysis.simulate import peak_activations
@@ -18,7 +19,7 @@ from megapipe.pipeline.ir.schedules import DESCRIPTORS, SEARCHED, accepted_names
 from megapipe.pipeline.ir.weight_policy import WeightPolicy
 from megapipe.planner import schedule_costs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 sys.path.insert(0, str(ROOT / "tools"))
 import schedule_table  # noqa: E402
 

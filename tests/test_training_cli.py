@@ -9,10 +9,10 @@ import pytest
 
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.training.logger import losses_in_log
+from launch_helpers import REPO as ROOT
 
 pytestmark = pytest.mark.system
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plot_schedule  # noqa: E402
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

@@ -12,10 +12,11 @@ import pytest
 import megapipe
 from megapipe import errors
 from megapipe.errors import USAGE_ERROR, ConfigError, UserError, reports_user_errors
+from launch_helpers import REPO
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 # every script with a main of its own (tools/gpu_check.py only imports the acceptance's)
 ENTRY_POINTS = [path for path in sorted(ROOT.glob("tools/*.py")) if "\ndef main(" in path.read_text()] + [
     ROOT / "megapipe/training/cli.py", ROOT / "megapipe/acceptance/__main__.py",
