@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -174,7 +175,9 @@ def _read_dist(directory: str) -> MegatronCheckpoint:
     wanted = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
               for key, md in metadata.state_dict_metadata.items()
               if isinstance(md, TensorStorageMetadata) and key.removeprefix("model.").startswith(_MODEL)}
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process, which is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     tensors = {}
     for key, value in wanted.items():
         key = key.removeprefix("model.")
@@ -212,9 +215,14 @@ def write_dist(root: str, tensors: dict[str, torch.Tensor], args: argparse.Names
         state["output_layer._extra_state/shard_0_1"] = [None]
     os.makedirs(root, exist_ok=True)
     staging = prepare_staging(root, iteration)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
-    torch.save({"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
-               os.path.join(staging, DIST_COMMON))
+    with warnings.catch_warnings():  # as in _read_dist
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), no_dist=True)
+    with open(os.path.join(staging, DIST_COMMON), "wb") as f:
+        torch.save({"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION}, f)
+        os.fsync(f.fileno())
     with open(os.path.join(staging, DIST_METADATA), "w") as f:
         json.dump(DIST_FORMAT, f)
+        f.flush()
+        os.fsync(f.fileno())
     return publish(root, iteration)

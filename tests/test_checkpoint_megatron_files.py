@@ -1,0 +1,97 @@
+"""Megatron checkpoints without Megatron-core: a legacy torch checkpoint written from a megapipe model's weights
+converts to megapipe, out to torch_dist and back in bit for bit; what megapipe cannot read is one sentence
+and writes nothing. (tests/test_checkpoint_megatron.py checks the maths against Megatron-core itself.)"""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from megapipe.checkpointing.common import SavedLayout
+from megapipe.checkpointing.convert import export_megatron_checkpoint, import_megatron_checkpoint
+from megapipe.checkpointing.megatron_names import megatron_args, to_megatron
+from megapipe.checkpointing.offline import read_checkpoint
+from megapipe.config import ModelConfig
+from megapipe.errors import CheckpointError
+from megapipe.models import build_model_chunks
+from megapipe.models.state_dict import canonical_name
+from megapipe.parallel.state import ParallelState
+
+pytestmark = pytest.mark.unit
+
+CONFIG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+                     vocab_size=128, seq_length=8, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _canonical(config: ModelConfig) -> dict:
+    torch.manual_seed(0)
+    chunk = build_model_chunks("gpt", config, ParallelState.single())[0]
+    return {canonical_name(name, p): p.detach().clone() for name, p in chunk.named_parameters()}
+
+
+def _legacy(root, config: ModelConfig, args: argparse.Namespace, tensors=None) -> str:
+    """A one-rank legacy torch checkpoint of ``tensors`` (default: a fresh model's) under ``root``."""
+    tensors = to_megatron(_canonical(config), config) if tensors is None else tensors
+    os.makedirs(root / "iter_0000005" / "mp_rank_00")
+    torch.save({"model": tensors, "args": args, "iteration": 5, "checkpoint_version": 3.0},
+               root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    return str(root)
+
+
+def test_weights_go_through_torch_and_torch_dist_unchanged(tmp_path):
+    source = _legacy(tmp_path / "legacy", CONFIG, megatron_args(CONFIG))
+    import_megatron_checkpoint(source, str(tmp_path / "a"), SavedLayout(2, 1, 1))
+    export_megatron_checkpoint(str(tmp_path / "a"), str(tmp_path / "dist"))
+    import_megatron_checkpoint(str(tmp_path / "dist"), str(tmp_path / "b"), SavedLayout(1, 2, 1))
+    original = _canonical(CONFIG)
+    _, common, back = read_checkpoint(str(tmp_path / "b"))
+    assert sorted(back) == sorted(f"model/{name}" for name in original)
+    for name, value in original.items():
+        assert torch.equal(back[f"model/{name}"], value), name
+    config = common.model_config
+    for field in ("num_layers", "hidden_size", "num_query_groups", "ffn_hidden_size", "swiglu", "normalization",
+                  "position_embedding_type", "add_bias_linear", "untie_embeddings_and_output_weights", "vocab_size"):
+        assert getattr(config, field) == getattr(CONFIG, field), field
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts=8), r"is a Megatron model with MoE layers \(num_experts=8\), which megapipe does not have"),
+    (dict(position_embedding_type="yarn"), r"uses position embedding 'yarn', which megapipe does not have"),
+    (dict(qk_layernorm=True), r"with QK layernorm \(qk_layernorm=True\)"),
+])
+def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, change, message):
+    args = argparse.Namespace(**{**vars(megatron_args(CONFIG)), **change})
+    source = _legacy(tmp_path / "legacy", CONFIG, args)
+    with pytest.raises(CheckpointError, match=message):
+        import_megatron_checkpoint(source, str(tmp_path / "out"), SavedLayout(1, 1, 1))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tensor_without_a_place_is_named(tmp_path):
+    tensors = to_megatron(_canonical(CONFIG), CONFIG)
+    tensors["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 16)
+    source = _legacy(tmp_path / "legacy", CONFIG, megatron_args(CONFIG), tensors)
+    with pytest.raises(CheckpointError, match=r"holds 1 tensors megapipe has no place for \(first: "
+                                              r"decoder.layers.0.mlp.router.weight\)"):
+        import_megatron_checkpoint(source, str(tmp_path / "out"), SavedLayout(1, 1, 1))
+
+
+def test_missing_files_are_named(tmp_path):
+    source = _legacy(tmp_path / "legacy", CONFIG, megatron_args(CONFIG))
+    import_megatron_checkpoint(source, str(tmp_path / "a"), SavedLayout(1, 1, 1))
+    export_megatron_checkpoint(str(tmp_path / "a"), str(tmp_path / "dist"))
+    shard = next(name for name in os.listdir(tmp_path / "dist" / "iter_0000000") if name.endswith(".distcp"))
+    os.remove(tmp_path / "dist" / "iter_0000000" / shard)
+    with pytest.raises(CheckpointError, match=rf"is missing 1 shard file\(s\) its .metadata names \({shard}\); copy"):
+        import_megatron_checkpoint(str(tmp_path / "dist"), str(tmp_path / "b"), SavedLayout(1, 1, 1))
+    assert not (tmp_path / "b").exists()
+    os.rename(tmp_path / "legacy" / "iter_0000005" / "mp_rank_00", tmp_path / "legacy" / "iter_0000005" / "mp_rank_01")
+    os.makedirs(tmp_path / "legacy" / "iter_0000005" / "mp_rank_00")
+    with pytest.raises(CheckpointError, match=r"lacks model_optim_rng.pt of tensor rank 0, pipeline rank 0 \(its "
+                                              r"files span \(t, p\) = \(2, 1\)\)"):
+        import_megatron_checkpoint(source, str(tmp_path / "b"), SavedLayout(1, 1, 1))
+    with pytest.raises(CheckpointError, match="is not a Megatron checkpoint: it has no latest_checkpointed_iteration"):
+        import_megatron_checkpoint(str(tmp_path), str(tmp_path / "b"), SavedLayout(1, 1, 1))
