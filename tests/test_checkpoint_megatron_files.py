@@ -13,7 +13,9 @@ from megapipe.checkpointing.convert import export_megatron_checkpoint, import_me
 from megapipe.checkpointing.megatron_names import megatron_args, to_megatron
 from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.config import ModelConfig
-from megapipe.errors import CheckpointError
+from megapipe.config.checkpoint_args import SHAPE
+from megapipe.config.parse import config_from_argv
+from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name
 from megapipe.parallel.state import ParallelState
@@ -95,3 +97,21 @@ def test_missing_files_are_named(tmp_path):
         import_megatron_checkpoint(source, str(tmp_path / "b"), SavedLayout(1, 1, 1))
     with pytest.raises(CheckpointError, match="is not a Megatron checkpoint: it has no latest_checkpointed_iteration"):
         import_megatron_checkpoint(str(tmp_path), str(tmp_path / "b"), SavedLayout(1, 1, 1))
+
+
+def test_use_checkpoint_args_takes_the_imported_shape_and_refuses_a_contradiction(tmp_path):
+    source = _legacy(tmp_path / "legacy", CONFIG, megatron_args(CONFIG))
+    ckpt = str(tmp_path / "ckpt")
+    import_megatron_checkpoint(source, ckpt, SavedLayout(1, 1, 1))
+    flags = ["--load", ckpt, "--use-checkpoint-args", "--seq-length", "8"]
+    model = config_from_argv("gpt", flags + ["--hidden-size", "16", "--disable-bias-linear"]).model
+    assert {field: getattr(model, field) for field in SHAPE} == {field: getattr(CONFIG, field) for field in SHAPE}
+    assert config_from_argv("gpt", ["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size",
+                                    "1"] + flags).parallel.virtual_pipeline == 2
+    with pytest.raises(ConfigError, match=r"--hidden-size gives hidden_size 64 but the checkpoint .* has 16, and "
+                                          r"--use-checkpoint-args takes the model's shape from it; drop the flag"):
+        config_from_argv("gpt", flags + ["--hidden-size", "64"])
+    with pytest.raises(ConfigError, match=r"--num-query-groups gives num_query_groups 4 but .* has 2"):
+        config_from_argv("gpt", flags + ["--group-query-attention", "--num-query-groups", "4"])
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load DIR"):
+        config_from_argv("gpt", ["--use-checkpoint-args"])

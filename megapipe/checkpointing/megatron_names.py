@@ -36,6 +36,7 @@ _GLOBAL = [
     ("final_norm.{w}", "decoder.final_layernorm.{w}"),
     ("output_embedding.weight", "output_layer.weight"),
 ]
+_VOCAB = ("embedding.word_embeddings.weight", "output_embedding.weight")  # rows: the vocabulary
 # Transformer Engine fuses each layer norm into the linear after it; its names (and torch_dist's) -> the local spec's
 _FUSED_NORMS = [(re.compile(r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r".input_layernorm.\1"),
                 (re.compile(r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r".pre_mlp_layernorm.\1")]
@@ -94,7 +95,8 @@ def model_config(args, source: str) -> ModelConfig:
         raise CheckpointError(f"{source} has kv_channels {kv_channels} x {heads} heads != hidden size {hidden}; "
                               "megapipe needs heads x head size = hidden size.")
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else None
-    vocab = _arg(args, "padded_vocab_size") or _arg(args, "vocab_size")
+    # the tokenizer's size where the arguments keep it (megapipe's exports do), else every padded row
+    vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
     if not vocab:
         raise CheckpointError(f"{source}: the Megatron arguments name no (padded) vocabulary size.")
     positions = _arg(args, "max_position_embeddings") or _arg(args, "seq_length")
@@ -168,6 +170,8 @@ def from_megatron(state: dict[str, torch.Tensor], config: ModelConfig, source: s
         value = state[theirs].float()
         if config.swiglu and ".mlp.linear_fc1." in theirs:
             value = gate_up_interleaved(*value.chunk(2, dim=0))
+        if ours in _VOCAB:
+            value = value[: config.vocab_size]  # Megatron's vocabulary padding
         out[ours] = value.clone()
     left.discard("output_layer.weight")  # the last stage's copy of tied embeddings
     if left:
@@ -184,7 +188,7 @@ def to_megatron(canonical: dict[str, torch.Tensor], config: ModelConfig) -> dict
         value = canonical[ours]
         if config.swiglu and ".mlp.linear_fc1." in theirs:
             value = torch.cat(gate_up_split(value), dim=0)
-        if ours in ("embedding.word_embeddings.weight", "output_embedding.weight"):
+        if ours in _VOCAB:
             value = torch.cat([value, value.new_zeros(config.padded_vocab_size(1) - value.shape[0], value.shape[1])])
         out[theirs] = value.contiguous()
     return out
