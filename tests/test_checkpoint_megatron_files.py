@@ -97,6 +97,10 @@ def test_missing_files_are_named(tmp_path):
         import_megatron_checkpoint(source, str(tmp_path / "b"), SavedLayout(1, 1, 1))
     with pytest.raises(CheckpointError, match="is not a Megatron checkpoint: it has no latest_checkpointed_iteration"):
         import_megatron_checkpoint(str(tmp_path), str(tmp_path / "b"), SavedLayout(1, 1, 1))
+    os.makedirs(tmp_path / "empty" / "iter_0000001")
+    (tmp_path / "empty" / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(CheckpointError, match=r"iter_0000001 holds neither a torch_dist checkpoint \(metadata.json\)"):
+        import_megatron_checkpoint(str(tmp_path / "empty"), str(tmp_path / "b"), SavedLayout(1, 1, 1))
 
 
 def test_use_checkpoint_args_takes_the_imported_shape_and_refuses_a_contradiction(tmp_path):

@@ -112,6 +112,9 @@ def _read_legacy(directory: str) -> MegatronCheckpoint:
         match = _RANK_DIR.match(name)
         if match:
             ranks[int(match[1]), int(match[2] or 0)] = os.path.join(directory, name, LEGACY_FILE)
+    if not ranks:
+        raise CheckpointError(f"{directory} holds neither a torch_dist checkpoint ({DIST_METADATA}) nor mp_rank_* "
+                              "directories of the torch format; name a complete Megatron checkpoint.")
     t, p = 1 + max(tp for tp, _ in ranks), 1 + max(pp for _, pp in ranks)
     for tp in range(t):
         for pp in range(p):
