@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from checkpoint_helpers import convert_tool
 from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import export_megatron_checkpoint, import_megatron_checkpoint
 from megapipe.checkpointing.megatron_names import megatron_args, to_megatron
@@ -119,3 +120,24 @@ def test_use_checkpoint_args_takes_the_imported_shape_and_refuses_a_contradictio
         config_from_argv("gpt", flags + ["--group-query-attention", "--num-query-groups", "4"])
     with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load DIR"):
         config_from_argv("gpt", ["--use-checkpoint-args"])
+
+
+def test_convert_tool_imports_and_exports_megatron_and_errors_in_one_line(tmp_path, capsys):
+    tool = convert_tool()
+    source = _legacy(tmp_path / "legacy", CONFIG, megatron_args(CONFIG))
+    assert tool.main(["import-megatron", source, str(tmp_path / "ckpt"), "--vocab-size", "100",
+                      "--tensor-model-parallel-size", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"source:  {tmp_path / 'legacy' / 'iter_0000005'} (Megatron-LM torch, (t, p) = (1, 1), " \
+                         "iteration 5)"
+    assert printed[1] == f"target:  {tmp_path / 'ckpt' / 'iter_0000000'} ((t, p, d) = (2, 1, 1))"
+    _, common, tensors = read_checkpoint(str(tmp_path / "ckpt"))
+    assert common.model_config.vocab_size == 100 and tensors["model/output_embedding.weight"].shape == (100, 16)
+    assert tool.main(["export-megatron", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"target:  {tmp_path / 'out' / 'iter_0000000'} (Megatron-LM " \
+                                                      "torch_dist)"
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert tool.main(["import-megatron", source, str(tmp_path / "bad"), "--vocab-size", "129"]) == 2
+    assert capsys.readouterr().err == "error: --vocab-size 129 must be between 1 and the checkpoint's 128 embedding " \
+                                      "rows.\n"
+    assert not (tmp_path / "bad").exists()

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                   "checkpoint")
     command.add_argument("source", help="the Megatron save directory or one iter_* directory in it")
     command.add_argument("target")
+    command.add_argument("--vocab-size", type=int, default=None,
+                         help="the tokenizer's vocabulary size when the checkpoint's arguments keep only the padded "
+                              "one (Megatron-LM's usual case); the embedding rows past it are padding")
     _layout_flags(command)
     command = commands.add_parser("export-megatron", help="megapipe checkpoint -> Megatron-core torch_dist checkpoint")
     command.add_argument("source")
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
     elif args.command == "import-hf":
         done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
     elif args.command == "import-megatron":
-        done = import_megatron_checkpoint(args.source, args.target, _layout(args))
+        done = import_megatron_checkpoint(args.source, args.target, _layout(args), args.vocab_size)
     elif args.command == "export-megatron":
         done = export_megatron_checkpoint(args.source, args.target)
     else:

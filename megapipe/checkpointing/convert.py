@@ -22,7 +22,7 @@ from megapipe.checkpointing.offline import read_checkpoint, write_checkpoint
 from megapipe.checkpointing.state import MASTER, is_rank_local, model_key, optimizer_key
 from megapipe.checkpointing.tokenizer_files import read_tokenizer
 from megapipe.config import Config, ModelConfig
-from megapipe.errors import CheckpointError
+from megapipe.errors import CheckpointError, ConfigError
 from megapipe.data.tokenizer import Tokenizer
 
 
@@ -115,12 +115,22 @@ def export_hf_checkpoint(source: str, hf_dir: str, max_shard_size: str = "5GB") 
 MEGATRON_OPTIMIZER = "Megatron keeps optimizer state in its own layout of parameter groups and buffers"
 
 
-def import_megatron_checkpoint(source: str, target: str, layout: SavedLayout) -> Conversion:
+def import_megatron_checkpoint(source: str, target: str, layout: SavedLayout,
+                               vocab_size: Optional[int] = None) -> Conversion:
     """A megapipe checkpoint (weights only, iteration 0) of a Megatron-LM GPT or Llama-style checkpoint in
-    ``torch`` (any (t, p) it was saved with) or ``torch_dist`` format; the model shape comes from its arguments."""
+    ``torch`` (any (t, p) it was saved with) or ``torch_dist`` format; the model shape comes from its arguments.
+
+    ``vocab_size``: the tokenizer's, when the arguments keep only the padded size; the rows past it are padding.
+    """
     megatron = read_megatron(source)
-    canonical = from_megatron(megatron.tensors, megatron.config, megatron.directory)
-    written = _write_imported(target, layout, "gpt", megatron.config, canonical, None)
+    config = megatron.config
+    if vocab_size is not None:
+        if not 0 < vocab_size <= config.vocab_size:
+            raise ConfigError(f"--vocab-size {vocab_size} must be between 1 and the checkpoint's {config.vocab_size} "
+                              "embedding rows.")
+        config = dataclasses.replace(config, vocab_size=vocab_size)
+    canonical = from_megatron(megatron.tensors, config, megatron.directory)
+    written = _write_imported(target, layout, "gpt", config, canonical, None)
     return Conversion(megatron.directory, None, written, layout, len(canonical), _size(canonical),
                       foreign=megatron.describe(),
                       fresh_optimizer=MEGATRON_OPTIMIZER if megatron.has_optimizer else "")
