@@ -25,11 +25,11 @@ VARIANTS = {
     "gpt": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True, position_embedding_type="learned_absolute",
                 untie_embeddings_and_output_weights=False, group_query_attention=False, num_query_groups=None,
-                rotary_base=10000),
+                rotary_base=10000, bias_gelu_fusion=True),  # Megatron-LM's default: its (tanh) bias-GeLU kernel
     "llama": dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, normalization="RMSNorm",
                   swiglu=True, add_bias_linear=False, position_embedding_type="rope",
                   untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-                  rotary_base=500000),
+                  rotary_base=500000, bias_gelu_fusion=False),
 }
 
 
@@ -62,7 +62,8 @@ def megatron_core_on_cpu():
 
 
 def build(variant: str, seed: int):
-    """A Megatron-core GPTModel of ``variant`` with non-trivial norms and biases (so a swapped mapping shows)."""
+    """A Megatron-core GPTModel of ``variant`` with non-trivial norms and biases (so a swapped mapping shows) and
+    weights large enough that every non-linearity bends."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,7 +75,7 @@ def build(variant: str, seed: int):
         num_attention_heads=v["num_attention_heads"], num_query_groups=v["num_query_groups"],
         normalization=v["normalization"], gated_linear_unit=v["swiglu"],
         activation_func=torch.nn.functional.silu if v["swiglu"] else torch.nn.functional.gelu,
-        add_bias_linear=v["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=v["add_bias_linear"], bias_activation_fusion=v["bias_gelu_fusion"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization=v["normalization"]), vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type=v["position_embedding_type"],
@@ -84,6 +85,8 @@ def build(variant: str, seed: int):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            else:  # activations of order one, where exact and tanh-approximated GeLU differ
+                p.normal_(0.0, 0.3)
     return model.eval()
 
 

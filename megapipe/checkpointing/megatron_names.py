@@ -75,6 +75,13 @@ def _arg(args, name: str, default=None):
     return getattr(args, name, default)
 
 
+def _activation(args) -> str:
+    """Megatron's GeLU: tanh-approximated by --openai-gelu, and by its bias-GeLU fusion (on by default, used
+    with biases), else exact."""
+    fused = _arg(args, "bias_gelu_fusion", True) and _arg(args, "add_bias_linear", True) and not _arg(args, "swiglu")
+    return "gelu_tanh" if _arg(args, "openai_gelu", False) or fused else "gelu"
+
+
 def model_config(args, source: str) -> ModelConfig:
     """The megapipe ModelConfig of a Megatron checkpoint's ``args``; CheckpointError for a model megapipe lacks."""
     if args is None:
@@ -112,7 +119,7 @@ def model_config(args, source: str) -> ModelConfig:
                   rotary_base=float(_arg(args, "rotary_base", 10000)),
                   rotary_percent=float(_arg(args, "rotary_percent", 1.0)),
                   layernorm_epsilon=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-                  activation="gelu_tanh" if _arg(args, "openai_gelu", False) else "gelu",
+                  activation=_activation(args),
                   hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
                   attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
                   init_method_std=float(_arg(args, "init_method_std", 0.02)))
@@ -122,8 +129,10 @@ def model_config(args, source: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def megatron_args(config: ModelConfig, tensor: int = 1, pipeline: int = 1) -> argparse.Namespace:
-    """The Megatron-LM arguments (model shape) of a megapipe ModelConfig."""
+def megatron_args(config: ModelConfig) -> argparse.Namespace:
+    """The Megatron-LM arguments (model shape) of a megapipe ModelConfig, for one tensor and pipeline rank
+    (torch_dist does not depend on them)."""
+    tanh = config.activation == "gelu_tanh"
     heads = config.num_attention_heads
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -133,12 +142,13 @@ def megatron_args(config: ModelConfig, tensor: int = 1, pipeline: int = 1) -> ar
         position_embedding_type=config.position_embedding_type, normalization=config.normalization,
         swiglu=config.swiglu, untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
-        padded_vocab_size=config.padded_vocab_size(tensor), vocab_size=config.vocab_size,
+        padded_vocab_size=config.padded_vocab_size(1), vocab_size=config.vocab_size,
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, rotary_base=config.rotary_base,
         rotary_percent=config.rotary_percent, norm_epsilon=config.layernorm_epsilon,
-        openai_gelu=config.activation == "gelu_tanh", hidden_dropout=config.hidden_dropout,
+        openai_gelu=tanh, bias_gelu_fusion=tanh and config.add_bias_linear and not config.swiglu,
+        hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, init_method_std=config.init_method_std,
-        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline, num_experts=None)
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_experts=None)
 
 
 def _pairs(config: ModelConfig):
