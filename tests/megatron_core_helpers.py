@@ -128,7 +128,7 @@ def _split(name: str, value, t: int, swiglu: bool) -> list:
     """``value``'s slices over ``t`` tensor ranks, as Megatron's column/row-parallel layers hold them."""
     if value is None or t == 1:
         return [value] * t
-    if swiglu and "linear_fc1." in name:  # each rank: [its gate rows; its up rows]
+    if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # each rank: [its gate rows; its up rows]
         gate, up = value.chunk(2, dim=0)
         return [torch.cat(pair) for pair in zip(gate.chunk(t), up.chunk(t))]
     if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",

@@ -1,17 +1,22 @@
 """Megatron checkpoints without Megatron-core: a legacy torch checkpoint written from a megapipe model's weights
-converts to megapipe, out to torch_dist and back in bit for bit; what megapipe cannot read is one sentence
-and writes nothing. (tests/test_checkpoint_megatron.py checks the maths against Megatron-core itself.)"""
+(one rank, or split over (t, p) = (2, 2) under Transformer Engine's names) converts to megapipe, out to
+torch_dist (layers stacked, or one key per layer as other versions write) and back in bit for bit; what
+megapipe cannot read is one sentence and writes nothing; --use-checkpoint-args takes the imported shape.
+(tests/test_checkpoint_megatron.py checks the maths against Megatron-core itself.)"""
 
 import argparse
 import os
+import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from checkpoint_helpers import convert_tool
+from megatron_core_helpers import save_legacy
 from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import export_megatron_checkpoint, import_megatron_checkpoint
-from megapipe.checkpointing.megatron_names import megatron_args, to_megatron
+from megapipe.checkpointing.megatron_names import fused_name, megatron_args, to_megatron
 from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.config import ModelConfig
 from megapipe.config.checkpoint_args import SHAPE
@@ -141,3 +146,43 @@ def test_convert_tool_imports_and_exports_megatron_and_errors_in_one_line(tmp_pa
     assert capsys.readouterr().err == "error: --vocab-size 129 must be between 1 and the checkpoint's 128 embedding " \
                                       "rows.\n"
     assert not (tmp_path / "bad").exists()
+
+
+class _StateOnly:
+    """What ``save_legacy`` asks of a Megatron-core model: its state_dict."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_transformer_engine_names_split_over_ranks_and_per_layer_torch_dist_keys_read_alike(tmp_path):
+    original = _canonical(CONFIG)
+    state = {fused_name(name): value for name, value in to_megatron(original, CONFIG).items()}
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in state
+    state["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(5, dtype=torch.uint8)
+    save_legacy(_StateOnly(state), megatron_args(CONFIG), str(tmp_path / "te"), t=2, p=2)
+    import_megatron_checkpoint(str(tmp_path / "te"), str(tmp_path / "a"), SavedLayout(1, 1, 1))
+    export_megatron_checkpoint(str(tmp_path / "a"), str(tmp_path / "stacked"))
+    stacked, per_layer = tmp_path / "stacked" / "iter_0000000", tmp_path / "per-layer" / "iter_0000000"
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for key, md in dcp.FileSystemReader(str(stacked)).read_metadata().state_dict_metadata.items()
+               if "_extra_state" not in key}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(stacked)), no_dist=True)
+    unstacked = {}
+    for key, value in tensors.items():
+        rows = enumerate(value.unbind(0)) if key.startswith("decoder.layers.") else [(None, value)]
+        for i, row in rows:
+            unstacked[key if i is None else key.replace("decoder.layers.", f"decoder.layers.{i}.")] = row.clone()
+    dcp.save(unstacked, storage_writer=dcp.FileSystemWriter(str(per_layer)), no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(stacked / name, per_layer / name)
+    import_megatron_checkpoint(str(per_layer), str(tmp_path / "b"), SavedLayout(1, 1, 1))
+    for directory in ("a", "b"):
+        _, _, back = read_checkpoint(str(tmp_path / directory))
+        assert sorted(back) == sorted(f"model/{name}" for name in original), directory
+        for name, value in original.items():
+            assert torch.equal(back[f"model/{name}"], value), (directory, name)

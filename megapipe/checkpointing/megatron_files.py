@@ -46,6 +46,7 @@ _MODEL = ("embedding.", "decoder.", "output_layer.")  # the prefixes of Megatron
 _COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|"
                      r"linear_fc1\.(weight|bias))$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+EXTRA_STATE = "_extra_state"  # a layer's framework state (Transformer Engine's FP8 scales), not a weight
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -134,9 +135,9 @@ def _read_legacy(directory: str) -> MegatronCheckpoint:
     for pp in range(p):
         parts = [first["model"] if (tp, pp) == (0, 0) else _load(ranks[tp, pp])["model"] for tp in range(t)]
         for name, value in parts[0].items():
-            if not isinstance(value, torch.Tensor):
-                continue  # _extra_state
-            whole = _merge(name, [part[name] for part in parts], config.swiglu)
+            if not isinstance(value, torch.Tensor) or name.endswith(EXTRA_STATE):
+                continue
+            whole = _merge(local_name(name), [part[name] for part in parts], config.swiglu)
             layer = _LAYER.match(name)
             if layer:
                 name = f"decoder.layers.{int(layer[1]) + pp * config.num_layers // p}.{layer[2]}"
@@ -149,7 +150,7 @@ def _merge(name: str, parts: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
     """One tensor from its tensor-parallel slices (replicated ones: the first)."""
     if len(parts) == 1:
         return parts[0]
-    if swiglu and "linear_fc1." in name:  # each rank holds [its gate rows; its up rows]
+    if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # each rank: [its gate rows; its up rows]
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     if _COLUMN.search(name):
@@ -177,7 +178,8 @@ def _read_dist(directory: str) -> MegatronCheckpoint:
                               f"({', '.join(missing[:3])}); copy the whole checkpoint directory.")
     wanted = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
               for key, md in metadata.state_dict_metadata.items()
-              if isinstance(md, TensorStorageMetadata) and key.removeprefix("model.").startswith(_MODEL)}
+              if isinstance(md, TensorStorageMetadata) and key.removeprefix("model.").startswith(_MODEL)
+              and EXTRA_STATE not in key}
     with warnings.catch_warnings():  # DCP warns that no_dist means one process, which is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, storage_reader=reader, no_dist=True)
@@ -213,9 +215,9 @@ def write_dist(root: str, tensors: dict[str, torch.Tensor], args: argparse.Names
     # its objects: the list of one key's values
     for module in _LINEARS:
         for i in range(count):
-            state[f"decoder.layers.{module}._extra_state/shard_{i}_{count}"] = [None]
+            state[f"decoder.layers.{module}.{EXTRA_STATE}/shard_{i}_{count}"] = [None]
     if args.untie_embeddings_and_output_weights:
-        state["output_layer._extra_state/shard_0_1"] = [None]
+        state[f"output_layer.{EXTRA_STATE}/shard_0_1"] = [None]
     os.makedirs(root, exist_ok=True)
     staging = prepare_staging(root, iteration)
     with warnings.catch_warnings():  # as in _read_dist
