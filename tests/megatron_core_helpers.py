@@ -22,10 +22,11 @@ SEQ, BATCH, VOCAB = 12, 3, 128
 
 # Megatron-LM arguments of each variant; TransformerConfig and GPTModel options follow from them
 VARIANTS = {
+    # Megatron-LM's default bias-GeLU fusion: its (tanh-approximated) kernel
     "gpt": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True, position_embedding_type="learned_absolute",
                 untie_embeddings_and_output_weights=False, group_query_attention=False, num_query_groups=None,
-                rotary_base=10000, bias_gelu_fusion=True, add_qkv_bias=False),  # Megatron-LM's default: its (tanh) bias-GeLU kernel
+                rotary_base=10000, bias_gelu_fusion=True, add_qkv_bias=False),
     "llama": dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, normalization="RMSNorm",
                   swiglu=True, add_bias_linear=False, position_embedding_type="rope",
                   untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
@@ -76,7 +77,8 @@ def build(variant: str, seed: int):
         num_attention_heads=v["num_attention_heads"], num_query_groups=v["num_query_groups"],
         normalization=v["normalization"], gated_linear_unit=v["swiglu"],
         activation_func=torch.nn.functional.silu if v["swiglu"] else torch.nn.functional.gelu,
-        add_bias_linear=v["add_bias_linear"], add_qkv_bias=v["add_qkv_bias"], bias_activation_fusion=v["bias_gelu_fusion"], hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=v["add_bias_linear"], add_qkv_bias=v["add_qkv_bias"],
+        bias_activation_fusion=v["bias_gelu_fusion"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization=v["normalization"]), vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type=v["position_embedding_type"],

@@ -1,6 +1,7 @@
-"""Megatron-LM checkpoints both ways, against Megatron-core itself: a GPT (LayerNorm, learned positions, biases,
-tied output, Megatron-LM's fused tanh GeLU), a Llama-style model (RMSNorm, SwiGLU, RoPE, grouped-query attention,
-untied output, no biases) and the same with a bias on q, k and v (Qwen2's) are saved by Megatron-core's ``dist_checkpointing`` (torch_dist) and as a legacy torch checkpoint of a
+"""Megatron-LM checkpoints both ways, against Megatron-core itself: a GPT (LayerNorm, learned positions,
+biases, tied output, Megatron-LM's fused tanh GeLU), a Llama-style model (RMSNorm, SwiGLU, RoPE,
+grouped-query attention, untied output, no biases) and the same with a bias on q, k and v (Qwen2's) are
+saved by Megatron-core's ``dist_checkpointing`` (torch_dist) and as a legacy torch checkpoint of a
 (t, p) = (2, 2) run; each imports into megapipe with Megatron-core's logits (fp32, 1e-5), and megapipe's
 export loads back into Megatron-core with the very same logits.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ def _iteration_dir(path: str) -> str:
     if not os.path.isfile(latest):
         raise CheckpointError(f"{path} is not a Megatron checkpoint: it has no {LATEST}, no {DIST_METADATA} and "
                               "no mp_rank_* directories; name the checkpoint's save directory or one iter_* in it.")
-    text = open(latest).read().strip()
+    with open(latest) as f:
+        text = f.read().strip()
     directory = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}"
                              if text.isdigit() else text)
     if not os.path.isdir(directory):
@@ -96,7 +98,7 @@ def read_megatron(path: str) -> MegatronCheckpoint:
 def _load(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a truncated or foreign pickle
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as error:  # truncated or foreign
         raise CheckpointError(f"{path} cannot be read ({str(error).splitlines()[0]}).") from None
 
 
@@ -170,7 +172,7 @@ def _read_dist(directory: str) -> MegatronCheckpoint:
     reader = dcp.FileSystemReader(directory)
     try:
         metadata = reader.read_metadata()
-    except Exception as error:
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as error:
         raise CheckpointError(f"{directory}: its .metadata cannot be read ({str(error).splitlines()[0]}).") from None
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(os.listdir(directory)))
     if missing:

@@ -185,7 +185,7 @@ def from_megatron(state: dict[str, torch.Tensor], config: ModelConfig, source: s
         out[ours] = value.clone()
     left.discard("output_layer.weight")  # the last stage's copy of tied embeddings
     if left:
-        raise CheckpointError(f"{source} holds {len(left)} tensors megapipe has no place for (first: {sorted(left)[0]}); "
+        raise CheckpointError(f"{source} holds {len(left)} tensors megapipe has no place for (first: {min(left)}); "
                               "it is not a GPT or Llama-style dense model.")
     return out
 
