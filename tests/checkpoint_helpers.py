@@ -1,6 +1,10 @@
-"""Tiny GPT runs through the real Trainer for the checkpoint tests (inside ``run_distributed`` worlds)."""
+"""Tiny GPT runs through the real Trainer for the checkpoint tests (inside ``run_distributed`` worlds), and the
+conversion tool as a module."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch.distributed as dist
 
@@ -61,3 +65,12 @@ def train(argv: list[str], cache: str, after_load=None) -> tuple[Trainer, list[l
     trainer.engine.train_batch = recording
     trainer.train()
     return trainer, losses
+
+
+def convert_tool():
+    """``tools/convert_checkpoint.py`` as a module, so a test calls its ``main`` in this process."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

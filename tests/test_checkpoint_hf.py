@@ -7,7 +7,6 @@ order); the exported weights are the imported ones bit for bit, so transformers 
 exactly its original logits again.
 """
 
-import importlib.util
 import os
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from checkpoint_helpers import convert_tool
 from megapipe.checkpointing.load import load_weights
 from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint
@@ -159,17 +159,9 @@ def test_unsupported_architecture_is_one_sentence(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _convert_tool():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.distributed
 def test_convert_tool_prints_what_it_did_and_errors_in_one_line(round_trip, tmp_path, capsys):
-    tool = _convert_tool()
+    tool = convert_tool()
     source = str(tmp_path / "missing")
     assert tool.main(["reshard", source, str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: checkpoint directory")

@@ -42,6 +42,7 @@ LAYERS = (
     ("inference", "planner", "cluster.auth"),  # cluster.auth: the signing both the lease and the service use
     ("pipeline.selection", "cluster.client"),
     ("config.flags",),  # the flags, generated from the dataclasses and the model families' own
+    ("config.checkpoint_args",),  # --use-checkpoint-args: the model shape of the --load checkpoint
     ("config.parse",),  # parse_config: flags, presets and every cross-flag check (the schedule search's too)
     ("training",),
     ("cluster.core",),

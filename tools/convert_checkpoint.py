@@ -1,4 +1,4 @@
-"""Convert checkpoints offline: to another parallel layout, from and to Hugging Face.
+"""Convert checkpoints offline: to another parallel layout, from and to Hugging Face and Megatron-LM.
 
     # rewrite a checkpoint as a (t, p, d) = (1, 4, 1) run would save it (any layout loads
     # any checkpoint directly; this makes the files match the new layout, one per rank)
@@ -12,6 +12,11 @@
     # a megapipe checkpoint -> Hugging Face directory (config.json + model.safetensors)
     python tools/convert_checkpoint.py export-hf ckpt/ gpt2-out/
 
+    # a Megatron-LM GPT or Llama-style checkpoint (torch format at any (t, p), or torch_dist) -> megapipe
+    python tools/convert_checkpoint.py import-megatron megatron-ckpt/ ckpt/ --tensor-model-parallel-size 2
+    # a megapipe checkpoint -> Megatron-core torch_dist (load it with --ckpt-format torch_dist)
+    python tools/convert_checkpoint.py export-megatron ckpt/ megatron-out/
+
 Sources may be a --save directory (its latest checkpoint) or one iter_* directory. Prints
 the source and target with their layouts and how many tensors and bytes were written.
 """
@@ -23,7 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.checkpointing.common import SavedLayout  # noqa: E402
-from megapipe.checkpointing.convert import export_hf_checkpoint, import_hf_checkpoint, reshard  # noqa: E402
+from megapipe.checkpointing.convert import (export_hf_checkpoint, export_megatron_checkpoint,  # noqa: E402
+                                            import_hf_checkpoint, import_megatron_checkpoint, reshard)
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 
 
@@ -56,6 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     command.add_argument("source")
     command.add_argument("hf_dir")
     command.add_argument("--max-shard-size", default="5GB", help="larger models are written as indexed shards")
+    command = commands.add_parser("import-megatron", help="Megatron-LM checkpoint (torch or torch_dist) -> megapipe "
+                                  "checkpoint")
+    command.add_argument("source", help="the Megatron save directory or one iter_* directory in it")
+    command.add_argument("target")
+    command.add_argument("--vocab-size", type=int, default=None,
+                         help="the tokenizer's vocabulary size when the checkpoint's arguments keep only the padded "
+                              "one (Megatron-LM's usual case); the embedding rows past it are padding")
+    _layout_flags(command)
+    command = commands.add_parser("export-megatron", help="megapipe checkpoint -> Megatron-core torch_dist checkpoint")
+    command.add_argument("source")
+    command.add_argument("target")
     return parser.parse_args(argv)
 
 
@@ -77,6 +94,10 @@ def main(argv=None) -> int:
         done = reshard(args.source, args.target, _layout(args))
     elif args.command == "import-hf":
         done = import_hf_checkpoint(args.hf_dir, args.target, _layout(args), args.initialize_missing_heads)
+    elif args.command == "import-megatron":
+        done = import_megatron_checkpoint(args.source, args.target, _layout(args), args.vocab_size)
+    elif args.command == "export-megatron":
+        done = export_megatron_checkpoint(args.source, args.target)
     else:
         done = export_hf_checkpoint(args.source, args.hf_dir, args.max_shard_size)
     print("\n".join(done.lines()))

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megapipe.config.checkpoint_args import use_checkpoint_args
 from megapipe.config.flags import apply_preset, build_parser, section_values
 from megapipe.config.notes import tell
 from megapipe.config.operations import validate_operations
@@ -130,11 +131,17 @@ def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:
     what a tool that needs only the run's model and data reads from the run's own flags."""
     parser = build_parser(kind)
     args = parser.parse_args(argv)
-    family, overridden = apply_preset(args, parser.given(argv), kind)
+    given = parser.given(argv)
+    family, overridden = apply_preset(args, given, kind)
     for note in (overridden, _one_chunk_note(args)):  # before any refusal they may explain
         if note:
             tell(note)
-    return config_from_args(kind, args, family)
+    config = config_from_args(kind, args, family)
+    if config.training.use_checkpoint_args:
+        use_checkpoint_args(config, given)
+        args.num_layers = config.model.num_layers  # what --num-layers-per-virtual-pipeline-stage divides
+        config.parallel.virtual_pipeline = _virtual_pipeline_size(args)
+    return config
 
 
 def parse_config(kind: str, argv: Optional[Sequence[str]] = None, world_size: int = 1,

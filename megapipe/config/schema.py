@@ -291,6 +291,9 @@ class TrainingConfig:
     seed: int = 1234
     save: Optional[str] = None
     load: Optional[str] = None
+    use_checkpoint_args: bool = flag(False, help=(
+        "take the model's shape from the --load checkpoint (a megapipe one: import a Megatron-LM checkpoint "
+        "first); a shape flag given that differs is refused"))
     save_interval: Optional[int] = None
     no_save_optim: bool = False
     no_load_optim: bool = False

@@ -32,11 +32,12 @@ def qkv_to_grouped(qkv: torch.Tensor, heads: int, groups: int, head_dim: int):
 
 
 def gate_up_interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.stack((gate, up), dim=1).reshape(-1, gate.shape[1]).contiguous()
+    """Gate and up rows (weights or biases) -> megapipe's (ffn, {gate, up}) pairs."""
+    return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:]).contiguous()
 
 
 def gate_up_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = fc1.reshape(-1, 2, fc1.shape[1])
+    pairs = fc1.reshape(-1, 2, *fc1.shape[1:])
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
