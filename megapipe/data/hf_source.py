@@ -9,14 +9,16 @@ loading the whole dataset into memory. ``datasets`` is an optional package, impo
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from megapipe.errors import DataError
 from megapipe.optional import require
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 SAVED_MARKERS = ("state.json", "dataset_info.json")  # what save_to_disk writes next to the Arrow files
+EMPTY = "add data or pass another dataset"
 ADVICE = "pass a folder written by Dataset.save_to_disk or a folder of Parquet, JSONL or Arrow files"
 
 
@@ -30,7 +32,20 @@ def _data_files(path: str) -> tuple[str, list[str]]:
     if len(formats) > 1:
         raise DataError(f"--hf-dataset {path} mixes {' and '.join(sorted(formats))} files; keep one format per "
                         "dataset folder.")
-    return formats.pop(), [os.path.join(path, n) for n in names if os.path.splitext(n)[1] in FORMATS]
+    files = [os.path.join(path, n) for n in names if os.path.splitext(n)[1] in FORMATS]
+    if not any(os.path.getsize(f) for f in files):  # datasets fails on these with a bare StopIteration
+        raise DataError(f"--hf-dataset {path} holds no documents (its files are empty); {EMPTY}.")
+    return formats.pop(), files
+
+
+def _saved_shards(path: str) -> list:
+    """The Arrow files a save_to_disk folder lists."""
+    try:
+        with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+            return json.load(f).get("_data_files", [])
+    except (OSError, ValueError, AttributeError):
+        raise DataError(f"--hf-dataset {path} has an unreadable state.json; save the dataset again with "
+                        "save_to_disk.") from None
 
 
 def _load(path: str, cache_dir: Optional[str]):
@@ -39,11 +54,19 @@ def _load(path: str, cache_dir: Optional[str]):
         splits = ", ".join(sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))))
         raise DataError(f"--hf-dataset {path} holds several splits ({splits}); pass the folder of one of them, "
                         f"e.g. {os.path.join(path, 'train')}.")
+    if all(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS):
+        if not _saved_shards(path):  # what save_to_disk writes for no rows, which load_from_disk cannot read
+            raise DataError(f"--hf-dataset {path} holds no documents; {EMPTY}.")
+        return _reading(path, datasets, lambda: datasets.load_from_disk(path))
+    builder, files = _data_files(path)
+    return _reading(path, datasets, lambda: datasets.load_dataset(builder, data_files=files, split="train",
+                                                                   cache_dir=cache_dir))
+
+
+def _reading(path: str, datasets, load: Callable):
+    """``load()``, its failures to read the files said as one DataError."""
     try:
-        if all(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS):
-            return datasets.load_from_disk(path)
-        builder, files = _data_files(path)
-        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+        return load()
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"--hf-dataset {path} cannot be read as a dataset ({reason}); {ADVICE}.") from None
@@ -66,5 +89,5 @@ def open_hf_dataset(path: str, text_key: str, cache_dir: Optional[str] = None):
         raise DataError(f"--hf-dataset {path} column '{text_key}' holds {kind or dataset.features[text_key]}, not "
                         "text; name the text column with --hf-dataset-text-key.")
     if len(dataset) == 0:
-        raise DataError(f"--hf-dataset {path} holds no documents; add data or pass another dataset.")
+        raise DataError(f"--hf-dataset {path} holds no documents; {EMPTY}.")
     return dataset.select_columns([text_key])
