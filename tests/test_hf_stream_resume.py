@@ -1,14 +1,15 @@
 """``pretrain_gpt.py --hf-dataset``: stopped and resumed, a run sees what an uninterrupted run sees.
 
-A saved Hugging Face dataset small enough (178 tokens an epoch) that the resumed position, sample 24
-(token 384), lies in the third epoch of its stream. An uninterrupted run of 6 iterations (tokenising in 2 worker processes); a run stopped
-at iteration 3 (``--exit-interval 3 --save``); its checkpoint resumed to 6 (tokenising in the
-training process: the worker count must not change the stream), whose losses must equal the
-uninterrupted run's bit for bit; and the same checkpoint resumed at data-parallel degree 2
-(torchrun, 1 worker each), which must train on the same global batches: its losses equal the
-uninterrupted run's up to the order of the fp32 sums (rtol 1e-5; a stream one token off moves the
-loss by 5e-4 relative). Exact losses come from the TensorBoard events (fp32 values), not from the
-log's 7 printed digits. Dropout is off: random states do not follow a change of layout.
+A saved Hugging Face dataset small enough (178 tokens an epoch) that the resumed position, sample
+24 (token 384), lies in the third epoch of its stream. An uninterrupted run of 6 iterations
+(tokenising in 2 worker processes); a run stopped at iteration 3 (``--exit-interval 3 --save``);
+its checkpoint resumed to 6 (tokenising in the training process: the worker count must not change
+the stream), whose losses must equal the uninterrupted run's bit for bit; and the same checkpoint
+resumed at data-parallel degree 2 (torchrun, 1 worker each), which must train on the same global
+batches: its losses equal the uninterrupted run's up to the order of the fp32 sums (rtol 1e-5; a
+stream one token off moves the loss by 5e-4 relative). Exact losses come from the TensorBoard
+events (fp32 values), not from the log's 7 printed digits. Dropout is off: random states do not
+follow a change of layout.
 """
 
 import os
