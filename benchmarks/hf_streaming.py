@@ -102,7 +102,8 @@ def main(argv=None) -> None:
                                       pools[int(name.split()[1])])
 
         names = [PRETOKENISED] + [f"streamed {w} worker{'s' if w != 1 else ''}" for w in args.workers]
-        print(f"{len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.2f} MB of text, {tokens:,} tokens ({tokenizer.name}); "
+        size = sum(len(t.encode()) for t in texts) / 1e6
+        print(f"{len(texts):,} documents, {size:.2f} MB of text, {tokens:,} tokens ({tokenizer.name}); "
               f"{samples:,} samples of {args.seq_length} tokens, micro-batch {args.micro_batch_size}; {rounds} "
               f"round(s); {report.machine()}")
         seconds = take_turns(names, rounds, lambda name, _: read_samples(system(name), samples, args.micro_batch_size))

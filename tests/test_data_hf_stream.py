@@ -154,7 +154,8 @@ def test_bad_datasets_are_one_sentence_each(saved, tmp_path):
                                                        r"them, e\.g\. .*dict/train\.$")
     (tmp_path / "no-rows").mkdir()
     (tmp_path / "no-rows" / "a.jsonl").write_text("")
-    cases["no rows"] = (str(tmp_path / "no-rows"), "text", r"no-rows holds no documents \(its files are empty\); add data or pass another dataset\.$")
+    cases["no rows"] = (str(tmp_path / "no-rows"), "text",
+                        r"no-rows holds no documents \(its files are empty\); add data or pass another dataset\.$")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "a.parquet").write_bytes(b"not parquet")
     cases["unreadable"] = (str(tmp_path / "broken"), "text", r"broken cannot be read as a dataset \(")

@@ -1,6 +1,7 @@
 """The operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
 ``--exit-signal-grace-seconds``, ``--distributed-timeout-minutes``, ``--skip-train``, ``--load``,
-``--mock-data``, ``--hf-dataset``, ``--num-workers``, the two scheduler-on-resume flags), checked before any process group, one sentence per mistake.
+``--mock-data``, ``--hf-dataset``, ``--num-workers``, the two scheduler-on-resume flags), checked
+before any process group, one sentence per mistake.
 (What they do at run time: ``megapipe/training/exits.py``.)"""
 
 from __future__ import annotations

@@ -7,12 +7,22 @@ tokenised while the caller trains on earlier ones; the results are taken back st
 submission order, so the token stream is the same for any number of workers, 0 included (the
 caller's process tokenises). Workers are spawned once, at first use, and shared by every
 ``map`` of the pool; a ``map`` left unfinished leaves at most its window of chunks to finish.
+
+The training process alone decides when to stop: workers ignore SIGTERM and SIGINT (a scheduler
+that preempts signals every process of the job, and the run must still get its next batches to
+reach the iteration where it saves and exits), and end when it shuts them down, or when it dies.
+A worker that dies anyway fails the next result (``BrokenProcessPool``) rather than hang it.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -27,6 +37,20 @@ EMPTY = np.zeros(0, dtype=np.int32)
 def encode_texts(encoder: DocumentEncoder, texts: list[str]) -> list[np.ndarray]:
     """One token array per text: its tokens then eod, or nothing for a text without tokens."""
     return [(encoder.encode_text(text) or [EMPTY])[0] for text in texts]
+
+
+def _start_worker(encoder: DocumentEncoder) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
+    preprocess._init_worker(encoder)
+
+
+def _exit_with(sentinel: int) -> None:
+    """End this worker when the process that started it has ended, however it ended."""
+    multiprocessing.connection.wait([sentinel])
+    os._exit(0)
 
 
 def _encode_texts_in_worker(texts: list[str]) -> list[np.ndarray]:
@@ -48,19 +72,18 @@ class TokenizingPool:
                 yield encode_texts(self.encoder, texts)
             return
         if self._pool is None:
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers, preprocess._init_worker,
-                                                                    (self.encoder,))
+            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"), _start_worker,
+                                             (self.encoder,))
         pending = collections.deque()
         for texts in chunks:
-            pending.append(self._pool.apply_async(_encode_texts_in_worker, (texts,)))
+            pending.append(self._pool.submit(_encode_texts_in_worker, texts))
             if len(pending) >= 2 * self.workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
 
     def close(self) -> None:
-        """Stop the workers (a later ``map`` starts new ones)."""
+        """Stop the workers once their current chunks are done (a later ``map`` starts new ones)."""
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.shutdown(cancel_futures=True)
             self._pool = None
