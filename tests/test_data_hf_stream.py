@@ -34,8 +34,9 @@ POOL = TokenizingPool(BYTES, workers=0)  # the worker processes are the system t
 SEED = 7
 
 
-def corpus(count: int = 60) -> list[str]:
-    """Texts of varied length (0 to ~70 bytes, two empty), multi-byte characters included."""
+def corpus(count: int = 150) -> list[str]:
+    """Texts of varied length (0 to ~70 bytes, some empty), multi-byte characters included; more than one
+    tokenising chunk of documents."""
     rng = np.random.default_rng(3)
     texts = [" ".join(["naïve", "word", "λ", "x"][int(k)] for k in rng.integers(0, 4, int(n)))
              for n in rng.integers(0, 18, count)]
@@ -72,7 +73,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("form", ["saved", "jsonl", "parquet"])
-@pytest.mark.parametrize("seq_length", [1, 16, 150])
+@pytest.mark.parametrize("seq_length", [3, 16, 150])
 def test_streamed_windows_are_gpt_dataset_stream_windows(saved, tmp_path, form, seq_length):
     """Windows 0..N-1 (several epochs) equal GPTDataset.sample_tokens(0..N-1) for the preprocessed text."""
     root, texts, indexed = saved
