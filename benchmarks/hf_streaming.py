@@ -11,10 +11,12 @@ each system reads the first ``--samples`` GPT samples of ``--seq-length`` throug
 training loop uses (``build_pretraining_data_loader``, micro-batch ``--micro-batch-size``, one
 data-parallel rank): the pre-tokenised ``GPTDataset`` and the streamed dataset with 0 (the reading
 process tokenises), 1 and 2 worker processes. The systems take turns, in an order rotated every
-round; a row gives the median over rounds of the tokens/s (samples x seq_length per second from
-the first microbatch to the last, each measured after a warm-up microbatch that starts the worker
-pool), and the median ratio to the pre-tokenised rate of the same round. The last line times a
-resume: locating sample ``--samples`` in a fresh stream (which counts the tokens before it).
+round; a row gives the median over rounds of the tokens/s (samples x seq_length per second, after
+a warm-up microbatch that starts the worker pool), the median ratio to the pre-tokenised rate of
+the same round, and the CPU time the reading process itself spent per million tokens: what
+training would lose to reading, as the workers tokenise on cores of their own. The last line
+times a resume: locating sample ``--samples`` in a fresh stream (which counts the tokens before
+it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 import numpy as np
 
 from harness import cli, report
-from harness.pairing import take_turns
+from harness.pairing import take_turns, timed
 from megapipe.data.corpus import corpus_paragraphs
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.hf_source import open_hf_dataset
@@ -58,14 +60,12 @@ def write_text(folder: str, megabytes: float) -> list[str]:
     return texts
 
 
-def read_samples(dataset, samples: int, micro_batch_size: int) -> float:
-    """Seconds to read ``samples`` samples after one warm-up microbatch."""
+def read_samples(dataset, samples: int, micro_batch_size: int) -> tuple[float, float]:
+    """Wall and this process's CPU seconds to read ``samples`` samples after one warm-up microbatch."""
     batches = iter(build_pretraining_data_loader(dataset, 0, micro_batch_size, 0, 1))
     next(batches)
-    start = time.perf_counter()
-    for _ in range(samples // micro_batch_size - 1):
-        next(batches)
-    return time.perf_counter() - start
+    wall, cpu, _ = timed(lambda: [next(batches) for _ in range(samples // micro_batch_size - 1)], barriers=False)
+    return wall, cpu
 
 
 def main(argv=None) -> None:
@@ -106,11 +106,14 @@ def main(argv=None) -> None:
         print(f"{len(texts):,} documents, {size:.2f} MB of text, {tokens:,} tokens ({tokenizer.name}); "
               f"{samples:,} samples of {args.seq_length} tokens, micro-batch {args.micro_batch_size}; {rounds} "
               f"round(s); {report.machine()}")
-        seconds = take_turns(names, rounds, lambda name, _: read_samples(system(name), samples, args.micro_batch_size))
-        rate = {name: [samples * args.seq_length / s for s in seconds[name]] for name in names}
+        timings = take_turns(names, rounds, lambda name, _: read_samples(system(name), samples, args.micro_batch_size))
+        tokens_read = (samples // args.micro_batch_size - 1) * args.micro_batch_size * args.seq_length
+        rate = {name: [tokens_read / wall for wall, _ in timings[name]] for name in names}
         rows = [(name, f"{statistics.median(rate[name]):,.0f}",
-                 f"{statistics.median(r / p for r, p in zip(rate[name], rate[PRETOKENISED])):.3f}") for name in names]
-        report.print_markdown(["system", "tokens/s", f"ratio to {PRETOKENISED}"], rows)
+                 f"{statistics.median(r / p for r, p in zip(rate[name], rate[PRETOKENISED])):.3f}",
+                 f"{statistics.median(cpu for _, cpu in timings[name]) / tokens_read * 1e6:.3f}") for name in names]
+        report.print_markdown(["system", "tokens/s", f"ratio to {PRETOKENISED}",
+                               "CPU s of the reading process per M tokens"], rows)
         fresh = system(names[-1])
         start = time.perf_counter()
         fresh.locate(samples * args.seq_length)
