@@ -88,6 +88,8 @@ def test_the_acceptance_command_and_the_cuda_tests_collect(bare):
 @pytest.mark.parametrize("args,message", [
     (["pretrain_gpt.py", *TINY, "--wandb-project", "p"],
      "error: --wandb-project needs the wandb package, which is not installed here; pip install wandb"),
+    (["pretrain_gpt.py", *TINY, "--hf-dataset", "saved-dataset"],
+     "error: --hf-dataset needs the datasets package, which is not installed here; pip install datasets"),
     (["tools/cluster.py", "simulate", "--trace", "megapipe/cluster/data/small_test.trace", "--throughputs",
       "megapipe/cluster/data/simulation_throughputs.json", "--cluster", "v100:1,p100:1,k80:1", "--policy",
       "max_min_fairness_perf"],

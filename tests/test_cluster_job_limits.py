@@ -25,7 +25,7 @@ SMALL = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-a
 MOCK = SMALL + ["--mock-data", "--vocab-size", "128"]
 # flags taking free text that names no file (a new flag naming a file must join PATH_FLAGS)
 NOT_PATHS = {"--pipeline-schedule", "--split", "--tokenizer-type", "--wandb-project", "--wandb-exp-name",
-             "--pipeline-stages"}  # --pipeline-stages is refused outright (the scheduler re-plans the layout)
+             "--pipeline-stages", "--hf-dataset-text-key"}  # --pipeline-stages is refused outright (the scheduler re-plans the layout)
 
 
 @pytest.fixture
@@ -70,6 +70,8 @@ def test_paths_outside_the_roots_are_refused_naming_flag_path_and_roots(service,
         f"({roots}); move it under one of them or start serve with --allowed-paths naming its directory.")
     assert refusal(service, "a", SMALL + ["--data-path", "0.5", str(data / "a"), "0.5", str(data / "corpus")]) \
         .startswith(f"--data-path {data}/corpus.bin (really {outside}/corpus.bin) is outside")
+    assert refusal(service, "a", SMALL + ["--hf-dataset", str(outside)]).startswith(
+        f"--hf-dataset {outside} is outside")
     assert refusal(service, "a", MOCK + ["--tensorboard-dir", "runs"]) == (
         f"--tensorboard-dir runs is a relative path; give an absolute path inside {roots}.")
     assert refusal(service, "a", MOCK + ["--record-timeline", f"{data}/../elsewhere/t.json"]).startswith(

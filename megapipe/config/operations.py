@@ -1,6 +1,7 @@
 """The operations flags (``--exit-interval``, ``--exit-duration-in-mins``,
 ``--exit-signal-grace-seconds``, ``--distributed-timeout-minutes``, ``--skip-train``, ``--load``,
-``--mock-data``, the two scheduler-on-resume flags), checked before any process group, one sentence per mistake.
+``--mock-data``, ``--hf-dataset``, ``--num-workers``, the two scheduler-on-resume flags), checked
+before any process group, one sentence per mistake.
 (What they do at run time: ``megapipe/training/exits.py``.)"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 
 from megapipe.config.schema import Config
 from megapipe.errors import ConfigError
+from megapipe.optional import require
 
 
 def validate_operations(kind: str, config: Config) -> None:
@@ -51,9 +53,25 @@ def validate_operations(kind: str, config: Config) -> None:
         if data.vocab_size is None or data.vocab_size < 2:
             raise ConfigError(f"--mock-data needs --vocab-size N (at least 2, got {data.vocab_size}): the "
                               "synthetic tokens are drawn from [0, N).")
-    elif data.vocab_size is not None and data.tokenizer_type != "NullTokenizer":
+    if data.hf_dataset is not None:
+        _validate_hf_dataset(kind, config)
+    if data.num_workers < 0:
+        raise ConfigError(f"--num-workers {data.num_workers} must be 0 or more (0 tokenises in the training "
+                          "process).")
+    if not data.mock_data and data.vocab_size is not None and data.tokenizer_type != "NullTokenizer":
         raise ConfigError("--vocab-size sets the vocabulary of --mock-data and --tokenizer-type NullTokenizer only "
                           "(other tokenizers have their own); drop --vocab-size or use one of those.")
+
+
+def _validate_hf_dataset(kind: str, config: Config) -> None:
+    data = config.data
+    if kind != "gpt":
+        raise ConfigError(f"--hf-dataset makes GPT samples only; pretrain_{kind}.py needs --data-path or the "
+                          "embedded corpus.")
+    if data.data_path or data.mock_data:
+        raise ConfigError(f"--hf-dataset replaces {'--data-path' if data.data_path else '--mock-data'}; drop one "
+                          "of them.")
+    require("datasets", "--hf-dataset")
 
 
 def same_path(a: str, b: Optional[str]) -> bool:

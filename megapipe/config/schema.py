@@ -268,12 +268,19 @@ class DataConfig:
     # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
     mock_data: bool = flag(False, help="GPT: synthetic random tokens instead of --data-path")
     vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data or --tokenizer-type NullTokenizer")
+    # Hugging Face datasets tokenised while training reads them (megapipe/data/hf_stream.py)
+    hf_dataset: Optional[str] = flag(None, metavar="PATH", help=(
+        "GPT: a Hugging Face dataset saved with save_to_disk, or a folder of Parquet, JSONL or Arrow files, "
+        "tokenised with the run's tokenizer as training reads it, instead of --data-path"))
+    hf_dataset_text_key: str = flag("text", help="the column of --hf-dataset that holds the text")
+    num_workers: int = flag(2, help="processes that tokenise --hf-dataset text ahead of training (0: the "
+                                    "training process itself)")
 
     def __post_init__(self):
         # the embedded corpus has only a few thousand documents (79 for BERT): Megatron's 969,30,1
         # would leave its test split empty
         if self.split is None:
-            self.split = "969,30,1" if self.data_path else "90,5,5"
+            self.split = "969,30,1" if self.data_path or self.hf_dataset else "90,5,5"
 
 
 @dataclass

@@ -102,9 +102,14 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        window = self.sample_tokens(int(self.sample_order[i]))
-        tokens, labels = window[:-1], window[1:]
-        loss_mask = np.ones(self.seq_length, dtype=np.float32)
-        if self.eod_mask_loss is not None:
-            loss_mask[tokens == self.eod_mask_loss] = 0.0
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        return lm_sample(self.sample_tokens(int(self.sample_order[i])), self.eod_mask_loss)
+
+
+def lm_sample(window: np.ndarray, eod_mask_loss: Optional[int] = None) -> dict[str, np.ndarray]:
+    """The item of a window of ``seq_length + 1`` tokens: ``tokens``, ``labels`` (shifted by one), ``loss_mask``
+    (0 where the input token is ``eod_mask_loss``, when given)."""
+    tokens, labels = window[:-1], window[1:]
+    loss_mask = np.ones(len(tokens), dtype=np.float32)
+    if eod_mask_loss is not None:
+        loss_mask[tokens == eod_mask_loss] = 0.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}

@@ -24,11 +24,14 @@ import torch.distributed as dist
 from megapipe.config import Config
 from megapipe.data.builder import build_train_valid_test_datasets
 from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
+from megapipe.data.hf_source import open_hf_dataset
+from megapipe.data.hf_stream import build_streamed_datasets
 from megapipe.data.mock import MockGPTDataset
 from megapipe.data.tokenizer.null import NullTokenizer
 from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.splits import SPLIT_NAMES, parse_split
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.data.tokenizing_pool import TokenizingPool
 from megapipe.parallel.launch import to_device
 from megapipe.errors import ConfigError
 from megapipe.parallel.state import ParallelState
@@ -71,11 +74,14 @@ class RankData:
     tokenizer: Tokenizer
     reads: bool
     datasets: tuple = (None, None, None)
-    data_path: Optional[str] = None  # the first dataset prefix (None for --mock-data)
+    data_path: Optional[str] = None  # the first dataset prefix (None for --mock-data and --hf-dataset)
     split_exists: tuple = (True, True, True)  # the same on every rank, reader or not
+    streamed: Optional[str] = None  # with --hf-dataset: what is streamed, and how
 
     def description(self) -> str:
         """What the data is, for the log line of the rank that logs (a reader: it opens the dataset)."""
+        if self.streamed is not None:
+            return self.streamed
         if self.data_path is None:
             return f"mock data of {self.tokenizer.vocab_size - 1} random token ids"
         return f"unigram entropy of the data {unigram_entropy(self.data_path):.4f} nats/token"
@@ -117,16 +123,21 @@ def _tokenizer_and_path(kind: str, config: Config) -> tuple[Tokenizer, list[str]
     data = config.data
     if data.mock_data:
         return NullTokenizer(data.vocab_size), []
+    if data.hf_dataset:
+        return _flags_tokenizer(data), []
     if data.data_path:
         if data.tokenizer_type is None and kind == "bert":
             raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
                               "--vocab-file) matching the tokenizer the data was preprocessed with.")
-        tokenizer = build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file,
-                                    merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
-                                    vocab_size=data.vocab_size)
-        return tokenizer, list(data.data_path)
+        return _flags_tokenizer(data), list(data.data_path)
     prefix, tokenizer = (default_gpt_data if kind == "gpt" else default_bert_data)(data.data_cache_path)
     return tokenizer, [prefix]
+
+
+def _flags_tokenizer(data) -> Tokenizer:
+    """The tokenizer the flags name (bytes by default)."""
+    return build_tokenizer(data.tokenizer_type or "ByteLevelTokenizer", vocab_file=data.vocab_file,
+                           merge_file=data.merge_file, tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size)
 
 
 def _tokenizer_only(kind: str, config: Config, num_samples: tuple) -> RankData:
@@ -141,6 +152,8 @@ def _read(kind: str, config: Config, num_samples: tuple) -> RankData:
         datasets = tuple(MockGPTDataset(n, config.model.seq_length, config.data.vocab_size, t.seed, name)
                          if present else None for n, name, present in zip(num_samples, SPLIT_NAMES, exists))
         return RankData(kind, tokenizer, True, datasets, None, exists)
+    if config.data.hf_dataset:
+        return _read_streamed(config, tokenizer, num_samples, exists)
     options = {} if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
                                              short_seq_prob=config.data.short_seq_prob,
                                              binary_head=config.model.bert_binary_head)
@@ -148,6 +161,25 @@ def _read(kind: str, config: Config, num_samples: tuple) -> RankData:
                                                num_samples, tokenizer, cache_dir=config.data.data_cache_path,
                                                **options)
     return RankData(kind, tokenizer, True, datasets, data_path[0], exists)
+
+
+def _read_streamed(config: Config, tokenizer: Tokenizer, num_samples: tuple, exists: tuple) -> RankData:
+    """--hf-dataset: the three splits as streams tokenised by one pool of --num-workers processes."""
+    data = config.data
+    dataset = open_hf_dataset(data.hf_dataset, data.hf_dataset_text_key, data.data_cache_path)
+    key = data.hf_dataset_text_key
+
+    def read(indices: list) -> list:
+        return dataset[indices][key]
+
+    pool = TokenizingPool(tokenizer, data.num_workers)
+    datasets = build_streamed_datasets(read, len(dataset), data.hf_dataset, data.split, config.model.seq_length,
+                                       config.training.seed, num_samples, pool)
+    how = (f"{data.num_workers} worker process{'es' if data.num_workers > 1 else ''}" if data.num_workers
+           else "the training process")
+    return RankData("gpt", tokenizer, True, datasets, None, exists,
+                    streamed=f"Hugging Face dataset {data.hf_dataset} ({len(dataset)} documents, column '{key}'), "
+                             f"tokenised by {how} as it is read")
 
 
 class BatchSource:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 
+from megapipe.data.hf_stream import StreamedGPTDataset
 from megapipe.errors import ConfigError, DataError
 
 
@@ -49,19 +50,36 @@ def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(np.stack([sample[key] for sample in samples])) for key in samples[0]}
 
 
+def streamed_microbatches(dataset: StreamedGPTDataset, sampler: PretrainingSampler) -> Iterator[dict]:
+    """The microbatches of ``sampler`` from a dataset read in order: its windows from this rank's first
+    sample on, the other ranks' windows passed over (every rank follows the one global stream)."""
+    first = sampler.consumed_samples + sampler.rank * sampler.micro_batch_size
+    windows, position = dataset.windows(first), first
+    for indices in sampler:
+        samples = []
+        for index in indices:
+            for _ in range(index - position):
+                next(windows)
+            samples.append(dataset.item(next(windows)))
+            position = index + 1
+        yield collate_samples(samples)
+
+
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0
-                                  ) -> Optional[torch.utils.data.DataLoader]:
+                                  data_parallel_size: int, num_workers: int = 0) -> Optional[Iterable[dict]]:
     """A DataLoader of this rank's microbatches (dicts of tensors); ``None`` for a ``None`` dataset.
 
     Items are cheap memory-mapped slices, so ``num_workers=0`` is usually fastest. The loader
     draws its worker seed from a generator of its own: starting an iterator must not advance
     the global generator that dropout uses, or a resumed run would not repeat the original.
+    A ``StreamedGPTDataset`` (read in order, tokenised by its own workers) gives a generator instead.
     """
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size)
+    if isinstance(dataset, StreamedGPTDataset):
+        return streamed_microbatches(dataset, sampler)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate_samples, persistent_workers=num_workers > 0,
                                        generator=torch.Generator())

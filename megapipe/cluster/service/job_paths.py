@@ -16,7 +16,7 @@ from megapipe.errors import ConfigError
 
 # every flag of megapipe/config/schema.py whose value names a file or directory (--save, --load and
 # --pipeline-stages are refused before this: the scheduler owns them, or they cannot be re-planned)
-PATH_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path",
+PATH_FLAGS = ("--data-path", "--hf-dataset", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path",
               "--wandb-save-dir", "--tensorboard-dir", "--record-timeline", "--schedule-file", "--schedule-profile")
 DATASET_SUFFIXES = ("", ".bin", ".idx")
 
