@@ -41,6 +41,8 @@ def validate_moe(config, tensor_parallel: int) -> None:
     if not 1 <= k <= e:
         raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}; each token picks "
                           "that many distinct experts.")
+    if config.add_bias_linear:
+        raise ConfigError("--num-experts needs --disable-bias-linear: megapipe's experts have no biases.")
     if config.moe_router_score_function not in ("softmax", "sigmoid"):
         raise ConfigError(f"--moe-router-score-function {config.moe_router_score_function} is unknown; use softmax "
                           "or sigmoid.")

@@ -34,6 +34,7 @@ class IterationStats:
     mfu: Optional[float]
     memory_gib: float
     amended: Optional[list[int]] = None  # under post-validation: the iterations whose steps it redid
+    moe: str = ""  # per-MoE-layer routing statistics (``models/moe/stats.py``), when the model has MoE layers
     extra: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -57,6 +58,8 @@ class IterationStats:
         parts.append(f"peak memory (GiB): {self.memory_gib:.2f}")
         if self.amended is not None:
             parts.append(f"amended steps: {amended_text(self.amended)}")
+        if self.moe:
+            parts.append(self.moe)
         return " | ".join(parts) + " |"
 
     def scalars(self) -> dict:

@@ -9,7 +9,7 @@ summarises the routing for the log line.
 
 from megapipe.models.moe.expert_bias import update_expert_biases
 from megapipe.models.moe.layer import MoELayer
-from megapipe.models.moe.load_balancing import set_aux_loss_scale
+from megapipe.models.moe.load_balancing import main_loss_gradient_scale, set_aux_loss_scale
 from megapipe.models.moe.stats import moe_log_summary
 
-__all__ = ["MoELayer", "moe_log_summary", "set_aux_loss_scale", "update_expert_biases"]
+__all__ = ["MoELayer", "main_loss_gradient_scale", "moe_log_summary", "set_aux_loss_scale", "update_expert_biases"]

@@ -11,9 +11,9 @@ chosen less often afterwards, an idle one more; the bias never changes the weigh
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megapipe.models.moe.router import TopKRouter
+from megapipe.parallel.collectives import all_reduce, group_size
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:
@@ -31,8 +31,8 @@ def update_expert_biases(chunks, dp_group=None) -> None:
                 continue
             if router.expert_bias is not None:
                 counts = router.step_tokens.clone()
-                if dp_group is not None and dist.get_world_size(dp_group) > 1:
-                    dist.all_reduce(counts, group=dp_group)
+                if group_size(dp_group) > 1:
+                    all_reduce(counts, dp_group)
                 router.expert_bias.copy_(bias_update(router.expert_bias, counts,
                                                      router.config.moe_router_bias_update_rate))
             router.step_tokens.zero_()

@@ -64,3 +64,9 @@ def set_aux_loss_scale(module: torch.nn.Module, scale: Optional[torch.Tensor]) -
     for sub in module.modules():
         if hasattr(sub, "aux_loss_scale"):
             sub.aux_loss_scale = scale
+
+
+def main_loss_gradient_scale(scale_loss, loss_divisor: int, device) -> torch.Tensor:
+    """What the main loss's backward starts from: ``scale_loss`` (the loss scale) of 1 over ``loss_divisor``
+    (the microbatches one step sums)."""
+    return scale_loss(torch.ones((), device=device)) / loss_divisor
