@@ -23,6 +23,7 @@ pytestmark = pytest.mark.unit
 
 RTOL = 1e-5
 VOCAB = 97
+NEW = 8  # tokens generated
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
 MODELS = {
@@ -38,32 +39,50 @@ MODELS = {
 }
 
 
+def hf_model(name: str, seed: int):
+    """A random transformers model of ``name`` with decisive routing and non-trivial norms and biases."""
+    config_class, model_class, extra = MODELS[name]
+    torch.manual_seed(seed)
+    hf_config = getattr(transformers, config_class)(**COMMON, **extra, eos_token_id=None, bos_token_id=None)
+    model = getattr(transformers, model_class)(hf_config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key or key.endswith("bias") or key.endswith("gate.weight"):
+                p.add_(torch.randn_like(p) * (1.0 if "gate" in key else 0.2))
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 3)]
+
+
+def reference_generation(model) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts()]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """model_type -> (transformers model, its directory, megapipe chunk, config)."""
+    """model_type -> (transformers model, megapipe chunk, config)."""
     root = tmp_path_factory.mktemp("moe-hf")
     out = {}
-    for index, (name, (config_class, model_class, extra)) in enumerate(MODELS.items()):
-        torch.manual_seed(index)
-        hf_config = getattr(transformers, config_class)(**COMMON, **extra, eos_token_id=None, bos_token_id=None)
-        model = getattr(transformers, model_class)(hf_config).eval()
-        with torch.no_grad():  # decisive routing and non-trivial norms and biases
-            for key, p in model.named_parameters():
-                if "norm" in key or key.endswith("bias") or key.endswith("gate.weight"):
-                    p.add_(torch.randn_like(p) * (1.0 if "gate" in key else 0.2))
+    for seed, name in enumerate(MODELS):
+        model = hf_model(name, seed)
         model.save_pretrained(root / name)
         imported = import_hf(str(root / name))
         assert imported.model_type == name
         ps = ParallelState.single()
         chunk = build_model_chunks("gpt", imported.config, ps)[0].eval()
         chunk.load_state_dict(local_state_dict(imported.canonical, chunk, ps, imported.config))
-        out[name] = model, root / name, chunk, imported.config
+        out[name] = model, chunk, imported.config
     return out
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_imported_logits_equal_transformers(saved, name):
-    model, _, chunk, config = saved[name]
+    model, chunk, config = saved[name]
     tokens = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -73,19 +92,15 @@ def test_imported_logits_equal_transformers(saved, name):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_generation_equals_transformers(saved, name):
-    model, _, chunk, config = saved[name]
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 3)]
-    expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
-    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    assert generate([chunk], ParallelState.single(), config, prompts, greedy, padding="left") == expected
+    model, chunk, config = saved[name]
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
+    assert generate([chunk], ParallelState.single(), config, prompts(), greedy, padding="left") == \
+        reference_generation(model)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_export_reloads_in_transformers_bit_exact(saved, tmp_path, name):
-    model, _, chunk, config = saved[name]
+    model, chunk, config = saved[name]
     export_hf("gpt", config, canonical_state_dict([chunk], ParallelState.single(), config), str(tmp_path / "out"))
     back = type(model).from_pretrained(tmp_path / "out")
     assert set(back.state_dict()) == set(model.state_dict())

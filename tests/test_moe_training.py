@@ -1,8 +1,9 @@
-"""Pretraining an MoE model with pretrain_gpt.py on one process, and loading its checkpoint with other experts.
+"""Pretraining an MoE model with pretrain_gpt.py, and loading its checkpoint with other experts.
 
-One run trains every MoE feature at once (auxiliary and z losses, capacity with dropping, expert
-bias, a gated shared expert, a dense layer among MoE ones, the grouped product): its loss falls and
-each log line carries the MoE layer's routing statistics. Loading its checkpoint with another
+One run on one process trains every MoE feature at once (auxiliary and z losses, capacity with
+dropping, expert bias, a gated shared expert, a dense layer among MoE ones, the grouped product):
+its loss falls and each log line carries the MoE layer's routing statistics. The same run with the
+experts split over 2 tensor ranks logs the same losses (1e-5). Loading the checkpoint with another
 ``--num-experts`` stops before training with one sentence naming the flag and both values.
 """
 
@@ -20,7 +21,7 @@ MOE = ["--num-layers", "2", "--swiglu", "--disable-bias-linear", "--position-emb
        "--moe-grouped-gemm"]
 
 
-def test_moe_model_trains_and_its_checkpoint_names_a_different_expert_count(tmp_path):
+def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_different_expert_count(tmp_path):
     result = run(TINY + MOE + ["--save", str(tmp_path / "ckpt")], cache=tmp_path)
     assert result.returncode == 0, result.stderr
     values = losses(result.stdout)
@@ -30,6 +31,11 @@ def test_moe_model_trains_and_its_checkpoint_names_a_different_expert_count(tmp_
     low, mean, high, dropped, aux = map(float, stats[0])
     assert low <= mean <= high <= 32  # capacity: ceil(2 x 32 tokens x 2 / 4 experts x 1.0) = 32
     assert mean == pytest.approx((2 * 32 * 2 - dropped) / 4, abs=0.5) and aux > 0
+
+    parallel = run(TINY + MOE + ["--tensor-model-parallel-size", "2"], nproc=2, cache=tmp_path)
+    assert parallel.returncode == 0, parallel.stderr
+    for i, value in losses(parallel.stdout).items():  # the same routing, drops and bias updates on both ranks
+        assert value == pytest.approx(values[i], rel=1e-5), (i, value, values[i])
 
     other = run(TINY + MOE + ["--num-experts", "8", "--load", str(tmp_path / "ckpt")], cache=tmp_path)
     assert other.returncode == 2
