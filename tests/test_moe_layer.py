@@ -221,3 +221,11 @@ def test_flop_formula_counts_experts_router_and_shared_expert():
 def test_bad_moe_flags_are_one_sentence(fields, message):
     with pytest.raises(ConfigError, match=message):
         moe_config(**fields).validate()
+
+
+def test_qk_norm_over_whole_projections_needs_one_tensor_rank():
+    config = moe_config(qk_layernorm=True, qk_layernorm_scope="projection")
+    config.validate(tensor_parallel=1)
+    with pytest.raises(ConfigError, match=r"^--qk-layernorm-scope projection normalises across all heads, which "
+                                          r"needs --tensor-model-parallel-size 1"):
+        config.validate(tensor_parallel=2)

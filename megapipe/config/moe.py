@@ -7,6 +7,7 @@ computed from them, so ``schema.py`` stays a list of fields.
 
 from __future__ import annotations
 
+import argparse
 from typing import Union
 
 from megapipe.errors import ConfigError
@@ -20,9 +21,9 @@ def layer_freq(text: str) -> LayerFreq:
     text = text.strip().strip("[]")
     try:
         parts = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--moe-layer-freq {text} is neither a number nor a comma-separated 0/1 list; "
-                          "write e.g. 2 or 1,0,1,0.") from None
+    except ValueError:  # argparse names the flag
+        raise argparse.ArgumentTypeError(f"{text} is neither a number nor a comma-separated 0/1 list; write e.g. 2 "
+                                         "or 1,0,1,0") from None
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
