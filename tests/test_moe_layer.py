@@ -19,7 +19,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
-from megapipe.models.flops import moe_flops_per_iteration
+from megapipe.models.flops import moe_flops_per_iteration, parameter_count
 from megapipe.models.moe import set_aux_loss_scale, update_expert_biases
 from megapipe.models.moe.capacity import apply_capacity
 from megapipe.models.moe.experts import grouped_linear, grouped_mm_works
@@ -197,10 +197,12 @@ def test_grouped_matmul_and_the_loop_over_experts_agree():
     torch.testing.assert_close(layer(x)[0], grouped_out, rtol=1e-5, atol=1e-6)
 
 
-def test_flop_formula_counts_experts_router_and_shared_expert():
+def test_flop_and_parameter_formulas_count_experts_router_and_shared_expert():
     config = moe_config(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, moe_layer_freq=(1, 0),
-                        masked_softmax_fusion=False, untie_embeddings_and_output_weights=True)
+                        masked_softmax_fusion=False, untie_embeddings_and_output_weights=True, qk_layernorm=True)
     model = build_model_chunks("gpt", config, ParallelState.single())[0]
+    padding = 2 * (config.padded_vocab_size(1) - config.vocab_size) * config.hidden_size  # input and output rows
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters()) - padding
     tokens = torch.randint(0, config.vocab_size, (3, config.seq_length))
     with FlopCounterMode(display=False) as counter:
         model(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(3, config.seq_length)}).backward()

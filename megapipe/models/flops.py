@@ -103,14 +103,19 @@ def head_flops_per_iteration(config: "ModelConfig", global_batch_size: int) -> f
 
 def parameter_count(config: "ModelConfig") -> float:
     """Parameters, counted term by term (for GPT-2 shapes, eq. 4.3's 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
-    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, biases and an untied head included."""
+    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, q/k norms, biases, an untied head and MoE
+    layers included."""
     l, h, v, s = config.num_layers, config.hidden_size, config.vocab_size, config.seq_length
     h_kv, f = config.query_groups * config.head_dim, config.ffn_hidden_size
     bias = config.add_bias_linear
     qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
     mlp = (3 if config.swiglu else 2) * h * f + bias * ((2 if config.swiglu else 1) * f + h)
     norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
-    per_layer = qkv + h * h + bias * h + mlp + norms
+    qk_norms = 0
+    if config.qk_layernorm:
+        qk_width = h + h_kv if config.qk_layernorm_scope == "projection" else 2 * config.head_dim
+        qk_norms = qk_width * (2 if config.normalization == "LayerNorm" else 1)
+    per_layer = qkv + h * h + bias * h + mlp + norms + qk_norms
     positions = s * h if config.position_embedding_type == "learned_absolute" else 0
     head = v * h if config.untie_embeddings_and_output_weights else 0
     return l * per_layer + v * h + positions + head + norms // 2 + _moe_extra_parameters(config, mlp)

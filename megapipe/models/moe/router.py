@@ -108,8 +108,8 @@ class TopKRouter(nn.Module):
             routing = Routing(*apply_capacity(routing.probs, routing.routing_map, c.moe_router_topk,
                                               c.moe_expert_capacity_factor, c.moe_token_drop_policy,
                                               c.moe_pad_expert_input_to_capacity))
-        aux, z = self._losses(logits, chosen, seq_length)
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():  # not in evaluation, nor in a recomputation's first pass
+            aux, z = self._losses(logits, chosen, seq_length)
             probs = routing.probs
             for loss, coeff in ((aux, c.moe_aux_loss_coeff), (z, c.moe_z_loss_coeff)):
                 if loss is not None and coeff:
