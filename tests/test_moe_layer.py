@@ -6,7 +6,8 @@
   logits, and the per-sequence loss is the mean of the sequences' own;
 - capacity: dropping by probability and by position, and padding to capacity, on a hand-made map;
 - the expert-bias update follows DeepSeek-V3's sign rule on counted tokens;
-- the auxiliary losses reach the gradient exactly as if added to the loss, with the main loss's scale;
+- the auxiliary losses reach the gradient exactly as if added to the loss, with the main loss's scale,
+  and full recomputation changes neither the gradient nor the counts;
 - the grouped matrix product and the loop over experts agree, forward and backward;
 - the FLOPs formula counts an MoE model's products exactly; bad flags are one sentence each.
 """
@@ -174,6 +175,19 @@ def test_attached_losses_give_the_gradient_of_adding_them_to_the_loss():
     # under a main-loss scale of 1/4 (4 microbatches per step) the losses' share is scaled alike
     quarter = _router_grad(config, explicit=False, scale=torch.tensor(0.25))
     torch.testing.assert_close(quarter - without, (explicit - without) * 0.25, rtol=1e-4, atol=1e-7)
+
+
+def test_full_recomputation_gives_the_same_router_gradient_and_counts_once():
+    results = []
+    for extra in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        config = moe_config(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, **extra)
+        model = build_model_chunks("gpt", config, ParallelState.single())[0]
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, 8)}).backward()
+        router = model.layers["0"].mlp.router
+        results.append((router.weight.grad, router.step_tokens))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1]) and results[0][1].sum().item() == 2 * 8 * 2
 
 
 @pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32), reason="this torch has no CPU grouped matmul")
