@@ -94,7 +94,8 @@ def world(tmp_path_factory):
         models[name] = hf_model(name, seed)
         models[name].save_pretrained(root / f"{name}-hf")
         checkpoints[name] = str(root / name)
-        import_hf_checkpoint(str(root / f"{name}-hf"), checkpoints[name], SavedLayout(1 if name == "olmoe" else 2, 1, 1))
+        saved_t = 1 if name == "olmoe" else 2
+        import_hf_checkpoint(str(root / f"{name}-hf"), checkpoints[name], SavedLayout(saved_t, 1, 1))
     results = {}
     for rank_results in run_distributed(2, _layout_checks, checkpoints, timeout=300):
         results.update(rank_results)

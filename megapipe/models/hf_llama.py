@@ -78,13 +78,15 @@ def llama_fields(hf_config, qkv_bias: bool | None = None) -> dict:
     base, fraction = rope_settings(hf_config)
     positions = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
-    if window and (hf_config.model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)):
+    sliding = hf_config.model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)
+    if window and sliding:
         positions = min(positions, window)
+    bias = LLAMA_FAMILY[hf_config.model_type][1] if qkv_bias is None else qkv_bias
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
                   num_attention_heads=heads, num_query_groups=hf_config.num_key_value_heads,
                   vocab_size=hf_config.vocab_size, seq_length=positions, max_position_embeddings=positions,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=hf_config.rms_norm_eps,
-                  rotary_base=base, rotary_percent=fraction, add_qkv_bias=LLAMA_FAMILY[hf_config.model_type][1] if qkv_bias is None else qkv_bias,
+                  rotary_base=base, rotary_percent=fraction, add_qkv_bias=bias,
                   attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
                   init_method_std=hf_config.initializer_range,
                   untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings)
