@@ -22,10 +22,10 @@ from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.models.flops import moe_flops_per_iteration, parameter_count
 from megapipe.models.moe import set_aux_loss_scale, update_expert_biases
-from megapipe.models.moe.capacity import apply_capacity
+from megapipe.models.moe.capacity import apply_capacity, expert_capacity
 from megapipe.models.moe.experts import grouped_linear, grouped_mm_works
 from megapipe.models.moe.expert_bias import bias_update
-from megapipe.models.moe.layer import MoELayer
+from megapipe.models.moe.layer import MoELayer, assignments
 from megapipe.models.moe.load_balancing import seq_aux_loss, switch_aux_loss
 from megapipe.models.moe.router import scores_for_aux_loss, topk_routing
 from megapipe.parallel.state import ParallelState
@@ -129,6 +129,16 @@ def test_padding_fills_each_expert_to_capacity_with_weightless_tokens():
     assert kept.sum(0).tolist() == [2, 2]
     assert kept[:, 1].tolist() == [True, False, False, True, False, False]  # its token, then the earliest free one
     assert probs[0, 1] == 0 and probs[3, 1] == pytest.approx(0.7)
+
+
+def test_assignments_found_by_sorting_equal_nonzero():
+    torch.manual_seed(2)
+    routing = topk_routing(torch.randn(13, 6), 3)
+    padded = apply_capacity(routing.probs, routing.routing_map, 3, 0.5, "probs", pad=True)[1]
+    for routing_map, count in ((routing.routing_map, 13 * 3), (padded, 6 * expert_capacity(13, 6, 3, 0.5))):
+        expert_ids, token_ids = assignments(routing_map, count)
+        reference = routing_map.t().nonzero(as_tuple=True)
+        assert torch.equal(expert_ids, reference[0]) and torch.equal(token_ids, reference[1])
 
 
 def test_expert_bias_update_follows_the_sign_rule_after_each_step():

@@ -2,7 +2,9 @@
 
 It replaces the dense MLP of a transformer layer and returns what that returns (output, bias=None).
 Tokens are permuted once into expert order (one gather), each expert runs on its contiguous run, and
-one weighted ``index_add`` brings the outputs back to their tokens. The router is replicated on every
+one weighted ``index_add`` brings the outputs back to their tokens. Without token dropping (or with
+padding to capacity) the number of routed pairs is known on the host, so the permutation needs no
+host synchronisation; the grouped product needs none either. The router is replicated on every
 tensor rank, the experts split their ffn dimension like the dense MLP: their partial outputs are
 summed over the tensor group before being weighed, so the router sees the same gradient on every
 rank. On one expert rank both token dispatchers (``--moe-token-dispatcher-type``) are this
@@ -16,6 +18,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.mlp import MLP
+from megapipe.models.moe.capacity import expert_capacity
 from megapipe.models.moe.experts import GroupedExperts
 from megapipe.models.moe.router import TopKRouter
 from megapipe.parallel.state import ParallelState
@@ -43,6 +46,17 @@ class SharedExperts(MLP):
         return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
 
 
+def assignments(routing_map: torch.Tensor, count: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert, token) index pairs of the map's True entries [T, E], sorted by expert, then token. With their
+    ``count`` known on the host a stable sort finds them without a host synchronisation; else ``nonzero``."""
+    if count is None:
+        return routing_map.t().nonzero(as_tuple=True)
+    flat = routing_map.t().reshape(-1).to(torch.int8)
+    positions = torch.sort(flat, descending=True, stable=True).indices[:count]
+    tokens = routing_map.shape[0]
+    return positions // tokens, positions % tokens
+
+
 class MoELayer(nn.Module):
     """``router``, ``experts`` and (with ``--moe-shared-expert-intermediate-size``) ``shared_experts``."""
 
@@ -57,12 +71,23 @@ class MoELayer(nn.Module):
             self.shared_experts = SharedExperts(config, ps, f"{name}.shared_experts", seed, sequence_parallel,
                                                 device)
 
+    def _assignment_count(self, tokens: int) -> int | None:
+        """How many (token, expert) pairs the routing holds, when the flags fix it: k per token without a
+        capacity, every expert's capacity with padding; dropping without padding leaves it to the data."""
+        c = self.config
+        if c.moe_expert_capacity_factor is None:
+            return tokens * c.moe_router_topk
+        if c.moe_pad_expert_input_to_capacity:
+            capacity = expert_capacity(tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
+            return c.num_experts * min(capacity, tokens)
+        return None
+
     def forward(self, x: torch.Tensor):
         """``x`` [s, b, h] -> ([s, b, h], None)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         routing = self.router(tokens, s)
-        expert_ids, token_ids = routing.routing_map.t().nonzero(as_tuple=True)  # sorted by expert, then token
+        expert_ids, token_ids = assignments(routing.routing_map, self._assignment_count(s * b))
         counts = routing.routing_map.sum(dim=0)
         permuted = mappings.copy_to_tensor_parallel_region(tokens, self.ps.tp_group)[token_ids]
         out = mappings.reduce_from_tensor_parallel_region(self.experts(permuted, counts), self.ps.tp_group)
