@@ -135,7 +135,9 @@ def test_assignments_found_by_sorting_equal_nonzero():
     torch.manual_seed(2)
     routing = topk_routing(torch.randn(13, 6), 3)
     padded = apply_capacity(routing.probs, routing.routing_map, 3, 0.5, "probs", pad=True)[1]
-    for routing_map, count in ((routing.routing_map, 13 * 3), (padded, 6 * expert_capacity(13, 6, 3, 0.5))):
+    dropped = apply_capacity(routing.probs, routing.routing_map, 3, 0.5, "probs", pad=False)[1]
+    for routing_map, count in ((routing.routing_map, 13 * 3), (padded, 6 * expert_capacity(13, 6, 3, 0.5)),
+                               (dropped, None)):
         expert_ids, token_ids = assignments(routing_map, count)
         reference = routing_map.t().nonzero(as_tuple=True)
         assert torch.equal(expert_ids, reference[0]) and torch.equal(token_ids, reference[1])
@@ -200,7 +202,7 @@ def test_full_recomputation_gives_the_same_router_gradient_and_counts_once():
     assert torch.equal(results[1][1], results[0][1]) and results[0][1].sum().item() == 2 * 8 * 2
 
 
-@pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32), reason="this torch has no CPU grouped matmul")
+@pytest.mark.skipif(not grouped_mm_works(torch.device("cpu"), torch.float32), reason="this torch has no CPU grouped matmul")
 def test_grouped_matmul_and_the_loop_over_experts_agree():
     torch.manual_seed(4)
     counts = torch.tensor([3, 0, 9, 4])  # an expert without tokens too

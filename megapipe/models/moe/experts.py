@@ -35,14 +35,15 @@ class _Stacked(nn.Module):
 
 
 @functools.lru_cache(maxsize=None)
-def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device type and dtype, tried once."""
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device and dtype, tried once."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        a = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32))
+        a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offsets = torch.arange(1, 3, device=device, dtype=torch.int32) * 2  # experts of 2 rows each
+        out = torch._grouped_mm(a, b, offs=offsets)
         out.backward(torch.ones_like(out))
         return True
     except (RuntimeError, NotImplementedError):
@@ -57,7 +58,7 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
     """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each) times their expert's ``weight``
     [E, out, in] transposed: [N, out]."""
-    if grouped and grouped_mm_works(x.device.type, x.dtype) and _aligned(x, weight.transpose(1, 2)):
+    if grouped and grouped_mm_works(x.device, x.dtype) and _aligned(x, weight.transpose(1, 2)):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     parts = x.split(counts.tolist())

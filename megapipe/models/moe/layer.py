@@ -47,10 +47,10 @@ class SharedExperts(MLP):
 
 
 def assignments(routing_map: torch.Tensor, count: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, token) index pairs of the map's True entries [T, E], sorted by expert, then token. With their
-    ``count`` known on the host a stable sort finds them without a host synchronisation; else ``nonzero``."""
+    """(expert, token) index pairs of the map's True entries [T, E], sorted by expert, then token, found by a
+    stable sort. Their ``count``, when the caller does not know it, is read from the device (a synchronisation)."""
     if count is None:
-        return routing_map.t().nonzero(as_tuple=True)
+        count = int(routing_map.sum())
     flat = routing_map.t().reshape(-1).to(torch.int8)
     positions = torch.sort(flat, descending=True, stable=True).indices[:count]
     tokens = routing_map.shape[0]
