@@ -31,10 +31,11 @@ def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) 
 
 def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
     """The balancing loss of each sequence, averaged; tokens are ordered [s, b] (``s`` outer)."""
-    batch = scores.shape[0] // seq_length
-    per_sequence = [switch_aux_loss(scores.view(seq_length, batch, -1)[:, j],
-                                    routing_map.view(seq_length, batch, -1)[:, j], topk) for j in range(batch)]
-    return torch.stack(per_sequence).mean()
+    tokens, experts = scores.shape
+    per_sequence_probs = scores.view(seq_length, -1, experts).sum(dim=0)  # [b, E]
+    per_sequence_counts = routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype)
+    losses = (per_sequence_probs * per_sequence_counts).sum(dim=-1) * (experts / (topk * seq_length * seq_length))
+    return losses.mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
