@@ -31,7 +31,7 @@ def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) 
 
 def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
     """The balancing loss of each sequence, averaged; tokens are ordered [s, b] (``s`` outer)."""
-    tokens, experts = scores.shape
+    experts = scores.shape[1]
     per_sequence_probs = scores.view(seq_length, -1, experts).sum(dim=0)  # [b, E]
     per_sequence_counts = routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype)
     losses = (per_sequence_probs * per_sequence_counts).sum(dim=-1) * (experts / (topk * seq_length * seq_length))
