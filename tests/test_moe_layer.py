@@ -9,6 +9,7 @@
 - the auxiliary losses reach the gradient exactly as if added to the loss, with the main loss's scale,
   and full recomputation changes neither the gradient nor the counts;
 - the grouped matrix product and the loop over experts agree, forward and backward;
+- routing statistics per layer reach the log line and the TensorBoard/W&B scalars;
 - the FLOPs formula counts an MoE model's products exactly; bad flags are one sentence each.
 """
 
@@ -21,7 +22,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.models.flops import moe_flops_per_iteration, parameter_count
-from megapipe.models.moe import set_aux_loss_scale, update_expert_biases
+from megapipe.models.moe import moe_layer_stats, moe_stats_text, set_aux_loss_scale, update_expert_biases
 from megapipe.models.moe.capacity import apply_capacity, expert_capacity
 from megapipe.models.moe.experts import grouped_linear, grouped_mm_works
 from megapipe.models.moe.expert_bias import bias_update
@@ -29,6 +30,7 @@ from megapipe.models.moe.layer import MoELayer, assignments
 from megapipe.models.moe.load_balancing import seq_aux_loss, switch_aux_loss
 from megapipe.models.moe.router import scores_for_aux_loss, topk_routing
 from megapipe.parallel.state import ParallelState
+from megapipe.training.logger import IterationStats
 
 pytestmark = pytest.mark.unit
 
@@ -233,6 +235,25 @@ def test_flop_and_parameter_formulas_count_experts_router_and_shared_expert():
     with FlopCounterMode(display=False) as counter:
         model(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(3, config.seq_length)}).backward()
     assert counter.get_total_flops() == moe_flops_per_iteration(config, global_batch_size=3, recompute=False)
+
+
+def test_routing_statistics_per_layer_reach_the_log_line_and_the_scalars():
+    config = moe_config(moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.01)
+    model = build_model_chunks("gpt", config, ParallelState.single())[0]
+    for seed in range(2):  # two microbatches of 2 x 8 tokens, 2 experts each: 32 pairs, capacity 4 per expert
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
+        model(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, 8)}).backward()
+    stats = moe_layer_stats([model])
+    assert sorted(stats) == [0, 1] and moe_layer_stats([model]) == {}  # read once, then cleared
+    for s in stats.values():
+        assert s["max"] <= 4 and s["mean"] == pytest.approx((32 - s["dropped"]) / 4)
+        assert (s["cv"] > 0) == (s["max"] > s["min"])
+    line = IterationStats(iteration=1, train_iters=1, consumed_samples=4, ms_per_iteration=1.0, learning_rate=0.1,
+                          global_batch_size=4, losses={"lm loss": 1.0}, loss_scale=None, grad_norm=None,
+                          skipped_iterations=0, nan_iterations=0, tokens_per_second=1.0, tflops_per_device=1.0,
+                          mfu=None, memory_gib=0.0, moe=stats)
+    assert line.line().endswith(moe_stats_text(stats) + " |") and "moe L1 tok" in line.line()
+    assert line.scalars()["moe-L0-dropped"] == stats[0]["dropped"]
 
 
 @pytest.mark.parametrize("fields, message", [

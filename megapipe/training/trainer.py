@@ -30,7 +30,7 @@ from megapipe.parallel.launch import count_synchronisations, device_name, init_d
 from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks, build_planned_stage
-from megapipe.models.moe import moe_log_summary
+from megapipe.models.moe import moe_layer_stats
 from megapipe.training.exits import ExitConditions, distributed_timeout
 from megapipe.training.sigterm import SigtermNotice
 from megapipe.checkpointing.paths import read_latest
@@ -384,16 +384,18 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             memory_gib=peak_memory_gib(self.device),
             amended=self.amended[self._window.amended_from:] if self.engine.validation is not None else None,
-            moe=self._moe_summary()))
+            moe=self._moe_stats()))
 
-    def _moe_summary(self) -> str:
-        """Every pipeline stage's MoE routing statistics, as one field (collective over the pipeline group)."""
-        own = moe_log_summary(self.chunks) if self.config.model.num_experts is not None else ""
-        if self.config.model.num_experts is None or self.ps.pp_size == 1:
+    def _moe_stats(self) -> dict:
+        """Every pipeline stage's MoE routing statistics by layer (collective over the pipeline group)."""
+        if self.config.model.num_experts is None:
+            return {}
+        own = moe_layer_stats(self.chunks)
+        if self.ps.pp_size == 1:
             return own
         stages = [None] * self.ps.pp_size
         dist.all_gather_object(stages, own, group=self.ps.pp_group)
-        return " | ".join(stage for stage in stages if stage)
+        return {layer: stats for stage in stages for layer, stats in stage.items()}
 
     def evaluate(self, split: str) -> Optional[dict[str, float]]:
         """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");
