@@ -19,7 +19,8 @@ def output_std(config: ModelConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
-def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False, size: int | None = None) -> nn.Module:
+def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False,
+               size: int | None = None) -> nn.Module:
     """LayerNorm or RMSNorm over the hidden size (or ``size`` channels; the fusion backend's kernel); marked
     when its gradient is partial on each tensor rank (it sees only a sequence slice, or only some heads)."""
     norm_class = fusions.RMSNorm if config.normalization == "RMSNorm" else fusions.LayerNorm

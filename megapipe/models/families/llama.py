@@ -24,8 +24,8 @@ DEFAULTS = dict(position_embedding_type="rope", swiglu=True, normalization="RMSN
 
 # the same, as the flags (argparse dests) a preset sets
 FLAGS = dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", disable_bias_linear=True,
-              untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,
-              attention_dropout=0.0)
+             untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,
+             attention_dropout=0.0)
 
 # Shapes of common Llama-family models (vocabulary comes from the tokenizer).
 PRESETS = {
