@@ -19,6 +19,9 @@ pytestmark = pytest.mark.unit
 B = 2
 RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 UNFUSED = dict(bias_gelu_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
+MOE = dict(swiglu=True, add_bias_linear=False, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+           moe_z_loss_coeff=0.001, moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=16,
+           moe_shared_expert_gate=True)
 CASES = {
     # every fusion backend: on a device none of their kernels runs on, each op falls back to eager
     **{f"gpt-{backend}": ("gpt", dict(backend=backend)) for backend in BACKENDS},
@@ -33,6 +36,10 @@ CASES = {
     "gpt-bf16": ("gpt", dict(precision="bf16")),
     "gpt-fp16-loss-scaler": ("gpt", dict(precision="fp16")),
     "bert-bf16": ("bert", dict(precision="bf16")),
+    # the grouped product (the loop over experts reads the per-expert counts, which a fake device cannot give)
+    "gpt-moe-bf16": ("gpt", dict(precision="bf16", model=dict(MOE, moe_grouped_gemm=True))),
+    "gpt-moe-capacity-bf16": ("gpt", dict(precision="bf16", model=dict(MOE, moe_grouped_gemm=True,
+                                                                        moe_expert_capacity_factor=1.0))),
 }
 
 

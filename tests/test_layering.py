@@ -29,7 +29,7 @@ LAYERS = (
     ("pipeline.analysis",),
     # config: the dataclasses low, their command line high
     ("config.flag", "config.sharding", "config.parser", "config.notes"),
-    ("config.optimizer",),
+    ("config.optimizer", "config.moe"),
     ("config.schema",),
     ("config.operations", "config"),
     ("parallel",),

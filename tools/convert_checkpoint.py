@@ -4,8 +4,8 @@
     # any checkpoint directly; this makes the files match the new layout, one per rank)
     python tools/convert_checkpoint.py reshard ckpt/ ckpt-p4/ --pipeline-model-parallel-size 4
 
-    # a Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory (save_pretrained output,
-    # safetensors sharded or not, tokenizer.json carried along) -> megapipe checkpoint
+    # a Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE directory
+    # (save_pretrained output, safetensors sharded or not, tokenizer.json carried along) -> megapipe checkpoint
     python tools/convert_checkpoint.py import-hf gpt2-hf/ ckpt/ --tensor-model-parallel-size 2
     torchrun --nproc_per_node 2 pretrain_gpt.py --tensor-model-parallel-size 2 --load ckpt/ --finetune ...
 
@@ -50,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     command.add_argument("source")
     command.add_argument("target")
     _layout_flags(command)
-    command = commands.add_parser("import-hf", help="Hugging Face GPT-2/BERT/Llama/Mistral/Qwen2 directory -> "
-                                  "megapipe checkpoint")
+    command = commands.add_parser("import-hf", help="Hugging Face GPT-2/BERT/Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE/"
+                                  "Qwen3-MoE/OLMoE directory -> megapipe checkpoint")
     command.add_argument("hf_dir")
     command.add_argument("target")
     command.add_argument("--initialize-missing-heads", action="store_true",

@@ -1,7 +1,9 @@
 """Hugging Face directories (``save_pretrained`` output) <-> canonical megapipe tensors.
 
-GPT-2 (``GPT2LMHeadModel``), BERT (``BertForPreTraining``) and the Llama family
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``). Llama-family safetensors
+GPT-2 (``GPT2LMHeadModel``), BERT (``BertForPreTraining``), the Llama family
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) and the MoE family (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE: read through ``from_pretrained``, whose in-memory expert layout the
+mapping follows). Llama-family safetensors
 (single or sharded with an index) are read tensor by tensor; other weights go through
 ``from_pretrained`` (safetensors or ``.bin``, sharded or not). Import refuses what megapipe
 cannot compute identically: other architectures, and options that change the maths. Export

@@ -23,7 +23,8 @@ SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                "vocab_size": "vocabulary size", "max_position_embeddings": "--max-position-embeddings",
                "num_tokentypes": "token types", "untie_embeddings_and_output_weights":
                "--untie-embeddings-and-output-weights", "bert_binary_head": "--bert-no-binary-head",
-               "normalization": "--normalization"}
+               "normalization": "--normalization", "num_experts": "--num-experts",
+               "moe_ffn_hidden_size": "--moe-ffn-hidden-size"}
 
 
 def first_shape_problem(wanted: dict[str, Shard], saved: dict) -> Optional[str]:

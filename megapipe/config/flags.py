@@ -28,7 +28,8 @@ SECTIONS = (
     ("training", TrainingConfig, "training"),
     ("data", DataConfig, "data"),
 )
-GROUPS = ("model", "parallelism", "optimizer and precision", "training", "data", "kernels and memory")
+GROUPS = ("model", "mixture of experts", "parallelism", "optimizer and precision", "training", "data",
+          "kernels and memory")
 
 # options that are not one field: argparse dest -> the field (path.name) their value folds into
 INPUT_FLAGS = {

@@ -19,11 +19,13 @@ import torch
 
 from megapipe.errors import ConfigError
 from megapipe.config.flag import flag
+from megapipe.config.moe import LayerFreq, layer_freq, moe_layer_pattern, validate_moe
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.layout.stage_plan import StagePlan, read_stage_plan
 from megapipe.pipeline.ir.schedules import pipeline_schedule_help
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
+MOE = "mixture of experts"  # the --help section of the MoE flags
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -67,6 +69,40 @@ class ModelConfig:
     add_bias_linear: bool = flag(True, name="--disable-bias-linear", negate=True,
                                  help="no bias in any linear layer")
     add_qkv_bias: bool = flag(False, help="a QKV bias even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = flag(False, help="normalise queries and keys before attention (Qwen3, OLMoE)")
+    qk_layernorm_scope: str = flag("head", choices=("head", "projection"), help=(
+        "with --qk-layernorm: a norm per head over its channels (Qwen3) or over the whole q and k projections "
+        "(OLMoE; needs t = 1)"))
+    # mixture of experts (megapipe/models/moe; Megatron-LM's flags of the same names)
+    num_experts: Optional[int] = flag(None, group=MOE, help="experts per MoE layer (unset: dense MLPs)")
+    moe_ffn_hidden_size: Optional[int] = flag(None, group=MOE, help="each expert's hidden size (default "
+                                                                    "--ffn-hidden-size)")
+    moe_router_topk: int = flag(2, group=MOE, help="experts each token is routed to")
+    moe_router_score_function: str = flag("softmax", choices=("softmax", "sigmoid"), group=MOE)
+    moe_router_pre_softmax: bool = flag(False, group=MOE, help="softmax over all experts before the top-k (else "
+                                                               "over the k chosen)")
+    moe_router_num_groups: Optional[int] = flag(None, group=MOE, help="group-limited routing: expert groups")
+    moe_router_group_topk: Optional[int] = flag(None, group=MOE, help="group-limited routing: groups per token")
+    moe_router_enable_expert_bias: bool = flag(False, group=MOE, help=(
+        "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert routing bias moved after each step"))
+    moe_router_bias_update_rate: float = flag(1e-3, group=MOE)
+    moe_router_load_balancing_type: str = flag("aux_loss", choices=("aux_loss", "seq_aux_loss", "none"),
+                                               group=MOE)
+    moe_aux_loss_coeff: float = flag(0.0, group=MOE)
+    moe_z_loss_coeff: Optional[float] = flag(None, group=MOE)
+    moe_expert_capacity_factor: Optional[float] = flag(None, group=MOE, help="drop tokens beyond this multiple of "
+                                                                             "an expert's even share")
+    moe_token_drop_policy: str = flag("probs", choices=("probs", "position"), group=MOE)
+    moe_pad_expert_input_to_capacity: bool = flag(False, group=MOE)
+    moe_shared_expert_intermediate_size: Optional[int] = flag(None, group=MOE, help="hidden size of the shared "
+                                                                                    "expert every token passes")
+    moe_shared_expert_gate: bool = flag(False, group=MOE, help="scale the shared expert by a sigmoid gate "
+                                                               "(Qwen2-MoE)")
+    moe_layer_freq: LayerFreq = flag(1, type=layer_freq, group=MOE, help=(
+        "N: every N-th layer from layer 0 is an MoE layer; or one 0/1 per layer, e.g. 1,0,1,0"))
+    moe_grouped_gemm: bool = flag(False, group=MOE, help="run the experts as one grouped matrix product "
+                                                         "(torch._grouped_mm) where the build has it")
+    moe_token_dispatcher_type: str = flag("allgather", choices=("allgather", "alltoall"), group=MOE)
     num_tokentypes: int = flag(0, name=None)  # BERT: 2 (its family's)
     bert_binary_head: bool = flag(True, name="--bert-no-binary-head", negate=True, help="BERT: train masked LM only")
     init_method_std: float = 0.02
@@ -86,6 +122,8 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.moe_layer_freq, list):  # read back from JSON
+            self.moe_layer_freq = tuple(self.moe_layer_freq)
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +138,14 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (even, as the rotation pairs them)."""
         return int(self.head_dim * self.rotary_percent) // 2 * 2
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has a mixture of experts instead of a dense MLP."""
+        return self.num_experts is not None and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer]
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
@@ -133,6 +179,8 @@ class ModelConfig:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization {self.normalization} is unknown; use LayerNorm or RMSNorm.")
         self._validate_recompute()
+        if self.num_experts is not None:
+            validate_moe(self, t)
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
         self.padded_vocab_size(t)
@@ -151,6 +199,9 @@ class ModelConfig:
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} is outside (0, 1]; give the fraction of each "
                               "head's channels to rotate, e.g. 1.0 or 0.5.")
+        if self.qk_layernorm and self.qk_layernorm_scope == "projection" and t > 1:
+            raise ConfigError("--qk-layernorm-scope projection normalises across all heads, which needs "
+                              "--tensor-model-parallel-size 1; use t = 1 or --qk-layernorm-scope head.")
         if self.position_embedding_type == "rope" and self.rotary_dim < 2:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} of head size {self.head_dim} rotates no "
                               "channel pair; raise it.")

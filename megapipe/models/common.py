@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -13,11 +14,18 @@ from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import init_normal_
 
 
-def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden size (the fusion backend's kernel); marked when it
-    sees only a sequence slice."""
+def output_std(config: ModelConfig) -> float:
+    """Residual-branch outputs start smaller, as in GPT-2 and Megatron: std / sqrt(2 L)."""
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+
+
+def build_norm(config: ModelConfig, device=None, sequence_parallel: bool = False,
+               size: int | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over the hidden size (or ``size`` channels; the fusion backend's kernel); marked
+    when its gradient is partial on each tensor rank (it sees only a sequence slice, or only some heads)."""
     norm_class = fusions.RMSNorm if config.normalization == "RMSNorm" else fusions.LayerNorm
-    norm = norm_class(config.hidden_size, eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
+    norm = norm_class(size or config.hidden_size, eps=config.layernorm_epsilon, device=device,
+                      dtype=config.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = sequence_parallel
     return norm

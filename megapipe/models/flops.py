@@ -31,6 +31,23 @@ if TYPE_CHECKING:
     from megapipe.config import ModelConfig
 
 
+def mlp_forward_flops(tokens: float, hidden: int, ffn: int, swiglu: bool) -> float:
+    """A dense MLP's forward FLOPs: 4 t h f (GeLU) or 6 t h f (SwiGLU: gate, up and down)."""
+    return (6 if swiglu else 4) * tokens * hidden * ffn
+
+
+def moe_mlp_forward_flops(tokens: float, config: "ModelConfig") -> float:
+    """An MoE layer's forward FLOPs: each token through its k experts, the router's 2 t h E, and the shared
+    expert with its gate (dropped tokens not subtracted: the count of the model, not of one batch)."""
+    h = config.hidden_size
+    flops = (config.moe_router_topk * mlp_forward_flops(tokens, h, config.expert_ffn_hidden_size, config.swiglu)
+             + 2 * tokens * h * config.num_experts)
+    if config.moe_shared_expert_intermediate_size is not None:
+        flops += mlp_forward_flops(tokens, h, config.moe_shared_expert_intermediate_size, config.swiglu)
+        flops += 2 * tokens * h if config.moe_shared_expert_gate else 0
+    return flops
+
+
 def block_forward_flops(tokens: float, seq_length: int, hidden: int, ffn: int, kv_hidden: int | None = None,
                         swiglu: bool = False) -> float:
     """One layer's forward FLOPs over ``tokens`` tokens in sequences of ``seq_length``.
@@ -40,9 +57,9 @@ def block_forward_flops(tokens: float, seq_length: int, hidden: int, ffn: int, k
     (GeLU) or 6 t h f (SwiGLU: gate, up and down). With h_kv = h and f = 4h this is eq. 4.2's
     24 t h^2 + 4 t s h.
     """
-    h, f = hidden, ffn
+    h = hidden
     h_kv = h if kv_hidden is None else kv_hidden
-    mlp = (6 if swiglu else 4) * tokens * h * f
+    mlp = mlp_forward_flops(tokens, h, ffn, swiglu)
     return 2 * tokens * h * (h + 2 * h_kv) + 4 * tokens * seq_length * h + 2 * tokens * h * h + mlp
 
 
@@ -69,6 +86,15 @@ def flops_per_iteration(config: "ModelConfig", global_batch_size: int, recompute
                              config.swiglu)
 
 
+def moe_flops_per_iteration(config: "ModelConfig", global_batch_size: int, recompute: bool) -> float:
+    """``flops_per_iteration`` with each MoE layer's MLP counted as ``moe_mlp_forward_flops``."""
+    tokens = global_batch_size * config.seq_length
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    difference = (moe_mlp_forward_flops(tokens, config)
+                  - mlp_forward_flops(tokens, config.hidden_size, config.ffn_hidden_size, config.swiglu))
+    return flops_per_iteration(config, global_batch_size, recompute) + (4 if recompute else 3) * moe_layers * difference
+
+
 def head_flops_per_iteration(config: "ModelConfig", global_batch_size: int) -> float:
     """The logit layer's share of ``flops_per_iteration``."""
     return 3 * head_forward_flops(global_batch_size * config.seq_length, config.hidden_size,
@@ -77,17 +103,33 @@ def head_flops_per_iteration(config: "ModelConfig", global_batch_size: int) -> f
 
 def parameter_count(config: "ModelConfig") -> float:
     """Parameters, counted term by term (for GPT-2 shapes, eq. 4.3's 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
-    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, biases and an untied head included."""
+    plus the final norm); grouped-query attention, SwiGLU, RMSNorm, q/k norms, biases, an untied head and MoE
+    layers included."""
     l, h, v, s = config.num_layers, config.hidden_size, config.vocab_size, config.seq_length
     h_kv, f = config.query_groups * config.head_dim, config.ffn_hidden_size
     bias = config.add_bias_linear
     qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
     mlp = (3 if config.swiglu else 2) * h * f + bias * ((2 if config.swiglu else 1) * f + h)
     norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
-    per_layer = qkv + h * h + bias * h + mlp + norms
+    qk_norms = 0
+    if config.qk_layernorm:
+        qk_width = h + h_kv if config.qk_layernorm_scope == "projection" else 2 * config.head_dim
+        qk_norms = qk_width * (2 if config.normalization == "LayerNorm" else 1)
+    per_layer = qkv + h * h + bias * h + mlp + norms + qk_norms
     positions = s * h if config.position_embedding_type == "learned_absolute" else 0
     head = v * h if config.untie_embeddings_and_output_weights else 0
-    return l * per_layer + v * h + positions + head + norms // 2
+    return l * per_layer + v * h + positions + head + norms // 2 + _moe_extra_parameters(config, mlp)
+
+
+def _moe_extra_parameters(config: "ModelConfig", dense_mlp: float) -> float:
+    """What the MoE layers hold beyond a dense MLP each: E experts, the router, the shared expert and its gate."""
+    if config.num_experts is None:
+        return 0
+    h, matrices = config.hidden_size, 3 if config.swiglu else 2
+    moe = config.num_experts * (matrices * h * config.expert_ffn_hidden_size + h)
+    if config.moe_shared_expert_intermediate_size is not None:
+        moe += matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
+    return sum(config.is_moe_layer(i) for i in range(config.num_layers)) * (moe - dense_mlp)
 
 
 def device_peak_tflops(device_name: str) -> float | None:

@@ -41,14 +41,15 @@ def gate_up_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
-_LAYER = [
+# (megapipe, Hugging Face) names of a layer's norms and attention output, and of the model's ends
+NORMS_AND_OUTPUT = [
     ("attention_norm.weight", "input_layernorm.weight"),
     ("attention.dense.weight", "self_attn.o_proj.weight"),
     ("mlp_norm.weight", "post_attention_layernorm.weight"),
-    ("mlp.fc2.weight", "mlp.down_proj.weight"),
 ]
-_GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-           ("final_norm.weight", "model.norm.weight")]
+_LAYER = NORMS_AND_OUTPUT + [("mlp.fc2.weight", "mlp.down_proj.weight")]
+GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+          ("final_norm.weight", "model.norm.weight")]
 
 
 def rope_settings(hf_config) -> tuple[float, float]:
@@ -61,12 +62,13 @@ def rope_settings(hf_config) -> tuple[float, float]:
     return float(base), float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
 
 
-def llama_fields(hf_config) -> dict:
+def llama_fields(hf_config, qkv_bias: bool | None = None) -> dict:
     """The ModelConfig fields a Llama, Mistral or Qwen2 transformers config gives (the Llama family adds
     its defaults).
 
     Mistral's sliding window changes nothing for sequences no longer than the window, so the
-    model's position limit becomes the window.
+    model's position limit becomes the window. ``qkv_bias``: whether q, k and v have biases, for
+    model types other than this module's (the MoE ones).
     """
     if hf_config.hidden_act != "silu":
         raise ValueError(f"activation {hf_config.hidden_act} is not supported; megapipe's SwiGLU uses silu")
@@ -77,13 +79,15 @@ def llama_fields(hf_config) -> dict:
     base, fraction = rope_settings(hf_config)
     positions = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
-    if window and (hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
+    sliding = hf_config.model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)
+    if window and sliding:
         positions = min(positions, window)
+    bias = LLAMA_FAMILY[hf_config.model_type][1] if qkv_bias is None else qkv_bias
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
                   num_attention_heads=heads, num_query_groups=hf_config.num_key_value_heads,
                   vocab_size=hf_config.vocab_size, seq_length=positions, max_position_embeddings=positions,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=hf_config.rms_norm_eps,
-                  rotary_base=base, rotary_percent=fraction, add_qkv_bias=LLAMA_FAMILY[hf_config.model_type][1],
+                  rotary_base=base, rotary_percent=fraction, add_qkv_bias=bias,
                   attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
                   init_method_std=hf_config.initializer_range,
                   untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings)
@@ -92,7 +96,7 @@ def llama_fields(hf_config) -> dict:
 
 def llama_from_hf(hf_state, config: ModelConfig) -> dict:
     """Canonical megapipe state dict from a Llama-family state dict (any mapping that loads on access)."""
-    out = {ours: hf_state[theirs] for ours, theirs in _GLOBAL}
+    out = {ours: hf_state[theirs] for ours, theirs in GLOBAL}
     groups = config.query_groups
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
@@ -111,7 +115,7 @@ def llama_from_hf(hf_state, config: ModelConfig) -> dict:
 
 def llama_to_hf(state: dict, config: ModelConfig) -> dict:
     """Llama-family state dict from a canonical megapipe state dict."""
-    out = {theirs: state[ours] for ours, theirs in _GLOBAL}
+    out = {theirs: state[ours] for ours, theirs in GLOBAL}
     heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."

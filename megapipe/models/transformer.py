@@ -5,29 +5,27 @@ under grouped-query attention), optional rotary positions, the attention core on
 heads, a row-parallel output projection. MLP: column-parallel h -> ffn, GeLU or SwiGLU,
 row-parallel ffn -> h. Two all-reduces forward and two backward per layer (seed 002 4.2.3).
 ``post_layernorm`` selects the original BERT arrangement (norm after each residual add)
-instead of GPT's pre-norm.
+instead of GPT's pre-norm. With ``--qk-layernorm`` queries and keys are normalised per head
+(Qwen3) or over their whole projections (OLMoE) before RoPE. With ``--num-experts`` the layers
+``--moe-layer-freq`` picks have a mixture of experts (``models/moe``) instead of the dense MLP.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
-from megapipe.models.common import build_norm, dropout_add
+from megapipe.models.common import build_norm, dropout_add, output_std
+from megapipe.models.mlp import MLP
+from megapipe.models.moe import MoELayer
 from megapipe.models.recompute import checkpoint
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.tensor_parallel.utils import divide
-
-
-def _output_std(config: ModelConfig) -> float:
-    """Residual-branch outputs start smaller, as in GPT-2 and Megatron: std / sqrt(2 L)."""
-    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
 class SelfAttention(nn.Module):
@@ -51,8 +49,13 @@ class SelfAttention(nn.Module):
                                         init_std=config.init_method_std,
                                         bias=config.add_bias_linear or config.add_qkv_bias, **common)
         self.dense = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, ps,
-                                       name=f"{name}.dense", init_std=_output_std(config), skip_bias_add=True,
+                                       name=f"{name}.dense", init_std=output_std(config), skip_bias_add=True,
                                        bias=config.add_bias_linear, **common)
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:  # weights replicated, gradients partial per tensor rank (its heads): summed
+            whole = config.qk_layernorm_scope == "projection"
+            sizes = (config.hidden_size, config.query_groups * config.head_dim) if whole else (config.head_dim,) * 2
+            self.q_norm, self.k_norm = (build_norm(config, device, True, size) for size in sizes)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool, rotary=None,
                 kv_cache=None):
@@ -63,6 +66,8 @@ class SelfAttention(nn.Module):
         grouped = qkv.view(s, b, self.local_groups, n + 2, d)
         q = grouped[:, :, :, :n].reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k, v = (grouped[:, :, :, n + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d], shared by n heads
+        if self.q_norm is not None:
+            q, k = self._qk_norm(q, self.q_norm), self._qk_norm(k, self.k_norm)
         if rotary is not None:
             fused = self.config.apply_rope_fusion
             q, k = (fusions.apply_rope(t, *rotary, fused=fused) for t in (q, k))
@@ -76,38 +81,19 @@ class SelfAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * d)
         return self.dense(context)
 
+    def _qk_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """``x`` [b, heads, s, d] normalised per head, or over all its heads' channels together."""
+        if self.config.qk_layernorm_scope == "head":
+            return norm(x)
+        b, heads, s, d = x.shape
+        return norm(x.transpose(1, 2).reshape(b, s, heads * d)).view(b, s, heads, d).transpose(1, 2)
+
     def core_attention(self, q, k, v, attention_mask, causal):
         """softmax(q k^T / sqrt(d) + mask) v on the local heads; dropout differs per tensor rank."""
         dropout = self.config.attention_dropout if self.training else 0.0
         with self.ps.tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
             return fusions.attention(q, k, v, attention_mask, causal=causal, dropout_p=dropout,
                                      training=self.training, fused=self.config.masked_softmax_fusion)
-
-
-class MLP(nn.Module):
-    """h -> ffn -> h with GeLU, or with SwiGLU: fc1 then writes (gate, up) pairs, 2 ffn wide,
-    so a contiguous tensor-parallel split gives each rank matching gate and up rows."""
-
-    def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, sequence_parallel: bool,
-                 device=None):
-        super().__init__()
-        self.config = config
-        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        common = dict(seed=seed, sequence_parallel=sequence_parallel, dtype=config.params_dtype, device=device,
-                      bias=config.add_bias_linear)
-        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
-        self.fc1 = ColumnParallelLinear(config.hidden_size, width, ps, name=f"{name}.fc1",
-                                        init_std=config.init_method_std, skip_bias_add=True, **common)
-        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, ps, name=f"{name}.fc2",
-                                     init_std=_output_std(config), skip_bias_add=True, **common)
-
-    def forward(self, x: torch.Tensor):
-        h, bias = self.fc1(x)
-        if self.config.swiglu:
-            h = fusions.swiglu(h if bias is None else h + bias, fused=self.config.bias_swiglu_fusion)
-        else:
-            h = fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)
-        return self.fc2(h)
 
 
 class TransformerLayer(nn.Module):
@@ -122,7 +108,10 @@ class TransformerLayer(nn.Module):
         self.attention_norm = build_norm(config, device, sequence_parallel)
         self.attention = SelfAttention(config, ps, f"{name}.attention", seed, sequence_parallel, device)
         self.mlp_norm = build_norm(config, device, sequence_parallel)
-        self.mlp = MLP(config, ps, f"{name}.mlp", seed, sequence_parallel, device)
+        if config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, ps, f"{name}.mlp", seed, sequence_parallel, output_std(config), device)
+        else:
+            self.mlp = MLP(config, ps, f"{name}.mlp", seed, sequence_parallel, device)
 
     def _residual(self, branch_out, residual):
         out, bias = branch_out

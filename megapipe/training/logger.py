@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megapipe.config import TrainingConfig
+from megapipe.models.moe import moe_stats_scalars, moe_stats_text
 from megapipe.optional import require
 
 
@@ -34,6 +35,7 @@ class IterationStats:
     mfu: Optional[float]
     memory_gib: float
     amended: Optional[list[int]] = None  # under post-validation: the iterations whose steps it redid
+    moe: dict = field(default_factory=dict)  # MoE layer -> its routing statistics (``models/moe/stats.py``)
     extra: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -57,6 +59,8 @@ class IterationStats:
         parts.append(f"peak memory (GiB): {self.memory_gib:.2f}")
         if self.amended is not None:
             parts.append(f"amended steps: {amended_text(self.amended)}")
+        if self.moe:
+            parts.append(moe_stats_text(self.moe))
         return " | ".join(parts) + " |"
 
     def scalars(self) -> dict:
@@ -65,6 +69,7 @@ class IterationStats:
                   "tflops-per-device": self.tflops_per_device, "memory-gib": self.memory_gib,
                   "skipped-iterations": self.skipped_iterations}
         values.update(self.losses)
+        values.update(moe_stats_scalars(self.moe))
         for name, value in (("loss-scale", self.loss_scale), ("grad-norm", self.grad_norm), ("mfu", self.mfu)):
             if value is not None:
                 values[name] = value

@@ -30,6 +30,7 @@ from megapipe.parallel.launch import count_synchronisations, device_name, init_d
 from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.models.moe import moe_layer_stats
 from megapipe.training.exits import ExitConditions, distributed_timeout
 from megapipe.training.sigterm import SigtermNotice
 from megapipe.checkpointing.paths import read_latest
@@ -382,7 +383,19 @@ class Trainer:
             tokens_per_second=t.global_batch_size * self.config.model.seq_length / seconds,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             memory_gib=peak_memory_gib(self.device),
-            amended=self.amended[self._window.amended_from:] if self.engine.validation is not None else None))
+            amended=self.amended[self._window.amended_from:] if self.engine.validation is not None else None,
+            moe=self._moe_stats()))
+
+    def _moe_stats(self) -> dict:
+        """Every pipeline stage's MoE routing statistics by layer (collective over the pipeline group)."""
+        if self.config.model.num_experts is None:
+            return {}
+        own = moe_layer_stats(self.chunks)
+        if self.ps.pp_size == 1:
+            return own
+        stages = [None] * self.ps.pp_size
+        dist.all_gather_object(stages, own, group=self.ps.pp_group)
+        return {layer: stats for stage in stages for layer, stats in stage.items()}
 
     def evaluate(self, split: str) -> Optional[dict[str, float]]:
         """Mean losses (by name) over ``--eval-iters`` global batches of ``split`` ("validation" or "test");

@@ -12,7 +12,8 @@ from importlib import import_module
 from megapipe.config import ModelConfig
 from megapipe.models.families.family import Family, HFArchitecture
 
-REGISTERED = ("gpt", "bert", "llama")  # the modules of this package that hold a FAMILY
+REGISTERED = ("gpt", "bert", "moe", "llama")  # the modules of this package that hold a FAMILY; a family that
+# claims models comes before one claiming a wider set (an MoE model is also Llama-shaped)
 
 FAMILIES: dict[str, Family] = {}
 for _module in REGISTERED:

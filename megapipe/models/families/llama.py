@@ -23,23 +23,23 @@ DEFAULTS = dict(position_embedding_type="rope", swiglu=True, normalization="RMSN
                 attention_dropout=0.0)
 
 # the same, as the flags (argparse dests) a preset sets
-_FLAGS = dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", disable_bias_linear=True,
-              untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,
-              attention_dropout=0.0)
+FLAGS = dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", disable_bias_linear=True,
+             untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,
+             attention_dropout=0.0)
 
 # Shapes of common Llama-family models (vocabulary comes from the tokenizer).
 PRESETS = {
-    "llama-tiny": dict(_FLAGS, num_layers=4, hidden_size=128, num_attention_heads=8, group_query_attention=True,
+    "llama-tiny": dict(FLAGS, num_layers=4, hidden_size=128, num_attention_heads=8, group_query_attention=True,
                        num_query_groups=2, ffn_hidden_size=352, seq_length=128),
-    "llama-1b": dict(_FLAGS, num_layers=16, hidden_size=2048, num_attention_heads=32, group_query_attention=True,
+    "llama-1b": dict(FLAGS, num_layers=16, hidden_size=2048, num_attention_heads=32, group_query_attention=True,
                      num_query_groups=8, ffn_hidden_size=8192, seq_length=2048, rotary_base=500000.0),
-    "llama2-7b": dict(_FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+    "llama2-7b": dict(FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                       seq_length=4096),
-    "llama3-8b": dict(_FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+    "llama3-8b": dict(FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
                       num_query_groups=8, ffn_hidden_size=14336, seq_length=8192, rotary_base=500000.0),
-    "mistral-7b": dict(_FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+    "mistral-7b": dict(FLAGS, num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
                        num_query_groups=8, ffn_hidden_size=14336, seq_length=4096, rotary_base=1000000.0),
-    "qwen2-0.5b": dict(_FLAGS, num_layers=24, hidden_size=896, num_attention_heads=14, group_query_attention=True,
+    "qwen2-0.5b": dict(FLAGS, num_layers=24, hidden_size=896, num_attention_heads=14, group_query_attention=True,
                        num_query_groups=2, ffn_hidden_size=4864, seq_length=4096, rotary_base=1000000.0,
                        add_qkv_bias=True, untie_embeddings_and_output_weights=False, layernorm_epsilon=1e-6),
 }

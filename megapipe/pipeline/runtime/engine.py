@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from megapipe.errors import ConfigError
+from megapipe.models.moe import main_loss_gradient_scale, set_aux_loss_scale, update_expert_biases
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
 from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
 from megapipe.optim.non_finite import poisoning_non_finite
@@ -183,6 +184,7 @@ class PipelineEngine:
 
     def _after_step(self, group: int, result: StepResult) -> None:
         self.optimizers[group].zero_grad()
+        update_expert_biases(self._groups[group][0], self._groups[group][1].dp_group)
         self.passes.updated([self.chunks.index(chunk) for chunk in self._groups[group][0]])
         self._steps.append(result)
 
@@ -216,6 +218,9 @@ class PipelineEngine:
         for chunk in self.chunks:
             chunk.train()
         rng = capture_rng(self.ps.rng_tracker, self.executor.p2p.device) if self.validation is not None else None
+        scale = main_loss_gradient_scale(self.optimizer.scale_loss, self.program.loss_divisor, self.executor.p2p.device)
+        for chunk in self.chunks:  # the MoE routers' auxiliary losses get the main loss's gradient scale
+            set_aux_loss_scale(chunk, scale)
         batch = self.executor.run(microbatches)
         if self._redo_iteration:
             self._redo_iteration = False

@@ -1,0 +1,93 @@
+"""The experts of one MoE layer, as stacked weights run on tokens sorted by expert.
+
+Weights are stored with the expert dimension first, under the expert's global index:
+``experts.fc1.weight`` [E, ffn (x 2 with SwiGLU: (gate, up) pairs), h] and ``experts.fc2.weight``
+[E, h, ffn]. Expert parallelism then holds a slice along dim 0 (a contiguous range of global
+experts) and a checkpoint reshards between any layouts by slicing that one dimension; tensor
+parallelism splits the ffn dimension (dim 1 of fc1, dim 2 of fc2) as the dense MLP does.
+
+The product runs as one grouped matrix product (``torch._grouped_mm``) where this build has it for
+the tensors' device and dtype, else as a loop over the experts, each on its contiguous run of the
+already permuted tokens (the loop needs the per-expert counts on the host: one synchronisation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe import fusions
+from megapipe.config import ModelConfig
+from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.layers import _init_weight
+from megapipe.tensor_parallel.utils import mark_tensor_parallel
+
+
+class _Stacked(nn.Module):
+    """One stacked weight, so its key reads ``experts.fc1.weight`` like a linear layer's."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device and dtype, tried once."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offsets = torch.arange(1, 3, device=device, dtype=torch.int32) * 2  # experts of 2 rows each
+        out = torch._grouped_mm(a, b, offs=offsets)
+        out.backward(torch.ones_like(out))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """``_grouped_mm`` wants every stride of 16 bytes or more a multiple of 16 bytes."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each) times their expert's ``weight``
+    [E, out, in] transposed: [N, out]."""
+    if grouped and grouped_mm_works(x.device, x.dtype) and _aligned(x, weight.transpose(1, 2)):
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    parts = x.split(counts.tolist())
+    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])
+
+
+class GroupedExperts(nn.Module):
+    """E MLPs (SwiGLU or GeLU, no biases) over tokens permuted so each expert's are contiguous."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, output_std: float, device=None):
+        super().__init__()
+        self.config = config
+        e, h, f = config.num_experts, config.hidden_size, config.expert_ffn_hidden_size
+        width = 2 * f if config.swiglu else f
+        common = dict(seed=seed, ps=ps, dtype=config.params_dtype, device=device)
+        self.fc1 = _Stacked(_init_weight((e, width, h), config.init_method_std, name=f"{name}.fc1.weight",
+                                         partition_dim=1, **common))
+        self.fc2 = _Stacked(_init_weight((e, h, f), output_std, name=f"{name}.fc2.weight", partition_dim=2,
+                                         **common))
+        mark_tensor_parallel(self.fc1.weight, 1)
+        mark_tensor_parallel(self.fc2.weight, 2)
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, h] sorted by expert, ``counts`` [E] tokens per expert -> [N, h] (a partial sum under t > 1)."""
+        grouped = self.config.moe_grouped_gemm
+        h = grouped_linear(x, self.fc1.weight, counts, grouped)
+        if self.config.swiglu:
+            h = fusions.swiglu(h, fused=self.config.bias_swiglu_fusion)
+        else:
+            h = fusions.bias_gelu(h, None, self.approximate, fused=self.config.bias_gelu_fusion)
+        return grouped_linear(h, self.fc2.weight, counts, grouped)

@@ -1,0 +1,42 @@
+"""Pretraining an MoE model with pretrain_gpt.py, and loading its checkpoint with other experts.
+
+One run on one process trains every MoE feature at once (auxiliary and z losses, capacity with
+dropping, expert bias, a gated shared expert, a dense layer among MoE ones, the grouped product):
+its loss falls and each log line carries the MoE layer's routing statistics. The same run with the
+experts split over 2 tensor ranks logs the same losses (1e-5). Loading the checkpoint with another
+``--num-experts`` stops before training with one sentence naming the flag and both values.
+"""
+
+import re
+
+import pytest
+from test_training_cli import TINY, losses, run
+
+pytestmark = pytest.mark.system
+
+MOE = ["--num-layers", "2", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+       "--normalization", "RMSNorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+       "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "1.0", "--moe-router-enable-expert-bias",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-layer-freq", "1,0",
+       "--moe-grouped-gemm"]
+
+
+def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_different_expert_count(tmp_path):
+    result = run(TINY + MOE + ["--save", str(tmp_path / "ckpt")], cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    values = losses(result.stdout)
+    assert len(values) == 6 and values[6] < values[1]
+    stats = re.findall(r"moe L0 tok (\d+)/(\d+)/(\d+) cv [\d.]+ drop (\d+) aux ([\d.]+)", result.stdout)
+    assert len(stats) == 6 and "moe L1" not in result.stdout  # layer 1 is dense
+    low, mean, high, dropped, aux = map(float, stats[0])
+    assert low <= mean <= high <= 32  # capacity: ceil(2 x 32 tokens x 2 / 4 experts x 1.0) = 32
+    assert mean == pytest.approx((2 * 32 * 2 - dropped) / 4, abs=0.5) and aux > 0
+
+    parallel = run(TINY + MOE + ["--tensor-model-parallel-size", "2"], nproc=2, cache=tmp_path)
+    assert parallel.returncode == 0, parallel.stderr
+    for i, value in losses(parallel.stdout).items():  # the same routing, drops and bias updates on both ranks
+        assert value == pytest.approx(values[i], rel=1e-5), (i, value, values[i])
+
+    other = run(TINY + MOE + ["--num-experts", "8", "--load", str(tmp_path / "ckpt")], cache=tmp_path)
+    assert other.returncode == 2
+    assert other.stderr.count("error:") == 1 and "(checkpoint vs this run: --num-experts 4 vs 8)" in other.stderr
