@@ -34,11 +34,14 @@ def moe_layer_pattern(freq: LayerFreq, num_layers: int) -> tuple[bool, ...]:
     return tuple(bool(x) for x in freq)
 
 
-def validate_moe(config, tensor_parallel: int) -> None:
+def validate_moe(config, tensor_parallel: int, expert_parallel: int = 1) -> None:
     """The MoE flags of ``config`` (a ModelConfig with ``num_experts`` set), each problem one sentence."""
     e, k = config.num_experts, config.moe_router_topk
     if e < 1:
         raise ConfigError(f"--num-experts {e} must be at least 1 (leave it out for a dense MLP).")
+    if e % expert_parallel:
+        raise ConfigError(f"--num-experts {e} is not divisible by --expert-model-parallel-size {expert_parallel}; "
+                          "every expert rank must hold the same number of experts.")
     if not 1 <= k <= e:
         raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}; each token picks "
                           "that many distinct experts.")

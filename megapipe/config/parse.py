@@ -88,9 +88,10 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         tell(warning)
     plan = par.stage_plan()
     if plan is None:
-        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline)
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
+                                      expert_tensor=par.expert_tensor)
         par.validate()
-        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline)
+        config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
         data, pipeline, replicas = layout.data, par.pipeline, None
     else:
         par.validate(world_size, config.model.num_layers)

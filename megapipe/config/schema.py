@@ -150,7 +150,8 @@ class ModelConfig:
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
 
-    def validate(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
+    def validate(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1,
+                 expert_parallel: int = 1) -> None:
         t = tensor_parallel
         for name, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                             ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length)):
@@ -180,7 +181,10 @@ class ModelConfig:
             raise ConfigError(f"--normalization {self.normalization} is unknown; use LayerNorm or RMSNorm.")
         self._validate_recompute()
         if self.num_experts is not None:
-            validate_moe(self, t)
+            validate_moe(self, t, expert_parallel)
+        elif expert_parallel > 1:
+            raise ConfigError(f"--expert-model-parallel-size {expert_parallel} needs --num-experts (the experts it "
+                              "splits); add it or drop the expert size.")
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ConfigError(f"activation {self.activation} is unknown; use gelu or gelu_tanh.")
         self.padded_vocab_size(t)
@@ -253,6 +257,10 @@ class ParallelConfig:
     pipeline: int = flag(1, name="--pipeline-model-parallel-size")
     data: Optional[int] = flag(None, name=None)  # defaults to world_size / (tensor * pipeline)
     virtual_pipeline: int = flag(1, name=None)  # from --num-layers-per-virtual-pipeline-stage
+    expert: int = flag(1, name="--expert-model-parallel-size", help=(
+        "ranks the experts of each MoE layer are split over; carved out of the data-parallel ranks (docs/moe.md)"))
+    expert_tensor: Optional[int] = flag(None, name="--expert-tensor-parallel-size", help=(
+        "ranks each expert's ffn dimension is split over (default --tensor-model-parallel-size; only that yet)"))
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
     pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
@@ -276,6 +284,10 @@ class ParallelConfig:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
+        if self.expert_tensor not in (None, self.tensor):
+            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} differs from "
+                              f"--tensor-model-parallel-size {self.tensor}, which megapipe's experts do not support "
+                              "yet; drop --expert-tensor-parallel-size.")
         if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
                               f"{self.pipeline_schedule}: it chooses the weight versions of PipeDream's weight "
@@ -283,6 +295,8 @@ class ParallelConfig:
         plan = self.stage_plan()
         if plan is None:
             return
+        if self.expert > 1:
+            raise ConfigError("--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one.")
         if self.virtual_pipeline > 1:
             raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
                               "--num-layers-per-virtual-pipeline-stage or the plan.")

@@ -84,3 +84,14 @@ class PlanLayout:
 
     def embedding_groups(self, last: int = -1) -> list[list[int]]:
         return [sorted({group[0], group[last]}) for group in self.pipeline_groups()]
+
+    # a stage plan holds no expert parallelism: each rank holds every expert, its tensor and data
+    # groups serve the experts too
+    def expert_groups(self) -> list[list[int]]:
+        return [[rank] for rank in range(self.world_size)]
+
+    def expert_tensor_groups(self) -> list[list[int]]:
+        return self.tensor_groups()
+
+    def expert_data_groups(self) -> list[list[int]]:
+        return self.data_groups()

@@ -2,7 +2,8 @@
 
 Ranks are laid out tensor-innermost: ``rank = t_idx + t * (d_idx + d * p_idx)``, so the t ranks
 of a tensor group are neighbours (one node) and pipeline stages span nodes (Megatron's order).
-Every formula over this order (groups, coordinates, which node a rank sits on) is written here.
+Every formula over this order (groups, coordinates, which node a rank sits on) is written here;
+the experts' groups re-fold each stage's ranks (``experts.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.layout.degrees import Degrees
+from megapipe.layout.experts import ExpertFold
 
 
 @dataclass(frozen=True)
@@ -21,9 +23,12 @@ class RankLayout:
     tensor: int
     pipeline: int
     data: int
+    expert: int = 1
+    expert_tensor: Optional[int] = None  # None: the tensor degree (Megatron's default)
 
     @staticmethod
-    def for_world(world_size: int, tensor: int = 1, pipeline: int = 1, data: Optional[int] = None) -> "RankLayout":
+    def for_world(world_size: int, tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
+                  expert: int = 1, expert_tensor: Optional[int] = None) -> "RankLayout":
         """Validate degrees against the world size; ``data`` defaults to what is left."""
         for name, flag, value in (("tensor", "--tensor-model-parallel-size", tensor),
                                   ("pipeline", "--pipeline-model-parallel-size", pipeline)):
@@ -39,14 +44,20 @@ class RankLayout:
             raise ConfigError(
                 f"world size {world_size} does not equal tensor {tensor} x pipeline {pipeline} x data {data} "
                 f"(= {tensor * pipeline * data}); change the parallel sizes or the number of processes.")
-        return RankLayout(tensor, pipeline, data)
+        ExpertFold.checked(expert, expert_tensor or tensor, tensor, data)
+        return RankLayout(tensor, pipeline, data, expert, expert_tensor)
+
+    @property
+    def fold(self) -> ExpertFold:
+        """How each stage's ranks form the experts' groups."""
+        return ExpertFold.checked(self.expert, self.expert_tensor or self.tensor, self.tensor, self.data)
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline * self.data
 
     def degrees(self, virtual: int = 1) -> Degrees:
-        return Degrees(self.tensor, self.pipeline, (self.data,) * self.pipeline, virtual)
+        return Degrees(self.tensor, self.pipeline, (self.data,) * self.pipeline, virtual, expert=self.expert)
 
     def rank(self, t: int, d: int, p: int) -> int:
         return t + self.tensor * (d + self.data * p)
@@ -84,3 +95,15 @@ class RankLayout:
         """First and last stage of each pipeline (``last``: the pipeline index holding the last stage):
         they share the tied word embedding."""
         return [sorted({g[0], g[last]}) for g in self.pipeline_groups()]
+
+    def _stage_firsts(self) -> list[int]:
+        return [self.rank(0, 0, p) for p in range(self.pipeline)]
+
+    def expert_groups(self) -> list[list[int]]:
+        return [g for first in self._stage_firsts() for g in self.fold.expert_groups(first)]
+
+    def expert_tensor_groups(self) -> list[list[int]]:
+        return [g for first in self._stage_firsts() for g in self.fold.expert_tensor_groups(first)]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        return [g for first in self._stage_firsts() for g in self.fold.expert_data_groups(first)]

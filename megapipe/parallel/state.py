@@ -1,8 +1,10 @@
-"""Process groups for tensor (t), pipeline (p) and data (d) parallelism, built once.
+"""Process groups for tensor (t), pipeline (p), data (d) and expert (e) parallelism, built once.
 
 The groups come from a layout's arithmetic (``megapipe.layout``: ``RankLayout`` for degrees,
 ``PlanLayout`` for a stage plan with replicated stages); ``ParallelState`` holds the groups and
 answers every rank/stage query the rest of the code needs. Library code receives a ``ParallelState``; there are no module globals.
+The experts' groups (expert, expert-tensor, expert-data) re-fold each stage's ranks
+(``megapipe.layout.experts``); a group of one rank among them is ``None``, created by no one.
 
 Sizes and indices come from the member lists of the groups, so a state built from another
 layout (a stage plan with replicated stages) or a view of
@@ -44,6 +46,10 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     return _GROUPS[key]
 
 
+# an expert group with the ranks of a dense group (e = 1, or etp = t) is that group
+_EXPERT_ROLES = {"expert_tensor": "tensor", "expert_data": "data"}
+
+
 def forget_groups() -> None:
     """Drop this module's references to the groups it built (after they were destroyed), so that
     their backends, and gloo's worker threads, are freed now rather than at interpreter exit."""
@@ -72,18 +78,20 @@ class ParallelState:
     @staticmethod
     def single(virtual_pipeline: int = 1) -> "ParallelState":
         layout = RankLayout(1, 1, 1)
-        members = {name: [0] for name in ("tensor", "pipeline", "data", "model_parallel", "embedding")}
+        members = {name: [0] for name in ("tensor", "pipeline", "data", "model_parallel", "embedding", "expert",
+                                          "expert_tensor", "expert_data")}
         return ParallelState(layout, 0, virtual_pipeline, {name: None for name in members}, members)
 
     @staticmethod
     def initialize(tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
                    virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
-                   placement: Placement = Placement.LOOPED) -> "ParallelState":
+                   placement: Placement = Placement.LOOPED, expert: int = 1,
+                   expert_tensor: Optional[int] = None) -> "ParallelState":
         """Create every group; all ranks must call this in the same order (collective)."""
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
                               "first or launch with torchrun.")
-        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data)
+        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data, expert, expert_tensor)
         if virtual_pipeline < 1:
             raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
         if virtual_pipeline > 1 and pipeline == 1:
@@ -106,10 +114,16 @@ class ParallelState:
             "pipeline": layout.pipeline_groups(),
             "model_parallel": layout.model_parallel_groups(),
             "embedding": layout.embedding_groups(state.last_stage_pp_rank),
+            "expert": layout.expert_groups(),
+            "expert_tensor": layout.expert_tensor_groups(),
+            "expert_data": layout.expert_data_groups(),
         }
         for name, groups in all_groups.items():
             for ranks in groups:
-                group = _group(name, ranks, timeout)
+                if name.startswith("expert") and len(ranks) == 1:
+                    group = None
+                else:  # the experts' groups share the communicator of a dense group with the same ranks
+                    group = _group(_EXPERT_ROLES.get(name, name), ranks, timeout)
                 if rank in ranks:
                     state.groups[name] = group
                     state.members[name] = list(ranks)
@@ -174,6 +188,40 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.members["pipeline"].index(self.rank)
+
+    def _expert_members(self, name: str) -> list[int]:
+        """An expert group's ranks; a state built without them (by hand, offline) holds every expert
+        and reuses its tensor and data groups."""
+        default = {"expert": [self.rank], "expert_tensor": self.members["tensor"], "expert_data": self.members["data"]}
+        return self.members.get(name, default[name])
+
+    @property
+    def ep_size(self) -> int:
+        return len(self._expert_members("expert"))
+
+    @property
+    def ep_rank(self) -> int:
+        return self._expert_members("expert").index(self.rank)
+
+    @property
+    def ep_group(self):
+        return self.groups.get("expert")
+
+    @property
+    def expert_tp_size(self) -> int:
+        return len(self._expert_members("expert_tensor"))
+
+    @property
+    def expert_dp_size(self) -> int:
+        return len(self._expert_members("expert_data"))
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self._expert_members("expert_data").index(self.rank)
+
+    @property
+    def expert_dp_group(self):
+        return self.groups.get("expert_data", self.groups["data"])
 
     @property
     def tp_group(self):
@@ -266,8 +314,9 @@ class ParallelState:
 
     def describe(self) -> str:
         """This rank's place, each index of its count: ``rank 2: tensor 0/1, stage 1/2, data 0/1``."""
-        return (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, stage {self.pipeline_stage}/{self.num_stages}, "
+        text = (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, stage {self.pipeline_stage}/{self.num_stages}, "
                 f"data {self.dp_rank}/{self.dp_size}")
+        return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 
 def initialize_plan_state(plan: StagePlan, tensor: int = 1,

@@ -67,7 +67,8 @@ class Trainer:
         plan = par.stage_plan()
         if plan is None:
             self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
-                                               timeout=timeout, placement=_placement(par))
+                                               timeout=timeout, placement=_placement(par), expert=par.expert,
+                                               expert_tensor=par.expert_tensor)
         else:
             self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
         eval_samples = t.eval_iters * t.global_batch_size
