@@ -26,7 +26,8 @@ from megapipe.models.moe import moe_layer_stats, moe_stats_text, set_aux_loss_sc
 from megapipe.models.moe.capacity import apply_capacity, expert_capacity
 from megapipe.models.moe.experts import grouped_linear, grouped_mm_works
 from megapipe.models.moe.expert_bias import bias_update
-from megapipe.models.moe.layer import MoELayer, assignments
+from megapipe.models.moe.dispatch import assignments
+from megapipe.models.moe.layer import MoELayer
 from megapipe.models.moe.load_balancing import seq_aux_loss, switch_aux_loss
 from megapipe.models.moe.router import scores_for_aux_loss, topk_routing
 from megapipe.parallel.state import ParallelState

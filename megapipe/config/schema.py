@@ -102,7 +102,7 @@ class ModelConfig:
         "N: every N-th layer from layer 0 is an MoE layer; or one 0/1 per layer, e.g. 1,0,1,0"))
     moe_grouped_gemm: bool = flag(False, group=MOE, help="run the experts as one grouped matrix product "
                                                          "(torch._grouped_mm) where the build has it")
-    moe_token_dispatcher_type: str = flag("allgather", choices=("allgather", "alltoall"), group=MOE)
+    moe_token_dispatcher_type: str = flag("alltoall", choices=("allgather", "alltoall"), group=MOE)
     num_tokentypes: int = flag(0, name=None)  # BERT: 2 (its family's)
     bert_binary_head: bool = flag(True, name="--bert-no-binary-head", negate=True, help="BERT: train masked LM only")
     init_method_std: float = 0.02

@@ -59,12 +59,14 @@ def _block_generator(seed: int, name: str, block: int, device: torch.device) -> 
 
 
 def init_normal_(out: torch.Tensor, full_shape: tuple[int, ...], std: float, seed: int, name: str,
-                 partition_dim: Optional[int] = None, rank: int = 0, world: int = 1) -> torch.Tensor:
+                 partition_dim: Optional[int] = None, rank: int = 0, world: int = 1,
+                 rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Fill ``out`` with its part of a full N(0, std^2) tensor of ``full_shape`` keyed by (seed, name).
 
     ``out`` is the ``rank``-th of ``world`` equal slices along ``partition_dim`` (the whole tensor
-    when None), in any dtype. The full tensor is drawn in blocks of rows, each from its own
-    generator keyed by (seed, name, block), one block at a time on ``out``'s device (on the host for
+    when None), in any dtype, of the rows ``[rows[0], rows[1])`` when given (an expert rank's slice
+    of stacked experts, with ``partition_dim`` not 0). The full tensor is drawn in blocks of rows,
+    each from its own generator keyed by (seed, name, block), one block at a time on ``out``'s device (on the host for
     CPU and meta tensors) and copied into ``out``: no device ever holds the full tensor, and on a
     given device a parameter's values do not depend on how many tensor ranks split it, on which
     pipeline stage builds it, on build order, or on padding rows appended to it. Devices draw
@@ -72,10 +74,11 @@ def init_normal_(out: torch.Tensor, full_shape: tuple[int, ...], std: float, see
     (t, p, v) on one device, and checkpoints carry the values between devices.
     """
     draw = _draw_device(out.device)
-    rows, row_shape = full_shape[0], tuple(full_shape[1:])
+    row_shape = tuple(full_shape[1:])
     block_elements = HOST_BLOCK_ELEMENTS if draw.type == "cpu" else DEVICE_BLOCK_ELEMENTS
     block_rows = max(1, block_elements // max(1, math.prod(row_shape)))
-    first, end = (rank * rows // world, (rank + 1) * rows // world) if partition_dim == 0 else (0, rows)
+    first, end = rows or ((rank * full_shape[0] // world, (rank + 1) * full_shape[0] // world) if partition_dim == 0
+                          else (0, full_shape[0]))
     with torch.no_grad():
         values = torch.empty((block_rows, *row_shape), dtype=torch.float32, device=draw)
         for block in range(first // block_rows, -(-end // block_rows)):

@@ -2,9 +2,10 @@
 
 Weights are stored with the expert dimension first, under the expert's global index:
 ``experts.fc1.weight`` [E, ffn (x 2 with SwiGLU: (gate, up) pairs), h] and ``experts.fc2.weight``
-[E, h, ffn]. Expert parallelism then holds a slice along dim 0 (a contiguous range of global
-experts) and a checkpoint reshards between any layouts by slicing that one dimension; tensor
-parallelism splits the ffn dimension (dim 1 of fc1, dim 2 of fc2) as the dense MLP does.
+[E, h, ffn]. Expert rank r of e holds the slice [r E/e, (r+1) E/e) along dim 0 (marked
+``expert_parallel``: its gradients are reduced over the expert-data-parallel group) and a
+checkpoint reshards between any layouts by slicing that one dimension; tensor parallelism splits
+the ffn dimension (dim 1 of fc1, dim 2 of fc2) as the dense MLP does.
 
 The product runs as one grouped matrix product (``torch._grouped_mm``) where this build has it for
 the tensors' device and dtype, else as a loop over the experts, each on its contiguous run of the
@@ -22,8 +23,7 @@ from torch import nn
 from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.layers import _init_weight
-from megapipe.tensor_parallel.utils import mark_tensor_parallel
+from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
 
 
 class _Stacked(nn.Module):
@@ -65,25 +65,38 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])
 
 
+def _expert_weight(shape: tuple[int, ...], std: float, name: str, partition_dim: int, ps: ParallelState,
+                   seed: int, dtype, device) -> nn.Parameter:
+    """This rank's experts' slice (dim 0, by expert rank) of a stacked weight, split along ``partition_dim``
+    by tensor rank, filled with its part of the full (seed, name) weight."""
+    local = list(shape)
+    local[0] = divide(shape[0], ps.ep_size)
+    local[partition_dim] = divide(shape[partition_dim], ps.tp_size)
+    rows = (ps.ep_rank * local[0], (ps.ep_rank + 1) * local[0])
+    weight = init_normal_(torch.empty(local, dtype=dtype, device=device), shape, std, seed, name, partition_dim,
+                          ps.tp_rank, ps.tp_size, rows=rows)
+    param = nn.Parameter(weight)
+    mark_tensor_parallel(param, partition_dim)
+    param.expert_parallel = True
+    return param
+
+
 class GroupedExperts(nn.Module):
-    """E MLPs (SwiGLU or GeLU, no biases) over tokens permuted so each expert's are contiguous."""
+    """This expert rank's E/e MLPs (SwiGLU or GeLU, no biases) over tokens permuted so each expert's are contiguous."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, output_std: float, device=None):
         super().__init__()
         self.config = config
         e, h, f = config.num_experts, config.hidden_size, config.expert_ffn_hidden_size
         width = 2 * f if config.swiglu else f
-        common = dict(seed=seed, ps=ps, dtype=config.params_dtype, device=device)
-        self.fc1 = _Stacked(_init_weight((e, width, h), config.init_method_std, name=f"{name}.fc1.weight",
-                                         partition_dim=1, **common))
-        self.fc2 = _Stacked(_init_weight((e, h, f), output_std, name=f"{name}.fc2.weight", partition_dim=2,
-                                         **common))
-        mark_tensor_parallel(self.fc1.weight, 1)
-        mark_tensor_parallel(self.fc2.weight, 2)
+        common = dict(ps=ps, seed=seed, dtype=config.params_dtype, device=device)
+        self.fc1 = _Stacked(_expert_weight((e, width, h), config.init_method_std, f"{name}.fc1.weight", 1, **common))
+        self.fc2 = _Stacked(_expert_weight((e, h, f), output_std, f"{name}.fc2.weight", 2, **common))
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, h] sorted by expert, ``counts`` [E] tokens per expert -> [N, h] (a partial sum under t > 1)."""
+        """``x`` [N, h] sorted by expert, ``counts`` [E/e] tokens per local expert -> [N, h] (a partial sum under
+        t > 1)."""
         grouped = self.config.moe_grouped_gemm
         h = grouped_linear(x, self.fc1.weight, counts, grouped)
         if self.config.swiglu:

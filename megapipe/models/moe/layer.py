@@ -7,8 +7,9 @@ padding to capacity) the number of routed pairs is known on the host, so the per
 host synchronisation; the grouped product needs none either. The router is replicated on every
 tensor rank, the experts split their ffn dimension like the dense MLP: their partial outputs are
 summed over the tensor group before being weighed, so the router sees the same gradient on every
-rank. On one expert rank both token dispatchers (``--moe-token-dispatcher-type``) are this
-permutation; expert parallelism will exchange the permuted tokens between ranks.
+rank. Under expert parallelism the tokens travel to the ranks holding their experts and back
+(``dispatch.py``, ``--moe-token-dispatcher-type``); on one expert rank both dispatchers are this
+permutation.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.mlp import MLP
+from megapipe.models.moe import dispatch
 from megapipe.models.moe.capacity import expert_capacity
 from megapipe.models.moe.experts import GroupedExperts
 from megapipe.models.moe.router import TopKRouter
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.utils import init_normal_
 
 
@@ -44,17 +45,6 @@ class SharedExperts(MLP):
         if bias is not None:
             out = out + bias
         return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
-
-
-def assignments(routing_map: torch.Tensor, count: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, token) index pairs of the map's True entries [T, E], sorted by expert, then token, found by a
-    stable sort. Their ``count``, when the caller does not know it, is read from the device (a synchronisation)."""
-    if count is None:
-        count = int(routing_map.sum())
-    flat = routing_map.t().reshape(-1).to(torch.int8)
-    positions = torch.sort(flat, descending=True, stable=True).indices[:count]
-    tokens = routing_map.shape[0]
-    return positions // tokens, positions % tokens
 
 
 class MoELayer(nn.Module):
@@ -87,12 +77,10 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         routing = self.router(tokens, s)
-        expert_ids, token_ids = assignments(routing.routing_map, self._assignment_count(s * b))
-        counts = routing.routing_map.sum(dim=0)
-        permuted = mappings.copy_to_tensor_parallel_region(tokens, self.ps.tp_group)[token_ids]
-        out = mappings.reduce_from_tensor_parallel_region(self.experts(permuted, counts), self.ps.tp_group)
-        weights = routing.probs[token_ids, expert_ids].unsqueeze(-1)
-        combined = torch.zeros_like(tokens).index_add_(0, token_ids, (out * weights).to(tokens.dtype))
+        if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
+            combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
+        else:
+            combined = dispatch.alltoall(tokens, routing, self._assignment_count(s * b), self.experts, self.ps)
         if self.shared_experts is not None:
             combined = combined + self.shared_experts(x).reshape(s * b, h)
         return combined.view(s, b, h), None

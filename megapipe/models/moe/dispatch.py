@@ -1,0 +1,106 @@
+"""How routed tokens reach their experts and come back (``--moe-token-dispatcher-type``).
+
+Rank r of an expert group of e ranks holds the global experts [r E/e, (r+1) E/e). Both dispatchers
+give the one-rank layer's results:
+
+* ``alltoall`` (default): each rank permutes its own tokens into expert order (so into destination
+  order), exchanges the per-expert counts, then the tokens, with one variable-split all-to-all, runs
+  its experts on what it received (re-sorted from source order into expert order) and sends the
+  outputs back by the reverse all-to-all; the routing weights are applied on the token's own rank.
+  The splits are read on the host: one synchronisation per layer and microbatch.
+* ``allgather``: every rank gathers all ranks' tokens and routing, runs its experts on the tokens
+  routed to them, and a reduce-scatter sums the weighted outputs back to the tokens' ranks (the
+  number of routed pairs is read on the host).
+
+The backward of each exchange is the reverse exchange. On one expert rank both are the permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapipe.models.moe.router import Routing
+from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel import mappings
+
+
+def assignments(routing_map: torch.Tensor, count: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert, token) index pairs of the map's True entries [T, E], sorted by expert, then token, found by a
+    stable sort. Their ``count``, when the caller does not know it, is read from the device (a synchronisation)."""
+    if count is None:
+        count = int(routing_map.sum())
+    flat = routing_map.t().reshape(-1).to(torch.int8)
+    positions = torch.sort(flat, descending=True, stable=True).indices[:count]
+    tokens = routing_map.shape[0]
+    return positions // tokens, positions % tokens
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows: ``send[i]`` rows go to rank i, ``recv[i]`` rows come from it; backward sends back."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: ParallelState) -> torch.Tensor:
+    """Rows sorted by global expert (``counts`` [E] each) through their experts, wherever those live."""
+    e = ps.ep_size
+    if e == 1:
+        return experts(permuted, counts)
+    local = counts.numel() // e
+    received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
+    dist.all_to_all_single(received, counts, group=ps.ep_group)
+    splits = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
+    send, recv = splits
+    x = _Exchange.apply(permuted, send, recv, ps.ep_group)
+    # the rows came source-major; the experts want them expert-major (stable: sources stay in order)
+    expert_of_row = torch.repeat_interleave(torch.arange(e * local, device=counts.device) % local, received)
+    order = torch.sort(expert_of_row, stable=True).indices
+    out = experts(x[order], received.view(e, local).sum(0))
+    back = torch.zeros_like(out).index_copy(0, order, out)
+    return _Exchange.apply(back, recv, send, ps.ep_group)
+
+
+def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, count: int | None, run,
+             ps: ParallelState) -> torch.Tensor:
+    """Every token's weighted sum of its experts' outputs [T, h], for the experts that ``routing_map`` lists;
+    ``run(rows, counts)`` takes the rows sorted by expert to those experts' outputs."""
+    expert_ids, token_ids = assignments(routing_map, count)
+    permuted = mappings.copy_to_tensor_parallel_region(tokens, ps.tp_group)[token_ids]
+    out = mappings.reduce_from_tensor_parallel_region(run(permuted, routing_map.sum(dim=0)), ps.tp_group)
+    weights = probs[token_ids, expert_ids].unsqueeze(-1)
+    return torch.zeros_like(tokens).index_add_(0, token_ids, (out * weights).to(tokens.dtype))
+
+
+def alltoall(tokens: torch.Tensor, routing: Routing, count: int | None, experts, ps: ParallelState) -> torch.Tensor:
+    """This rank's tokens [T, h] through their experts on every expert rank, weighted and summed: [T, h]."""
+    def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return _on_expert_ranks(rows, counts, experts, ps)
+
+    return _combine(tokens, routing.routing_map, routing.probs, count, run, ps)
+
+
+def allgather(tokens: torch.Tensor, routing: Routing, experts, ps: ParallelState) -> torch.Tensor:
+    """The same result by gathering every expert rank's tokens and reduce-scattering the outputs."""
+    group = ps.ep_group
+    every_map = mappings.gather_from_sequence_parallel_region(routing.routing_map.to(torch.uint8), group, False)
+    every_probs = mappings.gather_from_sequence_parallel_region(routing.probs, group)
+    every_token = mappings.gather_from_sequence_parallel_region(tokens, group)
+    local = routing.routing_map.shape[1] // ps.ep_size
+    mine = slice(ps.ep_rank * local, (ps.ep_rank + 1) * local)
+    routing_map = every_map[:, mine].bool()
+    combined = _combine(every_token, routing_map, every_probs[:, mine], None, experts, ps)
+    return mappings.reduce_scatter_to_sequence_parallel_region(combined, group)
