@@ -4,11 +4,11 @@ gradient, and each expert the sum of the gradients the one-rank layer gives it o
 
 import pytest
 import torch
+from test_moe_layer import moe_config
 
 from megapipe.models.moe.layer import MoELayer
 from megapipe.parallel.state import ParallelState
 from megapipe.testing.worlds import run_distributed
-from tests.test_moe_layer import moe_config
 
 pytestmark = pytest.mark.distributed
 

@@ -29,7 +29,9 @@ the weights): the optimizer then steps this rank's pieces and all-gathers them (
 Parameter attributes read here (set by the model code): ``tensor_model_parallel`` (a shard:
 counted in the norm on every tensor rank), ``shared_embedding`` / ``tied_embedding`` (the last /
 first stage's copy of the tied word embedding: gradients summed over the embedding group, the
-shared copy left out of the norm), ``sequence_parallel`` (gradient summed over the tensor group).
+shared copy left out of the norm), ``sequence_parallel`` (gradient summed over the tensor group),
+``expert_parallel`` (an expert rank's experts: reduced over the expert-data-parallel group, their
+squares summed over the expert group in the norm).
 """
 
 from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, counts_in_norm, global_grad_norm

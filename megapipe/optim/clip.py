@@ -6,7 +6,10 @@ tensor ranks hold identical copies), and never the last stage's copy of the tied
 (``shared_embedding``: the first stage already counts that gradient). The squared partial norms
 are then summed over the model-parallel group (all t x p ranks of one replica); data-parallel
 replicas hold identical gradients after the all-reduce and need no reduction, unless the
-optimizer is sharded and each replica holds only its piece.
+optimizer is sharded and each replica holds only its piece. Under expert parallelism each expert
+rank holds other experts (``expert_parallel`` parameters): their squares are also summed over the
+expert group, which a sharded optimizer's data-parallel sum already covers (the expert and
+expert-data ranks of a stage are its data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -25,20 +28,29 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return not getattr(param, "shared_embedding", False) and not is_tensor_parallel_duplicate(param, tp_rank)
 
 
-def _counted_grads(params: list[torch.Tensor], ps: ParallelState) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None and counts_in_norm(p, ps.tp_rank)]
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one expert rank's slice of stacked experts."""
+    return getattr(param, "expert_parallel", False)
 
 
-def local_squared_norm(params: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
     """This rank's share of the squared global gradient norm (``param.grad``), an fp32 scalar.
 
     Inf or NaN in any gradient makes it inf or NaN, including the copies the norm does not count
     (they add 0 x their norm, which is NaN only when they are not finite): without loss scaling
     this is the overflow check, and no rank can step on a copy that went bad while its counted
-    twin did not.
+    twin did not. Unless ``sharded``, the experts' part is summed over the expert group here.
     """
     with_grad = [p for p in params if p.grad is not None]
     device = with_grad[0].device if with_grad else (params[0].device if params else None)
+    squared = _squares([p for p in with_grad if not is_expert_parallel(p)], ps, device)
+    experts = _squares([p for p in with_grad if is_expert_parallel(p)], ps, device)
+    if not sharded:
+        all_reduce(experts, ps.ep_group, ps.ep_size)
+    return squared + experts
+
+
+def _squares(with_grad: list[torch.Tensor], ps: ParallelState, device) -> torch.Tensor:
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for counted in (True, False):
         grads = [p.grad.float() for p in with_grad if counts_in_norm(p, ps.tp_rank) == counted]
@@ -56,7 +68,7 @@ def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: boo
     gradient on any model-parallel rank makes the result inf or NaN everywhere
     (``local_squared_norm``).
     """
-    squared = local_squared_norm(params, ps)
+    squared = local_squared_norm(params, ps, sharded)
     all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:
         all_reduce(squared, ps.dp_group, ps.dp_size)
@@ -77,9 +89,18 @@ def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_
 
 def count_zero_grads(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
     """Number of exactly-zero gradient elements in the whole model, counted like the norm."""
-    zeros = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
-    for grad in _counted_grads(params, ps):
-        zeros += grad.numel() - torch.count_nonzero(grad)
+    device = params[0].device if params else None
+    zeros, expert_zeros = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+    for param in params:
+        if param.grad is not None and counts_in_norm(param, ps.tp_rank):
+            count = param.grad.numel() - torch.count_nonzero(param.grad)
+            if is_expert_parallel(param):
+                expert_zeros += count
+            else:
+                zeros += count
+    if not sharded:
+        all_reduce(expert_zeros, ps.ep_group, ps.ep_size)
+    zeros += expert_zeros
     all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:
         all_reduce(zeros, ps.dp_group, ps.dp_size)

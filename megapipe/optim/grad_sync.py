@@ -9,6 +9,10 @@ data-parallel collective on the chunk's gradients and weights; no other module c
   when the optimizer is sharded). With ``overlap_grad_reduce`` a bucket starts from the hook
   of its last gradient during the final backward before a step (``begin_backward(final=True)``),
   so reductions run while backward goes on; ``finish`` waits only for what is in flight.
+* Experts (``expert_parallel`` parameters under expert parallelism) sit in buckets of their own,
+  whose collectives run over the expert-data-parallel group: the ranks holding the same experts.
+  They are still divided by the whole data-parallel size, since every replica's tokens reached
+  them through the token exchange (Megatron-core's rule).
 * Late parameters: the tied word embedding (first and last stage) and sequence-parallel
   parameters are first summed over the embedding / tensor group, then reduced in a bucket of
   their own at ``finish``; the sums are linear, so their order with the average is free.
@@ -70,6 +74,7 @@ class Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]  # each parameter's first element in the buffer
     late: bool  # reduced at finish, after the embedding / sequence-parallel sums
+    experts: bool = False  # reduced over the expert-data-parallel group
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """The buffer range of ``rank``'s equal slice of this bucket."""
@@ -94,11 +99,13 @@ def piece_of(piece: ParamPiece, whole: torch.Tensor) -> torch.Tensor:
     return whole.reshape(-1)[piece.offset:piece.offset + piece.weight.numel()]
 
 
-def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, pad_to: int, late) -> list[Bucket]:
-    """Buckets in reverse registration order (roughly the order backward finishes gradients), late ones last."""
+def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, pad_to, late,
+                 experts=lambda param: False) -> list[Bucket]:
+    """Buckets in reverse registration order (roughly the order backward finishes gradients), the experts'
+    after the others', late ones last; ``pad_to`` is an int, or a function of whether a bucket holds experts."""
     buckets, offset = [], 0
-    for is_late in (False, True):
-        group = [p for p in reversed(params) if bool(late(p)) == is_late]
+    for is_late, of_experts in ((False, False), (False, True), (True, False), (True, True)):
+        group = [p for p in reversed(params) if bool(late(p)) == is_late and bool(experts(p)) == of_experts]
         if not group:
             continue
         bounds = bucket_boundaries([p.numel() for p in group], bucket_size)
@@ -111,8 +118,9 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, pad_to: int
         for (start, end), bucket_params in zip(bounds, members):
             offsets = [offset + before for before in itertools.accumulate([p.numel() for p in bucket_params[:-1]],
                                                                           initial=0)]
-            padded = -(-(end - start) // pad_to) * pad_to
-            buckets.append(Bucket(len(buckets), offset, offset + padded, bucket_params, offsets, is_late))
+            multiple = pad_to(of_experts) if callable(pad_to) else pad_to
+            padded = -(-(end - start) // multiple) * multiple
+            buckets.append(Bucket(len(buckets), offset, offset + padded, bucket_params, offsets, is_late, of_experts))
             offset += padded
     return buckets
 
@@ -156,10 +164,12 @@ class GradSync:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
         self.params, self.ps, self.level = params, ps, level
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        self.dp = ps.dp_size
+        self.dp = ps.dp_size  # the gradients are averaged over every data-parallel replica
         device = _common({p.device for p in params}, "devices")
         self.param_dtype = _common({p.dtype for p in params}, "dtypes")
-        self.buckets = plan_buckets(params, bucket_size, self.dp if level.shards_optimizer else 1, self._is_late)
+        self.buckets = plan_buckets(params, bucket_size,
+                                    lambda experts: self._size(experts) if level.shards_optimizer else 1,
+                                    self._is_late, self._is_expert)
         total = self.buckets[-1].end if self.buckets else 0
         self.buffer = torch.zeros(total, dtype=grad_dtype, device=device)
         self._bucket_of: dict[int, Bucket] = {}
@@ -186,6 +196,19 @@ class GradSync:
         return ((self.ps.pp_size > 1 and is_tied_embedding_copy(param))
                 or (self.ps.tp_size > 1 and getattr(param, "sequence_parallel", False)))
 
+    def _is_expert(self, param: torch.Tensor) -> bool:
+        return self.ps.ep_size > 1 and getattr(param, "expert_parallel", False)
+
+    def _size(self, experts: bool) -> int:
+        """Ranks a bucket's collectives run over: the expert-data-parallel group for experts, else the data one."""
+        return self.ps.expert_dp_size if experts else self.dp
+
+    def _over(self, bucket: Bucket) -> tuple:
+        """(group, size, this rank's index) of ``bucket``'s collectives."""
+        if bucket.experts:
+            return self.ps.expert_dp_group, self.ps.expert_dp_size, self.ps.expert_dp_rank
+        return self.ps.dp_group, self.dp, self.ps.dp_rank
+
     def _shard_weights(self, total: int, device) -> None:
         """Make the parameters views of one weight buffer and cut this rank's shards of weights and gradients."""
         self.weights = torch.zeros(total, dtype=self.param_dtype, device=device)
@@ -195,10 +218,10 @@ class GradSync:
                     view = self.weights[offset:offset + param.numel()]
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view_as(param)
-        sizes = [(b.end - b.start) // self.dp for b in self.buckets]
-        self.grad_shard = torch.zeros(total // self.dp, dtype=self.buffer.dtype, device=device)
+        sizes = [(b.end - b.start) // self._over(b)[1] for b in self.buckets]
+        self.grad_shard = torch.zeros(sum(sizes), dtype=self.buffer.dtype, device=device)
         grad_shards = self.grad_shard.split(sizes)
-        ranges = [b.shard(self.ps.dp_rank, self.dp) for b in self.buckets]
+        ranges = [b.shard(self._over(b)[2], self._over(b)[1]) for b in self.buckets]
         # the shard the optimizer writes lives apart from the weight buffer, which a weight version
         # store may hand to a stashed version (``renew_weights``) and optim_grads_params releases
         self.weight_shard = torch.cat([self.weights[s:e] for s, e in ranges]) if ranges else self.weights.clone()
@@ -253,15 +276,16 @@ class GradSync:
         grads = self.buffer[bucket.start:bucket.end]
         if self.reductions is not None:
             self.reductions.append(ReductionRecord(bucket.index, time.time()))
+        group, size, _ = self._over(bucket)
         if self.dp > 1:
             grads.mul_(1.0 / self.dp)  # divide before the sum, as Megatron does: keeps fp32 sums in range
         if not self.level.shards_optimizer:
-            work = all_reduce(grads, self.ps.dp_group, self.dp, async_op=True)
-        elif self.dp == 1:
+            work = all_reduce(grads, group, size, async_op=True)
+        elif size == 1:
             self._grad_shards[bucket.index].copy_(grads)
             work = None
         else:
-            work = reduce_scatter_into(self._grad_shards[bucket.index], grads, self.ps.dp_group, async_op=True)
+            work = reduce_scatter_into(self._grad_shards[bucket.index], grads, group, async_op=True)
         self._works[bucket.index] = work
 
     def start_grad_sync(self) -> None:
@@ -332,10 +356,11 @@ class GradSync:
             self._weights_released = False
         for bucket, shard in zip(self.buckets, self._weight_shards):
             full = self.weights[bucket.start:bucket.end]
-            if self.dp == 1:
+            group, size, _ = self._over(bucket)
+            if size == 1:
                 full.copy_(shard)
             else:
-                self._weight_works.append(all_gather_into(full, shard, self.ps.dp_group, async_op=True))
+                self._weight_works.append(all_gather_into(full, shard, group, async_op=True))
 
     def renew_weights(self) -> None:
         """Move the parameters to a fresh copy of the weight buffer, leaving the old storage to a
@@ -371,16 +396,17 @@ class GradSync:
         """Each parameter's whole tensor assembled from every rank's ``values`` (one per piece, in
         ``pieces`` order); collective over the data-parallel group. Keyed by ``id(param)``."""
         dtype = values[0].dtype if values else torch.float32
-        shards = [torch.zeros((b.end - b.start) // self.dp, dtype=dtype, device=self.buffer.device)
+        shards = [torch.zeros((b.end - b.start) // self._over(b)[1], dtype=dtype, device=self.buffer.device)
                   for b in self.buckets]
         for piece, value in zip(self.pieces, values):
             shards[piece.bucket][piece.shard_offset:piece.shard_offset + value.numel()].copy_(value.reshape(-1))
         full = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
         for bucket, shard in zip(self.buckets, shards):
-            if self.dp == 1:
+            group, size, _ = self._over(bucket)
+            if size == 1:
                 full[bucket.start:bucket.end].copy_(shard)
             else:
-                all_gather_into(full[bucket.start:bucket.end], shard, self.ps.dp_group)
+                all_gather_into(full[bucket.start:bucket.end], shard, group)
         return {id(param): full[offset:offset + param.numel()].view_as(param).clone()
                 for bucket in self.buckets for param, offset in zip(bucket.params, bucket.offsets)}
 

@@ -26,7 +26,7 @@ from megapipe.parallel.state import ParallelState
 StateChain = Callable[[Optional[torch.Tensor], torch.Tensor], tuple[Optional[torch.Tensor], torch.Tensor]]
 
 # Attributes the gradient norm reads; master copies carry them so the norm can run on main params.
-NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding", "expert_parallel")
 
 
 def make_main_param(param: torch.nn.Parameter, weight: Optional[torch.Tensor] = None) -> torch.nn.Parameter:
@@ -144,7 +144,7 @@ class PrecisionOptimizer:
             device = self.grads.device
             whole_model = chain is None
             found = self._unscale_and_find_overflow(whole_model) if self.loss_scaler is not None else None
-            squared = local_squared_norm(self.main_params, self.ps)
+            squared = local_squared_norm(self.main_params, self.ps, self.sharded)
             self._reduce(squared, whole_model, dist.ReduceOp.SUM)
             if chain is not None:
                 found, squared = chain(found, squared)
@@ -203,6 +203,7 @@ class PrecisionOptimizer:
         found = torch.zeros(1, dtype=torch.float32, device=device)
         inverse_scale = self.loss_scaler.scale_on(device).reciprocal().reshape(1)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse_scale)
+        all_reduce(found, self.ps.ep_group, self.ps.ep_size, op=dist.ReduceOp.MAX)  # other ranks' experts
         self._reduce(found, whole_model, dist.ReduceOp.MAX)
         return found
 
