@@ -3,7 +3,9 @@
 A checkpoint stores every tensor under its canonical name with its global (whole-model,
 vocabulary-unpadded) shape; each rank writes only the block it holds, at an offset. That
 makes the files independent of the layout that wrote them: a run with another (t, p, d, v)
-asks for its own blocks and the reader assembles them from whatever pieces were saved.
+asks for its own blocks and the reader assembles them from whatever pieces were saved. Stacked
+experts are stored under their global index: an expert rank's slice sits at ``ep_rank`` times its
+experts along dimension 0, so a checkpoint loads at any expert-parallel size too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from megapipe.config import ModelConfig
 from megapipe.models.state_dict import VOCAB_DIM0, canonical_name
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.utils import is_tensor_parallel
+from megapipe.tensor_parallel.utils import is_expert_parallel, is_tensor_parallel
 
 
 @dataclass
@@ -48,6 +50,9 @@ def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelStat
         dim = param.partition_dim
         offsets[dim] = ps.tp_rank * tensor.shape[dim]
         shape[dim] = tensor.shape[dim] * ps.tp_size
+    if is_expert_parallel(param) and ps.ep_size > 1:
+        offsets[0] = ps.ep_rank * tensor.shape[0]
+        shape[0] = tensor.shape[0] * ps.ep_size
     local = tensor
     if name in VOCAB_DIM0:
         shape[0] = config.vocab_size
@@ -59,9 +64,12 @@ def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelStat
 
 
 def local_shape(name: str, global_shape: tuple[int, ...], param: torch.Tensor, tp_size: int,
-                config: ModelConfig) -> tuple[int, ...]:
-    """The shape a rank of a ``tp_size``-way tensor group holds for a global tensor (padding included)."""
+                config: ModelConfig, ep_size: int = 1) -> tuple[int, ...]:
+    """The shape a rank of a ``tp_size``-way tensor group (and ``ep_size``-way expert group) holds for a
+    global tensor (padding included)."""
     shape = list(global_shape)
+    if is_expert_parallel(param):
+        shape[0] //= ep_size
     if name in VOCAB_DIM0:
         shape[0] = config.padded_vocab_size(tp_size)
     if is_tensor_parallel(param) and tp_size > 1:
@@ -72,7 +80,7 @@ def local_shape(name: str, global_shape: tuple[int, ...], param: torch.Tensor, t
 def cut(name: str, whole: torch.Tensor, param: torch.Tensor, ps: ParallelState,
         config: ModelConfig) -> tuple[str, Optional[Shard]]:
     """The piece of the global tensor ``whole`` that the rank ``ps`` describes would hold (see :func:`place`)."""
-    shape = local_shape(name, tuple(whole.shape), param, ps.tp_size, config)
+    shape = local_shape(name, tuple(whole.shape), param, ps.tp_size, config, ps.ep_size)
     key, bounds = place(name, torch.empty(shape, device="meta"), param, ps, config)
     if bounds is None:
         return key, None

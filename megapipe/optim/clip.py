@@ -18,7 +18,7 @@ import torch
 
 from megapipe.parallel.collectives import all_reduce
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.utils import is_tensor_parallel_duplicate
+from megapipe.tensor_parallel.utils import is_expert_parallel, is_tensor_parallel_duplicate
 
 CLIP_EPSILON = 1e-6  # added to the norm before dividing, as Megatron does
 
@@ -26,11 +26,6 @@ CLIP_EPSILON = 1e-6  # added to the norm before dividing, as Megatron does
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank's copy of ``param`` contributes to the global gradient norm."""
     return not getattr(param, "shared_embedding", False) and not is_tensor_parallel_duplicate(param, tp_rank)
-
-
-def is_expert_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` is one expert rank's slice of stacked experts."""
-    return getattr(param, "expert_parallel", False)
 
 
 def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:

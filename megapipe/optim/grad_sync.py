@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megapipe.parallel.collectives import all_gather_into, all_reduce, all_reduce_coalesced, reduce_scatter_into
 from megapipe.config.sharding import ShardingLevel
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.utils import is_expert_parallel
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel reduction, Megatron's --ddp-bucket-size
 
@@ -197,7 +198,7 @@ class GradSync:
                 or (self.ps.tp_size > 1 and getattr(param, "sequence_parallel", False)))
 
     def _is_expert(self, param: torch.Tensor) -> bool:
-        return self.ps.ep_size > 1 and getattr(param, "expert_parallel", False)
+        return self.ps.ep_size > 1 and is_expert_parallel(param)
 
     def _size(self, experts: bool) -> int:
         """Ranks a bucket's collectives run over: the expert-data-parallel group for experts, else the data one."""

@@ -28,6 +28,15 @@ def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int) -> None:
     param.partition_dim = partition_dim
 
 
+def mark_expert_parallel(param: torch.nn.Parameter) -> None:
+    """``param`` is one expert rank's slice (along dimension 0) of stacked experts."""
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 

@@ -23,7 +23,7 @@ from torch import nn
 from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
+from megapipe.tensor_parallel.utils import divide, init_normal_, mark_expert_parallel, mark_tensor_parallel
 
 
 class _Stacked(nn.Module):
@@ -77,7 +77,7 @@ def _expert_weight(shape: tuple[int, ...], std: float, name: str, partition_dim:
                           ps.tp_rank, ps.tp_size, rows=rows)
     param = nn.Parameter(weight)
     mark_tensor_parallel(param, partition_dim)
-    param.expert_parallel = True
+    mark_expert_parallel(param)
     return param
 
 
