@@ -1,0 +1,32 @@
+"""pretrain_gpt.py with the experts split over 2 expert ranks, composed with tensor parallelism and with
+pipeline parallelism under 1F1B, ZB-H1 and DualPipeV, logs the single process's losses (1e-5, no capacity).
+One single-process run is the reference for every layout."""
+
+import pytest
+from test_moe_expert_checkpoint import MOE
+from test_training_cli import TINY, losses, run
+
+pytestmark = pytest.mark.system
+
+# DualPipeV needs 2 chunks on each of 2 pipeline ranks and 3 microbatches per replica
+FOUR_LAYERS = MOE + ["--num-layers", "4", "--global-batch-size", "16"]
+LAYOUTS = {
+    "t2-e2": ["--tensor-model-parallel-size", "2"],
+    "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
+    "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+    "p2-e2-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
+}
+
+
+def test_expert_parallel_layouts_log_the_single_process_losses(tmp_path):
+    reference = run(TINY + FOUR_LAYERS, cache=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    expected = losses(reference.stdout)
+    assert len(expected) == 6
+    for name, flags in LAYOUTS.items():
+        result = run(TINY + FOUR_LAYERS + flags + ["--expert-model-parallel-size", "2"], nproc=4, cache=tmp_path)
+        assert result.returncode == 0, (name, result.stderr)
+        for i, value in losses(result.stdout).items():
+            assert value == pytest.approx(expected[i], rel=1e-5), (name, i, value, expected[i])
+        assert len(losses(result.stdout)) == 6, name
