@@ -64,7 +64,7 @@ def test_a_flag_typo_is_one_sentence_naming_the_closest_flag(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == (
         "error: unknown flags --num-layer (did you mean --num-layers?), --tensor-parallel-size (did you mean "
-        "--tensor-model-parallel-size?); pretrain_gpt.py --help lists the flags.\n")
+        "--tensor-model-parallel-size or --expert-tensor-parallel-size?); pretrain_gpt.py --help lists the flags.\n")
     with pytest.raises(ConfigError, match=r"^argument --lr: invalid float value: 'x'; pretrain_bert.py --help"):
         parse_config("bert", ["--lr", "x"])
 
