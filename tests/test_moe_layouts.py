@@ -1,9 +1,10 @@
-"""MoE models at (t, p) = (2, 1) and (1, 2), in one world of 2 ranks.
+"""MoE models at (t, p, e) = (2, 1, 1), (1, 2, 1) and (1, 1, 2), in one world of 2 ranks.
 
 The models of ``test_moe_hf.py`` are imported as checkpoints of another layout (t = 2) and loaded at
 each layout: logits equal transformers' within 1e-5 of their scale and greedy generation equals
 ``generate`` token for token. Under t = 2 every tensor rank holds half of each expert's ffn and the
-whole router; OLMoE's q/k norm over the whole projections needs t = 1, so it runs at (1, 2) only.
+whole router; at e = 2 each rank holds half of the experts and the tokens travel to them by
+all-to-all. OLMoE's q/k norm over the whole projections needs t = 1, so it runs at t = 1 only.
 
 One 1F1B step of 4 microbatches at p = 2 (an MoE layer on each stage, auxiliary and z losses on)
 moves every weight as single-process gradient accumulation does: the engine gives the losses
@@ -33,20 +34,20 @@ from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = ((2, 1), (1, 2))
+LAYOUTS = ((2, 1, 1), (1, 2, 1), (1, 1, 2))
 TOKENS = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(2))
 
 
 def _layouts(name: str):
-    return [(t, p) for t, p in LAYOUTS if not (name == "olmoe" and t > 1)]
+    return [(t, p, e) for t, p, e in LAYOUTS if not (name == "olmoe" and t > 1)]
 
 
 def _layout_checks(rank, world_size, checkpoints):
     out = {}
-    for t, p in LAYOUTS:
-        ps = ParallelState.initialize(t, p)
+    for t, p, e in LAYOUTS:
+        ps = ParallelState.initialize(t, p, expert=e)
         for name, directory in checkpoints.items():
-            if (t, p) not in _layouts(name):
+            if (t, p, e) not in _layouts(name):
                 continue
             config = Common.read(find_checkpoint(directory)).model_config
             chunk = build_model_chunks("gpt", config, ps)[0].eval()
@@ -54,9 +55,9 @@ def _layout_checks(rank, world_size, checkpoints):
             with torch.no_grad():
                 logits = pipeline_logits(chunk, ps, config, TOKENS)
             if logits is not None and ps.tp_rank == 0:
-                out[("logits", name, t, p)] = logits[..., :VOCAB]
+                out[("logits", name, t, p, e)] = logits[..., :VOCAB]
             greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
-            out[("greedy", name, t, p, rank)] = generate([chunk], ps, config, prompts(), greedy, padding="left")
+            out[("greedy", name, t, p, e, rank)] = generate([chunk], ps, config, prompts(), greedy, padding="left")
         dist.barrier()
     out[("step", rank)] = _pipelined_step_matches_accumulation()
     return out
@@ -108,11 +109,11 @@ def test_logits_and_greedy_generation_equal_transformers_at_other_layouts(world,
     with torch.no_grad():
         expected = models[name](TOKENS).logits
     generated = reference_generation(models[name])
-    for t, p in _layouts(name):
-        torch.testing.assert_close(results[("logits", name, t, p)], expected, rtol=RTOL,
+    for t, p, e in _layouts(name):
+        torch.testing.assert_close(results[("logits", name, t, p, e)], expected, rtol=RTOL,
                                    atol=RTOL * expected.abs().max().item())
         for rank in range(2):
-            assert results[("greedy", name, t, p, rank)] == generated, (t, p, rank)
+            assert results[("greedy", name, t, p, e, rank)] == generated, (t, p, e, rank)
 
 
 def test_a_pipelined_step_attaches_the_auxiliary_losses_with_the_main_loss_scale(world):
