@@ -1,5 +1,6 @@
-"""pretrain_gpt.py with the experts split over 2 expert ranks, composed with tensor parallelism and with
-pipeline parallelism under 1F1B, ZB-H1 and DualPipeV, logs the single process's losses (1e-5, no capacity).
+"""pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
+(sharded weights), with tensor parallelism and with pipeline parallelism under 1F1B, ZB-H1 and DualPipeV,
+logs the single process's losses (1e-5, no capacity).
 One single-process run is the reference for every layout."""
 
 import pytest
@@ -10,7 +11,8 @@ pytestmark = pytest.mark.system
 
 # DualPipeV needs 2 chunks on each of 2 pipeline ranks and 3 microbatches per replica
 FOUR_LAYERS = MOE + ["--num-layers", "4", "--global-batch-size", "16"]
-LAYOUTS = {
+LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
+    "d4-e2-sharded": ["--data-parallel-sharding-strategy", "optim_grads_params"],  # 2 replicas of each expert
     "t2-e2": ["--tensor-model-parallel-size", "2"],
     "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
