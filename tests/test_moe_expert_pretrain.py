@@ -1,6 +1,7 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
-(sharded weights), with tensor parallelism and with pipeline parallelism under 1F1B, ZB-H1 and DualPipeV,
-logs the single process's losses (1e-5, no capacity).
+(sharded weights, recomputation), with tensor parallelism and with pipeline parallelism under 1F1B, ZB-H1
+and DualPipeV, logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
+scaling skips steps alike on every expert rank.
 One single-process run is the reference for every layout."""
 
 import pytest
@@ -12,7 +13,9 @@ pytestmark = pytest.mark.system
 # DualPipeV needs 2 chunks on each of 2 pipeline ranks and 3 microbatches per replica
 FOUR_LAYERS = MOE + ["--num-layers", "4", "--global-batch-size", "16"]
 LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
-    "d4-e2-sharded": ["--data-parallel-sharding-strategy", "optim_grads_params"],  # 2 replicas of each expert
+    "d4-e2-sharded-recompute": ["--data-parallel-sharding-strategy", "optim_grads_params",  # 2 copies of an expert
+                                "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"],
     "t2-e2": ["--tensor-model-parallel-size", "2"],
     "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
@@ -32,3 +35,14 @@ def test_expert_parallel_layouts_log_the_single_process_losses(tmp_path):
         for i, value in losses(result.stdout).items():
             assert value == pytest.approx(expected[i], rel=1e-5), (name, i, value, expected[i])
         assert len(losses(result.stdout)) == 6, name
+
+
+def test_fp16_at_two_expert_ranks_logs_the_single_process_losses(tmp_path):
+    runs = [run(TINY + MOE + ["--fp16"] + flags, nproc=nproc, cache=tmp_path)
+            for flags, nproc in (([], None), (["--expert-model-parallel-size", "2"], 2))]
+    for result in runs:
+        assert result.returncode == 0, result.stderr
+    expected, got = (losses(result.stdout) for result in runs)
+    assert len(got) == 6
+    for i, value in got.items():
+        assert value == pytest.approx(expected[i], rel=1e-5), (i, value, expected[i])
