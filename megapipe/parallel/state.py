@@ -208,10 +208,6 @@ class ParallelState:
         return self.groups.get("expert")
 
     @property
-    def expert_tp_size(self) -> int:
-        return len(self._expert_members("expert_tensor"))
-
-    @property
     def expert_dp_size(self) -> int:
         return len(self._expert_members("expert_data"))
 
@@ -314,8 +310,8 @@ class ParallelState:
 
     def describe(self) -> str:
         """This rank's place, each index of its count: ``rank 2: tensor 0/1, stage 1/2, data 0/1``."""
-        text = (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, stage {self.pipeline_stage}/{self.num_stages}, "
-                f"data {self.dp_rank}/{self.dp_size}")
+        text = (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, "
+                f"stage {self.pipeline_stage}/{self.num_stages}, data {self.dp_rank}/{self.dp_size}")
         return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 

@@ -63,8 +63,7 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
     local = counts.numel() // e
     received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
     dist.all_to_all_single(received, counts, group=ps.ep_group)
-    splits = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
-    send, recv = splits
+    send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
     x = _Exchange.apply(permuted, send, recv, ps.ep_group)
     # the rows came source-major; the experts want them expert-major (stable: sources stay in order)
     expert_of_row = torch.repeat_interleave(torch.arange(e * local, device=counts.device) % local, received)
