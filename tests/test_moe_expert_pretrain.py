@@ -1,5 +1,5 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
-(sharded weights, recomputation), with tensor parallelism and with pipeline parallelism under 1F1B, ZB-H1
+(sharded weights, recomputation), with tensor and sequence parallelism and with pipeline parallelism under 1F1B, ZB-H1
 and DualPipeV, logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
 scaling skips steps alike on every expert rank.
 One single-process run is the reference for every layout."""
@@ -16,7 +16,7 @@ LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
     "d4-e2-sharded-recompute": ["--data-parallel-sharding-strategy", "optim_grads_params",  # 2 copies of an expert
                                 "--recompute-granularity", "full", "--recompute-method", "uniform",
                                 "--recompute-num-layers", "1"],
-    "t2-e2": ["--tensor-model-parallel-size", "2"],
+    "t2-e2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
     "p2-e2-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",

@@ -107,9 +107,6 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     if par.sequence_parallel and config.model.seq_length % par.tensor:
         raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
                           f"{par.tensor}, which --sequence-parallel needs.")
-    if par.sequence_parallel and config.model.num_experts is not None:
-        raise ConfigError("--sequence-parallel does not yet work with --num-experts (the MoE layers take whole "
-                          "sequences); drop one of them.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
     check_device_peak(train.device_peak_tflops)

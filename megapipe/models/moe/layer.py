@@ -9,7 +9,9 @@ tensor rank, the experts split their ffn dimension like the dense MLP: their par
 summed over the tensor group before being weighed, so the router sees the same gradient on every
 rank. Under expert parallelism the tokens travel to the ranks holding their experts and back
 (``dispatch.py``, ``--moe-token-dispatcher-type``); on one expert rank both dispatchers are this
-permutation.
+permutation. Under sequence parallelism the layer gathers the sequence first and keeps its own
+slice of the output: the routing and the experts see what they see without it, and every tensor
+rank's gradient of the gathered input is whole and the same, so its backward keeps its slice.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megapipe.models.moe.capacity import expert_capacity
 from megapipe.models.moe.experts import GroupedExperts
 from megapipe.models.moe.router import TopKRouter
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.utils import init_normal_
 
 
@@ -53,7 +56,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState, name: str, seed: int, sequence_parallel: bool,
                  output_std: float, device=None):
         super().__init__()
-        self.config, self.ps = config, ps
+        self.config, self.ps, self.sequence_parallel = config, ps, sequence_parallel
         self.router = TopKRouter(config, f"{name}.router", seed, device)
         self.experts = GroupedExperts(config, ps, f"{name}.experts", seed, output_std, device)
         self.shared_experts = None
@@ -73,14 +76,20 @@ class MoELayer(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor):
-        """``x`` [s, b, h] -> ([s, b, h], None)."""
-        s, b, h = x.shape
-        tokens = x.reshape(s * b, h)
+        """``x`` [s, b, h] -> ([s, b, h], None); under sequence parallelism this tensor rank's [s/t, b, h]."""
+        whole = x
+        if self.sequence_parallel:  # every tensor rank routes the whole sequence, as without it
+            whole = mappings.gather_from_sequence_parallel_region(x, self.ps.tp_group, grad_is_partial=False)
+        s, b, h = whole.shape
+        tokens = whole.reshape(s * b, h)
         routing = self.router(tokens, s)
         if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
             combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
         else:
             combined = dispatch.alltoall(tokens, routing, self._assignment_count(s * b), self.experts, self.ps)
+        out = combined.view(s, b, h)
+        if self.sequence_parallel:
+            out = mappings.scatter_to_sequence_parallel_region(out, self.ps.tp_group)
         if self.shared_experts is not None:
-            combined = combined + self.shared_experts(x).reshape(s * b, h)
-        return combined.view(s, b, h), None
+            out = out + self.shared_experts(x)
+        return out, None
