@@ -66,7 +66,8 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
     send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
     x = _Exchange.apply(permuted, send, recv, ps.ep_group)
     # the rows came source-major; the experts want them expert-major (stable: sources stay in order)
-    expert_of_row = torch.repeat_interleave(torch.arange(e * local, device=counts.device) % local, received)
+    expert_of_row = torch.repeat_interleave(torch.arange(e * local, device=counts.device) % local, received,
+                                            output_size=sum(recv))
     order = torch.sort(expert_of_row, stable=True).indices
     out = experts(x[order], received.view(e, local).sum(0))
     back = torch.zeros_like(out).index_copy(0, order, out)
