@@ -69,6 +69,8 @@ def test_expert_sizes_parse_into_the_parallel_config():
     (("--expert-model-parallel-size", "0"), 2, r"^--expert-model-parallel-size 0 must be at least 1\.$"),
     (("--expert-tensor-parallel-size", "2"), 2, r"^--expert-tensor-parallel-size 2 differs from "
                                                 r"--tensor-model-parallel-size 1"),
+    (("--pipeline-stages", "0:2x1,2:4x1", "--expert-model-parallel-size", "2"), 2,
+     r"^--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one\.$"),
 ])
 def test_bad_expert_degrees_are_one_sentence(flags, world, message):
     with pytest.raises(ConfigError, match=message):
