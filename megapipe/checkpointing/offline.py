@@ -21,7 +21,7 @@ from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.paths import find_checkpoint, prepare_staging, publish
 from megapipe.checkpointing.planners import ShardSavePlanner
 from megapipe.checkpointing.shards import Shard, cut
-from megapipe.checkpointing.state import is_rank_local, model_key
+from megapipe.checkpointing.state import checkpointed_tensors, is_rank_local, model_key
 from megapipe.checkpointing.storage import read_metadata, read_shards, saved_tensors
 from megapipe.checkpointing.tokenizer_files import write_tokenizer
 from megapipe.config import ModelConfig
@@ -79,7 +79,7 @@ def rank_pieces(kind: str, config: ModelConfig, layout: SavedLayout, rank: int,
             states.setdefault(key.removeprefix("optimizer/").rsplit("/", 1)[0], []).append(key)
     pieces = {}
     for chunk in build_model_chunks(kind, _stand_in(config, layout.tensor), ps):
-        for name, param in chunk.named_parameters():
+        for name, param in checkpointed_tensors(chunk):
             canonical = canonical_name(name, param)
             if model_key(canonical) not in tensors:
                 raise CheckpointError(f"the checkpoint has no tensor {model_key(canonical)!r}, which a "

@@ -78,14 +78,23 @@ class ParamEntry:
         return place(self.name, tensor, self.param, ps, config)[1]
 
 
+def checkpointed_tensors(chunk):
+    """(name, tensor) of what a checkpoint holds of ``chunk``: its parameters and its persistent buffers
+    (the routers' expert biases, which training moves outside the gradient, so a resume needs them)."""
+    yield from chunk.named_parameters()
+    persistent = chunk.state_dict(keep_vars=True)
+    yield from ((name, buffer) for name, buffer in chunk.named_buffers() if name in persistent)
+
+
 def param_entries(chunks, optimizer=None) -> list[ParamEntry]:
-    """Every parameter of ``chunks`` once, with its main tensor, optimizer state and optimizer (none:
-    weights only). A sharded optimizer gathers whole tensors over the data-parallel group (collective)."""
+    """Every parameter (and persistent buffer) of ``chunks`` once, with its main tensor, optimizer state and
+    optimizer (none: weights only). A sharded optimizer gathers whole tensors over the data-parallel group
+    (collective)."""
     owner = {key: (main, opt, states) for opt in (precision_optimizers(optimizer) if optimizer else [])
              for key, (main, states) in opt.param_states().items()}
     entries, seen = [], set()
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
+        for name, param in checkpointed_tensors(chunk):
             if id(param) not in seen:
                 seen.add(id(param))
                 main, opt, states = owner.get(id(param), (param, None, {}))
