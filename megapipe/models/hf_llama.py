@@ -41,6 +41,26 @@ def gate_up_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
+def qkv_from_hf(hf_state, prefix: str, config: ModelConfig) -> dict:
+    """A layer's fused q/k/v weight (and Qwen's biases), by layer-relative megapipe name, from its
+    Hugging Face tensors under ``prefix`` (``model.layers.{i}.``)."""
+    return {f"attention.qkv.{kind}": qkv_from_grouped(*(hf_state[f"{prefix}self_attn.{name}_proj.{kind}"]
+                                                        for name in "qkv"), config.query_groups)
+            for kind in _qkv_kinds(config)}
+
+
+def qkv_to_hf(state: dict, layer: int, config: ModelConfig) -> dict:
+    """The inverse of :func:`qkv_from_hf`: layer-relative Hugging Face names of q, k and v."""
+    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
+    return {f"self_attn.{name}_proj.{kind}": tensor for kind in _qkv_kinds(config)
+            for name, tensor in zip("qkv", qkv_to_grouped(state[f"layers.{layer}.attention.qkv.{kind}"], heads,
+                                                         groups, d))}
+
+
+def _qkv_kinds(config: ModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if config.add_qkv_bias else ("weight",)
+
+
 # (megapipe, Hugging Face) names of a layer's norms and attention output, and of the model's ends
 NORMS_AND_OUTPUT = [
     ("attention_norm.weight", "input_layernorm.weight"),
@@ -97,15 +117,11 @@ def llama_fields(hf_config, qkv_bias: bool | None = None) -> dict:
 def llama_from_hf(hf_state, config: ModelConfig) -> dict:
     """Canonical megapipe state dict from a Llama-family state dict (any mapping that loads on access)."""
     out = {ours: hf_state[theirs] for ours, theirs in GLOBAL}
-    groups = config.query_groups
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         for ours, theirs in _LAYER:
             out[f"layers.{i}.{ours}"] = hf_state[prefix + theirs]
-        kinds = ("weight", "bias") if config.add_qkv_bias else ("weight",)
-        for kind in kinds:
-            q, k, v = (hf_state[f"{prefix}self_attn.{name}_proj.{kind}"] for name in "qkv")
-            out[f"layers.{i}.attention.qkv.{kind}"] = qkv_from_grouped(q, k, v, groups)
+        out.update({f"layers.{i}.{name}": tensor for name, tensor in qkv_from_hf(hf_state, prefix, config).items()})
         out[f"layers.{i}.mlp.fc1.weight"] = gate_up_interleaved(hf_state[prefix + "mlp.gate_proj.weight"],
                                                                 hf_state[prefix + "mlp.up_proj.weight"])
     if config.untie_embeddings_and_output_weights:
@@ -116,15 +132,11 @@ def llama_from_hf(hf_state, config: ModelConfig) -> dict:
 def llama_to_hf(state: dict, config: ModelConfig) -> dict:
     """Llama-family state dict from a canonical megapipe state dict."""
     out = {theirs: state[ours] for ours, theirs in GLOBAL}
-    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         for ours, theirs in _LAYER:
             out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        kinds = ("weight", "bias") if config.add_qkv_bias else ("weight",)
-        for kind in kinds:
-            for name, tensor in zip("qkv", qkv_to_grouped(state[f"layers.{i}.attention.qkv.{kind}"], heads, groups, d)):
-                out[f"{prefix}self_attn.{name}_proj.{kind}"] = tensor
+        out.update({prefix + name: tensor for name, tensor in qkv_to_hf(state, i, config).items()})
         out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate_up_split(
             state[f"layers.{i}.mlp.fc1.weight"])
     out["lm_head.weight"] = state.get("output_embedding.weight", state["embedding.word_embeddings.weight"])

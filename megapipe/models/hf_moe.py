@@ -21,7 +21,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models.hf_llama import (GLOBAL, NORMS_AND_OUTPUT, gate_up_interleaved, gate_up_split, llama_fields,
-                                      qkv_from_grouped, qkv_to_grouped)
+                                      qkv_from_hf, qkv_to_hf)
 
 
 class MoEArchitecture(NamedTuple):
@@ -122,9 +122,7 @@ def moe_from_hf(hf_state, config: ModelConfig) -> dict:
         prefix = f"model.layers.{i}."
         for ours, theirs in _layer_pairs(config, i):
             out[f"layers.{i}.{ours}"] = hf_state[prefix + theirs]
-        for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
-            q, k, v = (hf_state[f"{prefix}self_attn.{name}_proj.{kind}"] for name in "qkv")
-            out[f"layers.{i}.attention.qkv.{kind}"] = qkv_from_grouped(q, k, v, config.query_groups)
+        out.update({f"layers.{i}.{name}": tensor for name, tensor in qkv_from_hf(hf_state, prefix, config).items()})
         for ours, theirs in _gate_up_names(config, i):
             out[f"layers.{i}.{ours}"] = gate_up_interleaved(hf_state[prefix + theirs + "gate_proj.weight"],
                                                             hf_state[prefix + theirs + "up_proj.weight"])
@@ -138,14 +136,11 @@ def moe_from_hf(hf_state, config: ModelConfig) -> dict:
 def moe_to_hf(state: dict, config: ModelConfig) -> dict:
     """Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE state dict from a canonical megapipe state dict."""
     out = {theirs: state[ours] for ours, theirs in GLOBAL}
-    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         for ours, theirs in _layer_pairs(config, i):
             out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
-            for name, tensor in zip("qkv", qkv_to_grouped(state[f"layers.{i}.attention.qkv.{kind}"], heads, groups, d)):
-                out[f"{prefix}self_attn.{name}_proj.{kind}"] = tensor
+        out.update({prefix + name: tensor for name, tensor in qkv_to_hf(state, i, config).items()})
         for ours, theirs in _gate_up_names(config, i):
             out[prefix + theirs + "gate_proj.weight"], out[prefix + theirs + "up_proj.weight"] = gate_up_split(
                 state[f"layers.{i}.{ours}"])
