@@ -43,6 +43,8 @@ TESTS=(
     tests/test_checkpoint_sharded.py tests/test_checkpoint_resume.py                       # checkpoints (DCP)
     tests/test_fake_device.py tests/test_fake_device_inference.py                          # fake tensors
     tests/test_generation_server.py tests/test_sampling.py                                 # inference
+    tests/test_moe_layer.py tests/test_moe_hf.py tests/test_moe_expert_dispatch.py          # experts: grouped GEMM, all-to-all
+    tests/test_checkpoint_megatron.py                          # Megatron-core's dist_checkpointing on this torch
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
     tests/test_fusion_backend.py
     tests/test_bare_image.py tests/test_acceptance.py   # the GPU image's packages alone; the acceptance, dry
