@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from functools import partial
 
 import torch
 
@@ -28,7 +27,7 @@ from harness import cli, report
 from harness.pairing import take_turns, timed
 from harness.ratios import median_ratio
 from megapipe.config import ModelConfig
-from megapipe.models.hf_moe import _stacked_gate_up
+from megapipe.models.hf_moe import stacked_gate_up
 from megapipe.models.moe.layer import MoELayer
 from megapipe.parallel.state import ParallelState
 from megapipe.testing.worlds import run_distributed
@@ -88,7 +87,7 @@ def megapipe_layer(settings: MoESettings, ps: ParallelState, block) -> MoELayer:
     mine = slice(ps.ep_rank * local, (ps.ep_rank + 1) * local)
     with torch.no_grad():
         layer.router.weight.copy_(block.gate.weight)
-        layer.experts.fc1.weight.copy_(_stacked_gate_up(block.experts.gate_up_proj.detach())[mine])
+        layer.experts.fc1.weight.copy_(stacked_gate_up(block.experts.gate_up_proj.detach())[mine])
         layer.experts.fc2.weight.copy_(block.experts.down_proj[mine])
     return layer
 
