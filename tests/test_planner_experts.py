@@ -1,6 +1,7 @@
 """The planner's expert-parallel size e for MoE models: the layouts it considers against the rules written
 out here, its choice against every estimate, the token exchange and the experts' memory against their
-closed forms, e > 1 chosen when only it fits, and the launch command that carries e."""
+closed forms, the expert gradients reduced over the expert-data ranks only, e > 1 chosen when only it
+fits, and the launch command that carries e."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import pytest
 from test_planner_plan import SMALL, small_cluster, valid_by_the_rules
 
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time
+from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, enumerate_layouts, plan
 from megapipe.planner.profile import ModelProfile
@@ -102,3 +103,15 @@ def test_a_dense_profile_written_before_the_moe_fields_still_loads():
     for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
         del document["model"][name]
     assert ModelProfile.from_dict(document).shape == SMALL
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only():
+    profile, cluster = moe_profile(), small_cluster()
+    model, training = PlanCostModel(profile, cluster, Training(8)), Training(8)
+    link, grads = cluster.link([0, 1]), training.grad_bytes_per_param
+    dense = model.estimate(Layout(1, 1, 2, 1, "1f1b")).data_comm_time
+    everything = sum(layer.params for layer in profile.layers)  # one stage: no second copy of the embedding
+    assert dense == pytest.approx(collective_time("all_reduce", everything * grads, 2, link))
+    experts = MOE.expert_params_per_block * MOE.num_layers  # at e = d = 2 each expert lives on one rank
+    expected = collective_time("all_reduce", (everything - experts) * grads, 2, link)
+    assert model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
