@@ -48,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size",
                  "--ffn-hidden-size"):
         source.add_argument(flag, type=int, help="model shape (checked against --profile when both are given)")
+    for flag, help in (("--num-experts", "MoE shape: routed experts per block (the planner then searches e)"),
+                       ("--moe-router-topk", "MoE shape: experts per token (default 2)"),
+                       ("--moe-ffn-hidden-size", "MoE shape: each expert's hidden size (default --ffn-hidden-size)")):
+        source.add_argument(flag, type=int, help=help)
     source.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     source.add_argument("--achieved-flops", type=float,
                         help="FLOP/s one device reaches on large GEMMs, for a closed-form profile "
@@ -83,6 +87,9 @@ def shape_from_flags(args) -> ModelShape | None:
     given = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                            "vocab_size", "ffn_hidden_size")}
     if all(v is None for v in given.values()):
+        if args.num_experts:
+            raise ConfigError("--num-experts describes a shape given by flags; add --num-layers, --hidden-size, "
+                              "--num-attention-heads, --seq-length and --vocab-size.")
         return None
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
                if given[k] is None]
@@ -90,8 +97,13 @@ def shape_from_flags(args) -> ModelShape | None:
         raise ConfigError(f"a model shape needs --{missing[0].replace('_', '-')} as well; give the whole shape or use "
                           "--model or --profile.")
     ffn = given["ffn_hidden_size"] or 4 * given["hidden_size"]
+    experts = args.num_experts or 0
+    moe = (experts, args.moe_router_topk or 2, args.moe_ffn_hidden_size or 0) if experts else (0, 0, 0)
+    if experts and moe[1] > experts:
+        raise ConfigError(f"--moe-router-topk {moe[1]} exceeds --num-experts {experts}; route to at most as many "
+                          "experts as there are.")
     return ModelShape(args.model_type, given["num_layers"], given["hidden_size"], given["num_attention_heads"],
-                      given["seq_length"], given["vocab_size"], ffn)
+                      given["seq_length"], given["vocab_size"], ffn, True, *moe)
 
 
 def load_profile(args, cluster: Cluster) -> ModelProfile:
@@ -109,22 +121,26 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
     return analytic_gpt_profile(shape, flops, dtype=args.dtype)
 
 
-def format_table(result, top: int) -> str:
-    """The best layouts; the last five columns are seconds per batch on the slowest rank."""
-    header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
+def format_table(result, top: int, moe: bool = False) -> str:
+    """The best layouts; the last five columns (six for an MoE model, ``moe``: its experts' token exchange
+    as well, and e) are seconds per batch on the slowest rank."""
+    expert = f" {'e':>3}" if moe else ""
+    header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3}{expert} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
               f"{'dp sharding':<18} "
               f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
-              f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
+              + (f"{'ep comm':>8} " if moe else "") + f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
     for rank, e in enumerate(result.ranked[:top], 1):
         layout = e.layout
         recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
-        rows.append(f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>3} {layout.virtual:>2} "
+        expert = f" {layout.expert:>3}" if moe else ""
+        rows.append(f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>3}{expert} {layout.virtual:>2} "
                     f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
                     f"{layout.sharding:<18} "
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
-                    f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
+                    + (f"{e.expert_comm_time:>8.3g} " if moe else "")
+                    + f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
     return "\n".join(rows)
 
 
@@ -184,7 +200,7 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
           f"({profile.source} profile) on {cluster.num_gpus} devices ({cluster.name or 'cluster'}, "
           f"{human_bytes(cluster.usable_memory)} usable each), global batch {args.global_batch_size}: "
           f"{len(result.ranked)} of {result.evaluated} layouts fit")
-    print(format_table(result, args.top))
+    print(format_table(result, args.top, profile.shape.is_moe))
     best = result.best
     print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")

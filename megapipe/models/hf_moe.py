@@ -75,7 +75,7 @@ def moe_fields(hf_config) -> dict:
     return fields
 
 
-def _stacked_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+def stacked_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
     """transformers' [E, (gate f | up f), h] -> megapipe's [E, (f, {gate, up}), h]."""
     gate, up = gate_up.chunk(2, dim=1)
     return torch.stack((gate, up), dim=2).reshape(gate_up.shape).contiguous()
@@ -127,7 +127,7 @@ def moe_from_hf(hf_state, config: ModelConfig) -> dict:
             out[f"layers.{i}.{ours}"] = gate_up_interleaved(hf_state[prefix + theirs + "gate_proj.weight"],
                                                             hf_state[prefix + theirs + "up_proj.weight"])
         if config.is_moe_layer(i):
-            out[f"layers.{i}.mlp.experts.fc1.weight"] = _stacked_gate_up(hf_state[prefix + "mlp.experts.gate_up_proj"])
+            out[f"layers.{i}.mlp.experts.fc1.weight"] = stacked_gate_up(hf_state[prefix + "mlp.experts.gate_up_proj"])
     if config.untie_embeddings_and_output_weights:
         out["output_embedding.weight"] = hf_state["lm_head.weight"]
     return {k: v.clone() for k, v in out.items()}

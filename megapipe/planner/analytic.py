@@ -29,7 +29,8 @@ LOGITS_BYTES = 4  # the cross entropy keeps fp32 logits (softmax) per vocabulary
 
 def block_forward_flops(shape: ModelShape, b: float) -> float:
     """One block's forward FLOPs at micro-batch b (``megapipe.models.flops``)."""
-    return flops.block_forward_flops(b * shape.seq_length, shape.seq_length, shape.hidden_size, shape.ffn_hidden_size)
+    return flops.block_forward_flops(b * shape.seq_length, shape.seq_length, shape.hidden_size,
+                                     shape.active_ffn_hidden_size)
 
 
 def head_forward_flops(shape: ModelShape, b: float) -> float:
@@ -37,15 +38,20 @@ def head_forward_flops(shape: ModelShape, b: float) -> float:
 
 
 def block_params(shape: ModelShape) -> tuple[int, int]:
-    """(all, split) parameters of one block: QKV, projection, two MLP matrices, their biases, two norms."""
+    """(all, split) parameters of one block: QKV, projection, two MLP matrices, their biases, two norms;
+    in an MoE block every expert's MLP (split like the dense one) and the replicated router."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
+    if shape.is_moe:
+        split = 3 * h * h + 3 * h + h * h + shape.expert_params_per_block
+        return split + 2 * h + 4 * h + shape.num_experts * h, split
     split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
     return split + 2 * h + 4 * h, split
 
 
 def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int) -> tuple[float, float]:
     """(all, split) bytes one block keeps for backward at micro-batch b (see the module docstring)."""
-    s, h, f, a, e = shape.seq_length, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads, element_bytes
+    s, h, f, a, e = (shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size, shape.num_attention_heads,
+                     element_bytes)
     replicated = 4 * e * s * b * h + 2 * s * b * h
     split = 4 * e * s * b * h + 2 * e * s * b * f + (2 * e + 1) * a * b * s * s
     return replicated + split, split

@@ -32,6 +32,11 @@ rank's time (it is on the critical path):
     the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
     untie it instead: the last stage holds its own output embedding of the same size).
+  expert parallelism (MoE models, ``Layout.expert`` e): per MoE block two all-to-alls forward
+    (dispatch, combine) and two backward (two more when recomputing), each sending b s k h element
+    bytes x (e-1)/e over the link the expert group spans (e consecutive data-parallel replicas);
+    each rank holds 1/e of the experts, whose gradients are reduced (and, at sharding levels,
+    whose gradients, weights and optimizer state are sharded) over the d / e expert-data ranks.
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
 rank order tensor-innermost, then data, then pipeline, so t shares a node first; a collective's
 steps cost the link's ``reduce_latency``, which on busy CPUs exceeds a message's latency.
@@ -81,11 +86,13 @@ class Layout:
     virtual: int = 1
     recompute: bool = False
     sharding: str = "no_shard"  # --data-parallel-sharding-strategy
+    expert: int = 1  # --expert-model-parallel-size e (expert-tensor size t): e divides d
 
     def describe(self) -> str:
         chunks = f", v={self.virtual}" if self.virtual > 1 else ""
         sharded = f", {self.sharding}" if self.sharding != "no_shard" else ""
-        return (f"t={self.tensor}, p={self.pipeline}, d={self.data}, b={self.micro_batch_size}{chunks}, "
+        experts = f", e={self.expert}" if self.expert > 1 else ""
+        return (f"t={self.tensor}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
                 f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}")
 
 
@@ -121,6 +128,7 @@ class Estimate:
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
     traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
     rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
+    expert_comm_time: float = 0.0  # per batch on the slowest rank: the MoE blocks' token all-to-alls
 
 
 def collective_time(collective: str, nbytes: float, members: int, link: Link, backend: str = "nccl") -> float:
@@ -131,6 +139,14 @@ def collective_time(collective: str, nbytes: float, members: int, link: Link, ba
         return 0.0
     steps = (2 if collective == "all_reduce" else 1) * (members - 1)
     return link_bytes(collective, nbytes, members, backend) / link.reduce_bandwidth + steps * link.reduce_latency
+
+
+def all_to_all_time(nbytes: float, members: int, link: Link) -> float:
+    """One all-to-all of ``nbytes`` per rank over ``link``: the (n-1)/n that leaves the rank at the link's
+    bandwidth, and a latency per peer."""
+    if members <= 1 or nbytes == 0:
+        return 0.0
+    return nbytes * (members - 1) / members / link.bandwidth + (members - 1) * link.latency
 
 
 def exposed_transfers(schedule: str, backend: str) -> int:
@@ -217,6 +233,18 @@ class PlanCostModel:
         return tensor, data, boundaries, embedding
 
     @lru_cache(maxsize=None)
+    def expert_links(self, t: int, p: int, d: int, e: int) -> tuple[Link, Link]:
+        """The links of the expert groups (e consecutive data-parallel replicas of one tensor index, as
+        ``megapipe.layout.experts`` folds them at expert-tensor size t) and of the expert-data groups."""
+        slowest = self.cluster.group_link
+        rank = _rank_order(t, d)
+        experts = slowest([[rank(ti, first + j, pi) for j in range(e)]
+                           for ti in range(t) for first in range(0, d, e) for pi in range(p)])
+        expert_data = slowest([[rank(ti, j + e * k, pi) for k in range(d // e)]
+                               for ti in range(t) for j in range(e) for pi in range(p)])
+        return experts, expert_data
+
+    @lru_cache(maxsize=None)
     def boundary_uplinks(self, t: int, p: int, d: int) -> tuple[Link, ...]:
         """Per boundary (rank r to r+1, wrapping), the link all t x d pairs across it share when they send at once."""
         rank = _rank_order(t, d)
@@ -237,6 +265,12 @@ class PlanCostModel:
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
+        e = layout.expert
+        exchange, expert_params = 0.0, 0.0  # per MoE block: one all-to-all; the experts' parameters held
+        if e > 1:  # at e = 1 the experts are data-parallel like the rest and need no exchange
+            tokens = b * shape.seq_length * shape.moe_router_topk * shape.hidden_size * self.element_bytes
+            exchange = all_to_all_time(tokens, e, self.expert_links(t, p, layout.data, e)[0])
+            expert_params = shape.expert_params_per_block / t / e
         message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
             r, layers = rank_of_stage(placement, p, s), stage_layers(n_layers, stages, s)
@@ -246,13 +280,16 @@ class PlanCostModel:
             back = backward[layers].sum() / speed
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
             tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
+            ep_forward = 2 * len(blocks) * exchange  # dispatch and combine; backward both again, and the
+            ep_backward = (4 if layout.recompute else 2) * len(blocks) * exchange  # recomputed forward's
             message = sizes.output_bytes[blocks[-1]] / message_split
             waits = exposed_transfers(layout.schedule, self.cluster.backend)
             receive_forward, receive_backward = (
                 waits * _transfer(message, _boundary(boundary_links, placement, p, s, neighbour))
                 if 0 <= neighbour < stages else 0.0 for neighbour in (s - 1, s + 1))
-            loads.forward[r] += forward + tp_forward + receive_forward
-            loads.backward[r] += back + tp_backward + receive_backward
+            loads.forward[r] += forward + tp_forward + ep_forward + receive_forward
+            loads.backward[r] += back + tp_backward + ep_backward + receive_backward
+            loads.expert[r] += ep_forward + ep_backward
             loads.compute[r] += forward + back
             loads.tensor[r] += tp_forward + tp_backward
             loads.pipe[r] += receive_forward + receive_backward
@@ -260,7 +297,8 @@ class PlanCostModel:
             if link is not None:  # per microbatch each direction of the link carries this boundary's tensor once
                 loads.link_bytes[link] += message
                 loads.link_messages[link] += 1
-            loads.params[r] += params[layers].sum()
+            loads.params[r] += params[layers].sum() - len(blocks) * expert_params * (e - 1)
+            loads.expert_params[r] += len(blocks) * expert_params
             loads.stash[r] += stash[layers].sum()
             loads.unrecomputed_stash[r] += stash[ends].sum()
         if stages > 1:
@@ -277,15 +315,18 @@ class PlanCostModel:
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
         overlap = self.training.overlap and flushes(layout.schedule)
         backend = self.cluster.backend
+        groups = [(params - loads.expert_params, d, data_link)]  # the dense parameters over the data group,
+        if layout.expert > 1:  # the experts' over their expert-data group, one after the other
+            groups.append((loads.expert_params, d // layout.expert, self.expert_links(t, p, d, layout.expert)[1]))
+
+        def over_groups(collective: str, element_bytes: float) -> np.ndarray:
+            return np.array([sum(collective_time(collective, counts[r] * element_bytes, members, link, backend)
+                                 for counts, members, link in groups) for r in range(p)])
+
         if layout.sharding == "no_shard":
-            reduce = np.array([collective_time("all_reduce", count * grad_bytes, d, data_link, backend)
-                               for count in params])
-            gather = np.zeros(p)
+            reduce, gather = over_groups("all_reduce", grad_bytes), np.zeros(p)
         else:
-            reduce = np.array([collective_time("reduce_scatter", count * grad_bytes, d, data_link, backend)
-                               for count in params])
-            gather = np.array([collective_time("all_gather", count * self.element_bytes, d, data_link, backend)
-                               for count in params])
+            reduce, gather = over_groups("reduce_scatter", grad_bytes), over_groups("all_gather", self.element_bytes)
         passes = 0.0
         if layout.sharding == "optim_grads_params":  # gathers before every F and B, none after the step
             passes, gather = 2 * m * gather, np.zeros(p)
@@ -304,7 +345,7 @@ class PlanCostModel:
                 search: Optional[Searched] = None) -> tuple[float, Optional[int]]:
         """Peak bytes over ranks, and the blocks per recomputation segment that minimise it."""
         p, v = layout.pipeline, layout.virtual
-        weights = np.array([self._state_bytes(layout, loads.params[r], r) for r in range(p)])
+        weights = np.array([self._state_bytes(layout, loads.params[r], r, loads.expert_params[r]) for r in range(p)])
         counts = np.array([float(search.in_flight[r] if search else in_flight(layout.schedule, p, m, v, r))
                            for r in range(p)])
         if not layout.recompute:
@@ -318,13 +359,14 @@ class PlanCostModel:
         best = min((k for k in range(1, per_chunk + 1) if per_chunk % k == 0), key=peak)
         return peak(best), best
 
-    def _state_bytes(self, layout: Layout, params: float, rank: int) -> float:
-        """Weights (all versions), gradients and optimizer state of ``params`` parameters at the layout's sharding."""
+    def _state_bytes(self, layout: Layout, params: float, rank: int, expert_params: float = 0.0) -> float:
+        """Weights (all versions), gradients and optimizer state of ``params`` parameters at the layout's sharding;
+        ``expert_params`` of them (this rank's 1/e of the experts) are sharded over the d / e expert-data ranks."""
         d, grads = layout.data, self.training.grad_bytes_per_param
         versions = weight_versions(layout.schedule, layout.pipeline, rank)
         if layout.sharding == "no_shard":
             return params * (self.element_bytes * versions + grads + self.optimizer_bytes)
-        shard = params / d
+        shard = (params - expert_params) / d + expert_params * layout.expert / d
         weights = self.element_bytes * (versions * params + shard)
         if layout.sharding == "optim_grads_params":
             weights = self.element_bytes * (shard + params / layout.virtual)  # one chunk gathered for its pass
@@ -357,7 +399,8 @@ class PlanCostModel:
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
-                        (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))))
+                        (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
+                        m * float(loads.expert[slowest]))
 
     def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
         """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all
@@ -388,8 +431,9 @@ class _RankLoads:
 
     def __init__(self, p: int, block_stash: float, block_input: float):
         self.forward, self.backward, self.compute = np.zeros(p), np.zeros(p), np.zeros(p)
-        self.tensor, self.pipe = np.zeros(p), np.zeros(p)
+        self.tensor, self.pipe, self.expert = np.zeros(p), np.zeros(p), np.zeros(p)
         self.params, self.stash, self.unrecomputed_stash = np.zeros(p), np.zeros(p), np.zeros(p)
+        self.expert_params = np.zeros(p)  # the part of ``params`` split by expert parallelism (0 at e = 1)
         self.link_bytes, self.link_messages = np.zeros(p), np.zeros(p)  # per link r (rank r to r+1, wrapping)
         #                                      and direction, what one pair sends per microbatch
         self.block_stash, self.block_input = block_stash, block_input

@@ -41,6 +41,10 @@ def model_flags(shape: ModelShape, untie: bool = False) -> list[str]:
         flags += ["--ffn-hidden-size", shape.ffn_hidden_size]
     if untie or not shape.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    if shape.is_moe:
+        flags += ["--num-experts", shape.num_experts, "--moe-router-topk", shape.moe_router_topk]
+        if shape.moe_ffn_hidden_size:
+            flags += ["--moe-ffn-hidden-size", shape.moe_ffn_hidden_size]
     return [str(flag) for flag in flags]
 
 
@@ -76,6 +80,8 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline),
         "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
+    if layout.expert > 1:
+        words += ["--expert-model-parallel-size", str(layout.expert)]
     if layout.virtual > 1:
         words += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual))]
     if layout.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
@@ -110,6 +116,7 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
         "pipeline_model_parallel_size": layout.pipeline,
         "data_parallel_size": layout.data,
         "data_parallel_sharding_strategy": layout.sharding,
+        "expert_model_parallel_size": layout.expert,
         "microbatches_per_pipeline": estimate.microbatches,
         "recompute": ({"granularity": "full", "method": "uniform", "num_layers": estimate.recompute_layers}
                       if layout.recompute else None),

@@ -1,10 +1,12 @@
 """The planner: seed 002's Algorithm 1 over data-parallel size d and pipeline depth p, extended so that
 SEARCH also chooses the tensor size t = N / (d p), the micro-batch size b, recomputation, the
-schedule and the number of chunks v, scored by ``cost_model`` (THROUGHPUT and MEMORY).
+schedule, the number of chunks v and, for an MoE model, the expert-parallel size e, scored by
+``cost_model`` (THROUGHPUT and MEMORY).
 
 Every layout that uses all N devices, divides the model (heads and width by t, layers by p v)
 and the global batch B (by d b, so m = B / (d b) microbatches per pipeline) and suits its
-schedule is estimated; those that fit in device memory are ranked by predicted throughput.
+schedule is estimated, at every e that divides the experts and, with e x t dividing t x d
+(Megatron-core's rule, ``megapipe.layout.experts``, at expert-tensor size t), d; dense models keep e = 1; those that fit in device memory are ranked by predicted throughput.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def expert_sizes(shape: ModelShape, data: int) -> list[int]:
+    """The expert-parallel sizes e a stage of ``data`` replicas allows: e divides the experts and d."""
+    if not shape.is_moe:
+        return [1]
+    return [e for e in _divisors(shape.num_experts) if data % e == 0]
+
+
 def model_splits(shape: ModelShape, devices: int) -> Iterator[tuple[int, int, int]]:
     """(t, p, d) with t p d = devices, t dividing heads, width and MLP width, p dividing the layers."""
     for t in _divisors(devices):
@@ -96,7 +105,8 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
                             for sharding in _shardings(request, d, schedule):
-                                yield Layout(t, p, d, b, schedule, v, recompute, sharding)
+                                for e in expert_sizes(shape, d):
+                                    yield Layout(t, p, d, b, schedule, v, recompute, sharding, e)
 
 
 def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout]:

@@ -29,6 +29,7 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PER_SIZE_FIELDS = ("forward_s", "backward_s", "recompute_backward_s", "output_bytes", "stash_bytes",
                     "split_stash_bytes")
 _FIX = "re-create it with tools/profile_model.py"
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,46 @@ class ModelShape:
     vocab_size: int
     ffn_hidden_size: int
     tied_embeddings: bool = True
+    num_experts: int = 0  # routed experts per block (0: dense MLPs); every block is an MoE block
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # each expert's (0: ffn_hidden_size)
 
     @staticmethod
     def from_config(kind: str, config: ModelConfig) -> "ModelShape":
+        moe = config.num_experts is not None
         return ModelShape(kind, config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
-                          config.vocab_size, config.ffn_hidden_size, not config.untie_embeddings_and_output_weights)
+                          config.vocab_size, config.ffn_hidden_size, not config.untie_embeddings_and_output_weights,
+                          config.num_experts or 0, config.moe_router_topk if moe else 0,
+                          config.expert_ffn_hidden_size if moe else 0)
 
     def to_config(self, **overrides) -> ModelConfig:
         """A ModelConfig of this shape (dropout and numerics from ``overrides`` or the defaults)."""
+        moe = dict(num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                   moe_ffn_hidden_size=self.expert_ffn_hidden_size) if self.is_moe else {}
         return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                            num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
                            vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size,
-                           untie_embeddings_and_output_weights=not self.tied_embeddings, **overrides)
+                           untie_embeddings_and_output_weights=not self.tied_embeddings, **moe, **overrides)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def active_ffn_hidden_size(self) -> int:
+        """The MLP width one token passes through: its k experts' together in an MoE block."""
+        return self.moe_router_topk * self.expert_ffn_hidden_size if self.is_moe else self.ffn_hidden_size
+
+    @property
+    def expert_params_per_block(self) -> int:
+        """The routed experts' parameters of one block (two matrices and a bias each, as the dense MLP
+        the closed-form profile counts); expert parallelism holds 1/e of them, tensor parallelism 1/t."""
+        f = self.expert_ffn_hidden_size
+        return self.num_experts * (2 * self.hidden_size * f + f)
 
     def check_same(self, other: "ModelShape", source: str) -> None:
         """Raise when ``other`` (the model to plan) differs from this profile's model."""
@@ -184,7 +213,8 @@ class ModelProfile:
         if need(data, "format", "") != PROFILE_FORMAT:
             raise ConfigError(f"{source} has format {data['format']!r}, not {PROFILE_FORMAT!r}; {_FIX}.")
         model = need(data, "model", "")
-        shape = ModelShape(**{f.name: need(model, f.name, "model.") for f in fields(ModelShape)})
+        shape = ModelShape(**{f.name: need(model, f.name, "model.") for f in fields(ModelShape)
+                              if f.name not in _MOE_FIELDS or f.name in model})  # dense profiles predate them
         sizes = tuple(int(b) for b in need(data, "micro_batch_sizes", ""))
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ConfigError(f"{source} has micro_batch_sizes {list(sizes)}; they must be increasing positive "

@@ -1,0 +1,117 @@
+"""The planner's expert-parallel size e for MoE models: the layouts it considers against the rules written
+out here, its choice against every estimate, the token exchange and the experts' memory against their
+closed forms, the expert gradients reduced over the expert-data ranks only, e > 1 chosen when only it
+fits, and the launch command that carries e."""
+
+import dataclasses
+
+import pytest
+from test_planner_plan import SMALL, small_cluster, valid_by_the_rules
+
+from megapipe.planner.analytic import analytic_gpt_profile
+from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
+from megapipe.planner.launch import torchrun_command
+from megapipe.planner.plan import PlanRequest, enumerate_layouts, plan
+from megapipe.planner.profile import ModelProfile
+
+pytestmark = pytest.mark.unit
+
+MOE = dataclasses.replace(SMALL, num_experts=4, moe_router_topk=2)
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def moe_profile(shape=MOE):
+    return analytic_gpt_profile(shape, 1e12, micro_batch_sizes=(1, 2, 4))
+
+
+def with_expert_sizes(layouts, experts: int) -> set:
+    """Each layout at every e dividing both the experts and d (e x t dividing t x d at expert-tensor size t)."""
+    return {dataclasses.replace(layout, expert=e) for layout in layouts for e in range(1, experts + 1)
+            if experts % e == 0 and layout.data % e == 0}
+
+
+@pytest.mark.parametrize("devices,batch", [(8, 16), (4, 8)])
+def test_the_search_considers_every_valid_expert_size(devices, batch):
+    request = PlanRequest(batch, max_micro_batch_size=8, max_virtual=4)
+    found = set(enumerate_layouts(MOE, devices, request))
+    assert found == with_expert_sizes(valid_by_the_rules(MOE, devices, batch, 8, 4), MOE.num_experts)
+    assert max(layout.expert for layout in found) == 4
+    assert {layout.expert for layout in enumerate_layouts(SMALL, devices, request)} == {1}
+
+
+def test_the_plan_is_the_fastest_layout_that_fits_over_every_expert_size():
+    profile, request = moe_profile(), PlanRequest(16, schedules=SCHEDULES, max_micro_batch_size=4, recompute=(False,))
+    model = PlanCostModel(profile, small_cluster(), Training(16))
+    estimates = [model.estimate(layout) for layout in enumerate_layouts(MOE, 8, request)]
+    cluster = small_cluster(memory=sorted(e.memory for e in estimates)[len(estimates) // 2])
+    fitting = [e for e in estimates if e.memory <= cluster.usable_memory]
+    result = plan(profile, cluster, request)
+    assert result.evaluated == len(estimates) and len(result.ranked) == len(fitting)
+    assert result.best.samples_per_second == max(e.samples_per_second for e in fitting)
+
+
+def test_the_token_exchange_is_two_all_to_alls_per_moe_block_and_pass():
+    profile, cluster = moe_profile(), small_cluster()
+    model, b = PlanCostModel(profile, cluster, Training(8)), 2
+    m = 8 // (2 * b)
+    link = cluster.link([0, 1])  # e = 2 over the two data-parallel replicas of one node
+    one = all_to_all_time(b * MOE.seq_length * MOE.moe_router_topk * MOE.hidden_size * profile.element_bytes, 2, link)
+    for recompute, per_block in ((False, 4), (True, 6)):
+        layout = Layout(1, 1, 2, b, "1f1b", recompute=recompute, expert=2)
+        assert model.estimate(layout).expert_comm_time == pytest.approx(m * MOE.num_layers * per_block * one)
+        assert model.estimate(dataclasses.replace(layout, expert=1)).expert_comm_time == 0.0
+    assert one == pytest.approx(b * 32 * 2 * 64 * 2 / 2 / link.bandwidth + link.latency)
+
+
+@pytest.mark.parametrize("sharding,data", [("no_shard", 2), ("optim", 2), ("optim_grads_params", 4)])
+def test_each_rank_holds_one_eth_of_the_experts_and_their_state(sharding, data):
+    profile = moe_profile()
+    training = Training(8)
+    model = PlanCostModel(profile, small_cluster(), training)
+    layout = Layout(1, 1, data, 1, "1f1b", sharding=sharding, expert=2)
+    element, grads, optimizer = profile.element_bytes, training.grad_bytes_per_param, training.optimizer_bytes(2)
+    experts = MOE.expert_params_per_block * MOE.num_layers
+    saved = model.estimate(dataclasses.replace(layout, expert=1)).memory - model.estimate(layout).memory
+    held = experts / 2  # by each of the e = 2 expert ranks
+    if sharding == "no_shard":
+        expected = (experts - held) * (element + grads + optimizer)
+    else:  # each state's shard: 1/d of all experts at e = 1, e/d of the held half (1/(d/e)) at e = 2
+        shard_saved = experts / data - held * 2 / data
+        expected = (experts - held) * element + element * shard_saved + grads * (experts - held + shard_saved) + optimizer * shard_saved
+    assert saved == pytest.approx(expected)
+    assert expected > 0
+
+
+def test_an_moe_model_too_big_for_one_expert_rank_gets_e_above_1():
+    # 2 layers and 2 heads: t and p split it at most twice each, so 8 devices hold d >= 2 replicas
+    big = dataclasses.replace(MOE, num_layers=2, num_attention_heads=2, num_experts=8, moe_ffn_hidden_size=1024)
+    profile, request = moe_profile(big), PlanRequest(16, schedules=SCHEDULES, max_micro_batch_size=4)
+    model = PlanCostModel(profile, small_cluster(), Training(16))
+    estimates = [model.estimate(layout) for layout in enumerate_layouts(big, 8, request)]
+    smallest_at_one = min(e.memory for e in estimates if e.layout.expert == 1)
+    assert any(e.memory < smallest_at_one for e in estimates)
+    result = plan(profile, small_cluster(memory=smallest_at_one * 0.99), request)
+    assert result.best.layout.expert > 1
+    assert all(e.layout.expert > 1 for e in result.ranked)
+    command = torchrun_command(result.best, big, small_cluster(), 16)
+    assert f"--expert-model-parallel-size {result.best.layout.expert}" in command
+    assert "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024" in command
+
+
+def test_a_dense_profile_written_before_the_moe_fields_still_loads():
+    document = moe_profile(SMALL).to_dict()
+    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+        del document["model"][name]
+    assert ModelProfile.from_dict(document).shape == SMALL
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only():
+    profile, cluster = moe_profile(), small_cluster()
+    model, training = PlanCostModel(profile, cluster, Training(8)), Training(8)
+    link, grads = cluster.link([0, 1]), training.grad_bytes_per_param
+    dense = model.estimate(Layout(1, 1, 2, 1, "1f1b")).data_comm_time
+    everything = sum(layer.params for layer in profile.layers)  # one stage: no second copy of the embedding
+    assert dense == pytest.approx(collective_time("all_reduce", everything * grads, 2, link))
+    experts = MOE.expert_params_per_block * MOE.num_layers  # at e = d = 2 each expert lives on one rank
+    expected = collective_time("all_reduce", (everything - experts) * grads, 2, link)
+    assert model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
