@@ -79,7 +79,7 @@ def block_calls(q: Ranges, k: Ranges, causal: bool) -> list[Call]:
     previous: list[Call] = []
     for qs, qe in q:
         pieces = _pieces((qs, qe), k)
-        if pieces and [p.k for p in pieces] == [p.k for p in previous] and not any(p.causal for p in pieces):
+        if pieces and [p.k for p in pieces] == [p.k for p in previous] and not any(p.causal for p in pieces + previous):
             start = calls[-len(previous)].q[0]  # same visible keys as the range before: widen its calls
             calls[-len(previous):] = [Call((start, offset + qe - qs), p.k) for p in pieces]
         else:
