@@ -76,7 +76,7 @@ def full_mask(documents, padding):
 
 
 def relative_errors(groups: ContextGroups, case, dtype) -> list[float]:
-    comm, c, causal, mask = case
+    _, c, causal, mask = case
     q, k, v, grad, documents, padding = whole_inputs(mask, dtype)
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
     want = attention(*leaves, full_mask(documents, padding), causal=causal, scale=SCALE)

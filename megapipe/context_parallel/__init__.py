@@ -6,4 +6,4 @@ from megapipe.context_parallel.attention import context_attention
 from megapipe.context_parallel.checks import check_context_parallel
 from megapipe.context_parallel.timeline import Timeline
 
-__all__ = ["context_attention", "check_context_parallel", "Timeline"]
+__all__ = ["Timeline", "check_context_parallel", "context_attention"]

@@ -7,8 +7,6 @@ process attending over the whole sequence gives for this rank's queries.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megapipe.context_parallel.blocks import PADDING, Block
@@ -25,7 +23,7 @@ from megapipe.layout.context import check_sequence_split, local_positions
 from megapipe.parallel.context import ContextGroups
 
 
-def _labels(document_ids, key_padding, shape) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _labels(document_ids, key_padding, shape) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(query labels, key labels): a query attends to a key of the same label only."""
     if document_ids is None and key_padding is None:
         return None, None
@@ -55,9 +53,9 @@ def _heads_then(q, k, v, labels, group, size, sequence: _Sequence, attend):
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: ContextGroups, *,
-                      seq_length: int, causal: bool, scale: float, key_padding: Optional[torch.Tensor] = None,
-                      document_ids: Optional[torch.Tensor] = None,
-                      timeline: Optional[Timeline] = None) -> torch.Tensor:
+                      seq_length: int, causal: bool, scale: float, key_padding: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None,
+                      timeline: Timeline | None = None) -> torch.Tensor:
     """q [b, heads, s/c, d], k and v [b, query groups, s/c, d] in this rank's local order; returns
     [b, heads, s/c, d]. ``key_padding`` bool [b, s/c] (True: a key nobody attends to);
     ``document_ids`` int [b, s/c] (attention stays inside a document). ``timeline``: records the
@@ -73,7 +71,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         return LocalAttention.apply(q, k, v, Block(mine, mine, causal, *labels), scale)
     if groups.comm_type == "p2p":
         ring = Ring(groups.group, groups.ranks, index, timeline)
-        tokens = lambda member: ranges_of(local_positions(seq_length, c, member))  # noqa: E731
+        tokens = lambda member: ranges_of(local_positions(seq_length, c, member))
         return RingAttention.apply(q, k, v, ring, tokens, causal, scale, *labels)
     if groups.comm_type == "all_gather":
         sequence = _Sequence(seq_length, c, range(c), q.device)
@@ -83,7 +81,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     if groups.comm_type == "a2a":
         check_head_split(q.size(1), k.size(1), c, "a2a")
         sequence = _Sequence(seq_length, c, range(c), q.device)
-        whole = lambda q, k, v, labels: LocalAttention.apply(  # noqa: E731
+        whole = lambda q, k, v, labels: LocalAttention.apply(
             q, k, v, Block(sequence.sorted, sequence.sorted, causal, *labels), scale)
         return _heads_then(q, k, v, labels, groups.group, c, sequence, whole)
     if groups.comm_type == "a2a+p2p":
@@ -92,7 +90,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         inner = [groups.ranks.index(r) // size for r in groups.ring_ranks]  # each ring member's a2a group
         sequences = [_Sequence(seq_length, c, range(g * size, (g + 1) * size), q.device) for g in inner]
         ring = Ring(groups.ring_group, groups.ring_ranks, groups.ring_ranks.index(groups.ranks[index]), timeline)
-        ringed = lambda q, k, v, labels: RingAttention.apply(  # noqa: E731
+        ringed = lambda q, k, v, labels: RingAttention.apply(
             q, k, v, ring, lambda member: sequences[member].sorted, causal, scale, *labels)
         return _heads_then(q, k, v, labels, groups.a2a_group, size, sequences[ring.index], ringed)
     raise ConfigError(f"--cp-comm-type {groups.comm_type} is not one of p2p, all_gather, a2a, a2a+p2p.")

@@ -12,7 +12,6 @@ in fp32 into the caller's tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -33,13 +32,13 @@ class Block:
     q: Ranges
     k: Ranges
     causal: bool
-    q_labels: Optional[torch.Tensor] = None
-    k_labels: Optional[torch.Tensor] = None
+    q_labels: torch.Tensor | None = None
+    k_labels: torch.Tensor | None = None
 
     def calls(self) -> list[Call]:
         return block_calls(self.q, self.k, self.causal)
 
-    def allowed(self, call: Call, device) -> Optional[torch.Tensor]:
+    def allowed(self, call: Call, device) -> torch.Tensor | None:
         """Bool [b or 1, 1, sq, sk] of the call, or None where the kernel needs no mask."""
         (q0, q1), (k0, k1) = call.q, call.k
         mask = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from megapipe.errors import ConfigError
 from megapipe.layout.context import check_sequence_split
@@ -22,7 +22,7 @@ def check_head_split(heads: int, query_groups: int, size: int, comm_type: str) -
                 f"divisible by {size} x --tensor-model-parallel-size, or --cp-comm-type p2p.")
 
 
-def check_hierarchical_sizes(context: int, sizes: Optional[Sequence[int]]) -> None:
+def check_hierarchical_sizes(context: int, sizes: Sequence[int] | None) -> None:
     """``--hierarchical-context-parallel-sizes`` (a2a+p2p): two sizes, all-to-all then ring, product c."""
     shown = " ".join(map(str, sizes or ()))
     if not sizes or len(sizes) != 2 or any(s < 1 for s in sizes) or sizes[0] * sizes[1] != context:
@@ -32,7 +32,7 @@ def check_hierarchical_sizes(context: int, sizes: Optional[Sequence[int]]) -> No
 
 
 def check_context_parallel(*, context: int, comm_type: str, seq_length: int, heads: int, query_groups: int,
-                           tensor_parallel: int = 1, hierarchical_sizes: Optional[Sequence[int]] = None,
+                           tensor_parallel: int = 1, hierarchical_sizes: Sequence[int] | None = None,
                            attention_dropout: float = 0.0) -> None:
     """Every check of a context-parallel attention's settings, before any process group exists."""
     check_sequence_split(seq_length, context)

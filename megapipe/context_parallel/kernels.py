@@ -18,8 +18,6 @@ exp(s - lse) are 0 and it adds nothing to any gradient.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 aten = torch.ops.aten
@@ -27,7 +25,7 @@ _LSE_ROWS = 32  # the memory-efficient CUDA kernel pads its lse to a multiple of
 _BIAS_ALIGN = 16  # ... and wants its bias's rows padded to a multiple of this many columns
 
 
-def _rows_allowed(allowed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _rows_allowed(allowed: torch.Tensor | None) -> torch.Tensor | None:
     return None if allowed is None else allowed.any(dim=-1)
 
 
@@ -46,11 +44,11 @@ def _cuda_bias(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Te
     return full[..., :sk].expand(q.size(0), q.size(1), q.size(2), sk)
 
 
-def _flash_on_cuda(q: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def _flash_on_cuda(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is None and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, allowed: Optional[torch.Tensor],
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, allowed: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of q over (k, v); q, k, v have the same
     heads. ``causal``: the kernel's own top-left causal mask (only for sq == sk on the same tokens)."""
@@ -74,7 +72,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, 
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, *, causal: bool, allowed: Optional[torch.Tensor],
+             lse: torch.Tensor, *, causal: bool, allowed: torch.Tensor | None,
              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block, from the whole attention's ``out`` and ``lse`` for these queries."""
     rows = _rows_allowed(allowed)

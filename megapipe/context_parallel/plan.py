@@ -11,8 +11,8 @@ pieces are one call; query ranges with the same visible keys are one call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 Ranges = tuple[tuple[int, int], ...]
 

@@ -12,13 +12,17 @@ Positions are not sent: which member's tokens a rank holds at step t is known on
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
-from megapipe.context_parallel.blocks import Block, accumulators, block_backward, block_forward
+from megapipe.context_parallel.blocks import (
+    Block,
+    accumulators,
+    block_backward,
+    block_forward,
+)
 from megapipe.context_parallel.plan import Ranges
-from megapipe.context_parallel.timeline import Timeline
 from megapipe.context_parallel.transfer import Ring
 
 
@@ -26,25 +30,19 @@ def _block(ring: Ring, tokens: Callable[[int], Ranges], causal: bool, q_labels, 
     return Block(tokens(ring.index), tokens(ring.member(step)), causal, q_labels, held_labels)
 
 
-def _compute(ring: Ring, phase: str, step: int, fn) -> None:
-    start = Timeline.now()
-    fn()
-    if ring.timeline is not None:
-        ring.timeline.add(phase, step, "compute", start)
-
-
 class RingAttention(torch.autograd.Function):
     """``tokens(member)``: the positions ring member ``member`` holds, in its storage order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, tokens, causal: bool, scale: float, q_labels: Optional[torch.Tensor],
-                k_labels: Optional[torch.Tensor]):
+    def forward(ctx, q, k, v, ring: Ring, tokens, causal: bool, scale: float, q_labels: torch.Tensor | None,
+                k_labels: torch.Tensor | None):
         out, lse = accumulators(q)
         held = [k, v] + ([] if k_labels is None else [k_labels])
         for step in range(ring.size):
             transfer = ring.post(held, "forward", step) if step < ring.size - 1 else None
             block = _block(ring, tokens, causal, q_labels, held[2] if len(held) > 2 else None, step)
-            _compute(ring, "forward", step, lambda: block_forward(q, held[0], held[1], block, scale, out, lse))
+            with ring.computing("forward", step):
+                block_forward(q, held[0], held[1], block, scale, out, lse)
             if transfer is not None:
                 held = transfer.wait()
         out = out.to(q.dtype)
@@ -65,8 +63,8 @@ class RingAttention(torch.autograd.Function):
             transfer = ring.post(sending, "backward", step) if sending else None
             block = _block(ring, ctx.tokens, ctx.causal, q_labels, held[2] if len(held) > 2 else None, step)
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-            _compute(ring, "backward", step,
-                     lambda: block_backward(dout, q, held[0], held[1], out, lse, block, ctx.scale, dq, dk, dv))
+            with ring.computing("backward", step):
+                block_backward(dout, q, held[0], held[1], out, lse, block, ctx.scale, dq, dk, dv)
             received = transfer.wait() if transfer is not None else []
             if step < ring.size - 1:
                 held, received = received[:len(held)], received[len(held):]

@@ -5,7 +5,7 @@ gloo's), waited later so that the compute in between overlaps it."""
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from megapipe.context_parallel.timeline import Timeline
 class Ring:
     """The members of a ring (global ranks, in ring order), this process's place, and its group."""
 
-    def __init__(self, group, ranks: tuple[int, ...], index: int, timeline: Optional[Timeline] = None):
+    def __init__(self, group, ranks: tuple[int, ...], index: int, timeline: Timeline | None = None):
         self.group, self.ranks, self.index, self.timeline = group, ranks, index, timeline
 
     @property
@@ -27,7 +27,15 @@ class Ring:
         """The ring index of the member whose block this process holds at ``step``."""
         return (self.index - step) % self.size
 
-    def post(self, tensors: list[torch.Tensor], phase: str, step: int) -> "Transfer":
+    @contextmanager
+    def computing(self, phase: str, step: int):
+        """Record the compute of ``step`` on the timeline, if there is one."""
+        start = Timeline.now()
+        yield
+        if self.timeline is not None:
+            self.timeline.add(phase, step, "compute", start)
+
+    def post(self, tensors: list[torch.Tensor], phase: str, step: int) -> Transfer:
         nxt, prev = self.ranks[(self.index + 1) % self.size], self.ranks[(self.index - 1) % self.size]
         received = [torch.empty_like(t) for t in tensors]
         ops = []
