@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from megapipe.context_parallel.blocks import     Block,
-    accumulators,
-    block_backward,
-    block_forward,
-)
+from megapipe.context_parallel.blocks import Block, accumulators, block_backward, block_forward
+
 
 
 class LocalAttention(torch.autograd.Function):
