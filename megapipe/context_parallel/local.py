@@ -9,7 +9,6 @@ import torch
 from megapipe.context_parallel.blocks import Block, accumulators, block_backward, block_forward
 
 
-
 class LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block: Block, scale: float):
