@@ -7,6 +7,8 @@ process attending over the whole sequence gives for this rank's queries.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megapipe.context_parallel.blocks import PADDING, Block
@@ -19,7 +21,7 @@ from megapipe.context_parallel.ring import RingAttention
 from megapipe.context_parallel.timeline import Timeline
 from megapipe.context_parallel.transfer import Ring
 from megapipe.errors import ConfigError
-from megapipe.layout.context import check_sequence_split, local_positions
+from megapipe.layout.context import check_sequence_split, chunk_ranges, local_positions
 from megapipe.parallel.context import ContextGroups
 
 
@@ -34,13 +36,19 @@ def _labels(document_ids, key_padding, shape) -> tuple[torch.Tensor | None, torc
 
 class _Sequence:
     """The positions the context ranks ``members`` hold together, in their rank order, and the index
-    that puts them in position order."""
+    that puts them in position order (``order``) and back (``back``)."""
 
-    def __init__(self, seq_length: int, context: int, members, device):
-        self.positions = [p for m in members for p in local_positions(seq_length, context, m)]
-        self.sorted = ranges_of(sorted(self.positions))
-        self.order = torch.tensor(sorted(range(len(self.positions)), key=self.positions.__getitem__), device=device)
+    def __init__(self, seq_length: int, context: int, members: tuple[int, ...], device):
+        positions = torch.tensor([p for m in members for p in local_positions(seq_length, context, m)])
+        self.sorted = ranges_of(sorted(positions.tolist()))
+        self.order = torch.argsort(positions).to(device)
         self.back = torch.argsort(self.order)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence(seq_length: int, context: int, members: tuple[int, ...], device) -> _Sequence:
+    """Built once per layout: every layer of every step asks for the same."""
+    return _Sequence(seq_length, context, members, device)
 
 
 def _heads_then(q, k, v, labels, group, size, sequence: _Sequence, attend):
@@ -66,21 +74,21 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         raise ConfigError(f"context_attention got {q.size(2)} local tokens, but --seq-length {seq_length} over "
                           f"--context-parallel-size {c} gives {seq_length // c} per rank.")
     labels = _labels(document_ids, key_padding, q.shape[:1] + q.shape[2:3])
-    mine = ranges_of(local_positions(seq_length, c, index))
+    mine = chunk_ranges(seq_length, c, index)
     if c == 1:
         return LocalAttention.apply(q, k, v, Block(mine, mine, causal, *labels), scale)
     if groups.comm_type == "p2p":
         ring = Ring(groups.group, groups.ranks, index, timeline)
-        tokens = lambda member: ranges_of(local_positions(seq_length, c, member))
+        tokens = functools.partial(chunk_ranges, seq_length, c)
         return RingAttention.apply(q, k, v, ring, tokens, causal, scale, *labels)
     if groups.comm_type == "all_gather":
-        sequence = _Sequence(seq_length, c, range(c), q.device)
+        sequence = _sequence(seq_length, c, tuple(range(c)), q.device)
         k, v = (GatherSequence.apply(t, groups.group, c, sequence.order) for t in (k, v))
         key_labels = None if labels[1] is None else gathered(labels[1], groups.group, c, 1)[:, sequence.order]
         return LocalAttention.apply(q, k, v, Block(mine, sequence.sorted, causal, labels[0], key_labels), scale)
     if groups.comm_type == "a2a":
         check_head_split(q.size(1), k.size(1), c, "a2a")
-        sequence = _Sequence(seq_length, c, range(c), q.device)
+        sequence = _sequence(seq_length, c, tuple(range(c)), q.device)
         whole = lambda q, k, v, labels: LocalAttention.apply(
             q, k, v, Block(sequence.sorted, sequence.sorted, causal, *labels), scale)
         return _heads_then(q, k, v, labels, groups.group, c, sequence, whole)
@@ -88,7 +96,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         size = len(groups.a2a_ranks)
         check_head_split(q.size(1), k.size(1), size, "a2a+p2p")
         inner = [groups.ranks.index(r) // size for r in groups.ring_ranks]  # each ring member's a2a group
-        sequences = [_Sequence(seq_length, c, range(g * size, (g + 1) * size), q.device) for g in inner]
+        sequences = [_sequence(seq_length, c, tuple(range(g * size, (g + 1) * size)), q.device) for g in inner]
         ring = Ring(groups.ring_group, groups.ring_ranks, groups.ring_ranks.index(groups.ranks[index]), timeline)
         ringed = lambda q, k, v, labels: RingAttention.apply(
             q, k, v, ring, lambda member: sequences[member].sorted, causal, scale, *labels)
