@@ -13,6 +13,7 @@ from megapipe.context_parallel.merge import merge
 from megapipe.context_parallel.plan import block_calls, length
 from megapipe.fusions.attention import attention
 from megapipe.parallel.context import ContextGroups
+from megapipe.testing.fake_device import FAKE_DEVICE, fake_accelerator
 
 pytestmark = pytest.mark.unit
 
@@ -110,6 +111,20 @@ def test_one_rank_equals_fused_attention_with_gqa_and_documents():
     assert close(got, want)
     assert all(close(a, b) for a, b in zip(torch.autograd.grad(got, (q, k, v), dout),
                                            torch.autograd.grad(want, (q, k, v), dout)))
+
+
+def test_runs_on_the_fake_device_without_host_tensors():
+    """Masks, positions and accumulators are made on the inputs' device (the fake device raises on a
+    host tensor mixed with a device one), forward and backward."""
+    with fake_accelerator():
+        q = torch.randn(2, 4, 16, 8, device=FAKE_DEVICE, requires_grad=True)
+        k, v = (torch.randn(2, 2, 16, 8, device=FAKE_DEVICE, requires_grad=True) for _ in range(2))
+        documents = torch.zeros(2, 16, dtype=torch.long, device=FAKE_DEVICE)
+        padding = torch.zeros(2, 16, dtype=torch.bool, device=FAKE_DEVICE)
+        out = context_attention(q, k, v, ContextGroups.single(), seq_length=16, causal=True, scale=0.3,
+                                document_ids=documents, key_padding=padding)
+        out.sum().backward()
+    assert out.device == FAKE_DEVICE and k.grad.shape == k.shape
 
 
 @st.composite
