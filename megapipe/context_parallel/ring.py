@@ -16,12 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from megapipe.context_parallel.blocks import (
-    Block,
-    accumulators,
-    block_backward,
-    block_forward,
-)
+from megapipe.context_parallel.blocks import Block, accumulators, block_backward, block_forward
 from megapipe.context_parallel.plan import Ranges
 from megapipe.context_parallel.transfer import Ring
 
