@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+from megapipe.layout.context_comm import COMM_TYPES  # noqa: F401  (the names, checked with the flags there)
 
 
 @dataclass(frozen=True)
