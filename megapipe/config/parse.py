@@ -21,6 +21,8 @@ from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
+from megapipe.layout.context import check_sequence_split
+from megapipe.layout.context_comm import a2a_size, check_a2a_heads
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
 
@@ -83,14 +85,15 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
-    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline, par.context_parallel_size)
     if warning:
         tell(warning)
     plan = par.stage_plan()
     if plan is None:
-        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
-                                      expert_tensor=par.expert_tensor)
         par.validate()
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
+                                      expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                      hierarchical=par.hierarchical_context_parallel_sizes)
         config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
         data, pipeline, replicas = layout.data, par.pipeline, None
     else:
@@ -104,6 +107,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                         ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1.")
+    check_context(config)
     if par.sequence_parallel and config.model.seq_length % par.tensor:
         raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
                           f"{par.tensor}, which --sequence-parallel needs.")
@@ -125,6 +129,25 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                                 par.pipedream_vertical_sync)
     config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
     return data
+
+
+def check_context(config: Config) -> None:
+    """The checks context parallelism adds: the sequence splits into 2c chunks (and, with sequence
+    parallelism, each rank's s/c tokens into t), an all-to-all's heads divide, no attention dropout."""
+    par, model = config.parallel, config.model
+    c = par.context_parallel_size
+    check_sequence_split(model.seq_length, c)
+    if c == 1:
+        return
+    if par.sequence_parallel and (model.seq_length // c) % par.tensor:
+        raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
+                          f"multiple of {2 * c * par.tensor}.")
+    check_a2a_heads(model.num_attention_heads, model.query_groups, par.tensor,
+                    a2a_size(c, par.cp_comm_type, par.hierarchical_context_parallel_sizes), par.cp_comm_type)
+    if model.attention_dropout > 0:
+        raise ConfigError(f"--attention-dropout {model.attention_dropout} cannot be used with --context-parallel-size "
+                          f"{c}: each rank's attention sees only blocks of the keys; pass --attention-dropout 0.")
 
 
 def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:
