@@ -35,6 +35,7 @@ LAYERS = (
     ("parallel",),
     ("fusions",),
     ("tensor_parallel",),
+    ("context_parallel",),
     ("models", "data"),
     ("optim",),
     ("pipeline.runtime",),
