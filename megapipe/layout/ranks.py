@@ -101,13 +101,15 @@ class RankLayout:
     def _groups(self, *varying: str) -> list[list[int]]:
         """Ranks that differ only in the ``varying`` axes, one group per value of the others; groups
         and their members in ascending order of the outer axes first."""
-        sizes = {"tensor": self.tensor, "context": self.context, "data": self.data, "pipeline": self.pipeline}
-        fixed = [axis for axis in reversed(AXES) if axis not in varying]
-        moving = [axis for axis in reversed(AXES) if axis in varying]
-        short = {"tensor": "t", "context": "c", "data": "d", "pipeline": "p"}
-        return [[self.rank(**{short[a]: i for a, i in zip(fixed + moving, outer + inner)})
-                 for inner in itertools.product(*(range(sizes[a]) for a in moving))]
-                for outer in itertools.product(*(range(sizes[a]) for a in fixed))]
+        sizes = dict(zip(AXES, (self.tensor, self.context, self.data, self.pipeline)))
+        stride = dict(zip(AXES, (self.rank(1, 0, 0), self.rank(0, 0, 0, 1), self.rank(0, 1, 0), self.rank(0, 0, 1))))
+
+        def offsets(axes: list[str]) -> list[int]:
+            return [sum(i * stride[a] for a, i in zip(axes, index))
+                    for index in itertools.product(*(range(sizes[a]) for a in axes))]
+
+        moving = offsets([axis for axis in reversed(AXES) if axis in varying])
+        return [[first + step for step in moving] for first in offsets([a for a in reversed(AXES) if a not in varying])]
 
     def tensor_groups(self) -> list[list[int]]:
         return self._groups("tensor")

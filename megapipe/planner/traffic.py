@@ -39,6 +39,7 @@ per-iteration control collectives (loss, norms, exit flags) are not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from megapipe.layout.ranks import RankLayout
@@ -143,7 +144,7 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
                         * link_bytes("all_reduce", tied, 2, backend) for ti, di, ci in replicas)
 
     data, members = 0.0, d * c  # gradients are reduced over the data-x-context ranks
-    data_groups = layout.data_context_groups()
+    data_crossings = _crossings_per_stage(layout, "data_context", node_of)
     for pi in range(p):
         grads = inputs.rank_params[pi] * inputs.grad_bytes
         weights = inputs.rank_params[pi] * inputs.element_bytes
@@ -155,12 +156,12 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
         else:
             per_link = (link_bytes("reduce_scatter", grads, members, backend)
                         + link_bytes("all_gather", weights, members, backend))
-        data += sum(crossing_links(group, node_of) for group in data_groups
-                    if layout.coords(group[0]).pipeline == pi) * per_link
+        data += data_crossings[pi] * per_link
 
     tensor = 0.0
     if t > 1:
         activation = inputs.boundary_bytes
+        tensor_crossings = _crossings_per_stage(layout, "tensor", node_of)
         for pi in range(p):
             blocks = inputs.blocks_per_rank[pi] if inputs.blocks_per_rank else 0
             head = pi == stage_rank[-1]
@@ -173,8 +174,7 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
                            for s in stages_of_rank(inputs.placement, p, v, pi) for n in (s - 1, s + 1))
             if inputs.scatter_gather and p > 1:
                 per_link += m * received * link_bytes("all_gather", activation, t, backend)
-            tensor += sum(crossing_links(group, node_of) for group in layout.tensor_groups()
-                          if layout.coords(group[0]).pipeline == pi) * per_link
+            tensor += tensor_crossings[pi] * per_link
 
     context = 0.0
     for group in layout.context_groups() if inputs.blocks_per_rank else ():
@@ -183,6 +183,16 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
             repeats = m * blocks * exchange.count * (1 + (inputs.recompute and not exchange.backward))
             context += repeats * exchange_crossing_bytes(exchange, group, node_of, backend)
     return Traffic(pipeline, embedding, data, tensor, context)
+
+
+@lru_cache(maxsize=1024)
+def _crossings_per_stage(layout: RankLayout, kind: str, node_of: Callable[[int], int]) -> tuple[int, ...]:
+    """Per pipeline index, the ring links of the layout's ``kind`` groups (each inside one pipeline
+    index) that cross nodes; cached, since a search asks for the same layouts many times."""
+    counts = [0] * layout.pipeline
+    for group in getattr(layout, f"{kind}_groups")():
+        counts[layout.coords(group[0]).pipeline] += crossing_links(group, node_of)
+    return tuple(counts)
 
 
 def exchange_crossing_bytes(exchange: Exchange, group: Sequence[int], node_of: Callable[[int], int],
