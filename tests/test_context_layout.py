@@ -131,19 +131,21 @@ def test_each_bad_combination_is_one_sentence_naming_its_flags():
         "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R (the all-to-all size and the ring "
         "size, A x R = --context-parallel-size 4); add it.": ["--context-parallel-size", "4", "--cp-comm-type",
                                                               "a2a+p2p"],
-        "--num-attention-heads 6 / --tensor-model-parallel-size 1 is not divisible by the 4 ranks --cp-comm-type a2a "
-        "exchanges heads over; use p2p or all_gather, or a head count that divides.": [
+        "--cp-comm-type a2a splits the attention heads over --context-parallel-size (4) ranks, but "
+        "--num-attention-heads gives 6 per tensor-parallel rank, not divisible by 4; choose --num-attention-heads "
+        "divisible by 4 x --tensor-model-parallel-size, or --cp-comm-type p2p.": [
             "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "6",
             "--hidden-size", "48"],
-        "--num-query-groups 2 / --tensor-model-parallel-size 1 is not divisible by the 4 ranks --cp-comm-type a2a "
-        "exchanges heads over; use p2p or all_gather, or a head count that divides.": [
+        "--cp-comm-type a2a splits the attention heads over --context-parallel-size (4) ranks, but "
+        "--num-query-groups gives 2 per tensor-parallel rank, not divisible by 4; choose --num-query-groups "
+        "divisible by 4 x --tensor-model-parallel-size, or --cp-comm-type p2p.": [
             "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--group-query-attention",
             "--num-query-groups", "2"],
         "world size 4 is not divisible by --tensor-model-parallel-size 1 x --context-parallel-size 3 x "
         "--pipeline-model-parallel-size 1; launch a multiple of 3 processes.": [
             "--context-parallel-size", "3", "--seq-length", "6"],
-        "--attention-dropout 0.1 cannot be used with --context-parallel-size 2: each rank's attention sees only "
-        "blocks of the keys; pass --attention-dropout 0.": ["--context-parallel-size", "2",
+        "--attention-dropout 0.1 is not supported with --context-parallel-size 2 (each rank would draw its own "
+        "dropout mask for its blocks); set --attention-dropout 0.": ["--context-parallel-size", "2",
                                                             "--attention-dropout", "0.1"],
         "--seq-length 20 is not divisible by 2 x --context-parallel-size 4 (= 8): context parallelism splits each "
         "sequence into 2c equal chunks; choose a sequence length that is a multiple of 8.": [

@@ -21,8 +21,7 @@ from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
-from megapipe.layout.context import check_sequence_split
-from megapipe.layout.context_comm import a2a_size, check_a2a_heads
+from megapipe.context_parallel import check_context_parallel
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
 
@@ -132,22 +131,19 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
 
 
 def check_context(config: Config) -> None:
-    """The checks context parallelism adds: the sequence splits into 2c chunks (and, with sequence
-    parallelism, each rank's s/c tokens into t), an all-to-all's heads divide, no attention dropout."""
+    """The checks context parallelism adds: the attention's (``check_context_parallel``: the sequence
+    splits into 2c chunks, an all-to-all's heads divide, no attention dropout) and, with sequence
+    parallelism, each rank's s / c tokens split over t."""
     par, model = config.parallel, config.model
     c = par.context_parallel_size
-    check_sequence_split(model.seq_length, c)
-    if c == 1:
-        return
-    if par.sequence_parallel and (model.seq_length // c) % par.tensor:
+    check_context_parallel(context=c, comm_type=par.cp_comm_type, seq_length=model.seq_length,
+                           heads=model.num_attention_heads, query_groups=model.query_groups,
+                           tensor_parallel=par.tensor, hierarchical_sizes=par.hierarchical_context_parallel_sizes,
+                           attention_dropout=model.attention_dropout)
+    if c > 1 and par.sequence_parallel and (model.seq_length // c) % par.tensor:
         raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
                           f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
                           f"multiple of {2 * c * par.tensor}.")
-    check_a2a_heads(model.num_attention_heads, model.query_groups, par.tensor,
-                    a2a_size(c, par.cp_comm_type, par.hierarchical_context_parallel_sizes), par.cp_comm_type)
-    if model.attention_dropout > 0:
-        raise ConfigError(f"--attention-dropout {model.attention_dropout} cannot be used with --context-parallel-size "
-                          f"{c}: each rank's attention sees only blocks of the keys; pass --attention-dropout 0.")
 
 
 def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:

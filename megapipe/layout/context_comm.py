@@ -2,8 +2,9 @@
 
 ``--cp-comm-type`` (Megatron-LM's names): ``p2p`` passes key/value blocks around a ring of the c
 ranks; ``all_gather`` gathers them once per layer; ``a2a`` (Ulysses) trades the sequence split for a
-split over heads, so each tensor rank's heads and query groups must divide by c; ``a2a+p2p`` does
-an all-to-all inside groups of ``--hierarchical-context-parallel-sizes``' first entry (consecutive
+split over heads (each tensor rank's heads and query groups must divide by c: checked with the
+attention's other settings in ``megapipe/context_parallel/checks.py``); ``a2a+p2p`` does an
+all-to-all inside groups of ``--hierarchical-context-parallel-sizes``' first entry (consecutive
 context ranks) and a ring across them, of the second entry's size. Pure arithmetic, no processes.
 """
 
@@ -32,19 +33,3 @@ def check_comm_type(context: int, comm_type: str, hierarchical: Optional[Sequenc
     if len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != context:
         raise ConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must be two sizes, the "
                           f"all-to-all's and the ring's, whose product is --context-parallel-size {context}.")
-
-
-def a2a_size(context: int, comm_type: str, hierarchical: Optional[Sequence[int]]) -> int:
-    """The ranks an all-to-all over heads spans: c under a2a, the inner size under a2a+p2p, else 1."""
-    if comm_type == "a2a":
-        return context
-    return hierarchical[0] if comm_type == "a2a+p2p" and hierarchical else 1
-
-
-def check_a2a_heads(heads: int, query_groups: int, tensor: int, size: int, comm_type: str) -> None:
-    """An all-to-all over heads needs each tensor rank's heads and query groups to divide by its ``size``."""
-    for flag, count in (("--num-attention-heads", heads), ("--num-query-groups", query_groups)):
-        if size > 1 and (count // tensor) % size:
-            raise ConfigError(f"{flag} {count} / --tensor-model-parallel-size {tensor} is not divisible by the "
-                              f"{size} ranks --cp-comm-type {comm_type} exchanges heads over; use p2p or "
-                              "all_gather, or a head count that divides.")
