@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megapipe.layout.context_comm import COMM_TYPES  # noqa: F401  (the names, checked with the flags there)
-
 
 @dataclass(frozen=True)
 class ContextGroups:
