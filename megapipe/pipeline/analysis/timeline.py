@@ -22,14 +22,18 @@ _FORMAT = "megapipe-timeline"
 
 @dataclass(frozen=True)
 class Event:
+    """``phase``: a part of the action's time spent in communication it runs itself (an expert all-to-all,
+    ``dispatch`` or ``combine``, recorded under ``--overlap-moe-expert-parallel-comm``); None for the whole action."""
+
     rank: int
     action: Action
     start: Real
     end: Real
+    phase: Optional[str] = None
 
     @property
     def is_compute(self) -> bool:
-        return not self.action.kind.is_communication
+        return self.phase is None and not self.action.kind.is_communication
 
 
 class Timeline:
@@ -42,8 +46,8 @@ class Timeline:
     def __eq__(self, other) -> bool:
         return isinstance(other, Timeline) and (self._events, self.meta) == (other._events, other.meta)
 
-    def record(self, rank: int, action: Action, start: Real, end: Real) -> None:
-        self._events.append(Event(rank, action, start, end))
+    def record(self, rank: int, action: Action, start: Real, end: Real, phase: Optional[str] = None) -> None:
+        self._events.append(Event(rank, action, start, end, phase))
 
     @property
     def events(self) -> list[Event]:
@@ -82,14 +86,15 @@ class Timeline:
 
     def to_dict(self) -> dict:
         return {"format": _FORMAT, "meta": self.meta,
-                "events": [[e.rank, str(e.action), float(e.start), float(e.end)] for e in self._events]}
+                "events": [[e.rank, str(e.action), float(e.start), float(e.end)] + ([e.phase] if e.phase else [])
+                           for e in self._events]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Timeline":
         if data.get("format") != _FORMAT:
             raise ValueError(f"not a {_FORMAT} file; write it with Timeline.save")
-        return cls((Event(rank, parse_action(text), start, end) for rank, text, start, end in data["events"]),
-                   data.get("meta"))
+        return cls((Event(rank, parse_action(text), start, end, *phase) for rank, text, start, end, *phase
+                    in data["events"]), data.get("meta"))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -121,7 +126,8 @@ class Timeline:
             for tid, name in ((0, "compute"), (1, "communication")):
                 trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
         for e in self._events:
-            trace.append({"ph": "X", "name": str(e.action), "cat": e.action.kind.value, "pid": e.rank,
+            name = str(e.action) if e.phase is None else f"{e.action} {e.phase}"
+            trace.append({"ph": "X", "name": name, "cat": e.action.kind.value, "pid": e.rank,
                           "tid": 0 if e.is_compute else 1, "ts": float(e.start) * microseconds_per_unit,
                           "dur": float(e.end - e.start) * microseconds_per_unit})
         with open(path, "w") as f:

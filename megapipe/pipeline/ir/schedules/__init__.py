@@ -24,8 +24,9 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, ScheduleError
 from megapipe.pipeline.ir.actions import Schedule
+from megapipe.pipeline.ir.overlap import overlapped_pairs, with_overlapped_pairs
 from megapipe.pipeline.ir.communication import add_communication, lower_calls
 from megapipe.pipeline.ir.schedules import (dualpipev, gpipe, interleaved, one_f_one_b, pipedream, searched, two_bw,
                                             v_shape, zbv, zero_bubble)
@@ -117,6 +118,21 @@ def lower_schedule(compute_only: Schedule) -> Schedule:
     schedule = add_communication(compute_only)
     validate_schedule(schedule)
     return schedule
+
+
+def overlapped_schedule(schedule: Schedule) -> Schedule:
+    """``schedule`` lowered with its forward/backward pairs overlapped (``overlap.with_overlapped_pairs``), for
+    ``--overlap-moe-expert-parallel-comm``; one sentence when it has no pair that can run overlapped."""
+    try:
+        marked = lower_schedule(with_overlapped_pairs(schedule.compute_only()))
+    except ScheduleError:  # overlapping its pairs would deadlock it (GPipe)
+        marked = None
+    if marked is None or not overlapped_pairs(marked):
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm needs overlapped forward/backward pairs, and "
+                          f"--pipeline-schedule {schedule.name} has none that can run so at p={schedule.p}, "
+                          f"m={schedule.m}; use 1f1b or dualpipev with --pipeline-model-parallel-size of at least "
+                          "2, or drop the flag.")
+    return marked
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, *, batches: Optional[int] = None,

@@ -1,0 +1,87 @@
+"""``--overlap-moe-expert-parallel-comm`` at e = 2 (p = 2, d = 2): the losses and the updated weights equal
+those with the overlap off bit for bit, under 1F1B and DualPipeV, and the recorded timeline shows one
+microbatch's expert all-to-all while the other microbatch of its pair computes."""
+
+import datetime
+
+import pytest
+import torch
+from test_moe_layer import moe_config
+
+from megapipe.config import OptimizerConfig
+from megapipe.layout.placement import Placement
+from megapipe.models import build_model_chunks
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.testing.worlds import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+SCHEDULES = {"1f1b": Placement.LOOPED, "dualpipev": Placement.V}
+
+
+def _microbatches(config, replica: int) -> list[dict]:
+    g = torch.Generator().manual_seed(11 + replica)
+    return [{"tokens": torch.randint(0, config.vocab_size, (2, config.seq_length), generator=g),
+             "labels": torch.randint(0, config.vocab_size, (2, config.seq_length), generator=g),
+             "loss_mask": torch.ones(2, config.seq_length)} for _ in range(4)]
+
+
+def _train(config, ps: ParallelState, schedule: str, overlap: bool, timeline=None):
+    """One batch with SGD at learning rate 1: the losses and every weight after the step."""
+    sgd = OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)
+    engine = PipelineEngine(build_model_chunks("gpt", config, ps), ps, sgd, schedule, 4,
+                            (config.seq_length, 2, config.hidden_size), timeout=datetime.timedelta(seconds=60),
+                            timeline=timeline, overlap_moe_comm=overlap)
+    result = engine.train_batch(_microbatches(config, ps.dp_rank))
+    weights = [p.detach().clone() for chunk in engine.chunks for p in chunk.parameters()]
+    return result.batch.loss_tensors, weights
+
+
+def _hidden_all_to_all(timeline: Timeline) -> float:
+    """Seconds during which one action's expert all-to-all ran while the other action of its pair computed
+    (the other's own all-to-alls left out)."""
+    events = timeline.events
+    phases = [e for e in events if e.phase is not None]
+    whole = {e.action: e for e in events if e.phase is None and e.action.kind.is_compute}
+    hidden = 0.0
+    for phase in phases:
+        for action, other in whole.items():
+            if action == phase.action or not (other.start < phase.end and phase.start < other.end):
+                continue
+            if action.microbatch == phase.action.microbatch and action.stage == phase.action.stage:
+                continue
+            overlap = min(phase.end, other.end) - max(phase.start, other.start)
+            own = sum(max(0.0, min(phase.end, p.end) - max(phase.start, p.start)) for p in phases if p.action == action)
+            hidden += max(0.0, overlap - own)
+    return hidden
+
+
+def _compare(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    out = {}
+    for schedule, placement in SCHEDULES.items():
+        config = moe_config(num_layers=4)
+        ps = ParallelState.initialize(pipeline=2, expert=2, placement=placement,
+                                      virtual_pipeline=2 if placement is Placement.V else 1)
+        timeline = Timeline()
+        off = _train(config, ps, schedule, overlap=False)
+        on = _train(config, ps, schedule, overlap=True, timeline=timeline)
+        same_losses = len(off[0]) == len(on[0]) and all(torch.equal(a, b) for a, b in zip(off[0], on[0]))
+        same_weights = all(torch.equal(a, b) for a, b in zip(off[1], on[1]))
+        pairs = sum(e.action.overlapped for e in timeline.events if e.phase is None)
+        out[schedule] = (same_losses, same_weights, len(off[0]), pairs, _hidden_all_to_all(timeline))
+    return out
+
+
+def test_overlap_equals_overlap_off_bit_for_bit_and_hides_the_all_to_all():
+    results = run_distributed(4, _compare, timeout=240)
+    for rank, result in enumerate(results):
+        for schedule, (same_losses, same_weights, losses, pairs, hidden) in result.items():
+            assert same_losses and same_weights, (rank, schedule)
+            if pairs:  # a rank with overlapped pairs shows an all-to-all beside the other pass's compute
+                assert hidden > 0, (rank, schedule)
+    # ranks d + 2 p: 1F1B's last stage is on pipeline rank 1, DualPipeV's (the V's end) on pipeline rank 0
+    assert results[2]["1f1b"][2] == 4 and results[0]["dualpipev"][2] == 4  # the losses were compared
+    assert results[0]["1f1b"][3] > 0 and all(results[r]["dualpipev"][3] > 0 for r in range(4))
