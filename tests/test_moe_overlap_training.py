@@ -1,6 +1,6 @@
-"""``--overlap-moe-expert-parallel-comm`` at e = 2 (p = 2, d = 2): the losses and the updated weights equal
-those with the overlap off bit for bit, under 1F1B and DualPipeV, and the recorded timeline shows one
-microbatch's expert all-to-all while the other microbatch of its pair computes."""
+"""``--overlap-moe-expert-parallel-comm`` at e = 2 on four ranks (1F1B at p = 1, d = 4; DualPipeV at p = 2,
+d = 2): the losses and the updated weights equal those with the overlap off bit for bit, and the recorded
+timeline shows one microbatch's expert all-to-all while the other microbatch of its pair computes."""
 
 import datetime
 
@@ -18,7 +18,7 @@ from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-SCHEDULES = {"1f1b": Placement.LOOPED, "dualpipev": Placement.V}
+SCHEDULES = {"1f1b": (1, Placement.LOOPED), "dualpipev": (2, Placement.V)}  # pipeline ranks, placement
 
 
 def _microbatches(config, replica: int) -> list[dict]:
@@ -61,9 +61,9 @@ def _hidden_all_to_all(timeline: Timeline) -> float:
 def _compare(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     out = {}
-    for schedule, placement in SCHEDULES.items():
+    for schedule, (pipeline, placement) in SCHEDULES.items():
         config = moe_config(num_layers=4)
-        ps = ParallelState.initialize(pipeline=2, expert=2, placement=placement,
+        ps = ParallelState.initialize(pipeline=pipeline, expert=2, placement=placement,
                                       virtual_pipeline=2 if placement is Placement.V else 1)
         timeline = Timeline()
         off = _train(config, ps, schedule, overlap=False)
@@ -82,6 +82,6 @@ def test_overlap_equals_overlap_off_bit_for_bit_and_hides_the_all_to_all():
             assert same_losses and same_weights, (rank, schedule)
             if pairs:  # a rank with overlapped pairs shows an all-to-all beside the other pass's compute
                 assert hidden > 0, (rank, schedule)
-    # ranks d + 2 p: 1F1B's last stage is on pipeline rank 1, DualPipeV's (the V's end) on pipeline rank 0
-    assert results[2]["1f1b"][2] == 4 and results[0]["dualpipev"][2] == 4  # the losses were compared
-    assert results[0]["1f1b"][3] > 0 and all(results[r]["dualpipev"][3] > 0 for r in range(4))
+    # DualPipeV's ranks d + 2 p: the V's end, with the losses, is on pipeline rank 0
+    assert all(results[r]["1f1b"][2] == 4 for r in range(4)) and results[0]["dualpipev"][2] == 4
+    assert all(results[r][schedule][3] > 0 for r in range(4) for schedule in SCHEDULES)  # every rank has pairs

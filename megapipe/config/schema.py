@@ -262,6 +262,9 @@ class ParallelConfig:
     expert_tensor: Optional[int] = flag(None, name="--expert-tensor-parallel-size", help=(
         "ranks each expert's ffn dimension is split over (default --tensor-model-parallel-size; only that yet)"))
     sequence_parallel: bool = False
+    overlap_moe_expert_parallel_comm: bool = flag(False, help=(
+        "run the schedule's forward/backward pairs (1F1B's steady state, DualPipeV's F & B) overlapped, one "
+        "microbatch's expert all-to-all beside the other's compute (docs/moe.md)"))
     scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
     pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
     # PipeDream: every stage uses the version tagged at the input stage

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from numbers import Real
+from numbers import Rational, Real
+from fractions import Fraction
+from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
@@ -71,7 +73,7 @@ class PairPlan:
         return [tuple(table.get(slot, (None, None))) for slot in range(max(table) + 1)]
 
 
-PAIR = PairPlan()
+PAIR = PairPlan(lead=ActionKind.B)
 
 
 def _chain(order: tuple[Segment, ...], moe_layers: int) -> list[Segment]:
@@ -80,41 +82,46 @@ def _chain(order: tuple[Segment, ...], moe_layers: int) -> list[Segment]:
     return [order[0]] + [order[(k % 4)] for k in range(1, 4 * moe_layers + 1)]
 
 
-def pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: tuple[Real, Real], moe_layers: int) -> Real:
-    """Time of an overlapped pair whose passes take (compute, all-to-all) each, spread evenly over
-    ``moe_layers`` MoE layers (compute over 2 L + 1 segments, all-to-alls over 2 L): per slot the longer
+def pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: tuple[Real, Real], moe_layers: int,
+              backward_moe_layers: Optional[int] = None) -> Real:
+    """Time of an overlapped pair whose passes take (compute, all-to-all) each through ``moe_layers`` MoE
+    layers (the backward's through ``backward_moe_layers``, default the same), each pass's compute spread
+    evenly over its 2 L + 1 compute segments and its all-to-all over its 2 L exchanges: per slot the longer
     of what runs in it, so an all-to-all is hidden up to the other pass's compute beside it."""
-    if moe_layers == 0:
-        return forward[0] + backward[0]
+    layers = (moe_layers, moe_layers if backward_moe_layers is None else backward_moe_layers)
     total = 0
-    for segments in plan.slots(moe_layers, moe_layers):
+    for segments in plan.slots(*layers):
         longest = 0
-        for (compute, comm), segment in zip((forward, backward), segments):
+        for (compute, comm), segment, n in zip((forward, backward), segments, layers):
             if segment is not None:
-                share = comm / (2 * moe_layers) if segment.communicates else compute / (2 * moe_layers + 1)
-                longest = max(longest, share)
+                longest = max(longest, ratio(comm, 2 * n) if segment.communicates else ratio(compute, 2 * n + 1))
         total += longest
     return total
 
 
 def with_overlapped_pairs(schedule: Schedule) -> Schedule:
-    """The compute-only ``schedule`` with every backward that follows a forward of another microbatch on
-    its rank marked overlapped (``&B``): 1F1B's steady state, a zero-bubble schedule's F | BI. A schedule
-    that has pairs of its own (DualPipeV) keeps exactly those. Lower the result (``lower_schedule``) to
-    place the receives; it may deadlock (GPipe's last forward waits for its own first backward)."""
+    """The compute-only ``schedule`` with every backward that its rank runs just before a forward of another
+    microbatch moved after that forward and overlapped with it (``B i, F j`` becomes ``F j & B i``), as
+    Megatron's combined 1F1B does: 1F1B's steady state becomes pairs, each rank running one more forward
+    ahead (one more microbatch's activations held), so that no pair waits for its own forward's consumer.
+    A schedule that has pairs of its own (DualPipeV) keeps exactly those. Lower the result
+    (``lower_schedule``) to place the receives; it may deadlock (then it has no pairs to overlap)."""
     if overlapped_pairs(schedule):
         return schedule
     lists = []
     for actions in schedule.actions:
-        marked, previous = [], None
-        for action in actions:
-            if (action.kind.makes_input_grad and not action.overlapped and previous is not None
-                    and previous.kind is ActionKind.F and previous.microbatch != action.microbatch):
-                action = Action(action.kind, action.stage, action.microbatch, version=action.version, overlapped=True)
-            if action.kind.is_compute:
-                previous = action
-            marked.append(action)
-        lists.append(marked)
+        reordered, i = [], 0
+        while i < len(actions):
+            action, following = actions[i], actions[i + 1] if i + 1 < len(actions) else None
+            if (action.kind.makes_input_grad and following is not None and following.kind is ActionKind.F
+                    and following.microbatch != action.microbatch):
+                reordered += [following, Action(action.kind, action.stage, action.microbatch, version=action.version,
+                                                overlapped=True)]
+                i += 2
+                continue
+            reordered.append(action)
+            i += 1
+        lists.append(reordered)
     return schedule.with_actions(lists)
 
 
@@ -131,3 +138,8 @@ def check_overlap_flags(expert: int, dispatcher: str) -> None:
     if dispatcher != "alltoall":
         raise ConfigError(f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges, not "
                           f"--moe-token-dispatcher-type {dispatcher}'s; use alltoall or drop the flag.")
+
+
+def ratio(numerator: Real, denominator: int) -> Real:
+    """numerator / denominator, exact for integers and Fractions."""
+    return Fraction(numerator) / denominator if isinstance(numerator, Rational) else numerator / denominator
