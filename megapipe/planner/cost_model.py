@@ -422,7 +422,10 @@ class PlanCostModel:
                                b * shape.seq_length * shape.hidden_size * self.element_bytes, list(loads.params),
                                tied, self.element_bytes, self.training.grad_bytes_per_param, layout.sharding,
                                self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
-                               logit_values=b * shape.seq_length, placement=placement)
+                               logit_values=b * shape.seq_length, placement=placement, expert=layout.expert,
+                               moe_blocks_per_rank=blocks,
+                               routed_token_bytes=b * shape.seq_length * shape.moe_router_topk * shape.hidden_size
+                               * self.element_bytes)
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 

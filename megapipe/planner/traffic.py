@@ -14,6 +14,11 @@ Per iteration of m microbatches of b samples:
   (``no_shard``: all-reduce; sharded: reduce-scatter, then an all-gather of the updated
   weights; ``optim_grads_params`` gathers the weights before each forward and backward of
   every microbatch instead, and not after the step).
+* expert parallelism (e > 1): per MoE block and microbatch two all-to-alls forward (dispatch,
+  combine) and two backward (two more with recomputation), in which every member of an expert
+  group (e consecutive data-parallel replicas of one tensor index, as ``layout/experts.py`` folds
+  them) sends each other member 1/e of its b s k routed tokens (k per token, no dropping): the
+  pairs whose ends are on different nodes count.
 * tensor parallelism: the all-reduces of the layers (2 per block forward, 2 backward, 2 more
   with recomputation; 1 after the embedding and 1 into the head), the vocabulary-parallel
   cross entropy's three all-reduces of b s values, and the all-gather of scatter/gather; zero
@@ -82,10 +87,11 @@ class Traffic:
     embedding: float
     data: float
     tensor: float
+    expert: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.embedding + self.data + self.tensor
+        return self.pipeline + self.embedding + self.data + self.tensor + self.expert
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,9 @@ class TrafficInputs:
     blocks_per_rank: Sequence[int] = ()  # transformer blocks on each pipeline rank (for tensor traffic)
     logit_values: float = 0.0  # b s: the cross entropy's reduced values per microbatch
     placement: Placement = Placement.LOOPED  # where the virtual stages live (``layout/placement.py``)
+    expert: int = 1  # e, expert-parallel ranks
+    moe_blocks_per_rank: Sequence[int] = ()  # MoE blocks on each pipeline rank
+    routed_token_bytes: float = 0.0  # one microbatch's tokens as dispatched: b s k h x element bytes
 
 
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
@@ -161,4 +170,21 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
             if inputs.scatter_gather and p > 1:
                 per_link += m * received * link_bytes("all_gather", activation, t, backend)
             tensor += sum(crossing_links([rank(ti, di, pi) for ti in range(t)], node_of) for di in range(d)) * per_link
-    return Traffic(pipeline, embedding, data, tensor)
+    return Traffic(pipeline, embedding, data, tensor, _expert_traffic(inputs, rank, crossing))
+
+
+def _expert_traffic(inputs: TrafficInputs, rank: Callable[[int, int, int], int],
+                    crossing: Callable[[int, int], bool]) -> float:
+    """Bytes the expert all-to-alls move between nodes (see the module docstring)."""
+    e = inputs.expert
+    if e <= 1:
+        return 0.0
+    per_peer = inputs.routed_token_bytes / e  # what one member sends one other member in one all-to-all
+    total = 0.0
+    for pi, blocks in enumerate(inputs.moe_blocks_per_rank):
+        exchanges = inputs.microbatches * (4 + 2 * inputs.recompute) * blocks
+        for ti in range(inputs.tensor):
+            for first in range(0, inputs.data, e):
+                members = [rank(ti, first + j, pi) for j in range(e)]
+                total += exchanges * per_peer * sum(crossing(a, b) for a in members for b in members if a != b)
+    return total
