@@ -39,25 +39,6 @@ def _train(config, ps: ParallelState, schedule: str, overlap: bool, timeline=Non
     return result.batch.loss_tensors, weights
 
 
-def _hidden_all_to_all(timeline: Timeline) -> float:
-    """Seconds during which one action's expert all-to-all ran while the other action of its pair computed
-    (the other's own all-to-alls left out)."""
-    events = timeline.events
-    phases = [e for e in events if e.phase is not None]
-    whole = {e.action: e for e in events if e.phase is None and e.action.kind.is_compute}
-    hidden = 0.0
-    for phase in phases:
-        for action, other in whole.items():
-            if action == phase.action or not (other.start < phase.end and phase.start < other.end):
-                continue
-            if action.microbatch == phase.action.microbatch and action.stage == phase.action.stage:
-                continue
-            overlap = min(phase.end, other.end) - max(phase.start, other.start)
-            own = sum(max(0.0, min(phase.end, p.end) - max(phase.start, p.start)) for p in phases if p.action == action)
-            hidden += max(0.0, overlap - own)
-    return hidden
-
-
 def _compare(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     out = {}
@@ -71,7 +52,7 @@ def _compare(rank: int, world: int) -> dict:
         same_losses = len(off[0]) == len(on[0]) and all(torch.equal(a, b) for a, b in zip(off[0], on[0]))
         same_weights = all(torch.equal(a, b) for a, b in zip(off[1], on[1]))
         pairs = sum(e.action.overlapped for e in timeline.events if e.phase is None)
-        out[schedule] = (same_losses, same_weights, len(off[0]), pairs, _hidden_all_to_all(timeline))
+        out[schedule] = (same_losses, same_weights, len(off[0]), pairs, timeline.hidden_phases()[0])
     return out
 
 

@@ -79,3 +79,15 @@ def test_recorded_actions_keep_their_identity():
     action = Action(ActionKind.RECV_B, 2, 5, peer=3)
     timeline.record(2, action, 0.5, 0.75)
     assert Timeline.from_dict(json.loads(json.dumps(timeline.to_dict()))).events[0].action == action
+
+
+def test_hidden_phases_count_an_all_to_all_only_while_another_action_computes():
+    timeline = Timeline()
+    forward, backward = parse_action("F0.1"), parse_action("&B0.0")
+    timeline.record(0, forward, 0.0, 10.0)
+    timeline.record(0, backward, 0.0, 12.0)
+    timeline.record(0, forward, 2.0, 4.0, phase="dispatch")  # the backward computes throughout
+    timeline.record(0, backward, 3.0, 6.0, phase="combine")  # the forward waits for 1 of its 3 seconds
+    timeline.record(1, parse_action("F1.0"), 0.0, 20.0)  # another rank's compute hides nothing
+    assert timeline.hidden_phases() == (2.0 - 1.0 + 3.0 - 1.0, 5.0)
+    assert Timeline.from_dict(timeline.to_dict()) == timeline

@@ -84,6 +84,20 @@ class Timeline:
             fractions[rank] = ratio(span - busy[rank], span)
         return fractions
 
+    def hidden_phases(self) -> tuple[float, float]:
+        """(seconds of communication phases during which another action of the same rank computed, seconds of
+        all phases): how much of the expert all-to-alls an overlapped pair hid. A computing action's time is
+        its span less its own phases."""
+        phases = [e for e in self._events if e.phase is not None]
+        hidden = 0.0
+        for phase in phases:
+            for other in self._events:
+                if other.rank != phase.rank or not other.is_compute or other.action == phase.action:
+                    continue
+                own = [p for p in phases if p.action == other.action and p.rank == other.rank]
+                hidden += max(0.0, _meet(phase, other) - sum(_meet(phase, p) for p in own))
+        return hidden, float(sum(p.end - p.start for p in phases))
+
     def to_dict(self) -> dict:
         return {"format": _FORMAT, "meta": self.meta,
                 "events": [[e.rank, str(e.action), float(e.start), float(e.end)] + ([e.phase] if e.phase else [])
@@ -132,6 +146,11 @@ class Timeline:
                           "dur": float(e.end - e.start) * microseconds_per_unit})
         with open(path, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": self.meta}, f)
+
+
+def _meet(a: Event, b: Event) -> float:
+    """How long two events ran at once."""
+    return float(max(0, min(a.end, b.end) - max(a.start, b.start)))
 
 
 def ratio(numerator: Real, denominator: Real) -> Real:
