@@ -10,8 +10,8 @@ import pytest
 from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.parallel.comm_overlap import PairGate, communicating
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.overlap import PAIR, Segment, overlapped_pairs, pair_time
+from megapipe.pipeline.analysis.simulate import CostModel, overlapped_pair_time, simulate
+from megapipe.pipeline.ir.overlap import PAIR, Segment, overlapped_pairs
 from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
 
 pytestmark = pytest.mark.unit
@@ -46,9 +46,9 @@ def test_a_schedule_without_pairs_that_need_not_wait_is_refused(name, p):
 
 def test_a_pair_hides_each_all_to_all_up_to_the_other_pass_compute():
     # one MoE layer: F computes 3 (1 per compute segment) and exchanges 2; B computes 6 and exchanges 2
-    assert pair_time(PAIR, (3, 2), (6, 2), 1) == 1 + max(1, 2) + max(1, 1) + max(1, 2) + max(1, 1) + 2
-    assert pair_time(PAIR, (3, 0), (6, 0), 1) == 9  # nothing to hide: the computes one after the other
-    assert pair_time(PAIR, (3, 60), (6, 60), 1) == 1 + 30 + 30 + 30 + 30 + 2  # all-to-alls longer than compute
+    assert overlapped_pair_time(PAIR, (3, 2), (6, 2), 1) == 1 + max(1, 2) + max(1, 1) + max(1, 2) + max(1, 1) + 2
+    assert overlapped_pair_time(PAIR, (3, 0), (6, 0), 1) == 9  # nothing to hide: the computes one after the other
+    assert overlapped_pair_time(PAIR, (3, 60), (6, 60), 1) == 1 + 30 + 30 + 30 + 30 + 2  # all-to-alls longer than compute
 
 
 def test_the_simulator_charges_the_hidden_all_to_all_to_overlapped_pairs_only():
@@ -58,7 +58,7 @@ def test_the_simulator_charges_the_hidden_all_to_all_to_overlapped_pairs_only():
     hidden = simulate(schedule, CostModel(**costs, hide_expert_comm=True))
     plain = simulate(build_schedule("1f1b", 1, 8), CostModel(**costs))
     assert apart.makespan == plain.makespan  # without the overlap a pair is its passes one after the other
-    saved = (3 + 2 + 6 + 2) - pair_time(PAIR, (3, 2), (6, 2), 1)
+    saved = (3 + 2 + 6 + 2) - overlapped_pair_time(PAIR, (3, 2), (6, 2), 1)
     assert 0 < plain.makespan - hidden.makespan <= overlapped_pairs(schedule) * saved
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
-from megapipe.pipeline.ir.overlap import PAIR, pair_time
+from megapipe.pipeline.ir.overlap import PAIR, PairPlan
 from megapipe.pipeline.ir.replay import Message, message_of, replay
 from megapipe.pipeline.analysis.timeline import Timeline, ratio
 
@@ -49,7 +49,7 @@ class CostModel:
 
     Expert parallelism: every F, B and BI of a stage also runs ``expert_comm`` of all-to-alls (its
     ``moe_layers`` MoE layers' dispatches and combines; a BW none). With ``hide_expert_comm``
-    (``--overlap-moe-expert-parallel-comm``) an overlapped pair costs ``overlap.pair_time``: the two
+    (``--overlap-moe-expert-parallel-comm``) an overlapped pair costs ``overlapped_pair_time``: the two
     computes one after the other, each all-to-all hidden up to the other pass's compute beside it.
     """
 
@@ -111,9 +111,10 @@ class CostModel:
         """The time of an overlapped pair (see the class docstring)."""
         if not self.hide_expert_comm:
             return self.overlap(self.compute_time(rank, forward), self.compute_time(rank, backward))
-        return pair_time(PAIR, (self._compute_only(forward), self._exchange(forward)),
-                         (self._compute_only(backward), self._exchange(backward)),
-                         _stage_cost(self.moe_layers, forward.stage), _stage_cost(self.moe_layers, backward.stage))
+        return overlapped_pair_time(PAIR, (self._compute_only(forward), self._exchange(forward)),
+                                    (self._compute_only(backward), self._exchange(backward)),
+                                    _stage_cost(self.moe_layers, forward.stage),
+                                    _stage_cost(self.moe_layers, backward.stage))
 
     def message_size(self, message: Message) -> Real:
         return self.message_bytes(message) if callable(self.message_bytes) else self.message_bytes
@@ -138,6 +139,23 @@ class SimulationResult:
     messages_sent: tuple[int, ...]
     bytes_sent: tuple[Real, ...]
     timeline: Timeline
+
+
+def overlapped_pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: tuple[Real, Real], moe_layers: int,
+                         backward_moe_layers: Optional[int] = None) -> Real:
+    """Time of an overlapped pair whose passes take (compute, all-to-all) each through ``moe_layers`` MoE
+    layers (the backward's through ``backward_moe_layers``, default the same), each pass's compute spread
+    evenly over its 2 L + 1 compute segments and its all-to-all over its 2 L exchanges: per slot the longer
+    of what runs in it, so an all-to-all is hidden up to the other pass's compute beside it."""
+    layers = (moe_layers, moe_layers if backward_moe_layers is None else backward_moe_layers)
+    total = 0
+    for segments in plan.slots(*layers):
+        longest = 0
+        for (compute, comm), segment, n in zip((forward, backward), segments, layers):
+            if segment is not None:
+                longest = max(longest, ratio(comm, 2 * n) if segment.communicates else ratio(compute, 2 * n + 1))
+        total += longest
+    return total
 
 
 def peak_activations(schedule: Schedule) -> list[Fraction]:

@@ -17,16 +17,13 @@ all-to-all against the other pass's compute. Per MoE layer the slots read: forwa
 backward attention, forward experts | backward combine, forward combine | backward experts,
 forward attention | backward dispatch. A pass with fewer segments (a chunk with fewer MoE layers)
 leaves the other to run the rest alone. The executor's gate (``parallel/comm_overlap.py``) and
-the simulator's charge (``pair_time``) both read this one plan.
+the simulator's charge (``analysis/simulate.py``'s ``overlapped_pair_time``) both read this one plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from numbers import Rational, Real
-from fractions import Fraction
-from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
@@ -82,23 +79,6 @@ def _chain(order: tuple[Segment, ...], moe_layers: int) -> list[Segment]:
     return [order[0]] + [order[(k % 4)] for k in range(1, 4 * moe_layers + 1)]
 
 
-def pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: tuple[Real, Real], moe_layers: int,
-              backward_moe_layers: Optional[int] = None) -> Real:
-    """Time of an overlapped pair whose passes take (compute, all-to-all) each through ``moe_layers`` MoE
-    layers (the backward's through ``backward_moe_layers``, default the same), each pass's compute spread
-    evenly over its 2 L + 1 compute segments and its all-to-all over its 2 L exchanges: per slot the longer
-    of what runs in it, so an all-to-all is hidden up to the other pass's compute beside it."""
-    layers = (moe_layers, moe_layers if backward_moe_layers is None else backward_moe_layers)
-    total = 0
-    for segments in plan.slots(*layers):
-        longest = 0
-        for (compute, comm), segment, n in zip((forward, backward), segments, layers):
-            if segment is not None:
-                longest = max(longest, ratio(comm, 2 * n) if segment.communicates else ratio(compute, 2 * n + 1))
-        total += longest
-    return total
-
-
 def with_overlapped_pairs(schedule: Schedule) -> Schedule:
     """The compute-only ``schedule`` with every backward that its rank runs just before a forward of another
     microbatch moved after that forward and overlapped with it (``B i, F j`` becomes ``F j & B i``), as
@@ -139,7 +119,3 @@ def check_overlap_flags(expert: int, dispatcher: str) -> None:
         raise ConfigError(f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges, not "
                           f"--moe-token-dispatcher-type {dispatcher}'s; use alltoall or drop the flag.")
 
-
-def ratio(numerator: Real, denominator: int) -> Real:
-    """numerator / denominator, exact for integers and Fractions."""
-    return Fraction(numerator) / denominator if isinstance(numerator, Rational) else numerator / denominator
