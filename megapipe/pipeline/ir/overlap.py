@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
@@ -110,12 +111,14 @@ def overlapped_pairs(schedule: Schedule) -> int:
     return sum(action.overlapped for actions in schedule.actions for action in actions)
 
 
-def check_overlap_flags(expert: int, dispatcher: str) -> None:
-    """``--overlap-moe-expert-parallel-comm``'s refusals of the other flags, one sentence each."""
+def check_overlap_flags(expert: int, dispatcher: Optional[str] = None) -> None:
+    """``--overlap-moe-expert-parallel-comm``'s refusals of the other flags, one sentence each (``dispatcher``
+    None: not known to the caller; the allgather dispatcher marks no segments, so its passes would only
+    run one after the other)."""
     if expert < 2:
         raise ConfigError("--overlap-moe-expert-parallel-comm hides the experts' all-to-all, which needs "
                           f"--expert-model-parallel-size of at least 2 (got {expert}); raise it or drop the flag.")
-    if dispatcher != "alltoall":
+    if dispatcher not in (None, "alltoall"):
         raise ConfigError(f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges, not "
                           f"--moe-token-dispatcher-type {dispatcher}'s; use alltoall or drop the flag.")
 

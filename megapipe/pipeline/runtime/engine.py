@@ -100,7 +100,7 @@ class PipelineEngine:
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
         optimizer_config.check_pipeline_schedule(schedule if named else "from a file", asynchronous)
         if overlap_moe_comm:
-            check_overlap_flags(ps.ep_size, "alltoall")
+            check_overlap_flags(ps.ep_size)
             if asynchronous:
                 raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward "
                                   f"pairs; --pipeline-schedule {schedule} has none: use 1f1b or dualpipev.")
