@@ -11,11 +11,13 @@ communicating, one round per MoE layer (DualPipe's split of a layer):
 * backward: attention (from the output gradient down to the last MoE layer's combine),
   combine, experts, dispatch, attention ... (the same layers in reverse).
 
-``PAIR`` says how the two chains interleave: the forward leads and the backward follows one
-segment behind, so slot k runs forward segment k with backward segment k - 1, always one
-all-to-all against the other pass's compute. Per MoE layer the slots read: forward dispatch |
-backward attention, forward experts | backward combine, forward combine | backward experts,
-forward attention | backward dispatch. A pass with fewer segments (a chunk with fewer MoE layers)
+``PAIR`` says how the two chains interleave: the backward leads and the forward follows one
+segment behind, so slot k runs backward segment k with forward segment k - 1, always one
+all-to-all against the other pass's compute. Per MoE layer the slots read (DualPipe's order, as
+the DeepSeek-V3 report draws it): forward attention | backward combine, forward dispatch |
+backward experts, forward experts | backward dispatch, forward combine | backward attention. The
+pair starts with the backward's first attention segment alone and ends with the forward's last
+one alone. A pass with fewer segments (a chunk with fewer MoE layers)
 leaves the other to run the rest alone. The executor's gate (``parallel/comm_overlap.py``) and
 the simulator's charge (``analysis/simulate.py``'s ``overlapped_pair_time``) both read this one plan.
 """
@@ -52,7 +54,7 @@ class PairPlan:
     """How an overlapped pair's two chains of segments interleave: ``lead`` runs its segment k in slot k,
     the other pass its segment k in slot k + ``lag`` (an odd lag puts a compute against an all-to-all)."""
 
-    lead: ActionKind = ActionKind.F
+    lead: ActionKind = ActionKind.B
     lag: int = 1
 
     def slot_of(self, backward: bool, segment: int) -> int:
@@ -71,7 +73,7 @@ class PairPlan:
         return [tuple(table.get(slot, (None, None))) for slot in range(max(table) + 1)]
 
 
-PAIR = PairPlan(lead=ActionKind.B)
+PAIR = PairPlan()
 
 
 def _chain(order: tuple[Segment, ...], moe_layers: int) -> list[Segment]:
