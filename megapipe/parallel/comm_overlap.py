@@ -67,7 +67,8 @@ class PairGate:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def _communicating(self, backward: bool, segment: Segment):
+    def exchange(self, backward: bool, segment: Segment):
+        """Context around one all-to-all of a pass: it ends the compute segment before and starts the one after."""
         self._next(backward)  # the compute segment before the exchange ends
         self._wait_turn(backward)
         start = time.time()
@@ -85,7 +86,7 @@ def communicating(segment: Segment):
     if current is None or getattr(_local, "inside", False):
         return contextlib.nullcontext()
     gate, backward = current
-    return _inside(gate._communicating(backward, segment))
+    return _inside(gate.exchange(backward, segment))
 
 
 @contextlib.contextmanager
