@@ -6,6 +6,8 @@ import operator
 import threading
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
@@ -34,6 +36,23 @@ def test_1f1b_steady_state_becomes_overlapped_pairs_and_dualpipev_keeps_its_own(
     dualpipev = build_schedule("dualpipev", 2, 4, 2)
     assert overlapped_schedule(dualpipev).actions == dualpipev.actions
     assert overlapped_pairs(overlapped_schedule(build_schedule("interleaved", 2, 8, 2))) == 24
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([("1f1b", 1), ("interleaved", 2), ("dualpipev", 2)]), st.integers(1, 4), st.integers(1, 12))
+def test_overlapped_lists_run_the_same_passes_and_pair_only_other_microbatches(named, p, m):
+    name, v = named
+    try:
+        schedule = build_schedule(name, p, m, v)
+        overlapped = overlapped_schedule(schedule)
+    except ConfigError:
+        assume(False)
+    for plain, marked in zip(schedule.compute_only().actions, overlapped.compute_only().actions):
+        assert sorted(str(a).lstrip("&") for a in plain) == sorted(str(a).lstrip("&") for a in marked)
+        for index, action in enumerate(marked):
+            if action.overlapped:
+                forward = marked[index - 1]
+                assert forward.kind.value == "F" and forward.microbatch != action.microbatch
 
 
 @pytest.mark.parametrize("name, p", [("gpipe", 1), ("1f1b", 2), ("zb-h1", 2)])
