@@ -91,3 +91,12 @@ def test_hidden_phases_count_an_all_to_all_only_while_another_action_computes():
     timeline.record(1, parse_action("F1.0"), 0.0, 20.0)  # another rank's compute hides nothing
     assert timeline.hidden_phases() == (2.0 - 1.0 + 3.0 - 1.0, 5.0)
     assert Timeline.from_dict(timeline.to_dict()) == timeline
+
+
+def test_busy_time_counts_the_two_passes_of_an_overlapped_pair_once():
+    timeline = Timeline()
+    timeline.record(0, parse_action("F0.1"), 0, 10)
+    timeline.record(0, parse_action("&B0.0"), 2, 12)
+    timeline.record(0, parse_action("F0.2"), 14, 15)
+    assert timeline.busy_time() == {0: 13}
+    assert timeline.idle_fraction() == {0: Fraction(2, 15)}

@@ -58,11 +58,15 @@ class Timeline:
         return sorted({event.rank for event in self._events})
 
     def busy_time(self) -> dict[int, Real]:
-        """Per rank, the total duration of its compute actions."""
+        """Per rank, the time during which it ran compute actions: the union of their spans (the two passes of
+        an overlapped pair run at once under ``--overlap-moe-expert-parallel-comm``)."""
         busy = {rank: 0 for rank in self.ranks}
-        for event in self._events:
-            if event.is_compute:
-                busy[event.rank] += event.end - event.start
+        reached = {}  # per rank, the end of the compute seen so far (events taken by start)
+        for event in sorted((e for e in self._events if e.is_compute), key=lambda e: (e.rank, e.start)):
+            start = max(event.start, reached.get(event.rank, event.start))
+            if event.end > start:
+                busy[event.rank] += event.end - start
+                reached[event.rank] = event.end
         return busy
 
     def idle_fraction(self, window: Optional[tuple[Real, Real]] = None) -> dict[int, Real]:
