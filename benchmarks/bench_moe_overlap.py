@@ -3,6 +3,7 @@
     python benchmarks/bench_moe_overlap.py             # 1F1B at p = 1 on 2 gloo processes, 8 rounds
     python benchmarks/bench_moe_overlap.py --quick     # 2 rounds, a smoke test
     python benchmarks/bench_moe_overlap.py --schedule dualpipev --processes 4
+    python benchmarks/bench_moe_overlap.py --rate-mbit 200 --latency-ms 2   # each rank a host, shaped links (root)
 
 Two engines start from the same weights, one with the overlap off and one with it on (the schedule's
 forward/backward pairs run on two threads, one microbatch's expert all-to-all beside the other's
@@ -12,7 +13,9 @@ times and the median over rounds of off / on (> 1: the overlap is faster), and, 
 recorded in one more step with the overlap on, the share of the all-to-alls' time during which the
 other microbatch of the pair computed. The CPU seconds per step say whether the processes did the same
 work (on a machine loaded by others a process with two runnable threads may also get a larger share
-of the cores, which the wall-clock ratio then includes).
+of the cores, which the wall-clock ratio then includes). On loopback an all-to-all is CPU work of both
+ranks; with ``--rate-mbit`` / ``--latency-ms`` each rank is a network-namespace host
+(``megapipe.testing.hosts``) behind a shaped link, so an all-to-all waits on a network as between nodes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.testing.hosts import TestHosts
 from megapipe.testing.worlds import run_distributed
 
 MODES = ("off", "on")
@@ -106,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=OverlapSettings.seq_length)
     parser.add_argument("--hidden-size", type=int, default=OverlapSettings.hidden_size)
     parser.add_argument("--num-layers", type=int, default=OverlapSettings.num_layers)
+    parser.add_argument("--rate-mbit", type=float, help="each rank a host behind a link of this rate")
+    parser.add_argument("--latency-ms", type=float, help="each rank a host behind a link of this one-way delay")
     args = parser.parse_args(argv)
     processes = args.processes or (4 if args.schedule == "dualpipev" else 2)
     settings = OverlapSettings(schedule=args.schedule, processes=processes, seq_length=args.seq_length,
@@ -113,7 +119,13 @@ def main(argv=None) -> int:
                                rounds=cli.rounds_of(args, OverlapSettings.rounds))
     print(f"model: {settings.describe()}")
     print(f"machine: {report.machine()}, torch {torch.__version__}, one thread per rank")
-    per_rank = run_distributed(processes, world, settings, timeout=3600, collective_timeout=600)
+    if args.rate_mbit is None and args.latency_ms is None:
+        per_rank = run_distributed(processes, world, settings, timeout=3600, collective_timeout=600)
+    else:
+        print(f"network: each rank a host, links of {args.rate_mbit or 'unlimited'} Mbit/s and "
+              f"{args.latency_ms or 0} ms one-way delay")
+        with TestHosts(processes, rate_mbit=args.rate_mbit, latency_ms=args.latency_ms) as hosts:
+            per_rank = run_distributed(processes, world, settings, hosts=hosts, timeout=3600, collective_timeout=600)
     wall, cpu = per_rank[0]["wall"], per_rank[0]["cpu"]
     ratio = median_ratio(wall["off"], wall["on"])
     hidden = sum(r["hidden"] for r in per_rank) / max(sum(r["phases"] for r in per_rank), 1e-12)
