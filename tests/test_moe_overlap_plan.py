@@ -90,19 +90,19 @@ def test_the_gate_runs_one_pass_all_to_all_while_the_other_computes():
 
     def forward():
         log(("F", A))
-        with communicating(D):
+        with communicating(D, backward=False):
             log(("F", D))
         log(("F", X))
-        with communicating(C):
+        with communicating(C, backward=False):
             log(("F", C))
         log(("F", A))
 
     def backward():
         log(("B", A))
-        with communicating(C):
+        with communicating(C, backward=True):
             log(("B", C))
         log(("B", X))
-        with communicating(D):
+        with communicating(D, backward=True):
             log(("B", D))
         log(("B", A))
 

@@ -48,16 +48,17 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group, segment: Segment):
         ctx.send, ctx.recv, ctx.group, ctx.segment = send, recv, group, segment
-        return _all_to_all(x, send, recv, group, segment)
+        return _all_to_all(x, send, recv, group, segment, backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.segment), None, None, None, None
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.segment, backward=True), None, None, None, None
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, segment: Segment) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, segment: Segment,
+                backward: bool) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    with communicating(segment):
+    with communicating(segment, backward):
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True).wait()
     return out
 
@@ -69,7 +70,7 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
         return experts(permuted, counts)
     local = counts.numel() // e
     received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
-    with communicating(Segment.DISPATCH):  # the counts' exchange and the tokens' are one segment
+    with communicating(Segment.DISPATCH, backward=False):  # the counts' exchange and the tokens' are one segment
         dist.all_to_all_single(received, counts, group=ps.ep_group)
         send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
         x = _Exchange.apply(permuted, send, recv, ps.ep_group, Segment.DISPATCH)
