@@ -1,7 +1,7 @@
 """``--overlap-moe-expert-parallel-comm`` at e = 2 on four ranks (1F1B at p = 1, d = 4; DualPipeV at p = 2,
 d = 2): the losses and the updated weights equal those with the overlap off bit for bit, and the recorded
 timeline shows one microbatch's expert all-to-all while the other microbatch of its pair computes. The
-gradients are reduced during the backwards, and in one case the weights are sharded and gathered around
+gradients are reduced during the backwards, and under 1F1B the weights are sharded and gathered around
 every pass (optim_grads_params)."""
 
 import datetime
@@ -20,10 +20,10 @@ from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-# name: (schedule, pipeline ranks, placement, sharding level); the last case has both passes of each pair use
-# the one chunk whose weights are gathered before each pass and released after
-CASES = {"1f1b": ("1f1b", 1, Placement.LOOPED, "no_shard"), "dualpipev": ("dualpipev", 2, Placement.V, "no_shard"),
-         "1f1b-sharded": ("1f1b", 1, Placement.LOOPED, "optim_grads_params")}
+# name: (schedule, pipeline ranks, placement, sharding level); under 1F1B both passes of each pair use the one
+# chunk, whose weights are gathered before each pass and released after
+CASES = {"1f1b": ("1f1b", 1, Placement.LOOPED, "optim_grads_params"),
+         "dualpipev": ("dualpipev", 2, Placement.V, "no_shard")}
 
 
 def _microbatches(config, replica: int) -> list[dict]:
