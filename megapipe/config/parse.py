@@ -21,8 +21,11 @@ from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
+from megapipe.context_parallel import check_context_parallel
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
+from megapipe.pipeline.ir.overlap import check_overlap_flags
+from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
 
 __all__ = ["build_parser", "config_from_args", "config_from_argv", "parse_config", "validate_config"]
 
@@ -83,14 +86,15 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
-    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline, par.context_parallel_size)
     if warning:
         tell(warning)
     plan = par.stage_plan()
     if plan is None:
-        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
-                                      expert_tensor=par.expert_tensor)
         par.validate()
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
+                                      expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                      hierarchical=par.hierarchical_context_parallel_sizes)
         config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
         data, pipeline, replicas = layout.data, par.pipeline, None
     else:
@@ -104,6 +108,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                         ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1.")
+    check_context(config)
     if par.sequence_parallel and config.model.seq_length % par.tensor:
         raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
                           f"{par.tensor}, which --sequence-parallel needs.")
@@ -114,6 +119,9 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)
     if par.pipeline_schedule == AUTO:
+        if par.overlap_moe_expert_parallel_comm:
+            raise ConfigError("--overlap-moe-expert-parallel-comm needs a named flush schedule with forward/backward "
+                              "pairs, not --pipeline-schedule auto; use 1f1b or dualpipev.")
         if par.schedule_search.profile is None:
             searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
         else:  # searched once the tokenizer has given the vocabulary the profile must match
@@ -124,7 +132,39 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     descriptor = check_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas,
                                 par.pipedream_vertical_sync)
     config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
+    if par.overlap_moe_expert_parallel_comm:
+        check_overlap_moe_comm(config, descriptor.asynchronous, pipeline, m)
     return data
+
+
+def check_context(config: Config) -> None:
+    """The checks context parallelism adds: the attention's (``check_context_parallel``: the sequence
+    splits into 2c chunks, an all-to-all's heads divide, no attention dropout) and, with sequence
+    parallelism, each rank's s / c tokens split over t."""
+    par, model = config.parallel, config.model
+    c = par.context_parallel_size
+    check_context_parallel(context=c, comm_type=par.cp_comm_type, seq_length=model.seq_length,
+                           heads=model.num_attention_heads, query_groups=model.query_groups,
+                           tensor_parallel=par.tensor, hierarchical_sizes=par.hierarchical_context_parallel_sizes,
+                           attention_dropout=model.attention_dropout)
+    if c > 1 and par.sequence_parallel and (model.seq_length // c) % par.tensor:
+        raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
+                          f"multiple of {2 * c * par.tensor}.")
+
+
+def check_overlap_moe_comm(config: Config, asynchronous: bool, pipeline: int, m: int) -> None:
+    """``--overlap-moe-expert-parallel-comm``: expert parallelism over all-to-alls, no recomputation (its
+    replay would draw random numbers beside the other pass), and a schedule with pairs it can overlap."""
+    par = config.parallel
+    check_overlap_flags(par.expert, config.model.moe_token_dispatcher_type)
+    if config.model.recompute_granularity is not None:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm cannot be combined with --recompute-granularity "
+                          f"{config.model.recompute_granularity} yet; drop one of them.")
+    if asynchronous:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward pairs; "
+                          f"--pipeline-schedule {par.pipeline_schedule} has none: use 1f1b or dualpipev.")
+    overlapped_schedule(build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline))
 
 
 def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:

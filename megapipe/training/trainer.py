@@ -68,7 +68,9 @@ class Trainer:
         if plan is None:
             self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
                                                timeout=timeout, placement=_placement(par), expert=par.expert,
-                                               expert_tensor=par.expert_tensor)
+                                               expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                               cp_comm_type=par.cp_comm_type,
+                                               hierarchical_context=par.hierarchical_context_parallel_sizes)
         else:
             self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
         eval_samples = t.eval_iters * t.global_batch_size
@@ -99,7 +101,8 @@ class Trainer:
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
                                      timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
-                                     timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad)
+                                     timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad,
+                                     overlap_moe_comm=par.overlap_moe_expert_parallel_comm)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.saved_iteration: Optional[int] = None  # of the last checkpoint saved (or, asynchronous, started)
