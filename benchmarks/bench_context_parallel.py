@@ -33,22 +33,23 @@ a Chrome trace (chrome://tracing, Perfetto).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import statistics
 import sys
-from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
-
 from harness import cli, report
 from harness.pairing import take_turns, timed
 from harness.ratios import median_ratio
+
 from megapipe.context_parallel import Timeline, context_attention
 from megapipe.errors import ConfigError, first_line, reports_user_errors
 from megapipe.fusions.attention import attention
 from megapipe.layout.context import check_sequence_split, local_positions
-from megapipe.parallel.context import COMM_TYPES, ContextGroups
+from megapipe.layout.context_comm import COMM_TYPES
+from megapipe.parallel.context import ContextGroups
+from megapipe.parallel.state import ParallelState
 from megapipe.testing.worlds import run_distributed
 
 TOLERANCE = 1e-5
@@ -58,7 +59,7 @@ TORCH = "torch context_parallel"
 MIB = 2 ** 20
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CPSettings:
     seq_length: int = 4096
     batch: int = 1
@@ -108,26 +109,12 @@ def name_of(configuration: tuple[int, str]) -> str:
 
 # ---- groups ---------------------------------------------------------------------------------------------
 
-def _new_groups(rank: int, blocks: list[tuple[int, ...]]):
-    """Every rank makes every group (in the same order); the one holding ``rank`` and its members."""
-    mine = None
-    for block in blocks:
-        group = dist.new_group(list(block))
-        if rank in block:
-            mine = (group, block)
-    return mine
-
-
-def context_groups(rank: int, world: int, c: int, comm: str) -> ContextGroups:
-    """Groups of c consecutive ranks; under a2a+p2p, all-to-alls in consecutive pairs and rings across them."""
-    group, ranks = _new_groups(rank, [tuple(range(g, g + c)) for g in range(0, world, c)])
-    if comm != "a2a+p2p":
-        return ContextGroups(group, ranks, ranks.index(rank), comm)
-    pairs = [tuple(range(p, p + 2)) for p in range(0, world, 2)]
-    rings = [tuple(range(g + j, g + c, 2)) for g in range(0, world, c) for j in (0, 1)]
-    a2a_group, a2a_ranks = _new_groups(rank, pairs)
-    ring_group, ring_ranks = _new_groups(rank, rings)
-    return ContextGroups(group, ranks, ranks.index(rank), comm, a2a_group, a2a_ranks, ring_group, ring_ranks)
+def context_groups(world: int, c: int, comm: str) -> ContextGroups:
+    """This rank's context groups at c: world / c replicas of c ranks each, as the run's layout makes
+    them (a2a+p2p: all-to-alls in pairs, a ring of c / 2 across them). Collective: every rank calls it."""
+    state = ParallelState.initialize(data=world // c, context=c, cp_comm_type=comm,
+                                     hierarchical_context=(2, c // 2) if comm == "a2a+p2p" else None)
+    return state.context_groups
 
 
 # ---- memory ---------------------------------------------------------------------------------------------
@@ -195,14 +182,18 @@ def step_of(attend, inputs, timeline: Timeline | None = None):
     return step
 
 
-def attends_of(rank: int, world: int, settings: CPSettings, whole) -> dict:
+def attends_of(world: int, settings: CPSettings, whole) -> dict:
     """Every configuration on this rank: (attend(q, k, v, timeline=None), its inputs, the rows of the
     whole sequence it computes)."""
     scale = settings.head_dim ** -0.5
     sdpa = lambda q, k, v, timeline=None: attention(q, k, v, causal=True, scale=scale)
     result = {SDPA: (sdpa, whole, slice(None))}
+    made = {}  # one layout per c serves p2p, all_gather and a2a
     for c, comm in settings.configurations()[1:]:
-        groups = ContextGroups.single() if c == 1 else context_groups(rank, world, c, comm)
+        shared = comm if comm == "a2a+p2p" else "p2p"
+        if c > 1 and (c, shared) not in made:
+            made[c, shared] = context_groups(world, c, shared)
+        groups = ContextGroups.single() if c == 1 else dataclasses.replace(made[c, shared], comm_type=comm)
         rows = torch.tensor(local_positions(settings.seq_length, c, groups.index))
         attend = functools.partial(context_attention, groups=groups, seq_length=settings.seq_length, causal=True,
                                    scale=scale)
@@ -232,7 +223,7 @@ def torch_context_parallel(world: int, settings: CPSettings, whole):
                 out.backward(buffers[3])
                 return [out.detach()] + [t.grad for t in leaves]
         return step, step()
-    except Exception as error:  # whatever stops it on this machine is the finding
+    except Exception as error:  # noqa: BLE001 - whatever stops it on this machine is the finding
         return None, first_line(error)
 
 
@@ -285,7 +276,7 @@ def world_run(rank: int, world: int, settings: CPSettings) -> dict:
     torch.set_num_threads(1)
     own_mappings_for_large_tensors()
     whole = whole_inputs(settings)
-    attends = attends_of(rank, world, settings, whole)
+    attends = attends_of(world, settings, whole)
     steps = {key: (step_of(attend, inputs), rows) for key, (attend, inputs, rows) in attends.items()}
     want = steps[SDPA][0]()
     barriers, results, torch_reason = world > 1, {}, None
@@ -301,7 +292,7 @@ def world_run(rank: int, world: int, settings: CPSettings) -> dict:
         result = results[key] if key in results else timed(step, barriers)[2]
         diff[key] = relative_diff(result, want, rows)
         saved[key] = saved_bytes(step)
-        rss[key] = timed(lambda: peak_rss_rise(step), barriers)[2]
+        rss[key] = timed(functools.partial(peak_rss_rise, step), barriers)[2]
     wall = take_turns(list(steps), settings.rounds, lambda key, r: timed(steps[key][0], barriers)[0])
     timeline = Timeline()
     if (world, "p2p") in attends:
@@ -385,7 +376,7 @@ def main(argv=None) -> int:
     if per_rank[0]["torch"] is not None:
         print(f"\n{TORCH} does not run here (CPU, gloo): {per_rank[0]['torch']}")
     print(f"\nload average at the end: {report.load_average()}")
-    report.write_json(args.json, {"settings": asdict(settings), "rows": rows, "hidden": overlap,
+    report.write_json(args.json, {"settings": dataclasses.asdict(settings), "rows": rows, "hidden": overlap,
                                   "torch_context_parallel": per_rank[0]["torch"]})
     if args.trace and per_rank[0]["events"]:
         report.write_json(args.trace, chrome_trace([r["events"] for r in per_rank]))
