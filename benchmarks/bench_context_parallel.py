@@ -93,10 +93,9 @@ class CPSettings:
 
     def check(self) -> None:
         """One sentence per bad flag combination, before any process starts."""
-        bad = [c for c in self.context_sizes if self.world % c]
-        if bad or min(self.context_sizes) < 1:
+        if min(self.context_sizes) < 1 or any(self.world % c for c in self.context_sizes):
             raise ConfigError(f"--context-sizes {' '.join(map(str, self.context_sizes))}: every size must be at "
-                              f"least 1 and divide the largest (the world of processes); drop {bad or 'the zero'}.")
+                              "least 1 and divide the largest (the number of processes); choose sizes such as 1 2 4.")
         if self.heads % self.query_groups:
             raise ConfigError(f"--heads {self.heads} is not a multiple of --query-groups {self.query_groups}; "
                               "choose query groups that divide the heads.")

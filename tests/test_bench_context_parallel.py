@@ -77,6 +77,7 @@ def test_pytorch_context_parallel_is_timed_or_its_reason_given(quick):
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, words", [
     (["--context-sizes", "1", "3", "4"], "--context-sizes 1 3 4"),
+    (["--context-sizes", "0", "2"], "--context-sizes 0 2"),
     (["--seq-length", "100", "--context-sizes", "1", "4"], "--seq-length 100"),
     (["--heads", "6", "--query-groups", "4"], "--query-groups 4")])
 def test_bad_sizes_are_one_sentence(bench, capsys, argv, words):
