@@ -18,6 +18,7 @@ import torch
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
 from megapipe.config import ModelConfig
+from megapipe.data.context_batch import context_share
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
@@ -53,7 +54,7 @@ def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
     return random_microbatch(MODEL_KIND[kind], config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
-def reference_run(kind: str, d: int, m: int = M):
+def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch):
     """One process, gradient accumulation over the m x d microbatches of each step."""
     config = model_config(kind)
     ps = ParallelState.single()
@@ -73,18 +74,21 @@ def reference_run(kind: str, d: int, m: int = M):
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M):
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, context=None, microbatch=microbatch,
+                  optimizer=None):
+    """``context``: keyword arguments of ``ParallelState.initialize`` for context parallelism (``context``,
+    ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches."""
     config = model_config(kind, recompute)
     placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement)
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(context or {}))
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
-    engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, m, (SEQ, MICRO, config.hidden_size),
-                            timeout=datetime.timedelta(seconds=60))
+    engine = PipelineEngine(chunks, ps, optimizer or optimizer_config(), schedule, m,
+                            (SEQ // ps.cp_size, MICRO, config.hidden_size), timeout=datetime.timedelta(seconds=60))
     losses = []
     for step in range(STEPS):
-        batches = [microbatch(kind, config, step, ps.dp_rank * m + i) for i in range(m)]
+        batches = [context_share(microbatch(kind, config, step, ps.dp_rank * m + i), SEQ, ps) for i in range(m)]
         losses.append(engine.train_batch(batches).losses)
     final = {}
     for chunk in chunks:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megapipe.config import Config
 from megapipe.data.builder import build_train_valid_test_datasets
+from megapipe.data.context_batch import PER_SAMPLE_FIELDS, context_share
 from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
 from megapipe.data.hf_source import open_hf_dataset
 from megapipe.data.hf_stream import build_streamed_datasets
@@ -35,7 +36,6 @@ from megapipe.data.tokenizer import Tokenizer, build_tokenizer
 from megapipe.data.tokenizing_pool import TokenizingPool
 from megapipe.parallel.launch import to_device
 from megapipe.errors import ConfigError
-from megapipe.layout.context import local_positions
 from megapipe.parallel.state import ParallelState
 
 # kind -> the role of a model chunk -> the batch keys its layers read
@@ -45,7 +45,6 @@ FIELDS = {
              "last": ("padding_mask", "labels", "loss_mask", "is_random")},
 }
 FLOAT_FIELDS = ("loss_mask",)
-PER_SAMPLE_FIELDS = ("is_random",)  # [b]; every other field is [b, s]
 
 
 def batch_fields(kind: str, config: Config) -> dict[str, tuple[str, ...]]:
@@ -207,8 +206,7 @@ class BatchSource:
     def __init__(self, data: RankData, ps: ParallelState, device: torch.device, micro_batch_size: int,
                  seq_length: int, num_microbatches: int):
         self.data, self.ps, self.device = data, ps, device
-        # context parallelism: each rank keeps its chunks of every sequence (layout/context.py)
-        self.local = torch.tensor(local_positions(seq_length, ps.cp_size, ps.cp_rank)) if ps.cp_size > 1 else None
+        self.seq_length = seq_length
         self.shape = (num_microbatches, micro_batch_size, seq_length // ps.cp_size)
         roles = stage_roles(ps)
         fields = data.fields
@@ -239,14 +237,9 @@ class BatchSource:
         if self.data.kind == "bert":
             for batch in microbatches:
                 batch["tokens"] = batch.pop("text")
-        return {key: to_device(self._local(key, torch.stack([batch[key] for batch in microbatches])), self.device)
-                for key in self.fields}
-
-    def _local(self, key: str, stacked: torch.Tensor) -> torch.Tensor:
-        """``stacked`` [m, b, s] cut to this context rank's chunks; per-sample fields whole."""
-        if self.local is None or key in PER_SAMPLE_FIELDS:
-            return stacked
-        return stacked.index_select(2, self.local)
+        stacked = {key: torch.stack([batch[key] for batch in microbatches]) for key in self.fields}
+        return {key: to_device(value, self.device)
+                for key, value in context_share(stacked, self.seq_length, self.ps).items()}
 
     def _broadcast(self, stacked: dict, keys: list, group, members: list) -> None:
         """Fill ``stacked[key]`` for ``keys`` from ``members[0]`` (which holds them) over ``group``."""

@@ -97,6 +97,8 @@ class SelfAttention(nn.Module):
         if self.ps.cp_size > 1:
             from megapipe.context_parallel import context_attention
 
+            # q, k, v are strided views of the QKV projection; the exchanges send and receive contiguous blocks
+            q, k, v = (t.contiguous() for t in (q, k, v))
             return context_attention(q, k, v, self.ps.context_groups, seq_length=self.config.seq_length,
                                      causal=causal, scale=self.config.head_dim ** -0.5,
                                      key_padding=attention_mask.key_padding,
