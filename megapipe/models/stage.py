@@ -14,7 +14,7 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
-from megapipe.layout.context import local_positions
+from megapipe.layout.context import chunk_ranges
 from megapipe.models.embedding import Embedding
 from megapipe.models.masking import ContextMasks, dense_mask
 from megapipe.models.recompute import checkpoint, recompute_groups
@@ -96,8 +96,8 @@ class LanguageModelStage(nn.Module, abc.ABC):
         parallelism the global positions of this rank's tokens [1, s/c]; else None (0..s-1)."""
         positions = batch.get("position_ids")
         if positions is None and self.ps.cp_size > 1:
-            local = local_positions(self.config.seq_length, self.ps.cp_size, self.ps.cp_rank)
-            positions = torch.tensor(local, device=device).unsqueeze(0)
+            ranges = chunk_ranges(self.config.seq_length, self.ps.cp_size, self.ps.cp_rank)
+            positions = torch.cat([torch.arange(a, b, device=device) for a, b in ranges]).unsqueeze(0)
         return positions
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor | None):
