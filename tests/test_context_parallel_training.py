@@ -8,7 +8,8 @@ after 3 steps must equal the reference's within 1e-5 relative, in fp32, for GPT 
 GPT (RoPE, grouped-query attention with 2 groups) at c = 2 and 4 under each comm type (a2a where
 the local heads and query groups divide by c), with t = 2, with p = 2 under 1F1B and interleaved
 1F1B, with d = 2 and ZeRO-1; for BERT (bidirectional, padding, the sentence-order head on [CLS],
-which only context rank 0 holds); and for packed documents with reset positions and attention
+which only context rank 0 holds); for a mixture-of-experts Llama (the balancing and z losses, whose
+gradients must be the whole sequence's too); and for packed documents with reset positions and attention
 masks, against one process that masks the same way. One world of 4 processes per family.
 """
 
@@ -81,15 +82,18 @@ def test_context_parallel_matches_single_process(kind):
     assert len(results[0]) == len(layouts)
 
 
-def bert_and_packed_documents(rank, world_size):
+def bert_moe_and_packed_documents(rank, world_size):
     bert = check_family(rank, world_size, "bert", [dict(t=1, c=2, p=1, d=2, comm="p2p"),
                                                    dict(t=1, c=2, p=2, d=1, comm="all_gather")])
+    moe = check_family(rank, world_size, "moe", [dict(t=1, c=2, p=1, d=2, comm="p2p"),
+                                                 dict(t=1, c=4, p=1, d=1, comm="all_gather")])
     documents = check_family(rank, world_size, "gpt", [dict(t=1, c=2, p=1, d=2, comm="p2p"),
                                                        dict(t=1, c=4, p=1, d=1, comm="all_gather")],
                              packed_documents=True)
-    return bert + documents
+    return bert + moe + documents
 
 
-def test_bert_and_packed_documents_match_single_process():
-    """BERT at c = 2 (with d = 2, and with p = 2), and GPT on packed documents at c = 2 and 4."""
-    assert len(run_distributed(4, bert_and_packed_documents, timeout=600)[0]) == 4
+def test_bert_moe_and_packed_documents_match_single_process():
+    """BERT at c = 2 (with d = 2, and with p = 2); a mixture-of-experts Llama (both balancing losses over the
+    whole sequence) and GPT on packed documents at c = 2 (d = 2) and 4."""
+    assert len(run_distributed(4, bert_moe_and_packed_documents, timeout=600)[0]) == 6

@@ -20,6 +20,7 @@ from model_families import MODEL_KIND, family_config
 from megapipe.config import ModelConfig
 from megapipe.data.context_batch import context_share
 from megapipe.models import build_model_chunks
+from megapipe.models.moe import set_aux_loss_scale
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
@@ -59,6 +60,7 @@ def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch):
     config = model_config(kind)
     ps = ParallelState.single()
     model = build_model_chunks(MODEL_KIND[kind], config, ps)[0]
+    set_aux_loss_scale(model, torch.tensor(1.0 / (m * d)))  # MoE: the balancing losses weigh as the main loss
     initial = canonical_state_dict([model], ps, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
