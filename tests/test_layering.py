@@ -35,6 +35,7 @@ LAYERS = (
     ("parallel",),
     ("fusions",),
     ("tensor_parallel",),
+    ("context_parallel",),  # attention over a sequence split over context ranks: kernels, ring, all-to-all
     ("models", "data"),
     ("optim",),
     ("pipeline.runtime",),

@@ -44,6 +44,7 @@ TESTS=(
     tests/test_fake_device.py tests/test_fake_device_inference.py                          # fake tensors
     tests/test_generation_server.py tests/test_sampling.py                                 # inference
     tests/test_moe_layer.py tests/test_moe_hf.py tests/test_moe_expert_dispatch.py          # experts: grouped GEMM, all-to-all
+    tests/test_context_parallel_kernels.py tests/test_context_attention.py  # SDPA's aten ops with lse, ring, all-to-all
     tests/test_checkpoint_megatron.py                          # Megatron-core's dist_checkpointing on this torch
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
     tests/test_fusion_backend.py

@@ -1,0 +1,93 @@
+"""Attention of a rank's queries against one block of keys and values, forward and backward, through
+the fused kernels: the unit that ring, all-gather and all-to-all attention all repeat.
+
+A block knows the global positions of both sides (``plan.Ranges``) and, for packed documents or
+padding, their labels: a query attends to a key only where the query's label equals the key's
+(document ids; a padding key carries ``PADDING``, which no query has). Grouped-query attention:
+k and v arrive with their query groups only; each kernel call repeats them for its query heads,
+and their gradients are summed back over the heads of a group. Forward and backward accumulate
+in fp32 into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.context_parallel import kernels
+from megapipe.context_parallel.merge import merge
+from megapipe.context_parallel.plan import Call, Ranges, block_calls
+
+PADDING = torch.iinfo(torch.int64).min  # the label of a padding key: no query's document
+
+
+def positions(ranges: Ranges, device) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
+
+
+@dataclass(frozen=True)
+class Block:
+    """Queries at positions ``q`` against keys at ``k``, labels [b, n] per side or None."""
+    q: Ranges
+    k: Ranges
+    causal: bool
+    q_labels: torch.Tensor | None = None
+    k_labels: torch.Tensor | None = None
+
+    def calls(self) -> list[Call]:
+        return block_calls(self.q, self.k, self.causal)
+
+    def allowed(self, call: Call, device) -> torch.Tensor | None:
+        """Bool [b or 1, 1, sq, sk] of the call, or None where the kernel needs no mask."""
+        (q0, q1), (k0, k1) = call.q, call.k
+        mask = None
+        if self.q_labels is not None:
+            mask = self.q_labels[:, q0:q1, None] == self.k_labels[:, None, k0:k1]
+        if call.causal and (mask is not None or not call.diagonal):
+            order = positions(self.k, device)[None, k0:k1] <= positions(self.q, device)[q0:q1, None]
+            mask = order if mask is None else mask & order
+        return None if mask is None else mask.unsqueeze(1)
+
+    def kernel_causal(self, call: Call) -> bool:
+        return call.diagonal and self.q_labels is None
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    n = heads // x.size(1)
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    b, heads, s, d = grad.shape
+    return grad if heads == groups else grad.float().view(b, groups, heads // groups, s, d).sum(2)
+
+
+def block_forward(q, k, v, block: Block, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge this block into ``out`` [b, heads, sq, d] and ``lse`` [b, heads, sq] (fp32, in place)."""
+    for call in block.calls():
+        (q0, q1), (k0, k1) = call.q, call.k
+        o, l = kernels.forward(q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)), _repeat(v[:, :, k0:k1], q.size(1)),
+                               causal=block.kernel_causal(call), allowed=block.allowed(call, q.device), scale=scale)
+        out[:, :, q0:q1], lse[:, :, q0:q1] = merge(out[:, :, q0:q1], lse[:, :, q0:q1], o, l)
+
+
+def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, dq: torch.Tensor, dk: torch.Tensor,
+                   dv: torch.Tensor) -> None:
+    """Add this block's share of the gradients into ``dq``, ``dk``, ``dv`` (fp32, in place), from the
+    whole attention's ``out`` (q's dtype) and ``lse``."""
+    for call in block.calls():
+        (q0, q1), (k0, k1) = call.q, call.k
+        gq, gk, gv = kernels.backward(dout[:, :, q0:q1], q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)),
+                                      _repeat(v[:, :, k0:k1], q.size(1)), out[:, :, q0:q1], lse[:, :, q0:q1],
+                                      causal=block.kernel_causal(call), allowed=block.allowed(call, q.device),
+                                      scale=scale)
+        dq[:, :, q0:q1] += gq
+        dk[:, :, k0:k1] += _fold(gk, k.size(1))
+        dv[:, :, k0:k1] += _fold(gv, v.size(1))
+
+
+def accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (out, lse) accumulators for ``q``'s rows: zeros and -inf, fp32."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
