@@ -21,6 +21,7 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
+from megapipe.context_parallel import context_attention
 from megapipe.models.common import build_norm, dropout_add, output_std
 from megapipe.models.mlp import MLP
 from megapipe.models.moe import MoELayer
@@ -95,8 +96,6 @@ class SelfAttention(nn.Module):
         context parallelism (``attention_mask`` is then ``ContextMasks``) the queries of this rank's
         tokens attend over the whole sequence through ``megapipe.context_parallel``."""
         if self.ps.cp_size > 1:
-            from megapipe.context_parallel import context_attention
-
             # q, k, v are strided views of the QKV projection; the exchanges send and receive contiguous blocks
             q, k, v = (t.contiguous() for t in (q, k, v))
             return context_attention(q, k, v, self.ps.context_groups, seq_length=self.config.seq_length,
