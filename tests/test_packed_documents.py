@@ -15,7 +15,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from model_families import MODEL_KIND, family_config
+from megapipe.config.parse import parse_config
 from megapipe.data.packing import Packing
+from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.models.masking import dense_mask
 from megapipe.parallel.state import ParallelState
@@ -84,3 +86,9 @@ def test_packed_sample_equals_each_document_run_alone(kind):
             for start, end in zip([0] + ends, ends + [seq]):
                 alone = model(None, {"tokens": tokens[b:b + 1, start:end]})
                 torch.testing.assert_close(packed[b:b + 1, start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_bert_refuses_the_packing_flags_in_one_sentence():
+    with pytest.raises(ConfigError, match=r"^--reset-attention-mask separates the documents packed into GPT samples; "
+                                          r"pretrain_bert.py's samples are sentence pairs, so drop the flag.$"):
+        parse_config("bert", ["--reset-attention-mask"])

@@ -36,9 +36,9 @@ SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
-def model_config(kind: str, recompute: bool = False) -> ModelConfig:
+def model_config(kind: str, recompute: bool = False, num_layers: int = 8) -> ModelConfig:
     """The test model; ``recompute`` checkpoints every layer (its gradients are bit-for-bit those without)."""
-    fields = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+    fields = dict(num_layers=num_layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -55,9 +55,9 @@ def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
     return random_microbatch(MODEL_KIND[kind], config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
-def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch):
+def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch, num_layers: int = 8):
     """One process, gradient accumulation over the m x d microbatches of each step."""
-    config = model_config(kind)
+    config = model_config(kind, num_layers=num_layers)
     ps = ParallelState.single()
     model = build_model_chunks(MODEL_KIND[kind], config, ps)[0]
     set_aux_loss_scale(model, torch.tensor(1.0 / (m * d)))  # MoE: the balancing losses weigh as the main loss
@@ -77,10 +77,10 @@ def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch):
 
 
 def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, context=None, microbatch=microbatch,
-                  optimizer=None):
+                  optimizer=None, num_layers=8):
     """``context``: keyword arguments of ``ParallelState.initialize`` for context parallelism (``context``,
     ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches."""
-    config = model_config(kind, recompute)
+    config = model_config(kind, recompute, num_layers)
     placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(context or {}))
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
