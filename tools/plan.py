@@ -31,6 +31,7 @@ from megapipe.config.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
 from megapipe.planner.cost_model import Training  # noqa: E402
+from megapipe.planner.context_costs import PLANNED_COMM_TYPES  # noqa: E402
 from megapipe.planner.launch import pipedream_plan, torchrun_command, uniform_plan, write_plan  # noqa: E402
 from megapipe.planner.profile_partition import partition_profile  # noqa: E402
 from megapipe.planner.plan import PlanRequest, plan  # noqa: E402
@@ -64,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     search = parser.add_argument_group("search")
     search.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of the schedules")
     search.add_argument("--max-micro-batch-size", type=int, default=64)
+    search.add_argument("--context-parallel-sizes", default="1", help=(
+        "comma-separated --context-parallel-size values to search (each sequence over c ranks); default 1"))
+    search.add_argument("--cp-comm-type", default="p2p", choices=PLANNED_COMM_TYPES,
+                        help="how the context ranks of the searched layouts exchange keys and values")
     search.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     search.add_argument("--data-parallel-sharding-strategies", default=",".join(SHARDING_STRATEGIES),
                         help="comma-separated --data-parallel-sharding-strategy levels to consider when d > 1")
@@ -121,24 +126,29 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
     return analytic_gpt_profile(shape, flops, dtype=args.dtype)
 
 
-def format_table(result, top: int, moe: bool = False) -> str:
+def format_table(result, top: int, moe: bool = False, context: bool = False) -> str:
     """The best layouts; the last five columns (six for an MoE model, ``moe``: its experts' token exchange
-    as well, and e) are seconds per batch on the slowest rank."""
+    as well, and e; six with ``context``: the key/value exchange, and c) are seconds per batch on the
+    slowest rank."""
     expert = f" {'e':>3}" if moe else ""
-    header = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>3}{expert} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} {'recompute':<9} "
-              f"{'dp sharding':<18} "
+    cp = f" {'c':>3}" if context else ""
+    header = (f"{'#':>3} {'t':>3}{cp} {'p':>3} {'d':>3}{expert} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} "
+              f"{'recompute':<9} {'dp sharding':<18} "
               f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
+              + (f"{'cp comm':>8} " if context else "")
               + (f"{'ep comm':>8} " if moe else "") + f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
     for rank, e in enumerate(result.ranked[:top], 1):
         layout = e.layout
         recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
         expert = f" {layout.expert:>3}" if moe else ""
-        rows.append(f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>3}{expert} {layout.virtual:>2} "
+        cp = f" {layout.context:>3}" if context else ""
+        rows.append(f"{rank:>3} {layout.tensor:>3}{cp} {layout.pipeline:>3} {layout.data:>3}{expert} {layout.virtual:>2} "
                     f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
                     f"{layout.sharding:<18} "
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
+                    + (f"{e.context_comm_time:>8.3g} " if context else "")
                     + (f"{e.expert_comm_time:>8.3g} " if moe else "")
                     + f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
     return "\n".join(rows)
@@ -171,6 +181,17 @@ def _shardings(names: str) -> tuple[str, ...]:
     return chosen
 
 
+def _context_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(word) for word in text.split(",") if word)
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--context-parallel-sizes {text} must list positive integers separated by commas, "
+                          "e.g. 1,2,4.")
+    return sizes
+
+
 def stale_weights_note(result) -> str:
     """For an asynchronous best plan: that it trains with stale weights, and the best synchronous plan beside it."""
     best = result.best
@@ -193,14 +214,15 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
                           max_micro_batch_size=args.max_micro_batch_size,
                           recompute=(False,) if args.no_recompute else (False, True),
                           shardings=_shardings(args.data_parallel_sharding_strategies),
-                          training=Training(args.global_batch_size, overlap=args.overlap_grad_reduce))
+                          training=Training(args.global_batch_size, overlap=args.overlap_grad_reduce),
+                          context_sizes=_context_sizes(args.context_parallel_sizes), cp_comm_type=args.cp_comm_type)
     result = plan(profile, cluster, request)
     shape = profile.shape
     print(f"{shape.kind} with {shape.num_layers} layers, h={shape.hidden_size}, s={shape.seq_length} "
           f"({profile.source} profile) on {cluster.num_gpus} devices ({cluster.name or 'cluster'}, "
           f"{human_bytes(cluster.usable_memory)} usable each), global batch {args.global_batch_size}: "
           f"{len(result.ranked)} of {result.evaluated} layouts fit")
-    print(format_table(result, args.top, profile.shape.is_moe))
+    print(format_table(result, args.top, profile.shape.is_moe, request.context_sizes != (1,)))
     best = result.best
     print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")

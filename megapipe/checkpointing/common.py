@@ -38,21 +38,24 @@ class SavedLayout:
     virtual_pipeline: int = 1
     stages: Optional[str] = None  # the stage plan, e.g. "0:2x2,2:4x1"
     placement: str = "looped"  # where the virtual stages live (layout/placement.py): "looped" or "v"
+    context: int = 1  # the tensors do not depend on it; the per-rank random states do
 
     def __str__(self) -> str:
         v = f", v={self.virtual_pipeline}" if self.virtual_pipeline > 1 else ""
         v += " in a V" if self.placement == "v" else ""
+        v += f", c={self.context}" if self.context > 1 else ""
         stages = f", stages {self.stages}" if self.stages else ""
         return f"(t, p, d) = ({self.tensor}, {self.pipeline}, {self.data}){v}{stages}"
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.context * self.pipeline * self.data
 
     @staticmethod
     def of(ps, stages: Optional[str] = None) -> "SavedLayout":
         """The layout of a run's ParallelState (and its stage plan, written as ``StagePlan.to_text``)."""
-        return SavedLayout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value)
+        return SavedLayout(ps.tp_size, ps.pp_size, ps.batch_slice[1], ps.virtual_pipeline, stages, ps.placement.value,
+                           ps.cp_size)
 
     @staticmethod
     def of_run(run) -> "SavedLayout":

@@ -21,6 +21,7 @@ from megapipe.config.optimizer import OptimizerConfig
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
+from megapipe.context_parallel import check_context_parallel
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
 
@@ -83,14 +84,15 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     from megapipe.pipeline.selection import AUTO, check_profile, check_search_flags, searched_schedule
 
     par, train = config.parallel, config.training
-    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline)
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline, par.context_parallel_size)
     if warning:
         tell(warning)
     plan = par.stage_plan()
     if plan is None:
-        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
-                                      expert_tensor=par.expert_tensor)
         par.validate()
+        layout = RankLayout.for_world(world_size, par.tensor, par.pipeline, expert=par.expert,
+                                      expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                      hierarchical=par.hierarchical_context_parallel_sizes)
         config.model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
         data, pipeline, replicas = layout.data, par.pipeline, None
     else:
@@ -104,6 +106,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                         ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1.")
+    check_context(config)
     if par.sequence_parallel and config.model.seq_length % par.tensor:
         raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
                           f"{par.tensor}, which --sequence-parallel needs.")
@@ -125,6 +128,22 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
                                 par.pipedream_vertical_sync)
     config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
     return data
+
+
+def check_context(config: Config) -> None:
+    """The checks context parallelism adds: the attention's (``check_context_parallel``: the sequence
+    splits into 2c chunks, an all-to-all's heads divide, no attention dropout) and, with sequence
+    parallelism, each rank's s / c tokens split over t."""
+    par, model = config.parallel, config.model
+    c = par.context_parallel_size
+    check_context_parallel(context=c, comm_type=par.cp_comm_type, seq_length=model.seq_length,
+                           heads=model.num_attention_heads, query_groups=model.query_groups,
+                           tensor_parallel=par.tensor, hierarchical_sizes=par.hierarchical_context_parallel_sizes,
+                           attention_dropout=model.attention_dropout)
+    if c > 1 and par.sequence_parallel and (model.seq_length // c) % par.tensor:
+        raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
+                          f"multiple of {2 * c * par.tensor}.")
 
 
 def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:

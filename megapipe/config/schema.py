@@ -21,6 +21,7 @@ from megapipe.errors import ConfigError
 from megapipe.config.flag import flag
 from megapipe.config.moe import LayerFreq, layer_freq, moe_layer_pattern, validate_moe
 from megapipe.config.optimizer import OptimizerConfig
+from megapipe.layout.context_comm import COMM_TYPES, check_comm_type
 from megapipe.layout.stage_plan import StagePlan, read_stage_plan
 from megapipe.pipeline.ir.schedules import pipeline_schedule_help
 
@@ -262,6 +263,16 @@ class ParallelConfig:
     expert_tensor: Optional[int] = flag(None, name="--expert-tensor-parallel-size", help=(
         "ranks each expert's ffn dimension is split over (default --tensor-model-parallel-size; only that yet)"))
     sequence_parallel: bool = False
+    # context parallelism: each sequence split over c ranks of a replica (layout/context.py, layout/context_comm.py)
+    context_parallel_size: int = flag(1, help=(
+        "ranks each sequence is split over (2c chunks, rank i holding chunks i and 2c-1-i); they sit between the "
+        "tensor and the data ranks, and gradients are averaged over data x context ranks (docs/parallelism.md)"))
+    cp_comm_type: str = flag("p2p", choices=COMM_TYPES, help=(
+        "how context ranks exchange keys and values: p2p (ring), all_gather, a2a (all-to-all over heads, "
+        "Ulysses), a2a+p2p (all-to-all inside groups, ring across them)"))
+    hierarchical_context_parallel_sizes: Optional[tuple[int, ...]] = flag(None, type=int, nargs="+", metavar="N",
+                                                                           help=(
+        "a2a+p2p: the all-to-all size and the ring size, whose product is --context-parallel-size"))
     scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
     pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
     # PipeDream: every stage uses the version tagged at the input stage
@@ -277,6 +288,8 @@ class ParallelConfig:
     schedule_search: ScheduleSearchConfig = flag(name=None, default_factory=ScheduleSearchConfig)
 
     def __post_init__(self):
+        if self.hierarchical_context_parallel_sizes is not None:
+            self.hierarchical_context_parallel_sizes = tuple(self.hierarchical_context_parallel_sizes)
         if self.pipeline_schedule is None:
             self.pipeline_schedule = "interleaved" if self.virtual_pipeline > 1 else "1f1b"
 
@@ -288,6 +301,7 @@ class ParallelConfig:
             raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} differs from "
                               f"--tensor-model-parallel-size {self.tensor}, which megapipe's experts do not support "
                               "yet; drop --expert-tensor-parallel-size.")
+        check_comm_type(self.context_parallel_size, self.cp_comm_type, self.hierarchical_context_parallel_sizes)
         if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
                               f"{self.pipeline_schedule}: it chooses the weight versions of PipeDream's weight "
@@ -297,6 +311,8 @@ class ParallelConfig:
             return
         if self.expert > 1:
             raise ConfigError("--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one.")
+        if self.context_parallel_size > 1:
+            raise ConfigError("--pipeline-stages cannot be combined with --context-parallel-size yet; drop one.")
         if self.virtual_pipeline > 1:
             raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
                               "--num-layers-per-virtual-pipeline-stage or the plan.")

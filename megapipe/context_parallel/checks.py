@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 from megapipe.errors import ConfigError
 from megapipe.layout.context import check_sequence_split
-
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+from megapipe.layout.context_comm import check_comm_type
 
 
 def check_head_split(heads: int, query_groups: int, size: int, comm_type: str) -> None:
@@ -22,15 +21,6 @@ def check_head_split(heads: int, query_groups: int, size: int, comm_type: str) -
                 f"divisible by {size} x --tensor-model-parallel-size, or --cp-comm-type p2p.")
 
 
-def check_hierarchical_sizes(context: int, sizes: Sequence[int] | None) -> None:
-    """``--hierarchical-context-parallel-sizes`` (a2a+p2p): two sizes, all-to-all then ring, product c."""
-    shown = " ".join(map(str, sizes or ()))
-    if not sizes or len(sizes) != 2 or any(s < 1 for s in sizes) or sizes[0] * sizes[1] != context:
-        raise ConfigError(
-            f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes as two sizes (the all-to-all "
-            f"size, then the ring size) whose product is --context-parallel-size {context}, got '{shown}'.")
-
-
 def check_context_parallel(*, context: int, comm_type: str, seq_length: int, heads: int, query_groups: int,
                            tensor_parallel: int = 1, hierarchical_sizes: Sequence[int] | None = None,
                            attention_dropout: float = 0.0) -> None:
@@ -38,14 +28,11 @@ def check_context_parallel(*, context: int, comm_type: str, seq_length: int, hea
     check_sequence_split(seq_length, context)
     if context == 1:
         return
-    if comm_type not in COMM_TYPES:
-        raise ConfigError(f"--cp-comm-type {comm_type} is not one of {', '.join(COMM_TYPES)}.")
+    check_comm_type(context, comm_type, hierarchical_sizes)
     if attention_dropout > 0:
         raise ConfigError(
             f"--attention-dropout {attention_dropout} is not supported with --context-parallel-size {context} "
             "(each rank would draw its own dropout mask for its blocks); set --attention-dropout 0.")
-    if comm_type == "a2a+p2p":
-        check_hierarchical_sizes(context, hierarchical_sizes)
     if comm_type in ("a2a", "a2a+p2p"):
         size = context if comm_type == "a2a" else hierarchical_sizes[0]
         check_head_split(heads // tensor_parallel, query_groups // tensor_parallel, size, comm_type)

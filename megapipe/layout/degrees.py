@@ -1,9 +1,10 @@
 """The parallel degrees of a run, written the one way every report shows them.
 
 Megatron's rank order names them t (tensor), c (context), e (expert), p (pipeline stages), v
-(model chunks per pipeline rank) and d (data-parallel replicas). megapipe has no context
-parallelism yet, so every layout reports c = 1; expert parallelism (e) splits only the MoE layers'
-experts, over ranks the dense layers use as data-parallel replicas (``experts.py``).
+(model chunks per pipeline rank) and d (data-parallel replicas). Context parallelism (c) splits
+each sequence over c ranks of one replica; a stage plan has none (c = 1). Expert parallelism (e)
+splits only the MoE layers' experts, over ranks the dense layers use as data-parallel or context
+ranks (``experts.py``).
 """
 
 from __future__ import annotations

@@ -23,18 +23,19 @@ class ExpertFold:
     stage_ranks: int
 
     @staticmethod
-    def checked(expert: int, expert_tensor: int, tensor: int, data: int) -> "ExpertFold":
+    def checked(expert: int, expert_tensor: int, tensor: int, data: int, context: int = 1) -> "ExpertFold":
         """The fold for these degrees, or one sentence naming the flags that do not fit."""
         for flag, value in (("--expert-model-parallel-size", expert), ("--expert-tensor-parallel-size", expert_tensor)):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be at least 1.")
-        if (tensor * data) % (expert_tensor * expert):
+        stage = tensor * context * data
+        if stage % (expert_tensor * expert):
             raise ConfigError(
                 f"--expert-model-parallel-size {expert} x --expert-tensor-parallel-size {expert_tensor} does not "
-                f"divide the {tensor * data} ranks of a pipeline stage (--tensor-model-parallel-size {tensor} x "
-                f"data-parallel {data}); experts are carved out of those ranks, so launch more data-parallel "
-                "replicas or lower the expert sizes.")
-        return ExpertFold(expert_tensor, expert, tensor * data)
+                f"divide the {stage} ranks of a pipeline stage (--tensor-model-parallel-size {tensor} x "
+                f"--context-parallel-size {context} x data-parallel {data}); experts are carved out of those ranks, "
+                "so launch more data-parallel replicas or lower the expert sizes.")
+        return ExpertFold(expert_tensor, expert, stage)
 
     @property
     def expert_data(self) -> int:

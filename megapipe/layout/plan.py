@@ -85,6 +85,23 @@ class PlanLayout:
     def embedding_groups(self, last: int = -1) -> list[list[int]]:
         return [sorted({group[0], group[last]}) for group in self.pipeline_groups()]
 
+    # a stage plan holds no context parallelism: each rank holds whole sequences, its data group is
+    # its data-x-context group
+    context = 1
+    hierarchical = None
+
+    def context_groups(self) -> list[list[int]]:
+        return [[rank] for rank in range(self.world_size)]
+
+    def data_context_groups(self) -> list[list[int]]:
+        return self.data_groups()
+
+    def context_a2a_groups(self) -> list[list[int]]:
+        return []
+
+    def context_ring_groups(self) -> list[list[int]]:
+        return []
+
     # a stage plan holds no expert parallelism: each rank holds every expert, its tensor and data
     # groups serve the experts too
     def expert_groups(self) -> list[list[int]]:

@@ -6,10 +6,11 @@ tensor ranks hold identical copies), and never the last stage's copy of the tied
 (``shared_embedding``: the first stage already counts that gradient). The squared partial norms
 are then summed over the model-parallel group (all t x p ranks of one replica); data-parallel
 replicas hold identical gradients after the all-reduce and need no reduction, unless the
-optimizer is sharded and each replica holds only its piece. Under expert parallelism each expert
+optimizer is sharded and each replica holds only its piece (summed over the data-x-context ranks,
+over which shards are cut). Under expert parallelism each expert
 rank holds other experts (``expert_parallel`` parameters): their squares are also summed over the
 expert group, which a sharded optimizer's data-parallel sum already covers (the expert and
-expert-data ranks of a stage are its data-parallel ranks).
+expert-data ranks of a stage are its data-parallel and context ranks).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: boo
     squared = local_squared_norm(params, ps, sharded)
     all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:
-        all_reduce(squared, ps.dp_group, ps.dp_size)
+        all_reduce(squared, ps.dp_cp_group, ps.dp_cp_size)
     return squared.sqrt()
 
 
@@ -98,6 +99,6 @@ def count_zero_grads(params: list[torch.Tensor], ps: ParallelState, sharded: boo
     zeros += expert_zeros
     all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:
-        all_reduce(zeros, ps.dp_group, ps.dp_size)
+        all_reduce(zeros, ps.dp_cp_group, ps.dp_cp_size)
     return zeros
 

@@ -6,7 +6,10 @@ data-parallel collective on the chunk's gradients and weights; no other module c
 * Gradients: each parameter's ``main_grad`` is a view into one flat buffer, filled by a
   post-accumulate-grad hook (or, for a stashed weight version, by ``accumulate``). A bucket is
   averaged over the data-parallel group (all-reduce, or reduce-scatter into this rank's shard
-  when the optimizer is sharded). With ``overlap_grad_reduce`` a bucket starts from the hook
+  when the optimizer is sharded). Under context parallelism that group is the d x c ranks of a
+  (tensor, pipeline) position: each context rank's backward gives its tokens' share of the gradient
+  (the loss is scaled by c, Megatron's rule), so the average over d x c is the whole gradient, and
+  shards are cut over d x c. "Data-parallel" below means those ranks. With ``overlap_grad_reduce`` a bucket starts from the hook
   of its last gradient during the final backward before a step (``begin_backward(final=True)``),
   so reductions run while backward goes on; ``finish`` waits only for what is in flight.
 * Experts (``expert_parallel`` parameters under expert parallelism) sit in buckets of their own,
@@ -165,7 +168,7 @@ class GradSync:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
         self.params, self.ps, self.level = params, ps, level
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        self.dp = ps.dp_size  # the gradients are averaged over every data-parallel replica
+        self.dp = ps.dp_cp_size  # the gradients are averaged over every data-parallel replica and context rank
         device = _common({p.device for p in params}, "devices")
         self.param_dtype = _common({p.dtype for p in params}, "dtypes")
         self.buckets = plan_buckets(params, bucket_size,
@@ -208,7 +211,7 @@ class GradSync:
         """(group, size, this rank's index) of ``bucket``'s collectives."""
         if bucket.experts:
             return self.ps.expert_dp_group, self.ps.expert_dp_size, self.ps.expert_dp_rank
-        return self.ps.dp_group, self.dp, self.ps.dp_rank
+        return self.ps.dp_cp_group, self.dp, self.ps.dp_cp_rank
 
     def _shard_weights(self, total: int, device) -> None:
         """Make the parameters views of one weight buffer and cut this rank's shards of weights and gradients."""

@@ -175,7 +175,7 @@ class PrecisionOptimizer:
         else:
             all_reduce(tensor, self.ps.tp_group, self.ps.tp_size, op=op)
         if self.sharded:
-            all_reduce(tensor, self.ps.dp_group, self.ps.dp_size, op=op)
+            all_reduce(tensor, self.ps.dp_cp_group, self.ps.dp_cp_size, op=op)
 
     def _inner_step(self, skip: torch.Tensor) -> None:
         """Update unless ``skip``: torch's fused kernels take the flag on the device (``found_inf``,
@@ -263,8 +263,8 @@ class PrecisionOptimizer:
         and must still join every gather."""
         first = self.inner.state.get(self.main_params[0], {}) if self.main_params else {}
         mine = {name: float(value) if value.dim() == 0 else None for name, value in first.items()}
-        everyone: list = [None] * self.ps.dp_size
-        dist.all_gather_object(everyone, mine, group=self.ps.dp_group)
+        everyone: list = [None] * self.ps.dp_cp_size
+        dist.all_gather_object(everyone, mine, group=self.ps.dp_cp_group)
         return next((names for names in everyone if names), {})
 
     @torch.no_grad()

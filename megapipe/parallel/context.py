@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-
 
 @dataclass(frozen=True)
 class ContextGroups:

@@ -1,10 +1,14 @@
-"""Process groups for tensor (t), pipeline (p), data (d) and expert (e) parallelism, built once.
+"""Process groups for tensor (t), context (c), pipeline (p), data (d) and expert (e) parallelism, built once.
 
 The groups come from a layout's arithmetic (``megapipe.layout``: ``RankLayout`` for degrees,
 ``PlanLayout`` for a stage plan with replicated stages); ``ParallelState`` holds the groups and
 answers every rank/stage query the rest of the code needs. Library code receives a ``ParallelState``; there are no module globals.
 The experts' groups (expert, expert-tensor, expert-data) re-fold each stage's ranks
-(``megapipe.layout.experts``); a group of one rank among them is ``None``, created by no one.
+(``megapipe.layout.experts``); a group of one rank among them, or among the context groups, is
+``None``, created by no one. Dense gradients are averaged, and optimizer state sharded, over the
+data-x-context group (``dp_cp_group``): the context ranks of a replica hold the same parameters and
+each computes a share of the same gradient; batches are sliced over the data group alone, since
+the context ranks of a replica read the same samples.
 
 Sizes and indices come from the member lists of the groups, so a state built from another
 layout (a stage plan with replicated stages) or a view of
@@ -23,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.layout.context_comm import check_comm_type
 from megapipe.layout.plan import PlanLayout
 from megapipe.layout.ranks import RankLayout
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.layout.placement import Placement, stages_of_rank
 from megapipe.layout.placement import stage_of_worker
+from megapipe.parallel.context import ContextGroups
 from megapipe.parallel.random import RNGTracker, seed_parallel_rng
 
 # Process groups already created in this process, by (world group, role, ranks, timeout). Every
@@ -46,8 +52,11 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     return _GROUPS[key]
 
 
-# an expert group with the ranks of a dense group (e = 1, or etp = t) is that group
-_EXPERT_ROLES = {"expert_tensor": "tensor", "expert_data": "data"}
+# a group with the ranks of a dense group is that group: an expert group when e = 1 or etp = t, the
+# data-x-context group when c = 1 (the experts' data group is one of the two)
+_SHARED_ROLES = {"expert_tensor": "tensor", "expert_data": "data", "data_context": "data"}
+# groups of one rank among these are None: nothing to communicate, no communicator made
+_OPTIONAL = ("expert", "expert_tensor", "expert_data", "context", "context_a2a", "context_ring")
 
 
 def forget_groups() -> None:
@@ -73,6 +82,7 @@ class ParallelState:
     # Workers per stage when the pipeline group holds replicated stages (1F1B-RR); None: one per stage.
     stage_replicas: Optional[tuple[int, ...]] = None
     placement: Placement = Placement.LOOPED  # where the virtual stages live (layout/placement.py)
+    cp_comm_type: str = "p2p"  # how context-parallel attention exchanges keys and values (layout/context_comm.py)
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -86,31 +96,39 @@ class ParallelState:
     def initialize(tensor: int = 1, pipeline: int = 1, data: Optional[int] = None,
                    virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
                    placement: Placement = Placement.LOOPED, expert: int = 1,
-                   expert_tensor: Optional[int] = None) -> "ParallelState":
+                   expert_tensor: Optional[int] = None, context: int = 1, cp_comm_type: str = "p2p",
+                   hierarchical_context: Optional[tuple[int, ...]] = None) -> "ParallelState":
         """Create every group; all ranks must call this in the same order (collective)."""
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
                               "first or launch with torchrun.")
-        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data, expert, expert_tensor)
+        check_comm_type(context, cp_comm_type, hierarchical_context)
+        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data, expert, expert_tensor, context,
+                                      hierarchical_context)
         if virtual_pipeline < 1:
             raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
         if virtual_pipeline > 1 and pipeline == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1.")
-        return ParallelState.build(layout, virtual_pipeline, timeout=timeout, placement=placement)
+        return ParallelState.build(layout, virtual_pipeline, timeout=timeout, placement=placement,
+                                   cp_comm_type=cp_comm_type)
 
     @staticmethod
     def build(layout, virtual_pipeline: int = 1, stage_replicas: Optional[tuple[int, ...]] = None,
               timeout: Optional[datetime.timedelta] = None,
-              placement: Placement = Placement.LOOPED) -> "ParallelState":
+              placement: Placement = Placement.LOOPED, cp_comm_type: str = "p2p") -> "ParallelState":
         """This process's state under ``layout`` (a ``RankLayout`` or a stage plan's ``PlanLayout``):
         creates every group the layout lists, in the same order on all ranks (collective)."""
         rank = dist.get_rank()
         state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas,
-                              placement=Placement(placement))
+                              placement=Placement(placement), cp_comm_type=cp_comm_type)
         state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
         all_groups = {
             "tensor": layout.tensor_groups(),
+            "context": layout.context_groups(),
             "data": layout.data_groups(),
+            "data_context": layout.data_context_groups(),
+            "context_a2a": layout.context_a2a_groups(),
+            "context_ring": layout.context_ring_groups(),
             "pipeline": layout.pipeline_groups(),
             "model_parallel": layout.model_parallel_groups(),
             "embedding": layout.embedding_groups(state.last_stage_pp_rank),
@@ -120,10 +138,10 @@ class ParallelState:
         }
         for name, groups in all_groups.items():
             for ranks in groups:
-                if name.startswith("expert") and len(ranks) == 1:
+                if name in _OPTIONAL and len(ranks) == 1:
                     group = None
-                else:  # the experts' groups share the communicator of a dense group with the same ranks
-                    group = _group(_EXPERT_ROLES.get(name, name), ranks, timeout)
+                else:
+                    group = _group(_SHARED_ROLES.get(name, name), ranks, timeout)
                 if rank in ranks:
                     state.groups[name] = group
                     state.members[name] = list(ranks)
@@ -138,7 +156,8 @@ class ParallelState:
         """
         groups = dict(self.groups, pipeline=None, model_parallel=self.tp_group, embedding=None)
         members = dict(self.members, pipeline=[self.rank], model_parallel=list(self.members["tensor"]), embedding=[])
-        return ParallelState(self.layout, self.rank, 1, groups, members, self.rng_tracker)
+        return ParallelState(self.layout, self.rank, 1, groups, members, self.rng_tracker,
+                             cp_comm_type=self.cp_comm_type)
 
     def pipeline_side_group(self, role: str, timeout: Optional[datetime.timedelta] = None):
         """A group of this rank's pipeline ranks with a communicator of its own, named by ``role``,
@@ -194,6 +213,41 @@ class ParallelState:
         and reuses its tensor and data groups."""
         default = {"expert": [self.rank], "expert_tensor": self.members["tensor"], "expert_data": self.members["data"]}
         return self.members.get(name, default[name])
+
+    # ---- context parallelism: a state built by hand (offline, tests) has none ----------------------
+    @property
+    def cp_size(self) -> int:
+        return len(self.members.get("context", [self.rank]))
+
+    @property
+    def cp_rank(self) -> int:
+        return self.members.get("context", [self.rank]).index(self.rank)
+
+    @property
+    def cp_group(self):
+        return self.groups.get("context")
+
+    @property
+    def context_groups(self) -> ContextGroups:
+        """What context-parallel attention receives: this rank's context group, and under a2a+p2p its
+        all-to-all and ring sub-groups."""
+        return ContextGroups(self.cp_group, tuple(self.members.get("context", [self.rank])), self.cp_rank,
+                             self.cp_comm_type, self.groups.get("context_a2a"),
+                             tuple(self.members.get("context_a2a", ())), self.groups.get("context_ring"),
+                             tuple(self.members.get("context_ring", ())))
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks dense gradients are averaged, and optimizer state sharded, over: d x c."""
+        return len(self.members.get("data_context", self.members["data"]))
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.members.get("data_context", self.members["data"]).index(self.rank)
+
+    @property
+    def dp_cp_group(self):
+        return self.groups.get("data_context", self.groups["data"])
 
     @property
     def ep_size(self) -> int:
@@ -312,6 +366,8 @@ class ParallelState:
         """This rank's place, each index of its count: ``rank 2: tensor 0/1, stage 1/2, data 0/1``."""
         text = (f"rank {self.rank}: tensor {self.tp_rank}/{self.tp_size}, "
                 f"stage {self.pipeline_stage}/{self.num_stages}, data {self.dp_rank}/{self.dp_size}")
+        if self.cp_size > 1:
+            text += f", context {self.cp_rank}/{self.cp_size}"
         return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 

@@ -36,9 +36,14 @@ rank's time (it is on the critical path):
     (dispatch, combine) and two backward (two more when recomputing), each sending b s k h element
     bytes x (e-1)/e over the link the expert group spans (e consecutive data-parallel replicas);
     each rank holds 1/e of the experts, whose gradients are reduced (and, at sharding levels,
-    whose gradients, weights and optimizer state are sharded) over the d / e expert-data ranks.
+    whose gradients, weights and optimizer state are sharded) over the c d / e expert-data ranks.
+  context parallelism (``Layout.context`` c): a rank holds s / c tokens of every sample, so its
+    compute is the layers' at b / (t c) and its activations and messages those of b / c samples;
+    each block adds its key/value exchanges over the context group (``context_costs.py``), on the
+    critical path like the tensor-parallel all-reduces (the ring's overlap with the blocks'
+    attention is not modelled); gradients are reduced, and sharded, over the d x c ranks.
 A collective or message pays the link of the slowest pair it spans (``Cluster.link``) with the
-rank order tensor-innermost, then data, then pipeline, so t shares a node first; a collective's
+rank order tensor-innermost, then context, then data, then pipeline, so t shares a node first; a collective's
 steps cost the link's ``reduce_latency``, which on busy CPUs exceeds a message's latency.
 The optimizer step (seconds per parameter from the profile) follows the flush, or for 2BW and
 PipeDream runs in each stage's stream of backwards. When the devices are processes sharing
@@ -65,7 +70,9 @@ import numpy as np
 
 from megapipe.models.flops import transformer_flops
 from megapipe.pipeline.ir.schedules import schedule_descriptor
+from megapipe.layout.ranks import RankLayout
 from megapipe.planner.cluster import Cluster, Link
+from megapipe.planner.context_costs import Exchange, exchanges
 from megapipe.planner.profile import LayerCosts, ModelProfile
 from megapipe.planner.schedule_costs import (SEARCHED, Searched, bubble_fraction, flushes, in_flight, pipeline_time,
                                              placement_of, searched, unties_embeddings, weight_versions)
@@ -86,13 +93,16 @@ class Layout:
     virtual: int = 1
     recompute: bool = False
     sharding: str = "no_shard"  # --data-parallel-sharding-strategy
-    expert: int = 1  # --expert-model-parallel-size e (expert-tensor size t): e divides d
+    expert: int = 1  # --expert-model-parallel-size e (expert-tensor size t): e divides c x d
+    context: int = 1  # --context-parallel-size c: each sequence over c ranks (context_costs.py)
+    cp_comm_type: str = "p2p"
 
     def describe(self) -> str:
         chunks = f", v={self.virtual}" if self.virtual > 1 else ""
         sharded = f", {self.sharding}" if self.sharding != "no_shard" else ""
         experts = f", e={self.expert}" if self.expert > 1 else ""
-        return (f"t={self.tensor}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
+        context = f", c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
+        return (f"t={self.tensor}{context}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
                 f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}")
 
 
@@ -129,6 +139,7 @@ class Estimate:
     traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
     rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
     expert_comm_time: float = 0.0  # per batch on the slowest rank: the MoE blocks' token all-to-alls
+    context_comm_time: float = 0.0  # per batch on the slowest rank: the key/value exchanges of context parallelism
 
 
 def collective_time(collective: str, nbytes: float, members: int, link: Link, backend: str = "nccl") -> float:
@@ -156,14 +167,22 @@ def exposed_transfers(schedule: str, backend: str) -> int:
     return 2 if backend == "gloo" and schedule_descriptor(schedule).alternates else 1
 
 
-def _rank_order(t: int, d: int):
-    """Global rank of (tensor, data, pipeline) indices, tensor-innermost."""
-    return lambda ti, di, pi: ti + t * (di + d * pi)
+def exchange_time(exchange: Exchange, members: int, link: Link, backend: str = "nccl") -> float:
+    """Seconds of one context-parallel exchange (``context_costs.py``) over ``link``, all its repetitions."""
+    if exchange.kind == "send":
+        one = _transfer(exchange.nbytes, link)
+    elif exchange.kind == "all_to_all":
+        one = all_to_all_time(exchange.nbytes, members, link)
+    else:
+        one = collective_time(exchange.kind, exchange.nbytes, members, link, backend)
+    return exchange.count * one
 
 
-def _boundary_pairs(rank, t: int, replicas, p: int, r: int) -> list[list[int]]:
+def _boundary_pairs(layout: RankLayout, replicas, r: int) -> list[list[int]]:
     """The (sender, receiver) pairs of pipeline link r (rank r to r + 1, wrapping) in the given replicas."""
-    return [[rank(ti, di, r), rank(ti, di, (r + 1) % p)] for ti in range(t) for di in replicas]
+    p = layout.pipeline
+    return [[layout.rank(ti, di, r, ci), layout.rank(ti, di, (r + 1) % p, ci)]
+            for ti in range(layout.tensor) for ci in range(layout.context) for di in replicas]
 
 
 def _slowness(link: Link) -> tuple:
@@ -217,50 +236,57 @@ class PlanCostModel:
         return self.profile.costs(micro_batch_size)
 
     @lru_cache(maxsize=None)
-    def links(self, t: int, p: int, d: int) -> tuple[Link, Link, tuple[Link, ...], Link]:
-        """Tensor-group, data-group, per-boundary pipeline (rank r to r+1, wrapping) and embedding-group links.
+    def links(self, t: int, p: int, d: int, c: int = 1) -> tuple[Link, Link, tuple[Link, ...], Link]:
+        """Tensor-group, data-x-context-group (gradients), per-boundary pipeline (rank r to r+1, wrapping)
+        and embedding-group links, with the ranks in Megatron's order (``layout/ranks.py``).
 
-        A boundary's link is that of one pipeline replica: its t tensor ranks send at the same moment
-        and share their node's uplink, while the d replicas are independent pipelines that take turns
-        on it (``boundary_uplinks`` bounds what all of them send together)."""
-        slowest = self.cluster.group_link
-        rank = _rank_order(t, d)
-        tensor = slowest([[rank(ti, di, pi) for ti in range(t)] for di in range(d) for pi in range(p)])
-        data = slowest([[rank(ti, di, pi) for di in range(d)] for ti in range(t) for pi in range(p)])
-        boundaries = tuple(min((slowest(_boundary_pairs(rank, t, [di], p, r)) for di in range(d)), key=_slowness)
+        A boundary's link is that of one pipeline replica: its t x c tensor and context ranks send at the
+        same moment and share their node's uplink, while the d replicas are independent pipelines that
+        take turns on it (``boundary_uplinks`` bounds what all of them send together)."""
+        slowest, layout = self.cluster.group_link, RankLayout(t, p, d, context=c)
+        boundaries = tuple(min((slowest(_boundary_pairs(layout, [di], r)) for di in range(d)), key=_slowness)
                            for r in range(p))
-        embedding = slowest([[rank(ti, di, 0), rank(ti, di, p - 1)] for ti in range(t) for di in range(d)])
-        return tensor, data, boundaries, embedding
+        embedding = slowest([[group[0], group[-1]] for group in layout.pipeline_groups()])
+        return slowest(layout.tensor_groups()), slowest(layout.data_context_groups()), boundaries, embedding
 
     @lru_cache(maxsize=None)
-    def expert_links(self, t: int, p: int, d: int, e: int) -> tuple[Link, Link]:
-        """The links of the expert groups (e consecutive data-parallel replicas of one tensor index, as
-        ``megapipe.layout.experts`` folds them at expert-tensor size t) and of the expert-data groups."""
-        slowest = self.cluster.group_link
-        rank = _rank_order(t, d)
-        experts = slowest([[rank(ti, first + j, pi) for j in range(e)]
-                           for ti in range(t) for first in range(0, d, e) for pi in range(p)])
-        expert_data = slowest([[rank(ti, j + e * k, pi) for k in range(d // e)]
-                               for ti in range(t) for j in range(e) for pi in range(p)])
-        return experts, expert_data
+    def context_link(self, t: int, p: int, d: int, c: int) -> Link:
+        """The link of the context groups: c ranks t apart, in context-index order (a ring under p2p)."""
+        return self.cluster.group_link(RankLayout(t, p, d, context=c).context_groups())
 
     @lru_cache(maxsize=None)
-    def boundary_uplinks(self, t: int, p: int, d: int) -> tuple[Link, ...]:
-        """Per boundary (rank r to r+1, wrapping), the link all t x d pairs across it share when they send at once."""
-        rank = _rank_order(t, d)
-        return tuple(self.cluster.group_link(_boundary_pairs(rank, t, range(d), p, r)) for r in range(p))
+    def expert_links(self, t: int, p: int, d: int, e: int, c: int = 1) -> tuple[Link, Link]:
+        """The links of the expert groups (e consecutive data-parallel or context ranks of one tensor index,
+        as ``megapipe.layout.experts`` folds them at expert-tensor size t) and of the expert-data groups."""
+        layout = RankLayout(t, p, d, expert=e, context=c)
+        return self.cluster.group_link(layout.expert_groups()), self.cluster.group_link(layout.expert_data_groups())
+
+    @lru_cache(maxsize=None)
+    def boundary_uplinks(self, t: int, p: int, d: int, c: int = 1) -> tuple[Link, ...]:
+        """Per boundary (rank r to r+1, wrapping), the link all t x c x d pairs across it share when they send at once."""
+        layout = RankLayout(t, p, d, context=c)
+        return tuple(self.cluster.group_link(_boundary_pairs(layout, range(d), r)) for r in range(p))
 
     def _rank_loads(self, layout: Layout) -> "_RankLoads":
         """Per pipeline rank and microbatch: seconds of compute and communication, parameters and stashes."""
         shape = self.profile.shape
-        t, p, v, b = layout.tensor, layout.pipeline, layout.virtual, layout.micro_batch_size
+        t, p, v, b, c = layout.tensor, layout.pipeline, layout.virtual, layout.micro_batch_size, layout.context
         stages, n_layers = p * v, shape.num_layers
         placement = placement_of(layout.schedule)
-        timing, sizes = self.costs(b / t), self.costs(float(b))
-        tensor_link, _, boundary_links, _ = self.links(t, p, layout.data)
+        # a context rank holds s / c tokens of each sample: the work and bytes of b / c whole samples
+        timing, sizes = self.costs(b / (t * c)), self.costs(b / c)
+        tensor_link, _, boundary_links, _ = self.links(t, p, layout.data, c)
         speed = self.cluster.compute_speed
         backward = timing.recompute_backward if layout.recompute else timing.backward
-        activation = b * shape.seq_length * shape.hidden_size * self.element_bytes
+        activation = b * shape.seq_length / c * shape.hidden_size * self.element_bytes
+        context = [0.0, 0.0]  # per block: seconds of the key/value exchanges forward, backward
+        if c > 1:
+            for exchange in exchanges(layout.cp_comm_type, c, b * shape.seq_length / c, shape.hidden_size / t,
+                                      self.element_bytes):
+                context[exchange.backward] += exchange_time(exchange, c, self.context_link(t, p, layout.data, c),
+                                                            self.cluster.backend)
+        if layout.recompute:
+            context[1] += context[0]
         allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
@@ -269,7 +295,7 @@ class PlanCostModel:
         exchange, expert_params = 0.0, 0.0  # per MoE block: one all-to-all; the experts' parameters held
         if e > 1:  # at e = 1 the experts are data-parallel like the rest and need no exchange
             tokens = b * shape.seq_length * shape.moe_router_topk * shape.hidden_size * self.element_bytes
-            exchange = all_to_all_time(tokens, e, self.expert_links(t, p, layout.data, e)[0])
+            exchange = all_to_all_time(tokens / c, e, self.expert_links(t, p, layout.data, e, c)[0])
             expert_params = shape.expert_params_per_block / t / e
         message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
@@ -287,9 +313,11 @@ class PlanCostModel:
             receive_forward, receive_backward = (
                 waits * _transfer(message, _boundary(boundary_links, placement, p, s, neighbour))
                 if 0 <= neighbour < stages else 0.0 for neighbour in (s - 1, s + 1))
-            loads.forward[r] += forward + tp_forward + ep_forward + receive_forward
-            loads.backward[r] += back + tp_backward + ep_backward + receive_backward
+            cp_forward, cp_backward = len(blocks) * context[0], len(blocks) * context[1]
+            loads.forward[r] += forward + tp_forward + ep_forward + cp_forward + receive_forward
+            loads.backward[r] += back + tp_backward + ep_backward + cp_backward + receive_backward
             loads.expert[r] += ep_forward + ep_backward
+            loads.context[r] += cp_forward + cp_backward
             loads.compute[r] += forward + back
             loads.tensor[r] += tp_forward + tp_backward
             loads.pipe[r] += receive_forward + receive_backward
@@ -310,14 +338,16 @@ class PlanCostModel:
         """Per rank, the data-parallel time the batch waits for: the gradient reduction (all-reduce, or
         reduce-scatter and weight all-gather when sharded, minus what overlap hides), optim_grads_params'
         gathers before every pass, and the tied embedding's sum."""
-        t, p, d = layout.tensor, layout.pipeline, layout.data
-        _, data_link, _, embedding_link = self.links(t, p, d)
+        t, p, d, c = layout.tensor, layout.pipeline, layout.data, layout.context
+        _, data_link, _, embedding_link = self.links(t, p, d, c)
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
         overlap = self.training.overlap and flushes(layout.schedule)
         backend = self.cluster.backend
-        groups = [(params - loads.expert_params, d, data_link)]  # the dense parameters over the data group,
-        if layout.expert > 1:  # the experts' over their expert-data group, one after the other
-            groups.append((loads.expert_params, d // layout.expert, self.expert_links(t, p, d, layout.expert)[1]))
+        # the dense parameters over the data-x-context group, the experts' over their expert-data group
+        groups = [(params - loads.expert_params, d * c, data_link)]
+        if layout.expert > 1:  # one after the other
+            groups.append((loads.expert_params, d * c // layout.expert,
+                           self.expert_links(t, p, d, layout.expert, c)[1]))
 
         def over_groups(collective: str, element_bytes: float) -> np.ndarray:
             return np.array([sum(collective_time(collective, counts[r] * element_bytes, members, link, backend)
@@ -362,7 +392,7 @@ class PlanCostModel:
     def _state_bytes(self, layout: Layout, params: float, rank: int, expert_params: float = 0.0) -> float:
         """Weights (all versions), gradients and optimizer state of ``params`` parameters at the layout's sharding;
         ``expert_params`` of them (this rank's 1/e of the experts) are sharded over the d / e expert-data ranks."""
-        d, grads = layout.data, self.training.grad_bytes_per_param
+        d, grads = layout.data * layout.context, self.training.grad_bytes_per_param  # sharded over d x c
         versions = weight_versions(layout.schedule, layout.pipeline, rank)
         if layout.sharding == "no_shard":
             return params * (self.element_bytes * versions + grads + self.optimizer_bytes)
@@ -390,22 +420,22 @@ class PlanCostModel:
             batch_time = max(pipe, data)
         batch_time = max(batch_time, m * self._busiest_link(layout, loads))
         if self.cluster.shared_cores is not None:  # processes on fewer cores: idle ranks lend theirs
-            work = t * d * float(m * loads.compute.sum() + steps.sum())
+            work = t * layout.context * d * float(m * loads.compute.sum() + steps.sum())
             batch_time = max(batch_time, work / self.cluster.shared_cores)
         memory, recompute_layers = self._memory(layout, loads, m, search)
         slowest = int(np.argmax(loads.forward + loads.backward))
         samples = batch / batch_time
-        flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * p * d)
+        flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * layout.context * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
-                        m * float(loads.expert[slowest]))
+                        m * float(loads.expert[slowest]), m * float(loads.context[slowest]))
 
     def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
         """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all
         data-parallel replicas and tensor ranks send across it (full duplex: the other direction is as busy)."""
-        uplinks = self.boundary_uplinks(layout.tensor, layout.pipeline, layout.data)
+        uplinks = self.boundary_uplinks(layout.tensor, layout.pipeline, layout.data, layout.context)
         return max((loads.link_bytes[r] / link.bandwidth + loads.link_messages[r] * link.latency
                     for r, link in enumerate(uplinks)), default=0.0)
 
@@ -418,11 +448,14 @@ class PlanCostModel:
         tied = 0.0 if unties_embeddings(layout.schedule, p) else self.profile.output_weight_params / t
         blocks = [sum(len([l for l in stage_layers(shape.num_layers, p * v, s) if 1 <= l <= shape.num_layers])
                       for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
+        c, tokens = layout.context, b * shape.seq_length / layout.context  # per context rank
         inputs = TrafficInputs(t, p, layout.data, v, self.training.global_batch_size // (layout.data * b),
-                               b * shape.seq_length * shape.hidden_size * self.element_bytes, list(loads.params),
+                               tokens * shape.hidden_size * self.element_bytes, list(loads.params),
                                tied, self.element_bytes, self.training.grad_bytes_per_param, layout.sharding,
                                self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
-                               logit_values=b * shape.seq_length, placement=placement)
+                               logit_values=tokens, placement=placement, context=c,
+                               context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
+                                                           self.element_bytes))
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 
@@ -431,7 +464,7 @@ class _RankLoads:
 
     def __init__(self, p: int, block_stash: float, block_input: float):
         self.forward, self.backward, self.compute = np.zeros(p), np.zeros(p), np.zeros(p)
-        self.tensor, self.pipe, self.expert = np.zeros(p), np.zeros(p), np.zeros(p)
+        self.tensor, self.pipe, self.expert, self.context = np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p)
         self.params, self.stash, self.unrecomputed_stash = np.zeros(p), np.zeros(p), np.zeros(p)
         self.expert_params = np.zeros(p)  # the part of ``params`` split by expert parallelism (0 at e = 1)
         self.link_bytes, self.link_messages = np.zeros(p), np.zeros(p)  # per link r (rank r to r+1, wrapping)

@@ -82,6 +82,9 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.expert > 1:
         words += ["--expert-model-parallel-size", str(layout.expert)]
+    if layout.context > 1:  # attention dropout cannot be split over key blocks
+        words += ["--context-parallel-size", str(layout.context), "--cp-comm-type", layout.cp_comm_type,
+                  "--attention-dropout", "0"]
     if layout.virtual > 1:
         words += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual))]
     if layout.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
@@ -117,6 +120,8 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
         "data_parallel_size": layout.data,
         "data_parallel_sharding_strategy": layout.sharding,
         "expert_model_parallel_size": layout.expert,
+        "context_parallel_size": layout.context,
+        "cp_comm_type": layout.cp_comm_type,
         "microbatches_per_pipeline": estimate.microbatches,
         "recompute": ({"granularity": "full", "method": "uniform", "num_layers": estimate.recompute_layers}
                       if layout.recompute else None),

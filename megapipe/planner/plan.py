@@ -34,6 +34,8 @@ class PlanRequest:
     shardings: Sequence[str] = SHARDING_STRATEGIES  # --data-parallel-sharding-strategy levels tried when d > 1
     max_virtual: int = 8  # most chunks per rank tried for the schedules that take several
     training: Optional[Training] = None  # default: Training(global_batch_size)
+    context_sizes: Sequence[int] = (1,)  # --context-parallel-size values tried (those the sequence and world allow)
+    cp_comm_type: str = "p2p"  # of every layout with c > 1 (context_costs.PLANNED_COMM_TYPES)
 
     def costs_training(self) -> Training:
         return self.training or Training(self.global_batch_size)
@@ -69,25 +71,38 @@ def _divisors(n: int) -> list[int]:
 
 
 def expert_sizes(shape: ModelShape, data: int) -> list[int]:
-    """The expert-parallel sizes e a stage of ``data`` replicas allows: e divides the experts and d."""
+    """The expert-parallel sizes e a stage of ``data`` replicas (data-parallel x context ranks) allows:
+    e divides the experts and c x d."""
     if not shape.is_moe:
         return [1]
     return [e for e in _divisors(shape.num_experts) if data % e == 0]
 
 
-def model_splits(shape: ModelShape, devices: int) -> Iterator[tuple[int, int, int]]:
-    """(t, p, d) with t p d = devices, t dividing heads, width and MLP width, p dividing the layers."""
-    for t in _divisors(devices):
+def model_splits(shape: ModelShape, devices: int, context: int = 1) -> Iterator[tuple[int, int, int]]:
+    """(t, p, d) with t c p d = devices, t dividing heads, width and MLP width, p dividing the layers."""
+    if devices % context:
+        return
+    for t in _divisors(devices // context):
         if shape.num_attention_heads % t or shape.hidden_size % t or shape.ffn_hidden_size % t:
             continue
-        for p in _divisors(devices // t):
+        for p in _divisors(devices // (context * t)):
             if shape.num_layers % p == 0:
-                yield t, p, devices // (t * p)
+                yield t, p, devices // (context * t * p)
+
+
+def context_allowed(shape: ModelShape, tensor: int, context: int, comm_type: str) -> bool:
+    """Whether c splits the sequence into 2c chunks and, for a2a, each tensor rank's heads."""
+    if context == 1:
+        return True
+    return shape.seq_length % (2 * context) == 0 and not (
+        comm_type == "a2a" and (shape.num_attention_heads // tensor) % context)
 
 
 def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> Iterator[Layout]:
     batch = request.global_batch_size
-    for t, p, d in model_splits(shape, devices):
+    splits = [(t, c, p, d) for c in request.context_sizes for t, p, d in model_splits(shape, devices, c)
+              if context_allowed(shape, t, c, request.cp_comm_type)]
+    for t, c, p, d in splits:
         if batch % d:
             continue
         sizes = request.micro_batch_sizes or [b for b in _divisors(batch // d) if b <= request.max_micro_batch_size]
@@ -104,9 +119,10 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                 for v in chunks:
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
-                            for sharding in _shardings(request, d, schedule):
-                                for e in expert_sizes(shape, d):
-                                    yield Layout(t, p, d, b, schedule, v, recompute, sharding, e)
+                            for sharding in _shardings(request, c * d, schedule):
+                                for e in expert_sizes(shape, c * d):
+                                    yield Layout(t, p, d, b, schedule, v, recompute, sharding, e, c,
+                                                 request.cp_comm_type)
 
 
 def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout]:
@@ -125,7 +141,8 @@ def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout
 
 
 def _shardings(request: PlanRequest, d: int, schedule: str) -> list[str]:
-    """Sharding levels worth estimating: none without replicas; no optim_grads_params for 2BW and PipeDream."""
+    """Sharding levels worth estimating over ``d`` ranks (data-parallel x context): none over one; no
+    optim_grads_params for 2BW and PipeDream."""
     if d == 1:
         return ["no_shard"]
     return [s for s in request.shardings if not (s == "optim_grads_params" and not flushes(schedule))]

@@ -1,8 +1,9 @@
 """What a layout sends between nodes per iteration: the bytes each kind of communication puts on
 the inter-node links, from the rank order and the algorithm of each collective.
 
-Ranks are laid out tensor-innermost (rank = t_i + t (d_i + d p_i), node = rank // gpus_per_node).
-Per iteration of m microbatches of b samples:
+Ranks are laid out tensor-innermost (rank = t_i + t (c_i + c (d_i + d p_i)), node = rank //
+gpus_per_node; ``layout/ranks.py``). Per iteration of m microbatches of b samples (each context
+rank sending its s / c tokens' share of every activation):
 
 * pipeline: every stage boundary carries the boundary tensor (b s h elements) forward and its
   gradient backward, per microbatch; with scatter/gather each of the t tensor ranks sends 1/t
@@ -10,7 +11,10 @@ Per iteration of m microbatches of b samples:
   it. A boundary counts when its two ends sit on different nodes.
 * tied embedding: the first and the last stage sum the word embedding's gradient (V/t x h per
   tensor rank) with an all-reduce of two members, unless the schedule unties it.
-* data parallelism: per data-parallel group, the gradient reduction of every rank's parameters
+* context parallelism: per context group and block, the key/value exchanges of ``context_costs.py``
+  (a ring step's message on every ring link, collectives as rings, an all-to-all's 1/c of what a
+  rank sends to each member on another node), forward and backward, once more with recomputation.
+* data parallelism: per data-x-context group, the gradient reduction of every rank's parameters
   (``no_shard``: all-reduce; sharded: reduce-scatter, then an all-gather of the updated
   weights; ``optim_grads_params`` gathers the weights before each forward and backward of
   every microbatch instead, and not after the step).
@@ -35,9 +39,11 @@ per-iteration control collectives (loss, norms, exit flags) are not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from megapipe.layout.ranks import RankLayout
+from megapipe.planner.context_costs import Exchange
 from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
 
 BACKENDS = ("nccl", "gloo")
@@ -82,10 +88,11 @@ class Traffic:
     embedding: float
     data: float
     tensor: float
+    context: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.embedding + self.data + self.tensor
+        return self.pipeline + self.embedding + self.data + self.tensor + self.context
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class TrafficInputs:
     data: int
     virtual: int
     microbatches: int  # m, per pipeline and iteration
-    boundary_bytes: float  # one microbatch's boundary tensor, whole (b s h x element bytes)
+    boundary_bytes: float  # one microbatch's boundary tensor on a context rank, whole (b s h / c x element bytes)
     rank_params: Sequence[float]  # parameters a rank of each pipeline rank holds (1/t of the split ones)
     tied_params: float  # the tied word embedding's parameters on a tensor rank (0 when untied)
     element_bytes: int  # of weights and activations
@@ -108,12 +115,16 @@ class TrafficInputs:
     blocks_per_rank: Sequence[int] = ()  # transformer blocks on each pipeline rank (for tensor traffic)
     logit_values: float = 0.0  # b s: the cross entropy's reduced values per microbatch
     placement: Placement = Placement.LOOPED  # where the virtual stages live (``layout/placement.py``)
+    context: int = 1
+    context_exchanges: Sequence[Exchange] = ()  # per block and microbatch (``context_costs.exchanges``)
 
 
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
-    t, p, d, v, m = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches
+    t, p, d, v, m, c = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches, inputs.context
 
-    rank = RankLayout(t, p, d).rank
+    layout = RankLayout(t, p, d, context=c)
+    rank = layout.rank
+    replicas = [(ti, di, ci) for ti in range(t) for di in range(d) for ci in range(c)]
 
     def crossing(a: int, b: int) -> bool:
         return node_of(a) != node_of(b)
@@ -123,31 +134,34 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
     stage_rank = [rank_of_stage(inputs.placement, p, stage) for stage in range(p * v)]
     for stage in range(p * v - 1):  # stage s sends to stage s + 1 (nothing where one rank holds both)
         ends = stage_rank[stage], stage_rank[stage + 1]
-        pipeline += sum(2 * m * message for ti in range(t) for di in range(d)
-                        if crossing(rank(ti, di, ends[0]), rank(ti, di, ends[1])))
+        pipeline += sum(2 * m * message for ti, di, ci in replicas
+                        if crossing(rank(ti, di, ends[0], ci), rank(ti, di, ends[1], ci)))
 
     embedding = 0.0
     if inputs.tied_params and p * v > 1 and stage_rank[-1] != 0:  # under a V one rank holds both copies
         tied = inputs.tied_params * inputs.grad_bytes
-        embedding = sum(crossing_links([rank(ti, di, 0), rank(ti, di, p - 1)], node_of)
-                        * link_bytes("all_reduce", tied, 2, backend) for ti in range(t) for di in range(d))
+        embedding = sum(crossing_links([rank(ti, di, 0, ci), rank(ti, di, p - 1, ci)], node_of)
+                        * link_bytes("all_reduce", tied, 2, backend) for ti, di, ci in replicas)
 
-    data = 0.0
+    data, members = 0.0, d * c  # gradients are reduced over the data-x-context ranks
+    data_crossings = _crossings_per_stage(layout, "data_context", node_of)
     for pi in range(p):
         grads = inputs.rank_params[pi] * inputs.grad_bytes
         weights = inputs.rank_params[pi] * inputs.element_bytes
         if inputs.sharding == "no_shard":
-            per_link = link_bytes("all_reduce", grads, d, backend)
+            per_link = link_bytes("all_reduce", grads, members, backend)
         elif inputs.sharding == "optim_grads_params":  # gathers before every pass instead of after the step
-            per_link = link_bytes("reduce_scatter", grads, d, backend) + 2 * m * link_bytes("all_gather", weights, d,
-                                                                                            backend)
+            per_link = (link_bytes("reduce_scatter", grads, members, backend)
+                        + 2 * m * link_bytes("all_gather", weights, members, backend))
         else:
-            per_link = link_bytes("reduce_scatter", grads, d, backend) + link_bytes("all_gather", weights, d, backend)
-        data += sum(crossing_links([rank(ti, di, pi) for di in range(d)], node_of) for ti in range(t)) * per_link
+            per_link = (link_bytes("reduce_scatter", grads, members, backend)
+                        + link_bytes("all_gather", weights, members, backend))
+        data += data_crossings[pi] * per_link
 
     tensor = 0.0
     if t > 1:
         activation = inputs.boundary_bytes
+        tensor_crossings = _crossings_per_stage(layout, "tensor", node_of)
         for pi in range(p):
             blocks = inputs.blocks_per_rank[pi] if inputs.blocks_per_rank else 0
             head = pi == stage_rank[-1]
@@ -160,5 +174,33 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
                            for s in stages_of_rank(inputs.placement, p, v, pi) for n in (s - 1, s + 1))
             if inputs.scatter_gather and p > 1:
                 per_link += m * received * link_bytes("all_gather", activation, t, backend)
-            tensor += sum(crossing_links([rank(ti, di, pi) for ti in range(t)], node_of) for di in range(d)) * per_link
-    return Traffic(pipeline, embedding, data, tensor)
+            tensor += tensor_crossings[pi] * per_link
+
+    context = 0.0
+    for group in layout.context_groups() if inputs.blocks_per_rank else ():
+        blocks = inputs.blocks_per_rank[layout.coords(group[0]).pipeline]
+        for exchange in inputs.context_exchanges:
+            repeats = m * blocks * exchange.count * (1 + (inputs.recompute and not exchange.backward))
+            context += repeats * exchange_crossing_bytes(exchange, group, node_of, backend)
+    return Traffic(pipeline, embedding, data, tensor, context)
+
+
+@lru_cache(maxsize=1024)
+def _crossings_per_stage(layout: RankLayout, kind: str, node_of: Callable[[int], int]) -> tuple[int, ...]:
+    """Per pipeline index, the ring links of the layout's ``kind`` groups (each inside one pipeline
+    index) that cross nodes; cached, since a search asks for the same layouts many times."""
+    counts = [0] * layout.pipeline
+    for group in getattr(layout, f"{kind}_groups")():
+        counts[layout.coords(group[0]).pipeline] += crossing_links(group, node_of)
+    return tuple(counts)
+
+
+def exchange_crossing_bytes(exchange: Exchange, group: Sequence[int], node_of: Callable[[int], int],
+                            backend: str = "nccl") -> float:
+    """Bytes one context-parallel exchange of ``group`` puts between nodes (once, not its repetitions)."""
+    if exchange.kind == "all_to_all":
+        share = exchange.nbytes / len(group)
+        return sum(share for a in group for b in group if a != b and node_of(a) != node_of(b))
+    if exchange.kind == "send":
+        return crossing_links(list(group), node_of) * exchange.nbytes
+    return crossing_links(list(group), node_of) * link_bytes(exchange.kind, exchange.nbytes, len(group), backend)

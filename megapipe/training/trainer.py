@@ -68,7 +68,9 @@ class Trainer:
         if plan is None:
             self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
                                                timeout=timeout, placement=_placement(par), expert=par.expert,
-                                               expert_tensor=par.expert_tensor)
+                                               expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                               cp_comm_type=par.cp_comm_type,
+                                               hierarchical_context=par.hierarchical_context_parallel_sizes)
         else:
             self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
         eval_samples = t.eval_iters * t.global_batch_size

@@ -4,7 +4,8 @@ expert's routing bias moves by ``--moe-router-bias-update-rate`` towards balance
     b_e <- b_e + rate * sign(mean_j c_j - c_e),
 
 where c_e counts the tokens routed to expert e during the step, summed over the data-parallel
-replicas (tensor ranks route the same tokens, so they agree without a sum). An overloaded expert is
+replicas and context ranks, each of which routes tokens of its own (tensor ranks route the same
+tokens, so they agree without a sum). An overloaded expert is
 chosen less often afterwards, an idle one more; the bias never changes the weights of the outputs.
 """
 

@@ -115,7 +115,7 @@ class PipelineEngine:
                               f"with placement={wanted!r}.")
         params_dtype = next(p.dtype for chunk in chunks for p in chunk.parameters())
         self.grads = [GradBuffers(group, group_ps, optimizer_config.grad_dtype(params_dtype),
-                                  optimizer_config.bucket_size(ps.dp_size), optimizer_config.sharding,
+                                  optimizer_config.bucket_size(ps.dp_cp_size), optimizer_config.sharding,
                                   optimizer_config.overlap_grad_reduce, optimizer_config.overlap_param_gather)
                       for group, group_ps in self._groups]
         self.optimizers = [build_optimizer(group, optimizer_config, group_ps, grads)
@@ -184,7 +184,7 @@ class PipelineEngine:
 
     def _after_step(self, group: int, result: StepResult) -> None:
         self.optimizers[group].zero_grad()
-        update_expert_biases(self._groups[group][0], self._groups[group][1].dp_group)
+        update_expert_biases(self._groups[group][0], self._groups[group][1].dp_cp_group)
         self.passes.updated([self.chunks.index(chunk) for chunk in self._groups[group][0]])
         self._steps.append(result)
 
