@@ -16,8 +16,11 @@ weights), the peak over the forward and backward above the weights (gradients in
 memory model's ``activation_bytes_per_rank`` (``megapipe.planner.context_costs``), which counts the
 first of these.
 
+The ring (``--cp-comm-type p2p``, the default) is measured: its sends and receives are the exchanges
+stubbed here; the other comm types' collectives are not.
+
     python benchmarks/bench_context_memory.py                         # 2 layers, 16K, c = 1, 2, 4, 8
-    python benchmarks/bench_context_memory.py --num-layers 4 --cp-comm-type all_gather
+    python benchmarks/bench_context_memory.py --num-layers 4 --context 1,16
 """
 
 from __future__ import annotations
@@ -45,11 +48,10 @@ def model_config(layers: int, seq_length: int) -> ModelConfig:
                        params_dtype=torch.bfloat16)
 
 
-def context_rank(context: int, comm_type: str) -> ParallelState:
-    """Context rank 0 of ``context`` ranks, without process groups (its exchanges are sent nowhere)."""
+def context_rank(context: int) -> ParallelState:
+    """Context rank 0 of ``context`` ranks on a ring, without process groups (its exchanges are sent nowhere)."""
     ps = ParallelState.single()
     ps.members["context"] = list(range(context))
-    ps.cp_comm_type = comm_type
     return ps
 
 
@@ -62,9 +64,9 @@ def exchanges_nowhere():
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention)]
 
 
-def measure(config: ModelConfig, context: int, comm_type: str) -> tuple[int, int]:
+def measure(config: ModelConfig, context: int) -> tuple[int, int]:
     """(bytes kept for backward at the end of the forward, peak bytes over forward and backward), above the weights."""
-    ps = context_rank(context, comm_type)
+    ps = context_rank(context)
     local = config.seq_length // context
     patches = exchanges_nowhere()
     with fake_accelerator(), DeviceMemory() as memory, patches[0], patches[1], patches[2], patches[3]:
@@ -85,19 +87,18 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seq-length", type=int, default=16384)
     parser.add_argument("--context", default="1,2,4,8", help="comma-separated context-parallel sizes")
-    parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "all_gather", "a2a"))
     args = parser.parse_args()
     config = model_config(args.num_layers, args.seq_length)
     shape = ModelShape.from_config("gpt", config)
     shape = ModelShape(shape.kind, shape.num_layers, shape.hidden_size, shape.num_attention_heads,
                        shape.seq_length, config.padded_vocab_size(1), shape.ffn_hidden_size)
     print(f"torch {torch.__version__}; GPT {args.num_layers} layers of the 1.3B shape, bf16, sequence "
-          f"{args.seq_length}, micro-batch 1, --cp-comm-type {args.cp_comm_type}; bytes of context rank 0")
+          f"{args.seq_length}, micro-batch 1, --cp-comm-type p2p; bytes of context rank 0")
     print_ruled(f"{'c':>2s} {'tokens/rank':>11s} {'kept GiB':>9s} {'x c=1':>6s} {'peak GiB':>9s} {'x c=1':>6s} "
                 f"{'model GiB':>9s} {'model/kept':>10s}")
     first = None
     for context in (int(c) for c in args.context.split(",")):
-        kept, peak = measure(config, context, args.cp_comm_type)
+        kept, peak = measure(config, context)
         first = first or (kept, peak)
         model = activation_bytes_per_rank(shape, args.seq_length, context)
         print(f"{context:2d} {args.seq_length // context:11d} {kept / GIB:9.3f} {kept / first[0]:6.3f} "
