@@ -6,7 +6,8 @@ under context parallelism every rank trains on its two chunks of each sequence (
 The per-microbatch losses (each context rank reports the whole sequence's) and every parameter
 after 3 steps must equal the reference's within 1e-5 relative, in fp32, for GPT and a Llama-shaped
 GPT (RoPE, grouped-query attention with 2 groups) at c = 2 and 4 under each comm type (a2a where
-the local heads and query groups divide by c), with t = 2 (once with full recomputation), with p = 2 under 1F1B and interleaved
+the local heads and query groups divide by c), with t = 2 (with sequence parallelism, and with full
+recomputation), with p = 2 under 1F1B and interleaved
 1F1B, with d = 2 and ZeRO-1; for BERT (bidirectional, padding, the sentence-order head on [CLS],
 which only context rank 0 holds); for a mixture-of-experts Llama (the balancing and z losses, whose
 gradients must be the whole sequence's too); and for packed documents with reset positions and attention
@@ -48,7 +49,8 @@ def cases(kind: str) -> list[dict]:
             out.append(dict(t=1, c=4, p=1, d=1, comm=comm))
         if comm != "a2a+p2p" and groups % (2 if comm == "a2a" else 1) == 0:
             out.append(dict(t=1, c=2, p=1, d=2, comm=comm, zero1=True))
-    out += [dict(t=2, c=2, p=1, d=1, comm="p2p"), dict(t=2, c=2, p=1, d=1, comm="all_gather", recompute=True),
+    out += [dict(t=2, c=2, p=1, d=1, comm="p2p", sequence_parallel=True),
+            dict(t=2, c=2, p=1, d=1, comm="all_gather", recompute=True),
             dict(t=1, c=2, p=2, d=1, comm="p2p", schedule="1f1b"),
             dict(t=1, c=2, p=2, d=1, comm="all_gather", schedule="interleaved", v=2)]
     if groups // 2 % 2 == 0:  # a2a under t = 2: the local query groups divide by c
@@ -70,7 +72,8 @@ def check_family(rank, world_size, kind, layouts, packed_documents=False):
         what = f"{kind} {case}"
         ps, losses, final = pipelined_run(kind, case["t"], case["p"], case["d"], schedule, v,
                                           references[case["d"]][0], recompute=case.get("recompute", False),
-                                          context=context, optimizer=optimizer, **extra)
+                                          context=context, optimizer=optimizer,
+                                          sequence_parallel=case.get("sequence_parallel", False), **extra)
         assert ps.cp_size == case["c"]
         assert_matches_reference(ps, losses, final, references[case["d"]], what)
         checked.append(what)

@@ -77,17 +77,19 @@ def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch, num_laye
 
 
 def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, context=None, microbatch=microbatch,
-                  optimizer=None, num_layers=8):
+                  optimizer=None, num_layers=8, sequence_parallel=False):
     """``context``: keyword arguments of ``ParallelState.initialize`` for context parallelism (``context``,
-    ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches."""
+    ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches.
+    ``sequence_parallel`` splits each rank's sequence over its tensor group between the blocks."""
     config = model_config(kind, recompute, num_layers)
     placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
     ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(context or {}))
-    chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
+    chunks = build_model_chunks(MODEL_KIND[kind], config, ps, sequence_parallel=sequence_parallel)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
-    engine = PipelineEngine(chunks, ps, optimizer or optimizer_config(), schedule, m,
-                            (SEQ // ps.cp_size, MICRO, config.hidden_size), timeout=datetime.timedelta(seconds=60))
+    local = SEQ // ps.cp_size // (t if sequence_parallel else 1)
+    engine = PipelineEngine(chunks, ps, optimizer or optimizer_config(), schedule, m, (local, MICRO, config.hidden_size),
+                            scatter_gather=not sequence_parallel, timeout=datetime.timedelta(seconds=60))
     losses = []
     for step in range(STEPS):
         batches = [context_share(microbatch(kind, config, step, ps.dp_rank * m + i), SEQ, ps) for i in range(m)]
