@@ -1,6 +1,6 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
 (sharded weights, recomputation), with tensor and sequence parallelism and with pipeline parallelism under 1F1B, ZB-H1
-and DualPipeV, logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
+and DualPipeV (also with --overlap-moe-expert-parallel-comm), logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
 scaling skips steps alike on every expert rank.
 One single-process run is the reference for every layout."""
 
@@ -21,6 +21,8 @@ LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
     "p2-e2-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
+    "p2-e2-dualpipev-overlap": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+                                "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-moe-expert-parallel-comm"],
 }
 
 

@@ -116,3 +116,14 @@ def test_the_v_placement_sends_each_boundary_from_its_own_rank_and_no_embedding_
     # looped, v = 2: stages 1->2 and 5->6 cross too, and the wrap 3->4 goes from rank 3 (node 1) to rank 0 (node 0)
     looped = _traffic(1, 4, 1, virtual=2, tied_params=100.0)
     assert looped.pipeline == 3 * M * 2 * A and looped.embedding == 2 * 400.0
+
+
+def test_expert_all_to_alls_cross_where_an_expert_group_spans_nodes():
+    # d = 4, e = 2: expert groups {0, 1} (node 0) and {2, 3} (node 1) stay inside a node
+    assert _traffic(1, 1, 4, expert=2, moe_blocks_per_rank=[2], routed_token_bytes=A).expert == 0
+    # e = 4: each member sends A / 4 to each of 3 others, 2 of them on the other node; 4 exchanges per block
+    spanning = _traffic(1, 1, 4, expert=4, moe_blocks_per_rank=[2], routed_token_bytes=A)
+    assert spanning.expert == M * 4 * 2 * (4 * 2) * A / 4
+    assert spanning.total == spanning.data + spanning.expert
+    recomputed = _traffic(1, 1, 4, expert=4, moe_blocks_per_rank=[2], routed_token_bytes=A, recompute=True)
+    assert recomputed.expert == spanning.expert * 6 / 4  # the recomputed forward exchanges again

@@ -79,3 +79,24 @@ def test_recorded_actions_keep_their_identity():
     action = Action(ActionKind.RECV_B, 2, 5, peer=3)
     timeline.record(2, action, 0.5, 0.75)
     assert Timeline.from_dict(json.loads(json.dumps(timeline.to_dict()))).events[0].action == action
+
+
+def test_hidden_phases_count_an_all_to_all_only_while_another_action_computes():
+    timeline = Timeline()
+    forward, backward = parse_action("F0.1"), parse_action("&B0.0")
+    timeline.record(0, forward, 0.0, 10.0)
+    timeline.record(0, backward, 0.0, 12.0)
+    timeline.record(0, forward, 2.0, 4.0, phase="dispatch")  # the backward computes throughout
+    timeline.record(0, backward, 3.0, 6.0, phase="combine")  # the forward waits for 1 of its 3 seconds
+    timeline.record(1, parse_action("F1.0"), 0.0, 20.0)  # another rank's compute hides nothing
+    assert timeline.hidden_phases() == (2.0 - 1.0 + 3.0 - 1.0, 5.0)
+    assert Timeline.from_dict(timeline.to_dict()) == timeline
+
+
+def test_busy_time_counts_the_two_passes_of_an_overlapped_pair_once():
+    timeline = Timeline()
+    timeline.record(0, parse_action("F0.1"), 0, 10)
+    timeline.record(0, parse_action("&B0.0"), 2, 12)
+    timeline.record(0, parse_action("F0.2"), 14, 15)
+    assert timeline.busy_time() == {0: 13}
+    assert timeline.idle_fraction() == {0: Fraction(2, 15)}

@@ -24,6 +24,8 @@ from megapipe.errors import ConfigError
 from megapipe.context_parallel import check_context_parallel
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
+from megapipe.pipeline.ir.overlap import check_overlap_flags
+from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
 
 __all__ = ["build_parser", "config_from_args", "config_from_argv", "parse_config", "validate_config"]
 
@@ -117,6 +119,9 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)
     if par.pipeline_schedule == AUTO:
+        if par.overlap_moe_expert_parallel_comm:
+            raise ConfigError("--overlap-moe-expert-parallel-comm needs a named flush schedule with forward/backward "
+                              "pairs, not --pipeline-schedule auto; use 1f1b or dualpipev.")
         if par.schedule_search.profile is None:
             searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
         else:  # searched once the tokenizer has given the vocabulary the profile must match
@@ -127,6 +132,8 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     descriptor = check_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline, replicas,
                                 par.pipedream_vertical_sync)
     config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
+    if par.overlap_moe_expert_parallel_comm:
+        check_overlap_moe_comm(config, descriptor.asynchronous, pipeline, m)
     return data
 
 
@@ -144,6 +151,20 @@ def check_context(config: Config) -> None:
         raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
                           f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
                           f"multiple of {2 * c * par.tensor}.")
+
+
+def check_overlap_moe_comm(config: Config, asynchronous: bool, pipeline: int, m: int) -> None:
+    """``--overlap-moe-expert-parallel-comm``: expert parallelism over all-to-alls, no recomputation (its
+    replay would draw random numbers beside the other pass), and a schedule with pairs it can overlap."""
+    par = config.parallel
+    check_overlap_flags(par.expert, config.model.moe_token_dispatcher_type)
+    if config.model.recompute_granularity is not None:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm cannot be combined with --recompute-granularity "
+                          f"{config.model.recompute_granularity} yet; drop one of them.")
+    if asynchronous:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward pairs; "
+                          f"--pipeline-schedule {par.pipeline_schedule} has none: use 1f1b or dualpipev.")
+    overlapped_schedule(build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline))
 
 
 def config_from_argv(kind: str, argv: Optional[Sequence[str]] = None) -> Config:

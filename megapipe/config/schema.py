@@ -273,6 +273,9 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: Optional[tuple[int, ...]] = flag(None, type=int, nargs="+", metavar="N",
                                                                            help=(
         "a2a+p2p: the all-to-all size and the ring size, whose product is --context-parallel-size"))
+    overlap_moe_expert_parallel_comm: bool = flag(False, help=(
+        "run the schedule's forward/backward pairs (1F1B's steady state, DualPipeV's F & B) overlapped, one "
+        "microbatch's expert all-to-all beside the other's compute (docs/moe.md)"))
     scatter_gather_tensors_in_pipeline: bool = flag(True, name="--no-scatter-gather-tensors-in-pipeline", negate=True)
     pipeline_schedule: Optional[str] = flag(None, help=pipeline_schedule_help())
     # PipeDream: every stage uses the version tagged at the input stage

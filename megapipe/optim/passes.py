@@ -9,6 +9,7 @@ the hook of its last gradient.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Optional
 
@@ -25,6 +26,8 @@ class SyncPasses:
     def __init__(self, syncs: list[Optional[GradSync]], backwards_per_update: int):
         self.syncs, self.backwards_per_update = syncs, backwards_per_update
         self._backwards = [Counter() for _ in syncs]  # per chunk: passes of each part since the update
+        self._running = Counter()  # per chunk: passes using its weights now
+        self._lock = threading.Lock()
 
     def before_pass(self, backward: bool, chunk: int, part: Optional[ActionKind] = None) -> None:
         """``part``: for a backward, B (the default) or a split backward's BI or BW. BI
@@ -39,10 +42,17 @@ class SyncPasses:
             counts = self._backwards[chunk]
             counts.update(parts)
             sync.begin_backward(final=all(counts[p] == self.backwards_per_update for p in parts))
+        with self._lock:
+            self._running[chunk] += 1
         sync.gather_weights()
 
     def after_pass(self, backward: bool, chunk: int) -> None:
-        if self.syncs[chunk] is not None:
+        if self.syncs[chunk] is None:
+            return
+        with self._lock:
+            self._running[chunk] -= 1
+            last = self._running[chunk] == 0
+        if last:
             self.syncs[chunk].release_weights()
 
     def updated(self, chunks: list[int]) -> None:

@@ -455,7 +455,9 @@ class PlanCostModel:
                                self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
                                logit_values=tokens, placement=placement, context=c,
                                context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
-                                                           self.element_bytes))
+                                                           self.element_bytes),
+                               expert=layout.expert, moe_blocks_per_rank=blocks,
+                               routed_token_bytes=tokens * shape.moe_router_topk * shape.hidden_size * self.element_bytes)
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 

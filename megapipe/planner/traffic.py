@@ -18,6 +18,11 @@ rank sending its s / c tokens' share of every activation):
   (``no_shard``: all-reduce; sharded: reduce-scatter, then an all-gather of the updated
   weights; ``optim_grads_params`` gathers the weights before each forward and backward of
   every microbatch instead, and not after the step).
+* expert parallelism (e > 1): per MoE block and microbatch two all-to-alls forward (dispatch,
+  combine) and two backward (two more with recomputation), in which every member of an expert
+  group (as ``layout/experts.py`` folds a stage's t x c x d ranks) sends each other member 1/e of
+  its b s k / c routed tokens (k per token, no dropping): the pairs whose ends are on different
+  nodes count.
 * tensor parallelism: the all-reduces of the layers (2 per block forward, 2 backward, 2 more
   with recomputation; 1 after the embedding and 1 into the head), the vocabulary-parallel
   cross entropy's three all-reduces of b s values, and the all-gather of scatter/gather; zero
@@ -89,10 +94,11 @@ class Traffic:
     data: float
     tensor: float
     context: float = 0.0
+    expert: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.embedding + self.data + self.tensor + self.context
+        return self.pipeline + self.embedding + self.data + self.tensor + self.context + self.expert
 
 
 @dataclass(frozen=True)
@@ -117,12 +123,15 @@ class TrafficInputs:
     placement: Placement = Placement.LOOPED  # where the virtual stages live (``layout/placement.py``)
     context: int = 1
     context_exchanges: Sequence[Exchange] = ()  # per block and microbatch (``context_costs.exchanges``)
+    expert: int = 1  # e, expert-parallel ranks
+    moe_blocks_per_rank: Sequence[int] = ()  # MoE blocks on each pipeline rank
+    routed_token_bytes: float = 0.0  # one microbatch's tokens as dispatched: b s k h x element bytes
 
 
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
     t, p, d, v, m, c = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches, inputs.context
 
-    layout = RankLayout(t, p, d, context=c)
+    layout = RankLayout(t, p, d, expert=inputs.expert, context=c)
     rank = layout.rank
     replicas = [(ti, di, ci) for ti in range(t) for di in range(d) for ci in range(c)]
 
@@ -182,7 +191,7 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
         for exchange in inputs.context_exchanges:
             repeats = m * blocks * exchange.count * (1 + (inputs.recompute and not exchange.backward))
             context += repeats * exchange_crossing_bytes(exchange, group, node_of, backend)
-    return Traffic(pipeline, embedding, data, tensor, context)
+    return Traffic(pipeline, embedding, data, tensor, context, _expert_traffic(inputs, layout, node_of))
 
 
 @lru_cache(maxsize=1024)
@@ -204,3 +213,17 @@ def exchange_crossing_bytes(exchange: Exchange, group: Sequence[int], node_of: C
     if exchange.kind == "send":
         return crossing_links(list(group), node_of) * exchange.nbytes
     return crossing_links(list(group), node_of) * link_bytes(exchange.kind, exchange.nbytes, len(group), backend)
+
+
+def _expert_traffic(inputs: TrafficInputs, layout: RankLayout, node_of: Callable[[int], int]) -> float:
+    """Bytes the expert all-to-alls move between nodes (see the module docstring)."""
+    e = inputs.expert
+    if e <= 1:
+        return 0.0
+    per_peer = inputs.routed_token_bytes / e  # what one member sends one other member in one all-to-all
+    total = 0.0
+    for group in layout.expert_groups():
+        blocks = inputs.moe_blocks_per_rank[layout.coords(group[0]).pipeline] if inputs.moe_blocks_per_rank else 0
+        exchanges = inputs.microbatches * (4 + 2 * inputs.recompute) * blocks
+        total += exchanges * per_peer * sum(node_of(a) != node_of(b) for a in group for b in group if a != b)
+    return total

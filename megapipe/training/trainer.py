@@ -102,7 +102,8 @@ class Trainer:
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
                                      timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
-                                     timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad)
+                                     timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad,
+                                     overlap_moe_comm=par.overlap_moe_expert_parallel_comm)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.saved_iteration: Optional[int] = None  # of the last checkpoint saved (or, asynchronous, started)

@@ -13,6 +13,9 @@ give the one-rank layer's results:
   number of routed pairs is read on the host).
 
 The backward of each exchange is the reverse exchange. On one expert rank both are the permutation.
+Each all-to-all marks itself as a DISPATCH or COMBINE segment (``parallel/comm_overlap.py``), so that
+inside an overlapped pair (``--overlap-moe-expert-parallel-comm``) the other microbatch computes
+while it is in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.models.moe.router import Routing
+from megapipe.parallel.comm_overlap import communicating
 from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.ir.overlap import Segment
 from megapipe.tensor_parallel import mappings
 
 
@@ -37,21 +42,24 @@ def assignments(routing_map: torch.Tensor, count: int | None) -> tuple[torch.Ten
 
 
 class _Exchange(torch.autograd.Function):
-    """All-to-all of rows: ``send[i]`` rows go to rank i, ``recv[i]`` rows come from it; backward sends back."""
+    """All-to-all of rows: ``send[i]`` rows go to rank i, ``recv[i]`` rows come from it; backward sends back.
+    ``segment`` names the exchange in both passes (the backward of the combine is the backward's combine)."""
 
     @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+    def forward(ctx, x, send: list[int], recv: list[int], group, segment: Segment):
+        ctx.send, ctx.recv, ctx.group, ctx.segment = send, recv, group, segment
+        return _all_to_all(x, send, recv, group, segment, backward=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.segment, backward=True), None, None, None, None
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, segment: Segment,
+                backward: bool) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    with communicating(segment, backward):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True).wait()
     return out
 
 
@@ -62,16 +70,17 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
         return experts(permuted, counts)
     local = counts.numel() // e
     received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
-    dist.all_to_all_single(received, counts, group=ps.ep_group)
-    send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
-    x = _Exchange.apply(permuted, send, recv, ps.ep_group)
+    with communicating(Segment.DISPATCH, backward=False):  # the counts' exchange and the tokens' are one segment
+        dist.all_to_all_single(received, counts, group=ps.ep_group)
+        send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
+        x = _Exchange.apply(permuted, send, recv, ps.ep_group, Segment.DISPATCH)
     # the rows came source-major; the experts want them expert-major (stable: sources stay in order)
     expert_of_row = torch.repeat_interleave(torch.arange(e * local, device=counts.device) % local, received,
                                             output_size=sum(recv))
     order = torch.sort(expert_of_row, stable=True).indices
     out = experts(x[order], received.view(e, local).sum(0))
     back = torch.zeros_like(out).index_copy(0, order, out)
-    return _Exchange.apply(back, recv, send, ps.ep_group)
+    return _Exchange.apply(back, recv, send, ps.ep_group, Segment.COMBINE)
 
 
 def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, count: int | None, run,

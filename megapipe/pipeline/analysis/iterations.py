@@ -49,7 +49,7 @@ def replay_iterations(schedule: Schedule, costs: CostModel, iterations: int, syn
     lists = unrolled(schedule, iterations)
     per_iteration = [len(actions) // iterations for actions in lists.actions]
     barriers = [[n * k for k in range(1, iterations)] for n in per_iteration] if synchronized else None
-    steps = replay(lists, costs.compute_time, costs.transfer_time, barriers=barriers, overlap=costs.overlap)
+    steps = replay(lists, costs.compute_time, costs.transfer_time, barriers=barriers, pair=costs.pair_time)
     ends = [[0] * schedule.p for _ in range(iterations)]
     for step in steps:
         k = step.index // per_iteration[step.rank]

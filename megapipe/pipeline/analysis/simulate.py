@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
+from megapipe.pipeline.ir.overlap import PAIR, PairPlan
 from megapipe.pipeline.ir.replay import Message, message_of, replay
 from megapipe.pipeline.analysis.timeline import Timeline, ratio
 
@@ -45,6 +46,11 @@ class CostModel:
     out, each is half of ``backward``. ``overlap(f, b)`` is the time of a forward and a
     backward run overlapped (DualPipe's F&B): ``max`` when one hides the other entirely,
     ``operator.add`` when they gain nothing (what a single CPU thread does).
+
+    Expert parallelism: every F, B and BI of a stage also runs ``expert_comm`` of all-to-alls (its
+    ``moe_layers`` MoE layers' dispatches and combines; a BW none). With ``hide_expert_comm``
+    (``--overlap-moe-expert-parallel-comm``) an overlapped pair costs ``overlapped_pair_time``: the two
+    computes one after the other, each all-to-all hidden up to the other pass's compute beside it.
     """
 
     forward: StageCost = 1
@@ -56,6 +62,9 @@ class CostModel:
     message_bytes: Union[Real, Callable[[Message], Real]] = 0
     bandwidth: Optional[Real] = None  # bytes per time unit; None means infinitely fast
     overlap: Callable[[Real, Real], Real] = max
+    expert_comm: StageCost = 0
+    moe_layers: StageCost = 0
+    hide_expert_comm: bool = False
 
     @classmethod
     def per_chunk(cls, v: int, forward: Real = 1, backward: Real = 2, **kwargs) -> "CostModel":
@@ -80,16 +89,32 @@ class CostModel:
                    **kwargs)
 
     def compute_time(self, rank: int, action: Action) -> Real:
+        if not action.kind.is_compute:
+            return self.step
+        return self._compute_only(action) + self._exchange(action)
+
+    def _compute_only(self, action: Action) -> Real:
         if action.kind is ActionKind.F:
             return _stage_cost(self.forward, action.stage)
         if action.kind is ActionKind.B:
             return _stage_cost(self.backward, action.stage)
-        if action.kind is ActionKind.BI or action.kind is ActionKind.BW:
-            part = self.input_backward if action.kind is ActionKind.BI else self.weight_backward
-            if part is None:
-                return Fraction(_stage_cost(self.backward, action.stage)) / 2
-            return _stage_cost(part, action.stage)
-        return self.step
+        part = self.input_backward if action.kind is ActionKind.BI else self.weight_backward
+        if part is None:
+            return Fraction(_stage_cost(self.backward, action.stage)) / 2
+        return _stage_cost(part, action.stage)
+
+    def _exchange(self, action: Action) -> Real:
+        """The expert all-to-alls a pass runs (a BW runs none)."""
+        return 0 if action.kind is ActionKind.BW else _stage_cost(self.expert_comm, action.stage)
+
+    def pair_time(self, rank: int, forward: Action, backward: Action) -> Real:
+        """The time of an overlapped pair (see the class docstring)."""
+        if not self.hide_expert_comm:
+            return self.overlap(self.compute_time(rank, forward), self.compute_time(rank, backward))
+        return overlapped_pair_time(PAIR, (self._compute_only(forward), self._exchange(forward)),
+                                    (self._compute_only(backward), self._exchange(backward)),
+                                    _stage_cost(self.moe_layers, forward.stage),
+                                    _stage_cost(self.moe_layers, backward.stage))
 
     def message_size(self, message: Message) -> Real:
         return self.message_bytes(message) if callable(self.message_bytes) else self.message_bytes
@@ -114,6 +139,23 @@ class SimulationResult:
     messages_sent: tuple[int, ...]
     bytes_sent: tuple[Real, ...]
     timeline: Timeline
+
+
+def overlapped_pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: tuple[Real, Real], moe_layers: int,
+                         backward_moe_layers: Optional[int] = None) -> Real:
+    """Time of an overlapped pair whose passes take (compute, all-to-all) each through ``moe_layers`` MoE
+    layers (the backward's through ``backward_moe_layers``, default the same), each pass's compute spread
+    evenly over its 2 L + 1 compute segments and its all-to-all over its 2 L exchanges: per slot the longer
+    of what runs in it, so an all-to-all is hidden up to the other pass's compute beside it."""
+    layers = (moe_layers, moe_layers if backward_moe_layers is None else backward_moe_layers)
+    total = 0
+    for segments in plan.slots(*layers):
+        longest = 0
+        for (compute, comm), segment, n in zip((forward, backward), segments, layers):
+            if segment is not None:
+                longest = max(longest, ratio(comm, 2 * n) if segment.communicates else ratio(compute, 2 * n + 1))
+        total += longest
+    return total
 
 
 def peak_activations(schedule: Schedule) -> list[Fraction]:
@@ -141,7 +183,7 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimulationRe
     """
     if not schedule.has_communication:
         schedule = add_communication(schedule, costs.compute_time, costs.transfer_time)
-    steps = replay(schedule, costs.compute_time, costs.transfer_time, overlap=costs.overlap)
+    steps = replay(schedule, costs.compute_time, costs.transfer_time, pair=costs.pair_time)
     timeline = Timeline(meta={"schedule": schedule.name, "p": schedule.p, "m": schedule.m, "v": schedule.v})
     messages, sent_bytes = [0] * schedule.p, [0] * schedule.p
     for rank, start, end, action in _drawn(steps, costs):

@@ -22,14 +22,18 @@ _FORMAT = "megapipe-timeline"
 
 @dataclass(frozen=True)
 class Event:
+    """``phase``: a part of the action's time spent in communication it runs itself (an expert all-to-all,
+    ``dispatch`` or ``combine``, recorded under ``--overlap-moe-expert-parallel-comm``); None for the whole action."""
+
     rank: int
     action: Action
     start: Real
     end: Real
+    phase: Optional[str] = None
 
     @property
     def is_compute(self) -> bool:
-        return not self.action.kind.is_communication
+        return self.phase is None and not self.action.kind.is_communication
 
 
 class Timeline:
@@ -42,8 +46,8 @@ class Timeline:
     def __eq__(self, other) -> bool:
         return isinstance(other, Timeline) and (self._events, self.meta) == (other._events, other.meta)
 
-    def record(self, rank: int, action: Action, start: Real, end: Real) -> None:
-        self._events.append(Event(rank, action, start, end))
+    def record(self, rank: int, action: Action, start: Real, end: Real, phase: Optional[str] = None) -> None:
+        self._events.append(Event(rank, action, start, end, phase))
 
     @property
     def events(self) -> list[Event]:
@@ -54,11 +58,15 @@ class Timeline:
         return sorted({event.rank for event in self._events})
 
     def busy_time(self) -> dict[int, Real]:
-        """Per rank, the total duration of its compute actions."""
+        """Per rank, the time during which it ran compute actions: the union of their spans (the two passes of
+        an overlapped pair run at once under ``--overlap-moe-expert-parallel-comm``)."""
         busy = {rank: 0 for rank in self.ranks}
-        for event in self._events:
-            if event.is_compute:
-                busy[event.rank] += event.end - event.start
+        reached = {}  # per rank, the end of the compute seen so far (events taken by start)
+        for event in sorted((e for e in self._events if e.is_compute), key=lambda e: (e.rank, e.start)):
+            start = max(event.start, reached.get(event.rank, event.start))
+            if event.end > start:
+                busy[event.rank] += event.end - start
+                reached[event.rank] = event.end
         return busy
 
     def idle_fraction(self, window: Optional[tuple[Real, Real]] = None) -> dict[int, Real]:
@@ -80,16 +88,31 @@ class Timeline:
             fractions[rank] = ratio(span - busy[rank], span)
         return fractions
 
+    def hidden_phases(self) -> tuple[float, float]:
+        """(seconds of communication phases during which another action of the same rank computed, seconds of
+        all phases): how much of the expert all-to-alls an overlapped pair hid. A computing action's time is
+        its span less its own phases."""
+        phases = [e for e in self._events if e.phase is not None]
+        hidden = 0.0
+        for phase in phases:
+            for other in self._events:
+                if other.rank != phase.rank or not other.is_compute or other.action == phase.action:
+                    continue
+                own = [p for p in phases if p.action == other.action and p.rank == other.rank]
+                hidden += max(0.0, _meet(phase, other) - sum(_meet(phase, p) for p in own))
+        return hidden, float(sum(p.end - p.start for p in phases))
+
     def to_dict(self) -> dict:
         return {"format": _FORMAT, "meta": self.meta,
-                "events": [[e.rank, str(e.action), float(e.start), float(e.end)] for e in self._events]}
+                "events": [[e.rank, str(e.action), float(e.start), float(e.end)] + ([e.phase] if e.phase else [])
+                           for e in self._events]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Timeline":
         if data.get("format") != _FORMAT:
             raise ValueError(f"not a {_FORMAT} file; write it with Timeline.save")
-        return cls((Event(rank, parse_action(text), start, end) for rank, text, start, end in data["events"]),
-                   data.get("meta"))
+        return cls((Event(rank, parse_action(text), start, end, *phase) for rank, text, start, end, *phase
+                    in data["events"]), data.get("meta"))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -121,11 +144,17 @@ class Timeline:
             for tid, name in ((0, "compute"), (1, "communication")):
                 trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
         for e in self._events:
-            trace.append({"ph": "X", "name": str(e.action), "cat": e.action.kind.value, "pid": e.rank,
+            name = str(e.action) if e.phase is None else f"{e.action} {e.phase}"
+            trace.append({"ph": "X", "name": name, "cat": e.action.kind.value, "pid": e.rank,
                           "tid": 0 if e.is_compute else 1, "ts": float(e.start) * microseconds_per_unit,
                           "dur": float(e.end - e.start) * microseconds_per_unit})
         with open(path, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": self.meta}, f)
+
+
+def _meet(a: Event, b: Event) -> float:
+    """How long two events ran at once."""
+    return float(max(0, min(a.end, b.end) - max(a.start, b.start)))
 
 
 def ratio(numerator: Real, denominator: Real) -> Real:

@@ -24,7 +24,8 @@ Kinds and what an executor does for each, in list order:
   its rank's computes (DualPipe's F&B pair, of another microbatch and usually the other
   chunk): the pair starts once both have their inputs and, on an accelerator, the two hide
   each other's communication and idle units; the simulator charges the pair
-  ``CostModel.overlap`` of the two times. The executor runs the forward, then the backward
+  ``CostModel.overlap`` of the two times. The executor runs the forward, then the backward, or
+  with ``--overlap-moe-expert-parallel-comm`` both together, interleaved by ``overlap.PAIR``
   (``overlapped`` changes no result, only when the pair's inputs must be there: both
   receives are posted before the forward).
 * ``SEND_F s.i>r`` -- send the output of F s.i to pipeline rank r (which holds stage s+1).

@@ -193,30 +193,32 @@ Barriers = Optional[list[list[int]]]
 
 
 Overlap = Callable[[Real, Real], Real]
+Pair = Callable[[int, Action, Action], Real]
 
 
 def replay(schedule: Schedule, duration: Duration = _no_time, transfer: Transfer = _no_time,
            transport: Transport = Transport.GLOO, barriers: Barriers = None,
-           overlap: Overlap = max) -> list[ReplayedAction]:
+           overlap: Overlap = max, pair: Optional[Pair] = None) -> list[ReplayedAction]:
     """Run all ranks' lists in lock-step rounds and return every action with its times.
 
     Each round, every rank whose next action's waits were met before the round runs that one
     action, so the result is in an order a real run could produce. ``duration(rank, action)``
     is the compute time of F, B, STEP and UPDATE; ``transfer(message)`` the time a message
     takes once it can move (module docstring, for each ``transport``); ``overlap(f, b)`` the
-    time of an overlapped pair. Raises ScheduleError with the marked grid and the cycle of
+    time of an overlapped pair, or ``pair(rank, forward, backward)`` when given (a cost model that sees
+    inside the passes: ``CostModel.pair_time``). Raises ScheduleError with the marked grid and the cycle of
     waits on a deadlock.
     """
-    return _Replay(schedule, duration, transfer, Transport(transport), barriers, overlap).run()
+    return _Replay(schedule, duration, transfer, Transport(transport), barriers, overlap, pair).run()
 
 
 class _Replay:
     """The state of one replay; see ``replay``."""
 
     def __init__(self, schedule: Schedule, duration: Duration, transfer: Transfer, transport: Transport,
-                 barriers: Barriers, overlap: Overlap):
+                 barriers: Barriers, overlap: Overlap, pair: Optional[Pair] = None):
         self.schedule, self.duration, self.transfer, self.transport = schedule, duration, transfer, transport
-        self.overlap = overlap
+        self.overlap, self.pair = overlap, pair
         self.explicit = schedule.has_communication
         p = schedule.p
         self.clock, self.position = [0] * p, [0] * p
@@ -386,6 +388,8 @@ class _Replay:
         partner = self.partner_of[rank].get(index)
         if partner is None:
             return self.duration(rank, action)
+        if self.pair is not None:
+            return self.pair(rank, action, self.schedule.actions[rank][partner])
         return self.overlap(self.duration(rank, action), self.duration(rank, self.schedule.actions[rank][partner]))
 
     def _with_arrival(self, step: ReplayedAction) -> ReplayedAction:

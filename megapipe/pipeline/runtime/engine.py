@@ -37,7 +37,8 @@ from megapipe.pipeline.runtime.executor import BatchResult, PipelineExecutor
 from megapipe.pipeline.runtime.in_flight import InFlight
 from megapipe.pipeline.runtime.optimizer_group import OptimizerGroup
 from megapipe.pipeline.ir.program import FlushProgram, PeriodicProgram
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor
+from megapipe.pipeline.ir.overlap import check_overlap_flags
+from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule, schedule_descriptor
 from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.ir.weight_policy import WeightPolicy
@@ -80,7 +81,9 @@ class PipelineEngine:
     ``vertical_sync`` applies to ``pipedream``; a state built from a stage plan with replicated
     stages (``ps.stage_replicas``) gives 1F1B-RR. ``versions_used`` (a dict) records the weight
     version of every pass, as in ``PipelineExecutor``. ``skip_non_finite_loss``: a NaN/Inf loss skips
-    its step like a NaN/Inf gradient (``optim/non_finite.py``).
+    its step like a NaN/Inf gradient (``optim/non_finite.py``). ``overlap_moe_comm``
+    (``--overlap-moe-expert-parallel-comm``): the schedule's forward/backward pairs run overlapped, one
+    microbatch's expert all-to-all beside the other's compute (``pipeline/ir/overlap.py``).
     """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
@@ -88,13 +91,21 @@ class PipelineEngine:
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
-                 versions_used: Optional[dict] = None, skip_non_finite_loss: bool = False):
+                 versions_used: Optional[dict] = None, skip_non_finite_loss: bool = False,
+                 overlap_moe_comm: bool = False):
         self.chunks, self.ps = chunks, ps
         named = isinstance(schedule, str)
         policy = schedule_descriptor(schedule).weight_policy if named else WeightPolicy.SINGLE  # a file flushes
         asynchronous = policy is not WeightPolicy.SINGLE
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
         optimizer_config.check_pipeline_schedule(schedule if named else "from a file", asynchronous)
+        if overlap_moe_comm:
+            check_overlap_flags(ps.ep_size)
+            if asynchronous:
+                raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward "
+                                  f"pairs; --pipeline-schedule {schedule} has none: use 1f1b or dualpipev.")
+            built = schedule if isinstance(schedule, Schedule) else build_schedule(schedule, *sizes)
+            schedule = overlapped_schedule(built)
         if isinstance(schedule, Schedule):
             self.program = FlushProgram(schedule)
             self._groups = [(chunks, ps)]
@@ -136,7 +147,8 @@ class PipelineEngine:
         self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
                                          update=self._update, scale_loss=scale_loss,
                                          scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
-                                         stores=self.stores, versions_used=versions_used, passes=self.passes)
+                                         stores=self.stores, versions_used=versions_used, passes=self.passes,
+                                         overlap_pairs=overlap_moe_comm)
         self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas,
                                                                                 placement=ps.placement),
                                               boundary_shape, dtype, device, step=lambda: None,

@@ -11,6 +11,10 @@ stays for the backward; the send holds the storage until it completes), a stage'
 and graph after its backward, and everything of a forward at once when the list has no
 backward (evaluation).
 
+Overlapped pairs: with ``overlap_pairs`` (``--overlap-moe-expert-parallel-comm``) an overlapped
+backward (``&B``) runs together with the forward before it (``pairs.py``), each pass's expert
+all-to-all beside the other's compute; without it the pair runs one pass after the other.
+
 Weight versions: with weight stores (``weights.py``, one per chunk) every forward runs against
 the version its action names, and its backward, through the saved autograd graph, against the
 same one; STEP and UPDATE go through the stores so a version still needed survives the
@@ -35,6 +39,8 @@ from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.runtime.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.runtime.lookahead import Lookahead
 from megapipe.pipeline.runtime.p2p import StageP2P, Transfer
+from megapipe.pipeline.runtime.pairs import run_pair
+from megapipe.pipeline.ir.replay import overlap_partners
 from megapipe.pipeline.ir.program import FlushProgram
 from megapipe.pipeline.analysis.timeline import Timeline
 from megapipe.pipeline.runtime.weights import VersionUse, WeightVersionStore
@@ -84,7 +90,7 @@ class PipelineExecutor:
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, stores: Optional[list[WeightVersionStore]] = None,
                  update: Optional[Callable[[int], object]] = None, versions_used: Optional[dict] = None,
-                 deallocate_sent_outputs: bool = True, passes=None):
+                 deallocate_sent_outputs: bool = True, passes=None, overlap_pairs: bool = False):
         self.program = FlushProgram(program) if isinstance(program, Schedule) else program
         self.schedule = self.program.schedule
         if self.schedule.p != ps.pp_size or self.schedule.v != len(chunks):
@@ -95,6 +101,7 @@ class PipelineExecutor:
         self.stores, self.versions_used = stores, versions_used
         self.passes = passes  # data-parallel hooks around each pass (``optim/passes.py``), or None
         self.deallocate_sent_outputs = deallocate_sent_outputs
+        self.overlap_pairs = overlap_pairs
         # a list without backwards (evaluation) keeps nothing of a forward once its output is passed on
         self.keeps_graphs = self.program.asynchronous or any(a.kind.is_backward for actions in self.schedule.actions
                                                              for a in actions)
@@ -194,6 +201,7 @@ class PipelineExecutor:
         state = self.state
         state.losses, state.loss_parts, state.peak_in_flight = [], [], len(state.saved)
         marks = []  # (action, start, end) on the device clock, when recording a timeline
+        pairs = {f: b for b, f in overlap_partners(actions).items()} if self.overlap_pairs else {}
         i = 0
         while i < len(actions):
             if actions[i].kind.is_communication:
@@ -202,6 +210,11 @@ class PipelineExecutor:
                     j += 1
                 self._post(actions[i:j], state)
                 i = j
+                continue
+            if i in pairs:
+                marks += self._run_pair(actions, i, pairs[i], call, data, state)
+            if i in pairs or actions[i].overlapped and self.overlap_pairs:  # a backward runs with its forward
+                i += 1
                 continue
             self._wait_for_inputs(actions[i], state)
             start = self.clock.mark() if self.timeline is not None else None
@@ -216,6 +229,29 @@ class PipelineExecutor:
         state.sends = [t for t in state.sends if not _completed(t)]
         parts = state.loss_parts if any(state.loss_parts) else []
         return BatchResult(state.losses, state.peak_in_flight, parts)
+
+    def _run_pair(self, actions: tuple[Action, ...], forward: int, backward: int, call: Optional[int], data,
+                  state: "_State") -> list:
+        """Run the forward at ``forward`` and the overlapped backward at ``backward`` together; returns their
+        timeline marks (the expert all-to-alls go to the timeline as phases of their actions)."""
+        for index in (forward, backward):
+            self._wait_for_inputs(actions[index], state)
+        marks = {}
+
+        def timed(index: int):
+            def work() -> None:
+                start = self.clock.mark() if self.timeline is not None else None
+                self._compute(actions[index], call, index, data, state)
+                if self.timeline is not None:
+                    marks[index] = (actions[index], start, self.clock.mark())
+            return work
+
+        def record(is_backward: bool, segment, start: float, end: float) -> None:
+            action = actions[backward if is_backward else forward]
+            self.timeline.record(self.ps.pp_rank, action, start, end, phase=segment.value)
+
+        run_pair(timed(forward), timed(backward), self.p2p.device, record if self.timeline is not None else None)
+        return [marks[index] for index in (forward, backward) if index in marks]
 
     # ---- communication --------------------------------------------------------------------------
     def _post(self, actions: list[Action], state: "_State") -> None:

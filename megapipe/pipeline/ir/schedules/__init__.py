@@ -21,11 +21,14 @@ take keywords ``(p, m, v, batches, replicas, vertical_sync)``, return the unroll
 from __future__ import annotations
 
 import difflib
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from megapipe.errors import ConfigError
-from megapipe.pipeline.ir.actions import Schedule
+from megapipe.errors import ConfigError, ScheduleError
+from megapipe.pipeline.ir.actions import ActionKind, Schedule
+from megapipe.pipeline.ir.replay import replay
+from megapipe.pipeline.ir.overlap import overlapped_pairs, with_overlapped_pairs
 from megapipe.pipeline.ir.communication import add_communication, lower_calls
 from megapipe.pipeline.ir.schedules import (dualpipev, gpipe, interleaved, one_f_one_b, pipedream, searched, two_bw,
                                             v_shape, zbv, zero_bubble)
@@ -117,6 +120,33 @@ def lower_schedule(compute_only: Schedule) -> Schedule:
     schedule = add_communication(compute_only)
     validate_schedule(schedule)
     return schedule
+
+
+def overlapped_schedule(schedule: Schedule) -> Schedule:
+    """``schedule`` lowered with its forward/backward pairs overlapped (``overlap.with_overlapped_pairs``), for
+    ``--overlap-moe-expert-parallel-comm``. One sentence when it has no pair to overlap, or when its pairs
+    would wait on one another across pipeline ranks (1F1B beyond one rank: a pair sends its forward's output
+    only at its end), which the lists replayed with unit costs and pairs run one pass after the other show
+    as a longer batch than the plain lists'."""
+    try:
+        marked = lower_schedule(with_overlapped_pairs(schedule.compute_only()))
+    except ScheduleError:  # overlapping its pairs would deadlock it (GPipe)
+        marked = None
+    if marked is None or not overlapped_pairs(marked) or _unit_makespan(marked) > _unit_makespan(schedule):
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm needs forward/backward pairs that need not wait for "
+                          f"each other, and --pipeline-schedule {schedule.name} has none at p={schedule.p}, "
+                          f"m={schedule.m}; use dualpipev, interleaved, or 1f1b at --pipeline-model-parallel-size 1 "
+                          "(as Megatron's combined 1F1B), or drop the flag.")
+    return marked
+
+
+def _unit_makespan(schedule: Schedule):
+    """The batch time of ``schedule`` with F = BI = BW = 1, B = 2, free messages and pairs one pass after the
+    other."""
+    def duration(rank, action):
+        return 2 if action.kind is ActionKind.B else int(action.kind.is_compute)
+
+    return max(step.end for step in replay(schedule, duration, overlap=operator.add))
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, *, batches: Optional[int] = None,

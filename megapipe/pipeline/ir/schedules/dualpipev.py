@@ -16,10 +16,11 @@ free messages and no gain from overlapping (F&B = F + B) every rank idles 2(p - 
 rank 0, and holds 2p + 1 chunk activations at its peak (p + 1/2 ranks' worth).
 
 How the overlap runs: the simulator charges each pair ``CostModel.overlap`` of its two times
-and the pair starts when both have their inputs (both receives are posted before the
-forward); the executor runs the forward, then the backward, as torch's ``OVERLAP_F_B`` does by
-default: on one CPU thread nothing overlaps, on an accelerator the two passes would need
-separate streams, which megapipe does not drive yet.
+(or, hiding expert all-to-alls, ``CostModel.pair_time``) and the pair starts when both have their
+inputs (both receives are posted before the forward); the executor runs the forward, then the
+backward, as torch's ``OVERLAP_F_B`` does by default, and with ``--overlap-moe-expert-parallel-comm``
+both together, one microbatch's expert all-to-all beside the other's compute (``ir/overlap.py``,
+``runtime/pairs.py``).
 """
 
 from __future__ import annotations
