@@ -8,6 +8,9 @@
   broadcast by the first stage's reader over the model-parallel group. They never open a dataset.
 * Indices are built once per node, by its lowest-numbered reader, behind a barrier; the other
   readers then find them in the cache.
+* Under context parallelism every context rank of a replica reads (or receives) the same samples
+  and keeps only its two chunks of each sequence (``data/context_batch.py``), cut before anything is
+  broadcast or moved to the device.
 
 Batches move to the device through pinned memory without blocking the host (``to_device``).
 """
