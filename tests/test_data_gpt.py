@@ -13,6 +13,7 @@ from megapipe.data.builder import build_train_valid_test_datasets
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.index_cache import load_or_build
 from megapipe.data.indexed_dataset import IndexedDataset
+from megapipe.data.packing import Packing
 from megapipe.data.splits import parse_split, split_document_ranges
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.errors import ConfigError, DataError
@@ -70,13 +71,19 @@ def test_order_is_prefix_stable_so_longer_runs_extend_shorter_ones(indexed, tmp_
 
 
 @pytest.mark.unit
-def test_eod_mask_loss_zeroes_positions_whose_input_is_eod(tmp_path):
+def test_packing_masks_the_loss_and_resets_positions_and_documents_after_eod(tmp_path):
+    """Windows cross documents: positions restart and the document id grows after every eod input."""
     prefix = write_dataset(str(tmp_path / "ds"), [[[1, 2, BYTE_LEVEL.eod]], [[3, BYTE_LEVEL.eod]]] * 10)
+    packing = Packing(BYTE_LEVEL.eod, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
     ds = GPTDataset(IndexedDataset(prefix), np.arange(20), 10, 8, seed=0, cache_dir=str(tmp_path / "c"),
-                    eod_mask_loss=BYTE_LEVEL.eod)
+                    packing=packing)
     for i in range(len(ds)):
         item = ds[i]
-        assert item["loss_mask"].tolist() == [0.0 if t == BYTE_LEVEL.eod else 1.0 for t in item["tokens"]]
+        ends = [t == BYTE_LEVEL.eod for t in item["tokens"]]
+        assert item["loss_mask"].tolist() == [0.0 if end else 1.0 for end in ends]
+        assert item["document_ids"].tolist() == [sum(ends[:j]) for j in range(8)]
+        starts = [0] + [j + 1 for j in range(7) if ends[j]]
+        assert item["position_ids"].tolist() == [j - max(s for s in starts if s <= j) for j in range(8)]
 
 
 @pytest.mark.unit

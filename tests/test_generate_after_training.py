@@ -92,3 +92,11 @@ def test_prompt_on_a_checkpoint_without_tokenizer_names_the_flags(trained, tmp_p
     done = _generate(old, "--prompt", PROMPT, "--tokenizer-type", "ByteLevelTokenizer")
     assert done.returncode == 0, done.stderr
     assert done.stdout.removesuffix("\n") == printed
+
+
+def test_generation_refuses_context_parallelism_in_one_sentence(trained, capsys):
+    """Generation, the server and evaluation load through one function, which refuses c > 1 before any group."""
+    root, _ = trained
+    assert _generate_tool().main(["--load", str(root / "ck"), "--prompt", PROMPT, "--context-parallel-size", "2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("error: --context-parallel-size 2 is for training")

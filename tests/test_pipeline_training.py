@@ -18,7 +18,9 @@ import torch
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
 from megapipe.config import ModelConfig
+from megapipe.data.context_batch import context_share
 from megapipe.models import build_model_chunks
+from megapipe.models.moe import set_aux_loss_scale
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
@@ -34,9 +36,9 @@ SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
-def model_config(kind: str, recompute: bool = False) -> ModelConfig:
+def model_config(kind: str, recompute: bool = False, num_layers: int = 8) -> ModelConfig:
     """The test model; ``recompute`` checkpoints every layer (its gradients are bit-for-bit those without)."""
-    fields = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
+    fields = dict(num_layers=num_layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -53,11 +55,12 @@ def microbatch(kind: str, config: ModelConfig, step: int, index: int) -> dict:
     return random_microbatch(MODEL_KIND[kind], config.vocab_size, MICRO, SEQ, seed=1000 * step + index)
 
 
-def reference_run(kind: str, d: int, m: int = M):
+def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch, num_layers: int = 8):
     """One process, gradient accumulation over the m x d microbatches of each step."""
-    config = model_config(kind)
+    config = model_config(kind, num_layers=num_layers)
     ps = ParallelState.single()
     model = build_model_chunks(MODEL_KIND[kind], config, ps)[0]
+    set_aux_loss_scale(model, torch.tensor(1.0 / (m * d)))  # MoE: the balancing losses weigh as the main loss
     initial = canonical_state_dict([model], ps, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
@@ -73,18 +76,23 @@ def reference_run(kind: str, d: int, m: int = M):
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M):
-    config = model_config(kind, recompute)
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, context=None, microbatch=microbatch,
+                  optimizer=None, num_layers=8, sequence_parallel=False):
+    """``context``: keyword arguments of ``ParallelState.initialize`` for context parallelism (``context``,
+    ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches.
+    ``sequence_parallel`` splits each rank's sequence over its tensor group between the blocks."""
+    config = model_config(kind, recompute, num_layers)
     placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement)
-    chunks = build_model_chunks(MODEL_KIND[kind], config, ps)
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(context or {}))
+    chunks = build_model_chunks(MODEL_KIND[kind], config, ps, sequence_parallel=sequence_parallel)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
-    engine = PipelineEngine(chunks, ps, optimizer_config(), schedule, m, (SEQ, MICRO, config.hidden_size),
-                            timeout=datetime.timedelta(seconds=60))
+    local = SEQ // ps.cp_size // (t if sequence_parallel else 1)
+    engine = PipelineEngine(chunks, ps, optimizer or optimizer_config(), schedule, m, (local, MICRO, config.hidden_size),
+                            scatter_gather=not sequence_parallel, timeout=datetime.timedelta(seconds=60))
     losses = []
     for step in range(STEPS):
-        batches = [microbatch(kind, config, step, ps.dp_rank * m + i) for i in range(m)]
+        batches = [context_share(microbatch(kind, config, step, ps.dp_rank * m + i), SEQ, ps) for i in range(m)]
         losses.append(engine.train_batch(batches).losses)
     final = {}
     for chunk in chunks:

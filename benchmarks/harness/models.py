@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megapipe.models import build_model_chunks
-from megapipe.models.gpt import masked_mean
+from megapipe.models.sequence_loss import sequence_mean
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups
 from megapipe.optim.optimizer import build_inner_optimizer
 from megapipe.parallel.state import ParallelState
@@ -90,7 +90,7 @@ def make_loss_fn(ps: ParallelState):
     """The rest of megapipe's GPT head (cross-entropy, mean over tokens) for PyTorch's schedules."""
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses = vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.transpose(0, 1), ps.tp_group, 0)
-        return masked_mean(losses.transpose(0, 1), torch.ones_like(labels, dtype=torch.float32))
+        return sequence_mean(losses.transpose(0, 1), torch.ones_like(labels, dtype=torch.float32), ps)
     return loss_fn
 
 

@@ -55,6 +55,11 @@ def validate_operations(kind: str, config: Config) -> None:
                               "synthetic tokens are drawn from [0, N).")
     if data.hf_dataset is not None:
         _validate_hf_dataset(kind, config)
+    packing = [flag for flag, on in (("--eod-mask-loss", data.eod_mask_loss), ("--reset-position-ids",
+               data.reset_position_ids), ("--reset-attention-mask", data.reset_attention_mask)) if on]
+    if packing and kind != "gpt":
+        raise ConfigError(f"{packing[0]} separates the documents packed into GPT samples; pretrain_{kind}.py's "
+                          "samples are sentence pairs, so drop the flag.")
     if data.num_workers < 0:
         raise ConfigError(f"--num-workers {data.num_workers} must be 0 or more (0 tokenises in the training "
                           "process).")

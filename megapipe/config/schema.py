@@ -349,6 +349,10 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    # GPT: documents packed into one sample (megapipe/data/packing.py), as Megatron-LM
+    eod_mask_loss: bool = flag(False, help="GPT: no loss where the input token is the end-of-document token")
+    reset_position_ids: bool = flag(False, help="GPT: positions restart at 0 after each end-of-document token")
+    reset_attention_mask: bool = flag(False, help="GPT: a token attends only to the tokens of its own document")
     # synthetic tokens (benchmarks), as Megatron's mock GPT dataset
     mock_data: bool = flag(False, help="GPT: synthetic random tokens instead of --data-path")
     vocab_size: Optional[int] = flag(None, help="vocabulary of --mock-data or --tokenizer-type NullTokenizer")

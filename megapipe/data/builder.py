@@ -21,11 +21,8 @@ KINDS = ("gpt", "bert")
 def _component(kind: str, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, split_name: str,
                seq_length: int, seed: int, cache_dir: str, tokenizer: Tokenizer, options: dict):
     if kind == "gpt":
-        eod = tokenizer.eod if options.get("eod_mask_loss") else None
-        return GPTDataset(indexed, documents, num_samples, seq_length, seed, cache_dir, split_name, eod_mask_loss=eod)
-    bert_options = {k: v for k, v in options.items() if k != "eod_mask_loss"}
-    return BERTDataset(indexed, documents, num_samples, seq_length, seed, cache_dir, tokenizer, split_name,
-                       **bert_options)
+        return GPTDataset(indexed, documents, num_samples, seq_length, seed, cache_dir, split_name, **options)
+    return BERTDataset(indexed, documents, num_samples, seq_length, seed, cache_dir, tokenizer, split_name, **options)
 
 
 def build_train_valid_test_datasets(kind: str, data_path: Sequence[str], split: str, seq_length: int, seed: int,
@@ -37,7 +34,7 @@ def build_train_valid_test_datasets(kind: str, data_path: Sequence[str], split: 
     datasets are blended by their weights. A split whose weight or requested sample count is
     zero is ``None``. ``cache_dir`` (``--data-cache-path``) holds the sample indices, by default
     ``index-cache/`` next to each dataset. ``options`` go to the dataset class: GPT takes
-    ``eod_mask_loss``; BERT takes ``masked_lm_prob``, ``short_seq_prob``, ``binary_head``, ``pair_task``.
+    ``packing`` (``data/packing.py``); BERT takes ``masked_lm_prob``, ``short_seq_prob``, ``binary_head``, ``pair_task``.
     """
     if kind not in KINDS:
         raise ConfigError(f"dataset kind {kind} is unknown; use gpt or bert.")

@@ -20,6 +20,7 @@ import numpy as np
 
 from megapipe.data.index_cache import array_digest, load_or_build
 from megapipe.data.indexed_dataset import IndexedDataset
+from megapipe.data.packing import Packing
 from megapipe.errors import DataError
 
 INDEX_VERSION = 2
@@ -62,16 +63,16 @@ class GPTDataset:
     """``num_samples`` language-model samples from the documents ``documents`` of ``indexed``.
 
     Items are dicts: ``tokens`` and ``labels`` (int64[seq_length], labels = tokens shifted by
-    one) and ``loss_mask`` (float32[seq_length]; with ``eod_mask_loss`` set to the eod id,
-    positions whose input token is eod get 0, as Megatron's --eod-mask-loss does).
+    one) and ``loss_mask`` (float32[seq_length]); with ``packing``, what its switches add
+    (``data/packing.py``: the loss mask zero on end-of-document inputs, ``position_ids``, ``document_ids``).
     """
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
-                 seed: int, cache_dir: str, split_name: str = "train", eod_mask_loss: Optional[int] = None):
+                 seed: int, cache_dir: str, split_name: str = "train", packing: Optional[Packing] = None):
         self.indexed = indexed
         self.documents = np.asarray(documents, dtype=np.int64)
         self.seq_length = seq_length
-        self.eod_mask_loss = eod_mask_loss
+        self.packing = packing
         lengths = indexed.document_lengths[self.documents]
         if num_samples > 0 and lengths.sum() == 0:
             raise DataError(f"the {split_name} split of {indexed.prefix} has no tokens but {num_samples} samples "
@@ -102,14 +103,15 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        return lm_sample(self.sample_tokens(int(self.sample_order[i])), self.eod_mask_loss)
+        return lm_sample(self.sample_tokens(int(self.sample_order[i])), self.packing)
 
 
-def lm_sample(window: np.ndarray, eod_mask_loss: Optional[int] = None) -> dict[str, np.ndarray]:
-    """The item of a window of ``seq_length + 1`` tokens: ``tokens``, ``labels`` (shifted by one), ``loss_mask``
-    (0 where the input token is ``eod_mask_loss``, when given)."""
+def lm_sample(window: np.ndarray, packing: Optional[Packing] = None) -> dict[str, np.ndarray]:
+    """The item of a window of ``seq_length + 1`` tokens: ``tokens``, ``labels`` (shifted by one), ``loss_mask``,
+    and with ``packing`` the fields its switches add."""
     tokens, labels = window[:-1], window[1:]
     loss_mask = np.ones(len(tokens), dtype=np.float32)
-    if eod_mask_loss is not None:
-        loss_mask[tokens == eod_mask_loss] = 0.0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    if packing is not None:
+        item.update(packing.fields(tokens, loss_mask))
+    return item

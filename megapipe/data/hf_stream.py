@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from megapipe.data.gpt_dataset import lm_sample
+from megapipe.data.packing import Packing
 from megapipe.data.splits import SPLIT_NAMES, check_split_documents, parse_split, split_document_ranges
 from megapipe.data.tokenizing_pool import TokenizingPool
 from megapipe.errors import DataError
@@ -35,8 +36,8 @@ class StreamedGPTDataset:
     tokenised by ``pool``. Read in order through ``windows(first)``; items as ``GPTDataset``'s."""
 
     def __init__(self, read: TextReader, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
-                 pool: TokenizingPool, name: str = "train"):
-        self.read, self.pool, self.name = read, pool, name
+                 pool: TokenizingPool, name: str = "train", packing: Optional[Packing] = None):
+        self.read, self.pool, self.name, self.packing = read, pool, name, packing
         self.documents = np.asarray(documents, dtype=np.int64)
         self.num_samples, self.seq_length, self.seed = num_samples, seq_length, seed
         self._lengths = np.full(len(self.documents), -1, dtype=np.int64)  # tokens per document, -1: not yet counted
@@ -45,7 +46,7 @@ class StreamedGPTDataset:
         return self.num_samples
 
     def item(self, window: np.ndarray) -> dict[str, np.ndarray]:
-        return lm_sample(window)
+        return lm_sample(window, self.packing)
 
     def windows(self, first: int = 0) -> Iterator[np.ndarray]:
         """Windows ``first``, ``first + 1``, ... (``seq_length + 1`` int64 tokens each), without end."""
@@ -104,13 +105,13 @@ class StreamedGPTDataset:
 
 
 def build_streamed_datasets(read: TextReader, num_documents: int, where: str, split: str, seq_length: int,
-                            seed: int, num_samples: Sequence[int], pool: TokenizingPool
-                            ) -> tuple[Optional[StreamedGPTDataset], ...]:
+                            seed: int, num_samples: Sequence[int], pool: TokenizingPool,
+                            packing: Optional[Packing] = None) -> tuple[Optional[StreamedGPTDataset], ...]:
     """(train, valid, test) streams over ``num_documents`` documents cut by ``--split`` (as ``--data-path``'s
     are); a split with no weight or no samples asked of it is None. ``where`` names the data in errors."""
     weights = parse_split(split)
     needed = [w > 0 and n > 0 for w, n in zip(weights, num_samples)]
     check_split_documents(split, {where: num_documents}, needed)
     ranges = split_document_ranges(num_documents, weights)
-    return tuple(StreamedGPTDataset(read, np.arange(*ranges[s]), num_samples[s], seq_length, seed, pool, name)
-                 if needed[s] else None for s, name in enumerate(SPLIT_NAMES))
+    return tuple(StreamedGPTDataset(read, np.arange(*ranges[s]), num_samples[s], seq_length, seed, pool, name,
+                                    packing) if needed[s] else None for s, name in enumerate(SPLIT_NAMES))

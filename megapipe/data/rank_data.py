@@ -8,6 +8,9 @@
   broadcast by the first stage's reader over the model-parallel group. They never open a dataset.
 * Indices are built once per node, by its lowest-numbered reader, behind a barrier; the other
   readers then find them in the cache.
+* Under context parallelism every context rank of a replica reads (or receives) the same samples
+  and keeps only its two chunks of each sequence (``data/context_batch.py``), cut before anything is
+  broadcast or moved to the device.
 
 Batches move to the device through pinned memory without blocking the host (``to_device``).
 """
@@ -23,10 +26,12 @@ import torch.distributed as dist
 
 from megapipe.config import Config
 from megapipe.data.builder import build_train_valid_test_datasets
+from megapipe.data.context_batch import PER_SAMPLE_FIELDS, context_share
 from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
 from megapipe.data.hf_source import open_hf_dataset
 from megapipe.data.hf_stream import build_streamed_datasets
 from megapipe.data.mock import MockGPTDataset
+from megapipe.data.packing import packing_of
 from megapipe.data.tokenizer.null import NullTokenizer
 from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.splits import SPLIT_NAMES, parse_split
@@ -43,7 +48,20 @@ FIELDS = {
              "last": ("padding_mask", "labels", "loss_mask", "is_random")},
 }
 FLOAT_FIELDS = ("loss_mask",)
-PER_SAMPLE_FIELDS = ("is_random",)  # [b]; every other field is [b, s]
+
+
+def batch_fields(kind: str, config: Config) -> dict[str, tuple[str, ...]]:
+    """The role of a model chunk -> the batch keys its layers read, with the packed documents' fields
+    (``data/packing.py``): document ids in every layer, reset positions where they are used (the
+    embedding's learned positions on the first stage, RoPE in every layer)."""
+    fields = {role: list(keys) for role, keys in FIELDS[kind].items()}
+    rope = config.model.position_embedding_type == "rope"
+    for role in fields if kind == "gpt" else ():
+        if config.data.reset_position_ids and (role == "first" or rope):
+            fields[role].append("position_ids")
+        if config.data.reset_attention_mask:
+            fields[role].append("document_ids")
+    return {role: tuple(keys) for role, keys in fields.items()}
 
 
 def stage_roles(ps: ParallelState) -> frozenset:
@@ -73,6 +91,7 @@ class RankData:
     kind: str
     tokenizer: Tokenizer
     reads: bool
+    fields: dict  # the role of a model chunk -> the batch keys it reads (``batch_fields``)
     datasets: tuple = (None, None, None)
     data_path: Optional[str] = None  # the first dataset prefix (None for --mock-data and --hf-dataset)
     split_exists: tuple = (True, True, True)  # the same on every rank, reader or not
@@ -142,28 +161,30 @@ def _flags_tokenizer(data) -> Tokenizer:
 
 def _tokenizer_only(kind: str, config: Config, num_samples: tuple) -> RankData:
     tokenizer, _ = _tokenizer_and_path(kind, config)
-    return RankData(kind, tokenizer, False, split_exists=_split_exists(config, num_samples))
+    return RankData(kind, tokenizer, False, batch_fields(kind, config), split_exists=_split_exists(config, num_samples))
 
 
 def _read(kind: str, config: Config, num_samples: tuple) -> RankData:
     tokenizer, data_path = _tokenizer_and_path(kind, config)
     t, exists = config.training, _split_exists(config, num_samples)
+    fields, packing = batch_fields(kind, config), packing_of(config.data, tokenizer) if kind == "gpt" else None
     if config.data.mock_data:
-        datasets = tuple(MockGPTDataset(n, config.model.seq_length, config.data.vocab_size, t.seed, name)
+        datasets = tuple(MockGPTDataset(n, config.model.seq_length, config.data.vocab_size, t.seed, name, packing)
                          if present else None for n, name, present in zip(num_samples, SPLIT_NAMES, exists))
-        return RankData(kind, tokenizer, True, datasets, None, exists)
+        return RankData(kind, tokenizer, True, fields, datasets, None, exists)
     if config.data.hf_dataset:
-        return _read_streamed(config, tokenizer, num_samples, exists)
-    options = {} if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
-                                             short_seq_prob=config.data.short_seq_prob,
-                                             binary_head=config.model.bert_binary_head)
+        return _read_streamed(config, tokenizer, num_samples, exists, fields, packing)
+    options = dict(packing=packing) if kind == "gpt" else dict(masked_lm_prob=config.data.mask_prob,
+                                                                short_seq_prob=config.data.short_seq_prob,
+                                                                binary_head=config.model.bert_binary_head)
     datasets = build_train_valid_test_datasets(kind, data_path, config.data.split, config.model.seq_length, t.seed,
                                                num_samples, tokenizer, cache_dir=config.data.data_cache_path,
                                                **options)
-    return RankData(kind, tokenizer, True, datasets, data_path[0], exists)
+    return RankData(kind, tokenizer, True, fields, datasets, data_path[0], exists)
 
 
-def _read_streamed(config: Config, tokenizer: Tokenizer, num_samples: tuple, exists: tuple) -> RankData:
+def _read_streamed(config: Config, tokenizer: Tokenizer, num_samples: tuple, exists: tuple, fields: dict,
+                   packing) -> RankData:
     """--hf-dataset: the three splits as streams tokenised by one pool of --num-workers processes."""
     data = config.data
     dataset = open_hf_dataset(data.hf_dataset, data.hf_dataset_text_key, data.data_cache_path)
@@ -174,10 +195,10 @@ def _read_streamed(config: Config, tokenizer: Tokenizer, num_samples: tuple, exi
 
     pool = TokenizingPool(tokenizer, data.num_workers)
     datasets = build_streamed_datasets(read, len(dataset), data.hf_dataset, data.split, config.model.seq_length,
-                                       config.training.seed, num_samples, pool)
+                                       config.training.seed, num_samples, pool, packing)
     how = (f"{data.num_workers} worker process{'es' if data.num_workers > 1 else ''}" if data.num_workers
            else "the training process")
-    return RankData("gpt", tokenizer, True, datasets, None, exists,
+    return RankData("gpt", tokenizer, True, fields, datasets, None, exists,
                     streamed=f"Hugging Face dataset {data.hf_dataset} ({len(dataset)} documents, column '{key}'), "
                              f"tokenised by {how} as it is read")
 
@@ -188,9 +209,10 @@ class BatchSource:
     def __init__(self, data: RankData, ps: ParallelState, device: torch.device, micro_batch_size: int,
                  seq_length: int, num_microbatches: int):
         self.data, self.ps, self.device = data, ps, device
-        self.shape = (num_microbatches, micro_batch_size, seq_length)
+        self.seq_length = seq_length
+        self.shape = (num_microbatches, micro_batch_size, seq_length // ps.cp_size)
         roles = stage_roles(ps)
-        fields = FIELDS[data.kind]
+        fields = data.fields
         self.fields = sorted({key for role in roles for key in fields[role]})
         self.tensor_fields = self.fields if ps.tp_size > 1 and roles & {"first", "last"} else []
         self.middle_fields = list(fields["middle"]) if _has_middle_only_ranks(ps) else []
@@ -212,13 +234,15 @@ class BatchSource:
         return [{key: stacked[key][i] for key in self.fields} for i in range(self.shape[0])]
 
     def _read(self, loader) -> dict[str, torch.Tensor]:
-        """The next m microbatches of the loader, each needed key stacked to ``[m, b, ...]``, on the device."""
+        """The next m microbatches of the loader, each needed key stacked to ``[m, b, ...]`` (this context rank's
+        tokens only), on the device."""
         microbatches = [next(loader) for _ in range(self.shape[0])]
         if self.data.kind == "bert":
             for batch in microbatches:
                 batch["tokens"] = batch.pop("text")
-        return {key: to_device(torch.stack([batch[key] for batch in microbatches]), self.device)
-                for key in self.fields}
+        stacked = {key: torch.stack([batch[key] for batch in microbatches]) for key in self.fields}
+        return {key: to_device(value, self.device)
+                for key, value in context_share(stacked, self.seq_length, self.ps).items()}
 
     def _broadcast(self, stacked: dict, keys: list, group, members: list) -> None:
         """Fill ``stacked[key]`` for ``keys`` from ``members[0]`` (which holds them) over ``group``."""

@@ -34,7 +34,18 @@ def layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True, help="a --save directory or one iter_* directory")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="training's only: generation refuses any value but 1 (a checkpoint loads at any)")
     add_tokenizer_arguments(parser, required=False)
+
+
+def check_no_context_parallelism(context: int) -> None:
+    """Generation decodes one token at a time against a cache of every earlier position; context parallelism
+    splits a training sequence into chunks and has no such cache, so inference runs at c = 1."""
+    if context != 1:
+        raise ConfigError(f"--context-parallel-size {context} is for training: generation, the server and "
+                          "evaluation decode over a key-value cache that context parallelism does not split; drop "
+                          "the flag (a checkpoint trained at any context size loads at 1).")
 
 
 def _missing_tokenizer(directory: str, reads_text: str) -> ConfigError:
@@ -60,6 +71,7 @@ def load_for_inference(args: argparse.Namespace, reads_text: Optional[str] = Non
     ``reads_text`` names what will read text (e.g. "--prompt"): then a missing tokenizer is refused
     first, in one sentence, before any process group exists.
     """
+    check_no_context_parallelism(args.context_parallel_size)
     directory = find_checkpoint(args.load)
     if directory is None:
         raise CheckpointError(f"--load {args.load} holds no checkpoint; pass a --save directory or an iter_* "

@@ -10,7 +10,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.models.loss_parts import with_parts
 from megapipe.models.common import build_norm, replicated_linear
-from megapipe.models.gpt import masked_mean
+from megapipe.models.sequence_loss import first_rank_loss, sequence_mean
 from megapipe.models.stage import LanguageModelStage
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
@@ -23,7 +23,8 @@ class BERTStage(LanguageModelStage):
     """Batch keys: ``tokens``, ``types``, ``padding_mask`` (1 = real token) [b, s]; on the last
     stage ``labels`` (-1 where not predicted), ``loss_mask`` [b, s] and ``is_random`` [b].
 
-    The last stage returns LM loss + binary loss (each attached as a part for logging, see
+    Under context parallelism ``s`` is this rank's s/c tokens and the losses are the whole sequence's
+    (``megapipe.models.sequence_loss``). The last stage returns LM loss + binary loss (each attached as a part for logging, see
     ``megapipe.models.loss_parts``), or without labels the pair
     (LM logits ``[b, s, V/t]``, binary logits ``[b, 2]``).
     """
@@ -48,8 +49,8 @@ class BERTStage(LanguageModelStage):
         self.binary_head = replicated_linear(h, 2, config, "binary_head", seed, device) \
             if config.bert_binary_head else None
 
-    def attention_mask(self, batch: dict) -> torch.Tensor:
-        return (batch["padding_mask"] == 0)[:, None, None, :]
+    def key_padding(self, batch: dict) -> torch.Tensor:
+        return batch["padding_mask"] == 0
 
     def head(self, hidden: torch.Tensor, batch: dict):
         if self.sequence_parallel:  # the heads need the first token and every position
@@ -68,8 +69,9 @@ class BERTStage(LanguageModelStage):
         labels = batch["labels"].clamp(min=0).transpose(0, 1)
         vocab_start = self.ps.tp_rank * lm_logits.shape[-1]
         losses = vocab_parallel_cross_entropy(lm_logits, labels, self.ps.tp_group, vocab_start).transpose(0, 1)
-        lm_loss = masked_mean(losses, batch["loss_mask"])
+        lm_loss = sequence_mean(losses, batch["loss_mask"], self.ps)
         if binary_logits is None:
             return lm_loss
-        sop_loss = F.cross_entropy(binary_logits.float(), batch["is_random"])
+        # [CLS] is position 0: under context parallelism only context rank 0's first token
+        sop_loss = first_rank_loss(F.cross_entropy(binary_logits.float(), batch["is_random"]), self.ps)
         return with_parts(lm_loss + sop_loss, lm_loss=lm_loss, sop_loss=sop_loss)

@@ -6,21 +6,19 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm
+from megapipe.models.sequence_loss import sequence_mean
 from megapipe.models.stage import LanguageModelStage
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.float()
-    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 class GPTStage(LanguageModelStage):
-    """Batch keys: ``tokens`` [b, s]; on the last stage ``labels`` and ``loss_mask`` [b, s].
+    """Batch keys: ``tokens`` [b, s]; on the last stage ``labels`` and ``loss_mask`` [b, s]; for packed
+    documents ``position_ids`` and ``document_ids`` [b, s]. Under context parallelism every ``s`` is this
+    rank's s/c tokens.
 
-    The last stage returns the mean loss over ``loss_mask`` or, without labels, the logits
+    The last stage returns the mean loss over ``loss_mask`` of the whole sequence or, without labels, the logits
     ``[b, s, V/t]`` of this rank's vocabulary slice (``[b, 1, V/t]`` with ``last_logits_only``).
     """
 
@@ -34,8 +32,9 @@ class GPTStage(LanguageModelStage):
         self.final_norm = build_norm(config, device, sequence_parallel) if post_process else None
 
     def attention_mask(self, batch: dict) -> torch.Tensor | None:
-        """Inference passes its own mask (padding and causality over the cached positions)."""
-        return batch.get("attention_mask")
+        """Inference passes its own mask (padding and causality over the cached positions); training's
+        is the packed documents' (``--reset-attention-mask``), if any."""
+        return batch["attention_mask"] if "attention_mask" in batch else super().attention_mask(batch)
 
     def head(self, hidden: torch.Tensor, batch: dict):
         if batch.get("last_logits_only"):  # decoding needs the next-token logits only
@@ -47,4 +46,4 @@ class GPTStage(LanguageModelStage):
             return logits.transpose(0, 1)
         vocab_start = self.ps.tp_rank * logits.shape[-1]
         losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), self.ps.tp_group, vocab_start)
-        return masked_mean(losses.transpose(0, 1), batch["loss_mask"])
+        return sequence_mean(losses.transpose(0, 1), batch["loss_mask"], self.ps)

@@ -14,7 +14,9 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
+from megapipe.layout.context import chunk_ranges
 from megapipe.models.embedding import Embedding
+from megapipe.models.masking import ContextMasks, dense_mask
 from megapipe.models.recompute import checkpoint, recompute_groups
 from megapipe.models.transformer import TransformerLayer
 from megapipe.parallel.state import ParallelState
@@ -73,15 +75,35 @@ class LanguageModelStage(nn.Module, abc.ABC):
             return self.output_embedding.weight
         return self.embedding.word_embeddings.weight
 
-    def attention_mask(self, batch: dict) -> torch.Tensor | None:
-        """Boolean mask broadcastable to ``[b, heads, s, s]``, True where attention is not allowed."""
+    def key_padding(self, batch: dict) -> torch.Tensor | None:
+        """``[b, s]``, True where a token is padding that no query may attend to (None: no padding)."""
         return None
 
-    def rotary(self, hidden: torch.Tensor, batch: dict):
-        """RoPE's (cos, sin) tables for the batch's positions (``position_ids`` [b, s], else 0..s-1), or None."""
+    def attention_mask(self, batch: dict) -> torch.Tensor | None:
+        """Boolean mask broadcastable to ``[b, heads, s, s]``, True where attention is not allowed:
+        padded keys and, for packed documents, keys of other documents."""
+        return dense_mask(self.key_padding(batch), batch.get("document_ids"))
+
+    def masking(self, batch: dict):
+        """What the attention of every layer takes: ``attention_mask``, or per-token ``ContextMasks``
+        under context parallelism (no rank builds a mask over the whole sequence)."""
+        if self.ps.cp_size > 1:
+            return ContextMasks(self.key_padding(batch), batch.get("document_ids"))
+        return self.attention_mask(batch)
+
+    def positions(self, batch: dict, device) -> torch.Tensor | None:
+        """``position_ids`` [b, s] of the batch (reset per document, or inference's); else under context
+        parallelism the global positions of this rank's tokens [1, s/c]; else None (0..s-1)."""
+        positions = batch.get("position_ids")
+        if positions is None and self.ps.cp_size > 1:
+            ranges = chunk_ranges(self.config.seq_length, self.ps.cp_size, self.ps.cp_rank)
+            positions = torch.cat([torch.arange(a, b, device=device) for a, b in ranges]).unsqueeze(0)
+        return positions
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor | None):
+        """RoPE's (cos, sin) tables for ``positions`` [b, s] (None: 0..s-1), or None without RoPE."""
         if self.config.position_embedding_type != "rope":
             return None
-        positions = batch.get("position_ids")
         if positions is None:
             s = hidden.shape[0] * (self.ps.tp_size if self.sequence_parallel else 1)
             positions = torch.arange(s, device=hidden.device).unsqueeze(0)
@@ -90,11 +112,13 @@ class LanguageModelStage(nn.Module, abc.ABC):
     def forward(self, hidden: torch.Tensor | None, batch: dict):
         """With ``attention_mask`` in the batch (inference), that mask replaces the causal one;
         with ``kv_cache`` the layers attend over the cached keys and values too."""
+        device = batch["tokens"].device if self.pre_process else hidden.device
+        positions = self.positions(batch, device)
         if self.pre_process:
-            hidden = self.embedding(batch["tokens"], batch.get("position_ids"), batch.get("types"))
-        mask = self.attention_mask(batch)
+            hidden = self.embedding(batch["tokens"], positions, batch.get("types"))
+        mask = self.masking(batch)
         causal = self.causal and "attention_mask" not in batch
-        rotary = self.rotary(hidden, batch)
+        rotary = self.rotary(hidden, positions)
         cache = batch.get("kv_cache")
         layers = list(self.layers.values())
         for start, end, recompute in recompute_groups(self.config, len(layers)):

@@ -8,6 +8,8 @@ row-parallel ffn -> h. Two all-reduces forward and two backward per layer (seed 
 instead of GPT's pre-norm. With ``--qk-layernorm`` queries and keys are normalised per head
 (Qwen3) or over their whole projections (OLMoE) before RoPE. With ``--num-experts`` the layers
 ``--moe-layer-freq`` picks have a mixture of experts (``models/moe``) instead of the dense MLP.
+Under context parallelism (``--context-parallel-size``) the layer holds s/c tokens of each
+sequence and only the attention core talks to the other context ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
+from megapipe.context_parallel import context_attention
 from megapipe.models.common import build_norm, dropout_add, output_std
 from megapipe.models.mlp import MLP
 from megapipe.models.moe import MoELayer
@@ -89,7 +92,16 @@ class SelfAttention(nn.Module):
         return norm(x.transpose(1, 2).reshape(b, s, heads * d)).view(b, s, heads, d).transpose(1, 2)
 
     def core_attention(self, q, k, v, attention_mask, causal):
-        """softmax(q k^T / sqrt(d) + mask) v on the local heads; dropout differs per tensor rank."""
+        """softmax(q k^T / sqrt(d) + mask) v on the local heads; dropout differs per tensor rank. Under
+        context parallelism (``attention_mask`` is then ``ContextMasks``) the queries of this rank's
+        tokens attend over the whole sequence through ``megapipe.context_parallel``."""
+        if self.ps.cp_size > 1:
+            # q, k, v are strided views of the QKV projection; the exchanges send and receive contiguous blocks
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            return context_attention(q, k, v, self.ps.context_groups, seq_length=self.config.seq_length,
+                                     causal=causal, scale=self.config.head_dim ** -0.5,
+                                     key_padding=attention_mask.key_padding,
+                                     document_ids=attention_mask.document_ids)
         dropout = self.config.attention_dropout if self.training else 0.0
         with self.ps.tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
             return fusions.attention(q, k, v, attention_mask, causal=causal, dropout_p=dropout,

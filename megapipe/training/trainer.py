@@ -86,7 +86,8 @@ class Trainer:
             self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
         else:
             self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
-        seq = config.model.seq_length // (par.tensor if par.sequence_parallel else 1)
+        # a stage boundary holds this rank's s/c tokens of each sequence, split over t with sequence parallelism
+        seq = config.model.seq_length // self.ps.cp_size // (par.tensor if par.sequence_parallel else 1)
         schedule = par.pipeline_schedule if par.schedule_file is None else \
             load_training_schedule(par.schedule_file, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
         self.search = None  # with --pipeline-schedule auto: what the search found

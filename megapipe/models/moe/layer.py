@@ -24,6 +24,7 @@ from megapipe.models.mlp import MLP
 from megapipe.models.moe import dispatch
 from megapipe.models.moe.capacity import expert_capacity
 from megapipe.models.moe.experts import GroupedExperts
+from megapipe.models.moe.load_balancing import ContextSplit
 from megapipe.models.moe.router import TopKRouter
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
@@ -82,7 +83,7 @@ class MoELayer(nn.Module):
             whole = mappings.gather_from_sequence_parallel_region(x, self.ps.tp_group, grad_is_partial=False)
         s, b, h = whole.shape
         tokens = whole.reshape(s * b, h)
-        routing = self.router(tokens, s)
+        routing = self.router(tokens, s, ContextSplit(self.ps.cp_group, self.ps.cp_size))
         if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
             combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
         else:

@@ -17,25 +17,54 @@ sets before each batch with ``set_aux_loss_scale``; a model outside the engine u
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 
-def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                    context: Optional[ContextSplit] = None) -> torch.Tensor:
     """``scores`` [T, E] (softmax over all experts, or normalised sigmoid), ``routing_map`` [T, E] bool."""
     tokens, experts = scores.shape
     counts = routing_map.sum(dim=0).to(scores.dtype)
-    return (scores.sum(dim=0) * counts).sum() * (experts / (topk * tokens * tokens))
+    size = 1 if context is None else context.sum_counts(counts)
+    return (scores.sum(dim=0) * counts).sum() * (experts / (topk * tokens * tokens * size))
 
 
-def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
+def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int,
+                 context: Optional[ContextSplit] = None) -> torch.Tensor:
     """The balancing loss of each sequence, averaged; tokens are ordered [s, b] (``s`` outer)."""
     experts = scores.shape[1]
     per_sequence_probs = scores.view(seq_length, -1, experts).sum(dim=0)  # [b, E]
     per_sequence_counts = routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype)
-    losses = (per_sequence_probs * per_sequence_counts).sum(dim=-1) * (experts / (topk * seq_length * seq_length))
+    size = 1 if context is None else context.sum_counts(per_sequence_counts)
+    losses = (per_sequence_probs * per_sequence_counts).sum(dim=-1) * (experts /
+                                                                        (topk * seq_length * seq_length * size))
     return losses.mean()
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """The c context ranks that each route s/c tokens of every sequence (context parallelism).
+
+    The balancing losses weigh each expert's probabilities by the tokens routed to it over the whole
+    sequence: ``sum_counts`` sums this rank's counts over the group in place. A rank's loss is then c times
+    its tokens' share of the whole sequence's loss (the ``/ (T_local x T)`` of its normalisation), so
+    the mean over the context ranks, which gradient averaging over d x c takes, is the whole loss, and
+    so are its gradients: the single process's. The z loss is a mean over tokens, whose mean over
+    ranks holding equally many is already the whole one.
+    """
+
+    group: Any
+    ranks: int
+
+    def sum_counts(self, counts: torch.Tensor) -> int:
+        """Sum ``counts`` over the context ranks (in place); returns c."""
+        if self.ranks > 1:
+            dist.all_reduce(counts, group=self.group)
+        return self.ranks
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,10 @@ class TopKRouter(nn.Module):
         self.register_buffer("log_sums", torch.zeros(e + 4, dtype=torch.float32, device=device), persistent=False)
         self.aux_loss_scale = None  # the main loss's gradient scale (load_balancing.set_aux_loss_scale)
 
-    def forward(self, tokens: torch.Tensor, seq_length: int) -> Routing:
-        """Route ``tokens`` [T, h] (ordered [s, b]); in training, attach the balancing losses."""
+    def forward(self, tokens: torch.Tensor, seq_length: int,
+                context: Optional[load_balancing.ContextSplit] = None) -> Routing:
+        """Route ``tokens`` [T, h] (ordered [s, b]); in training, attach the balancing losses (over the whole
+        sequence whose parts ``context``'s ranks hold, under context parallelism)."""
         c = self.config
         logits = F.linear(tokens.float(), self.weight.float())
         routing = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
@@ -109,7 +111,7 @@ class TopKRouter(nn.Module):
                                               c.moe_expert_capacity_factor, c.moe_token_drop_policy,
                                               c.moe_pad_expert_input_to_capacity))
         if self.training and torch.is_grad_enabled():  # not in evaluation, nor in a recomputation's first pass
-            aux, z = self._losses(logits, chosen, seq_length)
+            aux, z = self._losses(logits, chosen, seq_length, context)
             probs = routing.probs
             for loss, coeff in ((aux, c.moe_aux_loss_coeff), (z, c.moe_z_loss_coeff)):
                 if loss is not None and coeff:
@@ -118,15 +120,15 @@ class TopKRouter(nn.Module):
             self._count(chosen, routing.routing_map, aux, z)
         return routing
 
-    def _losses(self, logits: torch.Tensor, chosen: torch.Tensor, seq_length: int):
+    def _losses(self, logits: torch.Tensor, chosen: torch.Tensor, seq_length: int, context):
         """(balancing loss or None, z loss or None), without their coefficients."""
         c = self.config
         aux = None
         if c.moe_router_load_balancing_type != "none":
             scores = scores_for_aux_loss(logits, c.moe_router_score_function)
-            aux = (load_balancing.switch_aux_loss(scores, chosen, c.moe_router_topk)
+            aux = (load_balancing.switch_aux_loss(scores, chosen, c.moe_router_topk, context)
                    if c.moe_router_load_balancing_type == "aux_loss" else
-                   load_balancing.seq_aux_loss(scores, chosen, c.moe_router_topk, seq_length))
+                   load_balancing.seq_aux_loss(scores, chosen, c.moe_router_topk, seq_length, context))
         z = load_balancing.z_loss(logits) if c.moe_z_loss_coeff else None
         return aux, z
 
