@@ -4,6 +4,7 @@ for every comm type, its time and memory per rank, the ring's overlap, and PyTor
     python benchmarks/bench_context_parallel.py                 # seq 4096, c = 1, 2, 4, 4 timed steps each
     python benchmarks/bench_context_parallel.py --quick         # seq 256, c = 1, 2, 1 timed step: a smoke test
     python benchmarks/bench_context_parallel.py --seq-length 16384 --json cp.json --trace cp_ring.json
+    python benchmarks/bench_context_parallel.py --gpt 2        # a whole GPT training step of 2 layers
 
 One world of max(c) gloo processes (one thread each) runs every configuration in turn, all ranks
 busy in each: at c = 1 every rank attends over the whole sequence on its own, at c = 2 the ranks
@@ -28,6 +29,11 @@ The ring (p2p at the largest c) runs one more step with a ``Timeline``: per ring
 transfer was posted and waited and when the block computed, and the fraction of the transfer's time
 (posted to waited) during which that block's compute ran; ``--trace`` writes every rank's timeline as
 a Chrome trace (chrome://tracing, Perfetto).
+
+``--gpt LAYERS``: a whole GPT training step instead (megapipe's engine at p = 1, AdamW, gradients
+reduced over the d x c ranks, each configuration its own copy of the same weights and the same
+sequence, cut to each rank's chunks as the data loader does); the first step's loss is checked
+against c = 1's, and weights are left out of the saved bytes.
 """
 
 from __future__ import annotations
@@ -40,16 +46,21 @@ import sys
 
 import torch
 from harness import cli, report
+from harness.models import adamw, batch, microbatches, same_weights
 from harness.pairing import take_turns, timed
 from harness.ratios import median_ratio
+from harness.settings import Settings
 
 from megapipe.context_parallel import Timeline, context_attention
+from megapipe.data.context_batch import context_share
 from megapipe.errors import ConfigError, first_line, reports_user_errors
 from megapipe.fusions.attention import attention
 from megapipe.layout.context import check_sequence_split, local_positions
 from megapipe.layout.context_comm import COMM_TYPES
+from megapipe.models import build_model_chunks
 from megapipe.parallel.context import ContextGroups
 from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.runtime.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 TOLERANCE = 1e-5
@@ -68,12 +79,18 @@ class CPSettings:
     head_dim: int = 64
     context_sizes: tuple[int, ...] = (1, 2, 4)
     rounds: int = 4
+    gpt_layers: int = 0  # --gpt: a whole GPT step of this many layers instead of one attention layer
 
     @property
     def world(self) -> int:
         return max(self.context_sizes)
 
     def describe(self) -> str:
+        if self.gpt_layers:
+            return (f"GPT training step (forward, backward, AdamW), {self.gpt_layers} layers, hidden "
+                    f"{self.heads * self.head_dim}, {self.heads} heads, vocab {self.gpt().vocab_size}, batch 1, seq "
+                    f"{self.seq_length}, fp32; {self.world} gloo processes, gradients reduced over all of them "
+                    f"(d x c); {self.rounds} timed steps per configuration after a checked and a measured one")
         return (f"causal attention, batch {self.batch}, seq {self.seq_length}, {self.heads} heads, "
                 f"{self.query_groups} query groups, head dim {self.head_dim}, fp32; {self.world} gloo processes; "
                 f"{self.rounds} timed steps per configuration after a checked and a measured one")
@@ -81,7 +98,7 @@ class CPSettings:
     def configurations(self) -> list[tuple[int, str]]:
         """(c, comm type) of every configuration: at c = 1 the plain SDPA and context_attention's one
         block; above, each comm type the heads allow (a2a+p2p as all-to-alls in pairs and a ring of c/2)."""
-        result = [SDPA, BASE]
+        result = [BASE] if self.gpt_layers else [SDPA, BASE]
         for c in sorted(set(self.context_sizes) - {1}):
             for comm in COMM_TYPES:
                 a2a = {"a2a": c, "a2a+p2p": 2}.get(comm, 1)
@@ -99,7 +116,15 @@ class CPSettings:
         if self.heads % self.query_groups:
             raise ConfigError(f"--heads {self.heads} is not a multiple of --query-groups {self.query_groups}; "
                               "choose query groups that divide the heads.")
+        if self.gpt_layers and self.query_groups != self.heads:
+            raise ConfigError("--gpt runs megapipe's GPT, whose heads are all key/value heads; drop --query-groups.")
         check_sequence_split(self.seq_length, self.world)
+
+    def gpt(self) -> Settings:
+        """--gpt's model and run: one microbatch of one sequence, no dropout, untied embeddings."""
+        return Settings(num_layers=self.gpt_layers, hidden_size=self.heads * self.head_dim,
+                        num_attention_heads=self.heads, seq_length=self.seq_length, micro_batch_size=1,
+                        num_microbatches=1)
 
 
 def name_of(configuration: tuple[int, str]) -> str:
@@ -108,12 +133,11 @@ def name_of(configuration: tuple[int, str]) -> str:
 
 # ---- groups ---------------------------------------------------------------------------------------------
 
-def context_groups(world: int, c: int, comm: str) -> ContextGroups:
-    """This rank's context groups at c: world / c replicas of c ranks each, as the run's layout makes
-    them (a2a+p2p: all-to-alls in pairs, a ring of c / 2 across them). Collective: every rank calls it."""
-    state = ParallelState.initialize(data=world // c, context=c, cp_comm_type=comm,
-                                     hierarchical_context=(2, c // 2) if comm == "a2a+p2p" else None)
-    return state.context_groups
+def parallel_state(world: int, c: int, comm: str) -> ParallelState:
+    """world / c replicas of c context ranks each, as a run's layout makes them (a2a+p2p: all-to-alls
+    in pairs, a ring of c / 2 across them). Collective: every rank calls it."""
+    return ParallelState.initialize(data=world // c, context=c, cp_comm_type=comm,
+                                    hierarchical_context=(2, c // 2) if comm == "a2a+p2p" else None)
 
 
 # ---- memory ---------------------------------------------------------------------------------------------
@@ -145,13 +169,15 @@ def peak_rss_rise(step) -> int | None:
     return (_status_kib("VmHWM") - before) * 1024
 
 
-def saved_bytes(step) -> int:
-    """Bytes of the distinct storages autograd saves for the backward while ``step()`` runs its forward."""
+def saved_bytes(step, weights: frozenset = frozenset()) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``step()`` runs its forward,
+    but for those at the addresses ``weights`` (parameters, which a step keeps whatever c is)."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -191,7 +217,7 @@ def attends_of(world: int, settings: CPSettings, whole) -> dict:
     for c, comm in settings.configurations()[1:]:
         shared = comm if comm == "a2a+p2p" else "p2p"
         if c > 1 and (c, shared) not in made:
-            made[c, shared] = context_groups(world, c, shared)
+            made[c, shared] = parallel_state(world, c, shared).context_groups
         groups = ContextGroups.single() if c == 1 else dataclasses.replace(made[c, shared], comm_type=comm)
         rows = torch.tensor(local_positions(settings.seq_length, c, groups.index))
         attend = functools.partial(context_attention, groups=groups, seq_length=settings.seq_length, causal=True,
@@ -201,7 +227,29 @@ def attends_of(world: int, settings: CPSettings, whole) -> dict:
 
 
 def relative_diff(got: list[torch.Tensor], want: list[torch.Tensor], rows) -> float:
-    return max(float((a - b[:, :, rows]).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    """The largest difference from ``want`` (its ``rows`` of the sequence; all of it for None), relative
+    to ``want``'s largest magnitude."""
+    return max(float((a - (b if rows is None else b[:, :, rows])).abs().max() / b.abs().max())
+               for a, b in zip(got, want))
+
+
+def gpt_steps(world: int, settings: CPSettings) -> tuple[dict, frozenset]:
+    """--gpt: every configuration's training step on this rank, each its own copy of one GPT (same
+    weights) with megapipe's engine (p = 1, AdamW), the loss compared whole; and its weights' addresses."""
+    model = settings.gpt()
+    config = model.model_config()
+    reference = build_model_chunks("gpt", config, ParallelState.single())
+    tokens, labels = batch(model, 0)
+    microbatch = microbatches(tokens, labels, 1)[0]
+    steps, weights = {}, set()
+    for c, comm in settings.configurations():
+        ps = parallel_state(world, c, "p2p" if c == 1 else comm)
+        chunks = same_weights(config, ps, reference)
+        weights.update(p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters())
+        engine = PipelineEngine(chunks, ps, adamw(), "1f1b", 1, (model.seq_length // c, 1, model.hidden_size))
+        mine = context_share(microbatch, model.seq_length, ps)
+        steps[c, comm] = (lambda engine=engine, mine=mine: [torch.tensor(engine.train_batch([mine]).losses)], None)
+    return steps, frozenset(weights)
 
 
 def torch_context_parallel(world: int, settings: CPSettings, whole):
@@ -274,12 +322,17 @@ def chrome_trace(timelines: list[list]) -> dict:
 def world_run(rank: int, world: int, settings: CPSettings) -> dict:
     torch.set_num_threads(1)
     own_mappings_for_large_tensors()
-    whole = whole_inputs(settings)
-    attends = attends_of(world, settings, whole)
-    steps = {key: (step_of(attend, inputs), rows) for key, (attend, inputs, rows) in attends.items()}
-    want = steps[SDPA][0]()
-    barriers, results, torch_reason = world > 1, {}, None
-    if barriers:
+    barriers, torch_reason, attends, weights = world > 1, None, {}, frozenset()
+    if settings.gpt_layers:
+        steps, weights = gpt_steps(world, settings)
+        reference = BASE
+    else:
+        whole = whole_inputs(settings)
+        attends = attends_of(world, settings, whole)
+        steps = {key: (step_of(attend, inputs), rows) for key, (attend, inputs, rows) in attends.items()}
+        reference = SDPA
+    results = {reference: steps[reference][0]()}  # the first step of every configuration is the check
+    if barriers and not settings.gpt_layers:
         torch_step, outcome = torch_context_parallel(world, settings, whole)
         if torch_step is None:
             torch_reason = outcome
@@ -289,8 +342,8 @@ def world_run(rank: int, world: int, settings: CPSettings) -> dict:
     diff, saved, rss = {}, {}, {}
     for key, (step, rows) in steps.items():
         result = results[key] if key in results else timed(step, barriers)[2]
-        diff[key] = relative_diff(result, want, rows)
-        saved[key] = saved_bytes(step)
+        diff[key] = relative_diff(result, results[reference], rows)
+        saved[key] = saved_bytes(step, weights)
         rss[key] = timed(functools.partial(peak_rss_rise, step), barriers)[2]
     wall = take_turns(list(steps), settings.rounds, lambda key, r: timed(steps[key][0], barriers)[0])
     timeline = Timeline()
@@ -358,14 +411,17 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=CPSettings.heads)
     parser.add_argument("--query-groups", type=int, help="key/value heads (default: as many as --heads)")
     parser.add_argument("--head-dim", type=int, default=CPSettings.head_dim)
+    parser.add_argument("--gpt", type=int, metavar="LAYERS", default=0,
+                        help="a whole GPT training step of LAYERS layers (hidden heads x head dim) instead of one "
+                             "attention layer")
     parser.add_argument("--trace", metavar="PATH", help="the ring's timelines as a Chrome trace (JSON)")
     args = parser.parse_args(argv)
     settings = CPSettings(seq_length=args.seq_length or (256 if args.quick else CPSettings.seq_length),
                           heads=args.heads, query_groups=args.query_groups or args.heads, head_dim=args.head_dim,
                           context_sizes=tuple(args.context_sizes or ((1, 2) if args.quick else CPSettings.context_sizes)),
-                          rounds=cli.rounds_of(args, CPSettings.rounds, quick=1))
+                          rounds=cli.rounds_of(args, CPSettings.rounds, quick=1), gpt_layers=args.gpt)
     settings.check()
-    print(f"attention: {settings.describe()}")
+    print(f"run: {settings.describe()}")
     print(f"machine: {report.machine()}, torch {torch.__version__}, one thread per rank")
     per_rank = (run_distributed(settings.world, world_run, settings, timeout=3600, collective_timeout=600)
                 if settings.world > 1 else [world_run(0, 1, settings)])
@@ -381,9 +437,11 @@ def main(argv=None) -> int:
         report.write_json(args.trace, chrome_trace([r["events"] for r in per_rank]))
     bad = [name_of((r["c"], r["attention"])) for r in rows if r["diff"] > TOLERANCE]
     if bad:
-        print(f"FAILED: outputs or q, k, v gradients differ by more than {TOLERANCE} in {', '.join(bad)}")
+        print(f"FAILED: results differ from the reference by more than {TOLERANCE} in {', '.join(bad)}")
         return 1
-    print(f"outputs and q, k, v gradients agree with fusions.attention within {TOLERANCE} on every rank")
+    what = ("first-step losses agree with c = 1's" if settings.gpt_layers else
+            "outputs and q, k, v gradients agree with fusions.attention")
+    print(f"{what} within {TOLERANCE} on every rank")
     return 0
 
 

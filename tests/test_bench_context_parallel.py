@@ -74,12 +74,25 @@ def test_pytorch_context_parallel_is_timed_or_its_reason_given(quick):
     assert timed != bool(result["torch_context_parallel"])
 
 
+@pytest.mark.system
+def test_a_whole_gpt_step_has_the_loss_of_one_process_and_half_the_activations(bench, tmp_path):
+    """--gpt: c = 2 gives c = 1's first-step loss; the activations it saves per rank are about half
+    (the ring's, a2a's: 1/2 but for the positions and the loss's few numbers; all-gather's a little more)."""
+    assert bench.main(["--quick", "--gpt", "1", "--json", str(tmp_path / "gpt.json")]) == 0
+    rows = {row["attention"]: row for row in json.loads((tmp_path / "gpt.json").read_text())["rows"]}
+    assert set(rows) == {"context_attention", "p2p", "all_gather", "a2a"}
+    assert all(row["diff"] <= 1e-5 for row in rows.values())
+    assert 0.5 <= rows["p2p"]["saved_ratio"] < 0.56 and 0.5 <= rows["a2a"]["saved_ratio"] < 0.56
+    assert rows["p2p"]["saved_ratio"] < rows["all_gather"]["saved_ratio"] < 0.7
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, words", [
     (["--context-sizes", "1", "3", "4"], "--context-sizes 1 3 4"),
     (["--context-sizes", "0", "2"], "--context-sizes 0 2"),
     (["--seq-length", "100", "--context-sizes", "1", "4"], "--seq-length 100"),
-    (["--heads", "6", "--query-groups", "4"], "--query-groups 4")])
+    (["--heads", "6", "--query-groups", "4"], "--query-groups 4"),
+    (["--gpt", "1", "--query-groups", "2"], "--query-groups")])
 def test_bad_sizes_are_one_sentence(bench, capsys, argv, words):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
