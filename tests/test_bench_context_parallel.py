@@ -80,7 +80,7 @@ def test_a_whole_gpt_step_has_the_loss_of_one_process_and_half_the_activations(b
     (the ring's, a2a's: 1/2 but for the positions and the loss's few numbers; all-gather's a little more)."""
     assert bench.main(["--quick", "--gpt", "1", "--json", str(tmp_path / "gpt.json")]) == 0
     rows = {row["attention"]: row for row in json.loads((tmp_path / "gpt.json").read_text())["rows"]}
-    assert set(rows) == {"context_attention", "p2p", "all_gather", "a2a"}
+    assert set(rows) == {"fusions.attention", "p2p", "all_gather", "a2a"}
     assert all(row["diff"] <= 1e-5 for row in rows.values())
     assert 0.5 <= rows["p2p"]["saved_ratio"] < 0.56 and 0.5 <= rows["a2a"]["saved_ratio"] < 0.56
     assert rows["p2p"]["saved_ratio"] < rows["all_gather"]["saved_ratio"] < 0.7
