@@ -254,8 +254,8 @@ def gpt_steps(world: int, settings: CPSettings) -> tuple[dict, frozenset]:
 
 
 def torch_context_parallel(world: int, settings: CPSettings, whole):
-    """PyTorch's ``context_parallel`` over all ranks, SDPA inside it: (step, None) where it runs
-    (one step has run), else (None, the reason caught)."""
+    """PyTorch's ``context_parallel`` over all ranks, SDPA inside it: (step, its first step's result)
+    where it runs, else (None, the reason caught)."""
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
