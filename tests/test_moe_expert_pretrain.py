@@ -1,7 +1,7 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
-(sharded weights, recomputation), with tensor and sequence parallelism and with pipeline parallelism under 1F1B, ZB-H1
-and DualPipeV, logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
-scaling skips steps alike on every expert rank.
+(sharded weights, recomputation), with tensor and sequence parallelism and with pipeline parallelism under 1F1B,
+ZB-H1, ZBV and DualPipeV (the zero-bubble ones with the experts' weight gradients left for BW), logs the single
+process's losses (1e-5, no capacity); so does an fp16 run, whose loss scaling skips steps alike on every expert rank.
 One single-process run is the reference for every layout."""
 
 import pytest
@@ -19,6 +19,8 @@ LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
     "t2-e2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+    "p2-e2-zbv": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                  "--num-layers-per-virtual-pipeline-stage", "1"],
     "p2-e2-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
 }
