@@ -4,8 +4,9 @@ Weights are stored with the expert dimension first, under the expert's global in
 ``experts.fc1.weight`` [E, ffn (x 2 with SwiGLU: (gate, up) pairs), h] and ``experts.fc2.weight``
 [E, h, ffn]. Expert rank r of e holds the slice [r E/e, (r+1) E/e) along dim 0 (marked
 ``expert_parallel``: its gradients are reduced over the expert-data-parallel group) and a
-checkpoint reshards between any layouts by slicing that one dimension; tensor parallelism splits
-the ffn dimension (dim 1 of fc1, dim 2 of fc2) as the dense MLP does.
+checkpoint reshards between any layouts by slicing that one dimension; expert-tensor parallelism
+(``--expert-tensor-parallel-size``: t, the default, or 1) splits the ffn dimension (dim 1 of fc1,
+dim 2 of fc2) as the dense MLP does.
 
 The product runs as one grouped matrix product (``torch._grouped_mm``) where this build has it for
 the tensors' device and dtype, else as a loop over the experts, each on its contiguous run of the
@@ -36,15 +37,16 @@ class _Stacked(nn.Module):
 def _expert_weight(shape: tuple[int, ...], std: float, name: str, partition_dim: int, ps: ParallelState,
                    seed: int, dtype, device) -> nn.Parameter:
     """This rank's experts' slice (dim 0, by expert rank) of a stacked weight, split along ``partition_dim``
-    by tensor rank, filled with its part of the full (seed, name) weight."""
+    by expert-tensor rank, filled with its part of the full (seed, name) weight."""
     local = list(shape)
     local[0] = divide(shape[0], ps.ep_size)
-    local[partition_dim] = divide(shape[partition_dim], ps.tp_size)
+    local[partition_dim] = divide(shape[partition_dim], ps.etp_size)
     rows = (ps.ep_rank * local[0], (ps.ep_rank + 1) * local[0])
     weight = init_normal_(torch.empty(local, dtype=dtype, device=device), shape, std, seed, name, partition_dim,
-                          ps.tp_rank, ps.tp_size, rows=rows)
+                          ps.etp_rank, ps.etp_size, rows=rows)
     param = nn.Parameter(weight)
-    mark_tensor_parallel(param, partition_dim)
+    if ps.etp_size == ps.tp_size:  # split like the dense layers; at expert-tensor size 1 each expert is whole
+        mark_tensor_parallel(param, partition_dim)
     mark_expert_parallel(param)
     return param
 
