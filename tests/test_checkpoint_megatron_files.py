@@ -71,6 +71,8 @@ def test_weights_go_through_torch_and_torch_dist_unchanged(tmp_path):
     (dict(position_embedding_type="yarn"), r"uses position embedding 'yarn', which megapipe does not have"),
     (dict(num_experts=8, moe_router_topk_scaling_factor=2.5),
      r"with scaled routing weights \(moe_router_topk_scaling_factor=2.5\)"),
+    (dict(num_experts=8, expert_model_parallel_size=2),
+     r"is a torch-format checkpoint of an expert-parallel run \(expert_model_parallel_size=2\)"),
 ])
 def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, change, message):
     args = argparse.Namespace(**{**vars(megatron_args(CONFIG)), **change})
