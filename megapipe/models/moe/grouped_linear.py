@@ -15,7 +15,6 @@ import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megapipe.tensor_parallel.split_backward import defer
 
@@ -56,19 +55,31 @@ class _Products:
         """[N, out]: each row times its expert's weight transposed."""
         if self.grouped:
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=self.offsets)
-        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(self.splits))])
+        return self._rows(x, lambda e: weight[e].t(), weight.shape[1])
 
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """[N, in]: each row's output gradient times its expert's weight."""
         if self.grouped:
             return torch._grouped_mm(grad, weight, offs=self.offsets)
-        return torch.cat([part.mm(weight[e]) for e, part in enumerate(grad.split(self.splits))])
+        return self._rows(grad, lambda e: weight[e], weight.shape[2])
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[E, out, in]: per expert, its rows' output gradients transposed times their inputs."""
         if self.grouped:
             return torch._grouped_mm(grad.t(), x, offs=self.offsets)
-        return torch.stack([g.t().mm(part) for g, part in zip(grad.split(self.splits), x.split(self.splits))])
+        out = x.new_empty(len(self.splits), grad.shape[1], x.shape[1])
+        for e, (g, part) in enumerate(zip(grad.split(self.splits), x.split(self.splits))):
+            torch.mm(g.t(), part, out=out[e])
+        return out
+
+    def _rows(self, rows: torch.Tensor, matrix, width: int) -> torch.Tensor:
+        """[N, width]: each expert's run of ``rows`` times ``matrix(e)``, written in place (no concatenation)."""
+        out = rows.new_empty(rows.shape[0], width)
+        start = 0
+        for e, count in enumerate(self.splits):
+            torch.mm(rows[start:start + count], matrix(e), out=out[start:start + count])
+            start += count
+        return out
 
 
 class _GroupedLinear(torch.autograd.Function):
