@@ -63,6 +63,7 @@ class _Products:
             return torch._grouped_mm(grad, weight, offs=self.offsets)
         return self._rows(grad, lambda e: weight[e], weight.shape[2])
 
+    @torch.no_grad()  # BW runs it outside the backward, on tensors of the graph
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[E, out, in]: per expert, its rows' output gradients transposed times their inputs."""
         if self.grouped:
@@ -72,6 +73,7 @@ class _Products:
             torch.mm(g.t(), part, out=out[e])
         return out
 
+    @torch.no_grad()
     def _rows(self, rows: torch.Tensor, matrix, width: int) -> torch.Tensor:
         """[N, width]: each expert's run of ``rows`` times ``matrix(e)``, written in place (no concatenation)."""
         out = rows.new_empty(rows.shape[0], width)
