@@ -58,7 +58,8 @@ class MoESettings:
         return (f"hidden {self.hidden_size}, {self.num_experts} experts of ffn {self.ffn_hidden_size}, top-{self.topk}, "
                 f"{self.tokens} tokens per rank (seq {self.seq_length} x batch {self.micro_batch_size}), fp32, "
                 f"SwiGLU, no capacity; megapipe's {'grouped product' if self.grouped_gemm else 'loop over experts'}, "
-                f"transformers' {self.hf_experts} experts; {self.rounds} timed steps per system after {self.warmup_steps} warm-up steps")
+                f"transformers' {self.hf_experts} experts; {self.rounds} timed steps per system after "
+                f"{self.warmup_steps} warm-up steps")
 
     def megapipe_config(self) -> ModelConfig:
         return ModelConfig(num_layers=1, hidden_size=self.hidden_size, num_attention_heads=4, vocab_size=64,
