@@ -3,6 +3,7 @@
     python benchmarks/bench_moe.py                   # e = 1 and 2, 8 timed steps per system
     python benchmarks/bench_moe.py --quick           # 2 timed steps per system, a smoke test
     python benchmarks/bench_moe.py --experts 16 --tokens 2048 --json out.json
+    python benchmarks/bench_moe.py --moe-grouped-gemm  # megapipe's experts as one torch._grouped_mm
 
 Both sides hold the same weights (transformers' stacked ``gate_up_proj`` and ``down_proj`` mapped to
 megapipe's layout as ``megapipe.models.hf_moe`` does) and see the same tokens. At e = 1 one process
@@ -47,6 +48,7 @@ class MoESettings:
     warmup_steps: int = 2
     rounds: int = 8
     hf_experts: str = "eager"  # transformers' experts implementation
+    grouped_gemm: bool = False  # megapipe's --moe-grouped-gemm (torch._grouped_mm where it runs)
 
     @property
     def seq_length(self) -> int:
@@ -55,14 +57,17 @@ class MoESettings:
     def describe(self) -> str:
         return (f"hidden {self.hidden_size}, {self.num_experts} experts of ffn {self.ffn_hidden_size}, top-{self.topk}, "
                 f"{self.tokens} tokens per rank (seq {self.seq_length} x batch {self.micro_batch_size}), fp32, "
-                f"SwiGLU, no capacity; transformers' {self.hf_experts} experts; {self.rounds} timed steps per system after {self.warmup_steps} warm-up steps")
+                f"SwiGLU, no capacity; megapipe's {'grouped product' if self.grouped_gemm else 'loop over experts'}, "
+                f"transformers' {self.hf_experts} experts; {self.rounds} timed steps per system after "
+                f"{self.warmup_steps} warm-up steps")
 
     def megapipe_config(self) -> ModelConfig:
         return ModelConfig(num_layers=1, hidden_size=self.hidden_size, num_attention_heads=4, vocab_size=64,
                            seq_length=self.seq_length, ffn_hidden_size=self.ffn_hidden_size, swiglu=True,
                            normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                            hidden_dropout=0.0, attention_dropout=0.0, num_experts=self.num_experts,
-                           moe_router_topk=self.topk, moe_token_dispatcher_type="alltoall")
+                           moe_router_topk=self.topk, moe_token_dispatcher_type="alltoall",
+                           moe_grouped_gemm=self.grouped_gemm)
 
     def transformers_block(self):
         """transformers' Mixtral sparse block at these sizes, initialised from a fixed seed."""
@@ -142,9 +147,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ffn-hidden-size", type=int, default=MoESettings.ffn_hidden_size, help="each expert's")
     parser.add_argument("--hf-experts", default=MoESettings.hf_experts, choices=("eager", "batched_mm", "grouped_mm"),
                         help="transformers' experts implementation")
+    parser.add_argument("--moe-grouped-gemm", action="store_true",
+                        help="megapipe's experts as torch._grouped_mm where this build runs it (else its loop)")
     args = parser.parse_args(argv)
     settings = MoESettings(hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                            num_experts=args.experts, tokens=args.tokens, hf_experts=args.hf_experts,
+                           grouped_gemm=args.moe_grouped_gemm,
                            rounds=cli.rounds_of(args, MoESettings.rounds))
     bad_e = [e for e in args.expert_sizes if settings.num_experts % e]
     if bad_e or settings.tokens % settings.micro_batch_size:

@@ -3,7 +3,8 @@ layer spec, their logits, real ``dist_checkpointing`` saves and loads, and legac
 split over (t, p) ranks as Megatron's tensor and pipeline parallelism split them.
 
 Megatron-core asks CUDA for its current device and to synchronise, and its torch_dist writer measures
-its memory with psutil and starts helper processes (which a daemonic world rank may not have);
+its memory with psutil and starts helper processes (which a daemonic world rank may not have), and
+its MoE router reads a Transformer Engine GEMM that is unbound without it;
 ``megatron_core_on_cpu`` stubs those for the caller's block only.
 Dropout is zero and the RNG tracker is the inference one (no CUDA generator states).
 """
@@ -33,14 +34,24 @@ VARIANTS = {
                   rotary_base=500000, bias_gelu_fusion=False, add_qkv_bias=False),
 }
 VARIANTS["qwen"] = dict(VARIANTS["llama"], add_qkv_bias=True)  # a bias on q, k and v alone
+# per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert); imported, not exported
+VARIANTS["moe"] = dict(VARIANTS["llama"], qk_layernorm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                       moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
+EXPORTED = sorted(name for name, v in VARIANTS.items() if not v.get("num_experts"))
+# Megatron-LM argument -> TransformerConfig field, for the MoE variant's options
+_MOE_CONFIG = {"qk_layernorm": "qk_layernorm", "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+               "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+               "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+               "moe_shared_expert_gate": "moe_shared_expert_gate"}
 
 
 def megatron_args(variant: str) -> argparse.Namespace:
     """The arguments Megatron-LM's training loop would store for ``variant``."""
-    return argparse.Namespace(**VARIANTS[variant], max_position_embeddings=SEQ, seq_length=SEQ,
-                              padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128, norm_epsilon=1e-5,
-                              kv_channels=None, rotary_percent=1.0, num_experts=None, hidden_dropout=0.0,
-                              attention_dropout=0.0)
+    return argparse.Namespace(**{**dict(max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB,
+                                        make_vocab_size_divisible_by=128, norm_epsilon=1e-5, kv_channels=None,
+                                        rotary_percent=1.0, num_experts=None, hidden_dropout=0.0,
+                                        attention_dropout=0.0),
+                                 **VARIANTS[variant]})
 
 
 @contextlib.contextmanager
@@ -49,12 +60,14 @@ def megatron_core_on_cpu():
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe import moe_utils
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "current_device", lambda: "cpu")
         patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
         patch.setattr(filesystem_async, "_process_memory", lambda: 0)
         patch.setitem(multiprocessing.current_process()._config, "daemon", False)
+        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)  # unbound without Transformer Engine
         parallel_state.initialize_model_parallel(1, 1)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         try:
@@ -79,8 +92,12 @@ def build(variant: str, seed: int):
         activation_func=torch.nn.functional.silu if v["swiglu"] else torch.nn.functional.gelu,
         add_bias_linear=v["add_bias_linear"], add_qkv_bias=v["add_qkv_bias"],
         bias_activation_fusion=v["bias_gelu_fusion"], hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization=v["normalization"]), vocab_size=VOCAB,
+        use_cpu_initialization=True, params_dtype=torch.float32,
+        moe_token_dispatcher_type="allgather",  # the all-to-all one makes a CUDA stream
+        **{field: v[arg] for arg, field in _MOE_CONFIG.items() if arg in v})
+    spec = get_gpt_layer_local_spec(normalization=v["normalization"], num_experts=v.get("num_experts"),
+                                    qk_layernorm=v.get("qk_layernorm", False))
+    model = GPTModel(config, spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type=v["position_embedding_type"],
                      rotary_base=v["rotary_base"],
                      share_embeddings_and_output_weights=not v["untie_embeddings_and_output_weights"])

@@ -1,7 +1,8 @@
 """PipeDream (weight stashing, vertical sync, 1F1B-RR) and PipeDream-2BW train exactly as the
 sequential emulator of seed 002 Table 7.1 says (``pipedream_emulator.py``), alone and with
 tensor (t=2) and data (d=2, parallel pipelines) parallelism, on p = 2 and 4 stages and on the
-replicated "2-1" configuration; the weight stores hold the versions the papers predict.
+replicated "2-1" configuration, and with MoE layers whose experts are split over the parallel
+pipelines (e=2); the weight stores hold the versions the papers predict.
 
 Each run trains 3 batches of m = p microbatches and drains, i.e. 3p >= 2m + p microbatches
 (PipeDream: as many updates per stage; 2BW: 3 updates, the last two on 1-stale weights).
@@ -50,6 +51,7 @@ class Case:
     t: int = 1
     d: int = 1
     v: int = 1  # model chunks per rank (2BW with interleaving)
+    e: int = 1  # expert ranks: above 1, MoE layers whose experts are split over the data-parallel pipelines
     vertical_sync: bool = False
     plan: Optional[str] = None  # --pipeline-stages, for replicated stages (1F1B-RR)
     optimizer: str = "sgd"
@@ -69,14 +71,19 @@ class Case:
 
     def __str__(self) -> str:
         sync = "+vsync" if self.vertical_sync else ""
-        return (f"{self.kind} {self.schedule}{sync} p={self.p} v={self.v} t={self.t} d={self.d} {self.plan or ''} "
+        return (f"{self.kind} {self.schedule}{sync} p={self.p} v={self.v} t={self.t} d={self.d} e={self.e} "
+                f"{self.plan or ''} "
                 f"{self.optimizer}")
 
 
-def model_config(kind: str) -> ModelConfig:
+MOE = dict(num_experts=4, moe_router_topk=2, add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+
+
+def model_config(kind: str, experts: int = 1) -> ModelConfig:
+    """The test model; with ``experts`` > 1 its MLPs are MoE layers (auxiliary and z losses on)."""
     common = dict(num_layers=LAYERS, hidden_size=16, num_attention_heads=2, vocab_size=29, seq_length=SEQ,
                   hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
-                  untie_embeddings_and_output_weights=True)
+                  untie_embeddings_and_output_weights=True, **(MOE if experts > 1 else {}))
     return family(kind).model_config(**common)
 
 
@@ -132,7 +139,7 @@ def restarted(version, group, first: int):
 
 
 def emulated(case: Case):
-    config = model_config(case.kind)
+    config = model_config(case.kind, case.e)
     ps = ParallelState.single()
     model = build_model_chunks(case.kind, config, ps)[0]
     initial = canonical_state_dict([model], ps, config)
@@ -151,10 +158,10 @@ _STATES: dict = {}  # one ParallelState per layout and process: building groups 
 
 
 def build(case: Case, config: ModelConfig):
-    key = (case.t, case.p, case.v, case.plan)
+    key = (case.t, case.p, case.v, case.e, case.plan)
     if case.plan is None:
         ps = _STATES.get(key) or _STATES.setdefault(
-            key, ParallelState.initialize(tensor=case.t, pipeline=case.p, virtual_pipeline=case.v))
+            key, ParallelState.initialize(tensor=case.t, pipeline=case.p, virtual_pipeline=case.v, expert=case.e))
         return ps, build_model_chunks(case.kind, config, ps)
     plan = case.stage_plan
     ps = _STATES.get(key) or _STATES.setdefault(key, initialize_plan_state(plan, case.t))
@@ -166,7 +173,7 @@ def global_id(case: Case, ps: ParallelState, local: int) -> int:
 
 
 def pipelined(case: Case, initial: dict) -> dict:
-    config = model_config(case.kind)
+    config = model_config(case.kind, case.e)
     ps, chunks = build(case, config)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
@@ -281,3 +288,9 @@ def test_replicated_two_one_configuration_runs_round_robin():
 def test_eight_ranks_tensor_and_data_parallel_with_four_stages():
     run_cases(8, [Case("gpt", "pipedream", 4, t=2), Case("gpt", "2bw", 4, d=2), Case("gpt", "2bw", 2, t=2, d=2)],
               timeout=800)
+
+
+@SLOW_WORLD
+def test_experts_split_over_two_parallel_pipelines():
+    # every MoE layer's 4 experts over the 2 data-parallel pipelines of each stage (e = 2)
+    run_cases(4, [Case("gpt", "pipedream", 2, d=2, e=2), Case("gpt", "2bw", 2, d=2, e=2)])

@@ -1,6 +1,7 @@
 """Megatron-LM checkpoints both ways, against Megatron-core itself: a GPT (LayerNorm, learned positions,
 biases, tied output, Megatron-LM's fused tanh GeLU), a Llama-style model (RMSNorm, SwiGLU, RoPE,
-grouped-query attention, untied output, no biases) and the same with a bias on q, k and v (Qwen2's) are
+grouped-query attention, untied output, no biases), the same with a bias on q, k and v (Qwen2's) and the
+same with per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert; import only) are
 saved by Megatron-core's ``dist_checkpointing`` (torch_dist) and as a legacy torch checkpoint of a
 (t, p) = (2, 2) run; each imports into megapipe with Megatron-core's logits (fp32, 1e-5), and megapipe's
 export loads back into Megatron-core with the very same logits.
@@ -14,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_core_helpers import (VARIANTS, build, load_dist, logits, megatron_args, megatron_core_on_cpu,
+from megatron_core_helpers import (EXPORTED, VARIANTS, build, load_dist, logits, megatron_args, megatron_core_on_cpu,
                                    save_dist, save_legacy, tokens)
 from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_megatron_checkpoint, import_megatron_checkpoint
@@ -55,6 +56,9 @@ def _round_trip(rank, world_size, root):
                 result["lines"][fmt] = import_megatron_checkpoint(os.path.join(root, f"{variant}-{fmt}"), target,
                                                                   layout).lines()
                 result["megapipe"][fmt] = _megapipe_logits(target, ids)
+            if variant not in EXPORTED:
+                out[variant] = result
+                continue
             exported = os.path.join(root, f"{variant}-exported")
             result["export_lines"] = export_megatron_checkpoint(os.path.join(root, f"{variant}-torch-megapipe"),
                                                                 exported).lines()
@@ -77,7 +81,7 @@ def test_imported_megatron_checkpoint_gives_megatron_core_logits(round_trip, var
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", EXPORTED)
 def test_exported_checkpoint_loads_in_megatron_core_unchanged(round_trip, variant):
     assert torch.equal(round_trip[variant]["exported"], round_trip[variant]["expected"])
 

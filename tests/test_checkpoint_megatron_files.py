@@ -66,9 +66,13 @@ def test_weights_go_through_torch_and_torch_dist_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_experts=8), r"is a Megatron model with MoE layers \(num_experts=8\), which megapipe does not have"),
+    (dict(multi_latent_attention=True),
+     r"is a Megatron model with multi-latent attention \(multi_latent_attention=True\), which megapipe does not have"),
     (dict(position_embedding_type="yarn"), r"uses position embedding 'yarn', which megapipe does not have"),
-    (dict(qk_layernorm=True), r"with QK layernorm \(qk_layernorm=True\)"),
+    (dict(num_experts=8, moe_router_topk_scaling_factor=2.5),
+     r"with scaled routing weights \(moe_router_topk_scaling_factor=2.5\)"),
+    (dict(num_experts=8, expert_model_parallel_size=2),
+     r"is a torch-format checkpoint of an expert-parallel run \(expert_model_parallel_size=2\)"),
 ])
 def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, change, message):
     args = argparse.Namespace(**{**vars(megatron_args(CONFIG)), **change})
@@ -76,6 +80,13 @@ def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, cha
     with pytest.raises(CheckpointError, match=message):
         import_megatron_checkpoint(source, str(tmp_path / "out"), SavedLayout(1, 1, 1))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_of_an_moe_model_is_one_sentence():
+    config = ModelConfig(**{**vars(CONFIG), "num_experts": 4, "add_bias_linear": False})
+    with pytest.raises(CheckpointError, match=r"^export-megatron writes dense models only yet, and this checkpoint "
+                                              r"has MoE layers \(--num-experts\); export it with export-hf instead\.$"):
+        megatron_args(config)
 
 
 def test_a_tensor_without_a_place_is_named(tmp_path):

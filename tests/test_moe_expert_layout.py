@@ -67,8 +67,11 @@ def test_expert_sizes_parse_into_the_parallel_config():
     (("--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"), 2,
      r"^--expert-model-parallel-size 2 x --expert-tensor-parallel-size 2 does not divide the 2 ranks"),
     (("--expert-model-parallel-size", "0"), 2, r"^--expert-model-parallel-size 0 must be at least 1\.$"),
-    (("--expert-tensor-parallel-size", "2"), 2, r"^--expert-tensor-parallel-size 2 differs from "
-                                                r"--tensor-model-parallel-size 1"),
+    (("--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "4"), 4,
+     r"^--expert-tensor-parallel-size 2 is neither 1 nor --tensor-model-parallel-size 4, the two sizes"),
+    (("--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"), 2,
+     r"^--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 needs --expert-model-parallel-size "
+     r"above 1"),
     (("--pipeline-stages", "0:2x1,2:4x1", "--expert-model-parallel-size", "2"), 2,
      r"^--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one\.$"),
 ])

@@ -1,7 +1,9 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
-(sharded weights, recomputation), with tensor and sequence parallelism and with pipeline parallelism under 1F1B, ZB-H1
-and DualPipeV (also with --overlap-moe-expert-parallel-comm), logs the single process's losses (1e-5, no capacity); so does an fp16 run, whose loss
-scaling skips steps alike on every expert rank.
+(sharded weights, recomputation), with tensor and sequence parallelism, at t = 2 with whole experts (expert-tensor
+size 1, sharded weights), and with pipeline parallelism under 1F1B, ZB-H1, ZBV and DualPipeV (the zero-bubble ones
+with the experts' weight gradients left for BW; DualPipeV also with --overlap-moe-expert-parallel-comm), logs the
+single process's losses (1e-5, no capacity); so does an fp16 run, whose loss scaling skips steps alike on every
+expert rank.
 One single-process run is the reference for every layout."""
 
 import pytest
@@ -17,8 +19,12 @@ LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
                                 "--recompute-granularity", "full", "--recompute-method", "uniform",
                                 "--recompute-num-layers", "1"],
     "t2-e2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "t2-e2-etp1-sharded": ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",  # whole
+                           "--data-parallel-sharding-strategy", "optim_grads_params"],  # experts, d = 2
     "p2-e2-1f1b": ["--pipeline-model-parallel-size", "2"],
     "p2-e2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+    "p2-e2-zbv": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                  "--num-layers-per-virtual-pipeline-stage", "1"],
     "p2-e2-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
     "p2-e2-dualpipev-overlap": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",

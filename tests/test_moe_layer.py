@@ -24,7 +24,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.flops import moe_flops_per_iteration, parameter_count
 from megapipe.models.moe import moe_layer_stats, moe_stats_text, set_aux_loss_scale, update_expert_biases
 from megapipe.models.moe.capacity import apply_capacity, expert_capacity
-from megapipe.models.moe.experts import grouped_linear, grouped_mm_works
+from megapipe.models.moe.grouped_linear import grouped_linear, grouped_mm_works
 from megapipe.models.moe.expert_bias import bias_update
 from megapipe.models.moe.dispatch import assignments
 from megapipe.models.moe.layer import MoELayer

@@ -3,7 +3,9 @@
 One run on one process trains every MoE feature at once (auxiliary and z losses, capacity with
 dropping, expert bias, a gated shared expert, a dense layer among MoE ones, the grouped product):
 its loss falls and each log line carries the MoE layer's routing statistics. The same run with the
-experts split over 2 tensor ranks logs the same losses (1e-5). Loading the checkpoint with another
+experts split over 2 tensor ranks logs the same losses (1e-5), and so do runs at t = 2 whose experts are
+whole (``--expert-tensor-parallel-size 1``) and split over 2 expert ranks, with and without sequence
+parallelism. Loading the checkpoint with another
 ``--num-experts`` stops before training with one sentence naming the flag and both values.
 """
 
@@ -19,6 +21,12 @@ MOE = ["--num-layers", "2", "--swiglu", "--disable-bias-linear", "--position-emb
        "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "1.0", "--moe-router-enable-expert-bias",
        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-layer-freq", "1,0",
        "--moe-grouped-gemm"]
+TENSOR_LAYOUTS = (  # on 2 ranks: the experts' ffn split over both; or whole, one expert rank each, each rank
+    ["--tensor-model-parallel-size", "2"],  # dispatching half the tokens (with and without sequence parallelism)
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+     "--sequence-parallel"],
+)
 
 
 def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_different_expert_count(tmp_path):
@@ -32,10 +40,13 @@ def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_differen
     assert low <= mean <= high <= 32  # capacity: ceil(2 x 32 tokens x 2 / 4 experts x 1.0) = 32
     assert mean == pytest.approx((2 * 32 * 2 - dropped) / 4, abs=0.5) and aux > 0
 
-    parallel = run(TINY + MOE + ["--tensor-model-parallel-size", "2"], nproc=2, cache=tmp_path)
-    assert parallel.returncode == 0, parallel.stderr
-    for i, value in losses(parallel.stdout).items():  # the same routing, drops and bias updates on both ranks
-        assert value == pytest.approx(values[i], rel=1e-5), (i, value, values[i])
+    for flags in TENSOR_LAYOUTS:
+        parallel = run(TINY + MOE + flags, nproc=2, cache=tmp_path)
+        assert parallel.returncode == 0, (flags, parallel.stderr)
+        logged = losses(parallel.stdout)
+        assert len(logged) == 6, flags
+        for i, value in logged.items():  # the same routing, drops and bias updates on both ranks
+            assert value == pytest.approx(values[i], rel=1e-5), (flags, i, value, values[i])
 
     other = run(TINY + MOE + ["--num-experts", "8", "--load", str(tmp_path / "ckpt")], cache=tmp_path)
     assert other.returncode == 2

@@ -21,19 +21,19 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr", "3e-3", "--lr-warmup-iters", "0"]
 
 
-def run(args, nproc=None, timeout=300, env_extra=None, cache=None):
+def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py"):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     if cache:
         env["MEGAPIPE_CACHE"] = str(cache)
     env.update(env_extra or {})
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(launcher + [os.path.join(ROOT, "pretrain_gpt.py")] + args, capture_output=True,
+    return subprocess.run(launcher + [os.path.join(ROOT, script)] + args, capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def losses(output: str) -> dict[int, float]:
-    return losses_in_log(output)
+def losses(output: str, name: str = "lm loss") -> dict[int, float]:
+    return losses_in_log(output, name)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -126,6 +126,11 @@ def _read_legacy(directory: str) -> MegatronCheckpoint:
                                       f"(its files span (t, p) = ({t}, {p})); copy the whole checkpoint.")
     first = _load(ranks[0, 0])
     config = model_config(first.get("args"), directory)
+    experts = getattr(first.get("args"), "expert_model_parallel_size", 1) or 1
+    if experts > 1:
+        raise CheckpointError(f"{directory} is a torch-format checkpoint of an expert-parallel run "
+                              f"(expert_model_parallel_size={experts}), whose directories megapipe does not read; "
+                              "convert it to torch_dist with Megatron-LM first (--ckpt-convert-format).")
     if "model" not in first:
         found = "model0" if "model0" in first else "no 'model'"
         raise CheckpointError(f"{ranks[0, 0]} holds {found}: virtual pipeline stages are not supported; convert "

@@ -37,7 +37,8 @@ class Ring:
 
     def post(self, tensors: list[torch.Tensor], phase: str, step: int) -> Transfer:
         nxt, prev = self.ranks[(self.index + 1) % self.size], self.ranks[(self.index - 1) % self.size]
-        received = [torch.empty_like(t) for t in tensors]
+        # contiguous buffers whatever the strides of what is sent (gloo receives only into contiguous tensors)
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for tag, (sent, into) in enumerate(zip(tensors, received)):
             ops.append(dist.P2POp(dist.isend, sent.contiguous(), nxt, self.group, tag))

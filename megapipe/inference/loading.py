@@ -1,4 +1,4 @@
-"""A checkpoint loaded for inference on this process's part of a (t, p) layout, with its tokenizer."""
+"""A checkpoint loaded for inference on this process's part of a (t, p, e) layout, with its tokenizer."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--context-parallel-size", type=int, default=1,
                         help="training's only: generation refuses any value but 1 (a checkpoint loads at any)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="ranks each MoE layer's experts are split over (it must divide --num-experts)")
     add_tokenizer_arguments(parser, required=False)
 
 
@@ -84,8 +86,11 @@ def load_for_inference(args: argparse.Namespace, reads_text: Optional[str] = Non
     tokenizer = _tokenizer(args, directory, common, config.vocab_size)
     if reads_text and tokenizer is None:
         raise _missing_tokenizer(directory, reads_text)
+    config.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    expert_parallel=args.expert_model_parallel_size)
     device = init_distributed()
-    ps = ParallelState.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ps = ParallelState.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                  expert=args.expert_model_parallel_size)
     chunks = build_model_chunks("gpt", config, ps, device=device)
     load_weights(args.load, "gpt", chunks, ps, config)
     torch.set_grad_enabled(False)

@@ -96,8 +96,6 @@ class SelfAttention(nn.Module):
         context parallelism (``attention_mask`` is then ``ContextMasks``) the queries of this rank's
         tokens attend over the whole sequence through ``megapipe.context_parallel``."""
         if self.ps.cp_size > 1:
-            # q, k, v are strided views of the QKV projection; the exchanges send and receive contiguous blocks
-            q, k, v = (t.contiguous() for t in (q, k, v))
             return context_attention(q, k, v, self.ps.context_groups, seq_length=self.config.seq_length,
                                      causal=causal, scale=self.config.head_dim ** -0.5,
                                      key_padding=attention_mask.key_padding,

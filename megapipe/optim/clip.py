@@ -25,8 +25,11 @@ CLIP_EPSILON = 1e-6  # added to the norm before dividing, as Megatron does
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` contributes to the global gradient norm."""
-    return not getattr(param, "shared_embedding", False) and not is_tensor_parallel_duplicate(param, tp_rank)
+    """Whether this rank's copy of ``param`` contributes to the global gradient norm (an expert rank's experts,
+    whole at expert-tensor size 1, are no tensor rank's copy of another's)."""
+    if getattr(param, "shared_embedding", False):
+        return False
+    return is_expert_parallel(param) or not is_tensor_parallel_duplicate(param, tp_rank)
 
 
 def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
@@ -43,7 +46,14 @@ def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: b
     experts = _squares([p for p in with_grad if is_expert_parallel(p)], ps, device)
     if not sharded:
         all_reduce(experts, ps.ep_group, ps.ep_size)
+        experts = experts * _first_share(ps)
     return squared + experts
+
+
+def _first_share(ps: ParallelState) -> float:
+    """1 on the tensor ranks whose summed experts' part counts, 0 on the others: at expert-tensor size 1 below
+    t, every tensor rank holds the same sum over its expert group (times 0 still passes on inf and NaN)."""
+    return 1.0 if ps.tp_rank < ps.etp_size else 0.0
 
 
 def _squares(with_grad: list[torch.Tensor], ps: ParallelState, device) -> torch.Tensor:
@@ -96,6 +106,7 @@ def count_zero_grads(params: list[torch.Tensor], ps: ParallelState, sharded: boo
                 zeros += count
     if not sharded:
         all_reduce(expert_zeros, ps.ep_group, ps.ep_size)
+        expert_zeros *= int(_first_share(ps))
     zeros += expert_zeros
     all_reduce(zeros, ps.mp_group, ps.tp_size * ps.pp_size)
     if sharded:

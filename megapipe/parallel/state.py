@@ -262,6 +262,19 @@ class ParallelState:
         return self.groups.get("expert")
 
     @property
+    def etp_size(self) -> int:
+        """Ranks each expert's ffn dimension is split over (``--expert-tensor-parallel-size``)."""
+        return len(self._expert_members("expert_tensor"))
+
+    @property
+    def etp_rank(self) -> int:
+        return self._expert_members("expert_tensor").index(self.rank)
+
+    @property
+    def etp_group(self):
+        return self.groups.get("expert_tensor", self.groups["tensor"])
+
+    @property
     def expert_dp_size(self) -> int:
         return len(self._expert_members("expert_data"))
 

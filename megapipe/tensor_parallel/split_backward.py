@@ -3,8 +3,10 @@
 Zero-bubble schedules split each backward in two (``pipeline/ir/actions.py``). BI is an
 ordinary backward through the stage, run inside ``deferring_weight_gradients``: there every
 ``linear`` computes its input (and bias) gradient at once, but instead of its weight gradient
-it records what that product needs (the weight, the output gradient and the input). Every
-other gradient, small ones such as norms' and the embeddings', is accumulated as usual. BW
+it records what that product needs (the weight, the output gradient and the input). The MoE
+experts' grouped product (``models/moe/grouped_linear.py``) records its per-expert products
+through ``defer`` the same way. Every other gradient, small ones such as norms' and the
+embeddings', is accumulated as usual. BW
 then runs the recorded products (``apply_weight_gradients``) and accumulates them through
 autograd, so the gradient syncs' post-accumulate hooks see them like any backward's. The
 graph is freed by BI; between the two parts only the recorded tensors are held.
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-Deferred = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""Recorded weight-gradient products: (weight, output gradient, input)."""
+Deferred = list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]
+"""Recorded weight-gradient products: (weight, the function computing its gradient)."""
 
 _DEFERRED: contextvars.ContextVar[Optional[Deferred]] = contextvars.ContextVar("deferred_weight_gradients",
                                                                                 default=None)
@@ -43,12 +45,22 @@ def apply_weight_gradients(deferred: Deferred) -> None:
     """Compute the recorded products and accumulate them into the weights (through autograd's
     accumulation, which runs the weights' hooks)."""
     weights, grads = [], []
-    for weight, grad_output, inp in deferred:
+    for weight, product in deferred:
         weights.append(weight)
-        grads.append(_weight_grad(grad_output, inp).to(weight.dtype))
+        grads.append(product().to(weight.dtype))
     deferred.clear()
     if weights:
         torch.autograd.backward(weights, grads)
+
+
+def defer(weight: torch.Tensor, product: Callable[[], torch.Tensor]) -> bool:
+    """Inside ``deferring_weight_gradients``, record ``product`` (which computes ``weight``'s gradient) for
+    BW and say so; outside it, do nothing and return False (the caller computes the gradient now)."""
+    deferred = _DEFERRED.get()
+    if deferred is None:
+        return False
+    deferred.append((weight, product))
+    return True
 
 
 def _weight_grad(grad_output: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -71,12 +83,8 @@ class _Linear(torch.autograd.Function):
         grad_inp = grad_output.mm(weight) if needs_inp else None
         grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
         grad_weight = None
-        if needs_weight:
-            deferred = _DEFERRED.get()
-            if deferred is None:
-                grad_weight = _weight_grad(grad_output, inp)
-            else:
-                deferred.append((weight, grad_output, inp))
+        if needs_weight and not defer(weight, lambda: _weight_grad(grad_output, inp)):
+            grad_weight = _weight_grad(grad_output, inp)
         return grad_inp, grad_weight, grad_bias
 
 

@@ -86,10 +86,11 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
 def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, count: int | None, run,
              ps: ParallelState) -> torch.Tensor:
     """Every token's weighted sum of its experts' outputs [T, h], for the experts that ``routing_map`` lists;
-    ``run(rows, counts)`` takes the rows sorted by expert to those experts' outputs."""
+    ``run(rows, counts)`` takes the rows sorted by expert to those experts' outputs (partial sums over the
+    expert-tensor group, summed here)."""
     expert_ids, token_ids = assignments(routing_map, count)
-    permuted = mappings.copy_to_tensor_parallel_region(tokens, ps.tp_group)[token_ids]
-    out = mappings.reduce_from_tensor_parallel_region(run(permuted, routing_map.sum(dim=0)), ps.tp_group)
+    permuted = mappings.copy_to_tensor_parallel_region(tokens, ps.etp_group)[token_ids]
+    out = mappings.reduce_from_tensor_parallel_region(run(permuted, routing_map.sum(dim=0)), ps.etp_group)
     weights = probs[token_ids, expert_ids].unsqueeze(-1)
     return torch.zeros_like(tokens).index_add_(0, token_ids, (out * weights).to(tokens.dtype))
 

@@ -4,24 +4,24 @@ Weights are stored with the expert dimension first, under the expert's global in
 ``experts.fc1.weight`` [E, ffn (x 2 with SwiGLU: (gate, up) pairs), h] and ``experts.fc2.weight``
 [E, h, ffn]. Expert rank r of e holds the slice [r E/e, (r+1) E/e) along dim 0 (marked
 ``expert_parallel``: its gradients are reduced over the expert-data-parallel group) and a
-checkpoint reshards between any layouts by slicing that one dimension; tensor parallelism splits
-the ffn dimension (dim 1 of fc1, dim 2 of fc2) as the dense MLP does.
+checkpoint reshards between any layouts by slicing that one dimension; expert-tensor parallelism
+(``--expert-tensor-parallel-size``: t, the default, or 1) splits the ffn dimension (dim 1 of fc1,
+dim 2 of fc2) as the dense MLP does.
 
 The product runs as one grouped matrix product (``torch._grouped_mm``) where this build has it for
 the tensors' device and dtype, else as a loop over the experts, each on its contiguous run of the
-already permuted tokens (the loop needs the per-expert counts on the host: one synchronisation).
+already permuted tokens (the loop needs the per-expert counts on the host: one synchronisation);
+its weight gradients wait for BW under zero-bubble schedules (``grouped_linear.py``).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
+from megapipe.models.moe.grouped_linear import grouped_linear
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import divide, init_normal_, mark_expert_parallel, mark_tensor_parallel
 
@@ -34,49 +34,19 @@ class _Stacked(nn.Module):
         self.weight = weight
 
 
-@functools.lru_cache(maxsize=None)
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device and dtype, tried once."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offsets = torch.arange(1, 3, device=device, dtype=torch.int32) * 2  # experts of 2 rows each
-        out = torch._grouped_mm(a, b, offs=offsets)
-        out.backward(torch.ones_like(out))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    """``_grouped_mm`` wants every stride of 16 bytes or more a multiple of 16 bytes."""
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each) times their expert's ``weight``
-    [E, out, in] transposed: [N, out]."""
-    if grouped and grouped_mm_works(x.device, x.dtype) and _aligned(x, weight.transpose(1, 2)):
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    parts = x.split(counts.tolist())
-    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])
-
-
 def _expert_weight(shape: tuple[int, ...], std: float, name: str, partition_dim: int, ps: ParallelState,
                    seed: int, dtype, device) -> nn.Parameter:
     """This rank's experts' slice (dim 0, by expert rank) of a stacked weight, split along ``partition_dim``
-    by tensor rank, filled with its part of the full (seed, name) weight."""
+    by expert-tensor rank, filled with its part of the full (seed, name) weight."""
     local = list(shape)
     local[0] = divide(shape[0], ps.ep_size)
-    local[partition_dim] = divide(shape[partition_dim], ps.tp_size)
+    local[partition_dim] = divide(shape[partition_dim], ps.etp_size)
     rows = (ps.ep_rank * local[0], (ps.ep_rank + 1) * local[0])
     weight = init_normal_(torch.empty(local, dtype=dtype, device=device), shape, std, seed, name, partition_dim,
-                          ps.tp_rank, ps.tp_size, rows=rows)
+                          ps.etp_rank, ps.etp_size, rows=rows)
     param = nn.Parameter(weight)
-    mark_tensor_parallel(param, partition_dim)
+    if ps.etp_size == ps.tp_size:  # split like the dense layers; at expert-tensor size 1 each expert is whole
+        mark_tensor_parallel(param, partition_dim)
     mark_expert_parallel(param)
     return param
 

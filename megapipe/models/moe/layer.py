@@ -12,6 +12,12 @@ rank. Under expert parallelism the tokens travel to the ranks holding their expe
 permutation. Under sequence parallelism the layer gathers the sequence first and keeps its own
 slice of the output: the routing and the experts see what they see without it, and every tensor
 rank's gradient of the gathered input is whole and the same, so its backward keeps its slice.
+
+At ``--expert-tensor-parallel-size 1`` below t, each expert is whole on its expert rank and the t
+tensor ranks, which all route every token alike, each dispatch a t-th of the tokens (their share,
+``_share``); the shares' outputs are summed over the tensor group (reduce-scattered under sequence
+parallelism), and the tokens' and routing weights' gradients, each partial to a share, are summed
+by the backward of a tensor-parallel copy.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from megapipe.models.moe import dispatch
 from megapipe.models.moe.capacity import expert_capacity
 from megapipe.models.moe.experts import GroupedExperts
 from megapipe.models.moe.load_balancing import ContextSplit
-from megapipe.models.moe.router import TopKRouter
+from megapipe.models.moe.router import Routing, TopKRouter
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.utils import init_normal_
@@ -76,6 +82,22 @@ class MoELayer(nn.Module):
             return c.num_experts * min(capacity, tokens)
         return None
 
+    def _share(self, tokens: torch.Tensor, routing: Routing, count: int | None, shares: int):
+        """This expert-tensor group's share of the tokens, when the tensor group holds ``shares`` of them
+        (expert-tensor size below t): the routing keeps only the share's rows, and the tokens and weights
+        pass a tensor-parallel copy, whose backward sums the shares' gradients."""
+        total = tokens.shape[0]
+        sizes = [total // shares + (i < total % shares) for i in range(shares)]
+        index = self.ps.tp_rank // self.ps.etp_size
+        start = sum(sizes[:index])
+        rows = torch.zeros(total, 1, dtype=torch.bool, device=tokens.device)
+        rows[start:start + sizes[index]] = True
+        group = self.ps.tp_group
+        shared = Routing(mappings.copy_to_tensor_parallel_region(routing.probs, group), routing.routing_map & rows)
+        count = None if count is None or self.config.moe_expert_capacity_factor is not None \
+            else sizes[index] * self.config.moe_router_topk
+        return mappings.copy_to_tensor_parallel_region(tokens, group), shared, count
+
     def forward(self, x: torch.Tensor):
         """``x`` [s, b, h] -> ([s, b, h], None); under sequence parallelism this tensor rank's [s/t, b, h]."""
         whole = x
@@ -84,12 +106,19 @@ class MoELayer(nn.Module):
         s, b, h = whole.shape
         tokens = whole.reshape(s * b, h)
         routing = self.router(tokens, s, ContextSplit(self.ps.cp_group, self.ps.cp_size))
+        count = self._assignment_count(s * b)
+        shares = self.ps.tp_size // self.ps.etp_size
+        if shares > 1:
+            tokens, routing, count = self._share(tokens, routing, count, shares)
         if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
             combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
         else:
-            combined = dispatch.alltoall(tokens, routing, self._assignment_count(s * b), self.experts, self.ps)
+            combined = dispatch.alltoall(tokens, routing, count, self.experts, self.ps)
         out = combined.view(s, b, h)
-        if self.sequence_parallel:
+        if shares > 1:  # every share's outputs, summed over the tensor group (and this rank's slice kept)
+            out = (mappings.reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else
+                   mappings.reduce_from_tensor_parallel_region)(out, self.ps.tp_group)
+        elif self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, self.ps.tp_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,0 +1,113 @@
+"""Rows sorted by expert times their expert's weight, with a backward whose weight gradient can wait for BW.
+
+``grouped_linear(x, weight, counts)``: ``x`` [N, in] holds ``counts[e]`` rows of expert e after
+another, ``weight`` [E, out, in] is stacked by expert; row i gets ``x[i] @ weight[e(i)].T``. It runs
+as one ``torch._grouped_mm`` where this build has it for the tensors' device and dtype (and their
+widths are multiples of 16 bytes), else as a loop over the experts' runs, which reads the counts on
+the host once. The backward computes the input gradient at once and the weight gradients (one
+product per expert, ``x_e^T``-shaped) through ``split_backward.defer``: under a zero-bubble
+schedule's BI they wait for its BW, like a dense linear's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from megapipe.tensor_parallel.split_backward import defer
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs (3-d and 2-d weights, as forward and backward use it) on this
+    device and dtype, tried once."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 16, device=device, dtype=dtype)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+        offsets = torch.arange(1, 3, device=device, dtype=torch.int32) * 2  # experts of 2 rows each
+        torch._grouped_mm(a, b, offs=offsets)
+        torch._grouped_mm(a.t(), a, offs=offsets)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """``_grouped_mm`` wants every stride of 16 bytes or more a multiple of 16 bytes."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+class _Products:
+    """The three per-expert products of one grouped linear, grouped or looped."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool):
+        self.grouped = grouped and grouped_mm_works(x.device, x.dtype) and _aligned(x, weight.transpose(1, 2))
+        if self.grouped:
+            self.offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        else:
+            self.splits = counts.tolist()  # the loop's one read of the device
+
+    def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[N, out]: each row times its expert's weight transposed."""
+        if self.grouped:
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=self.offsets)
+        return self._rows(x, lambda e: weight[e].t(), weight.shape[1])
+
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[N, in]: each row's output gradient times its expert's weight."""
+        if self.grouped:
+            return torch._grouped_mm(grad, weight, offs=self.offsets)
+        return self._rows(grad, lambda e: weight[e], weight.shape[2])
+
+    @torch.no_grad()  # BW runs it outside the backward, on tensors of the graph
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[E, out, in]: per expert, its rows' output gradients transposed times their inputs."""
+        if self.grouped:
+            return torch._grouped_mm(grad.t(), x, offs=self.offsets)
+        out = x.new_empty(len(self.splits), grad.shape[1], x.shape[1])
+        for e, (g, part) in enumerate(zip(grad.split(self.splits), x.split(self.splits))):
+            torch.mm(g.t(), part, out=out[e])
+        return out
+
+    @torch.no_grad()
+    def _rows(self, rows: torch.Tensor, matrix, width: int) -> torch.Tensor:
+        """[N, width]: each expert's run of ``rows`` times ``matrix(e)``, written in place (no concatenation)."""
+        out = rows.new_empty(rows.shape[0], width)
+        start = 0
+        for e, count in enumerate(self.splits):
+            torch.mm(rows[start:start + count], matrix(e), out=out[start:start + count])
+            start += count
+        return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, products: _Products):
+        ctx.save_for_backward(x, weight)
+        ctx.products = products
+        return products.output(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        products: _Products = ctx.products
+        needs_x, needs_weight, _ = ctx.needs_input_grad
+        grad = grad.contiguous()
+        grad_x = products.input_grad(grad, weight) if needs_x else None
+        grad_weight: Optional[torch.Tensor] = None
+        if needs_weight and not defer(weight, lambda: products.weight_grad(grad, x)):
+            grad_weight = products.weight_grad(grad, x)
+        return grad_x, grad_weight, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each) times their expert's ``weight``
+    [E, out, in] transposed: [N, out]; ``grouped`` asks for one ``torch._grouped_mm`` where it runs."""
+    products = _Products(x, weight, counts, grouped)
+    if not torch.is_grad_enabled():
+        return products.output(x, weight)
+    return _GroupedLinear.apply(x, weight, products)
