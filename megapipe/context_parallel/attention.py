@@ -14,7 +14,7 @@ import torch
 from megapipe.context_parallel.blocks import PADDING, Block
 from megapipe.context_parallel.checks import check_head_split
 from megapipe.context_parallel.gather import GatherSequence, gathered
-from megapipe.context_parallel.heads import HeadsToSequence, SequenceToHeads
+from megapipe.context_parallel.heads import heads_to_sequence, sequence_to_heads
 from megapipe.context_parallel.local import LocalAttention
 from megapipe.context_parallel.plan import ranges_of
 from megapipe.context_parallel.ring import RingAttention
@@ -53,11 +53,11 @@ def _sequence(seq_length: int, context: int, members: tuple[int, ...], device) -
 
 def _heads_then(q, k, v, labels, group, size, sequence: _Sequence, attend):
     """All-to-all to a head split over ``group``, the tokens in position order, ``attend``, and back."""
-    q, k, v = (SequenceToHeads.apply(t, group, size).index_select(2, sequence.order) for t in (q, k, v))
+    q, k, v = (sequence_to_heads(t, group, size).index_select(2, sequence.order) for t in (q, k, v))
     if labels[0] is not None:
         labels = tuple(gathered(t, group, size, 1).index_select(1, sequence.order) for t in labels)
     out = attend(q, k, v, labels)
-    return HeadsToSequence.apply(out.index_select(2, sequence.back), group, size)
+    return heads_to_sequence(out.index_select(2, sequence.back), group, size)
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: ContextGroups, *,

@@ -28,23 +28,22 @@ def _to_sequence(y: torch.Tensor, group, size: int) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, size * heads, n, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One direction forward, the other backward (each is the other's adjoint)."""
+
     @staticmethod
-    def forward(ctx, x, group, size: int):
-        ctx.group, ctx.size = group, size
-        return _to_heads(x, group, size)
+    def forward(ctx, x, group, size: int, there, back):
+        ctx.group, ctx.size, ctx.back = group, size, back
+        return there(x, group, size)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_sequence(grad.contiguous(), ctx.group, ctx.size), None, None
+        return ctx.back(grad.contiguous(), ctx.group, ctx.size), None, None, None, None
 
 
-class HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, size: int):
-        ctx.group, ctx.size = group, size
-        return _to_sequence(y, group, size)
+def sequence_to_heads(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    return _Exchange.apply(x, group, size, _to_heads, _to_sequence)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad.contiguous(), ctx.group, ctx.size), None, None
+
+def heads_to_sequence(y: torch.Tensor, group, size: int) -> torch.Tensor:
+    return _Exchange.apply(y, group, size, _to_sequence, _to_heads)
