@@ -63,10 +63,12 @@ def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, 
 
 def _context():
     """Processes forked from a server that has imported torch: each rank starts in a tenth of a second
-    instead of importing torch again (about a second of CPU each). The server imports and computes
-    nothing else, so no thread pool is forked (what makes plain ``fork`` unsafe here)."""
+    instead of importing torch again (about a second of CPU each), and of torch._dynamo (about as
+    long again; the first optimizer step imports it, and megapipe imports it before a process group
+    exists, ``parallel/launch.py``). The server imports and computes nothing else, so no thread pool
+    is forked (what makes plain ``fork`` unsafe here)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
