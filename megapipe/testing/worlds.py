@@ -2,7 +2,7 @@
 
 Used by the tests and by benchmarks that need a fresh world without ``torchrun``::
 
-    def check(rank, world_size, scale):        # module-level, so spawn can pickle it
+    def check(rank, world_size, scale):        # module-level, so that it pickles
         ...
         return value
 
