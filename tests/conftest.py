@@ -66,13 +66,23 @@ def make_test_hosts():
         hosts.close()
 
 
+# Files whose tests assert that a process stops within a deadline (a grace period, a peer timeout)
+# while they kill, cut or signal it: under ``pytest -n``/``--dist loadgroup`` they share one worker,
+# so no two of them load the machine at once.
+DEADLINE_FILES = ("test_preemption.py", "test_multihost_faults.py", "test_multihost.py", "test_checkpoint_kill.py",
+                  "test_checkpoint_crash.py", "test_cluster_crash.py")
+
+
 TIERS = ("unit", "distributed", "system")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Refuse to run a collection in which a test has no tier or more than one (``pyproject.toml``
     describes them): ``-m unit`` is only the fast, single-process inner loop while every test is
-    marked with what it really starts."""
+    marked with what it really starts. Then give each test its file's ``xdist_group``: under
+    ``pytest -n N --dist loadgroup`` a file stays on one worker, so its module-scoped worlds, clusters
+    and checkpoints start once, and the deadline files all share one worker."""
     wrong = []
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
@@ -82,3 +92,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"{len(wrong)} tests need exactly one of the markers {', '.join(TIERS)} (set pytestmark = "
             "pytest.mark.<tier> in the file, or mark the test):\n" + "\n".join(wrong[:50]))
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group("deadlines" if name in DEADLINE_FILES else name))

@@ -2,7 +2,7 @@
 
 Used by the tests and by benchmarks that need a fresh world without ``torchrun``::
 
-    def check(rank, world_size, scale):        # module-level, so spawn can pickle it
+    def check(rank, world_size, scale):        # module-level, so that it pickles
         ...
         return value
 
@@ -33,8 +33,10 @@ class DistributedFailure(RuntimeError):
     """A rank raised or the world did not finish in time."""
 
 
-def _worker(rank: int, world_size: int, address: str, port: int, namespace: Optional[str], collective_timeout: float,
-            fn: Callable, args: tuple, results: "mp.Queue") -> None:
+def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, namespace: Optional[str],
+            collective_timeout: float, call: bytes, results: "mp.Queue") -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -47,6 +49,7 @@ def _worker(rank: int, world_size: int, address: str, port: int, namespace: Opti
         timeout = datetime.timedelta(seconds=collective_timeout)
         store = dist.TCPStore(address, port, world_size, False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        fn, args = pickle.loads(call)
         value = fn(rank, world_size, *args)
         # pickled by value here: a tensor put on the queue as it is travels as a shared-memory
         # handle that the parent can only open while this process is alive
@@ -58,9 +61,20 @@ def _worker(rank: int, world_size: int, address: str, port: int, namespace: Opti
             dist.destroy_process_group()
 
 
+def _context():
+    """Processes forked from a server that has imported torch: each rank starts in a tenth of a second
+    instead of importing torch again (about a second of CPU each), and of torch._dynamo (about as
+    long again; the first optimizer step imports it, and megapipe imports it before a process group
+    exists, ``parallel/launch.py``). The server imports and computes nothing else, so no thread pool
+    is forked (what makes plain ``fork`` unsafe here)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    return ctx
+
+
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0,
                     collective_timeout: float = 60.0, hosts=None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes.
 
     With ``hosts`` (``megapipe.testing.hosts.TestHosts``) the ranks are spread over them in
     consecutive blocks of ``world_size / len(hosts)``, each process inside its host, talking
@@ -69,7 +83,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     Returns the per-rank return values (they must be picklable). Raises
     ``DistributedFailure`` with the first failing rank's traceback, or on timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     # the parent holds the rendezvous store on a port the system picks, so no other process can
     # take the port between choosing and binding it (ranks connect to it as clients)
@@ -81,8 +95,13 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
             raise ValueError(f"{world_size} ranks do not spread evenly over {len(hosts)} hosts")
         per_host = world_size // len(hosts)
         address, namespaces = hosts.gateway, [hosts[r // per_host].namespace for r in range(world_size)]
-    procs = [ctx.Process(target=_worker, args=(r, world_size, address, port, namespaces[r], collective_timeout, fn,
-                                               args, results), daemon=True) for r in range(world_size)]
+    # the function and its arguments travel by value: tensors handed over as shared-memory handles
+    # would each take a file descriptor, and a fork server accepts at most 256 of those per process
+    call = pickle.dumps((fn, args))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, environ, address, port, namespaces[r],
+                                               collective_timeout, call, results), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
