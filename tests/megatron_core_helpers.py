@@ -34,15 +34,20 @@ VARIANTS = {
                   rotary_base=500000, bias_gelu_fusion=False, add_qkv_bias=False),
 }
 VARIANTS["qwen"] = dict(VARIANTS["llama"], add_qkv_bias=True)  # a bias on q, k and v alone
-# per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert); imported, not exported
+# per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert)
 VARIANTS["moe"] = dict(VARIANTS["llama"], qk_layernorm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
                        moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
-EXPORTED = sorted(name for name, v in VARIANTS.items() if not v.get("num_experts"))
+# DeepSeek-V3's routing: sigmoid scores, an expert bias (a buffer) that chooses experts, no shared expert
+VARIANTS["moe-bias"] = dict(VARIANTS["llama"], num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+EXPORTED = sorted(VARIANTS)
 # Megatron-LM argument -> TransformerConfig field, for the MoE variant's options
 _MOE_CONFIG = {"qk_layernorm": "qk_layernorm", "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
                "moe_ffn_hidden_size": "moe_ffn_hidden_size",
                "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-               "moe_shared_expert_gate": "moe_shared_expert_gate"}
+               "moe_shared_expert_gate": "moe_shared_expert_gate",
+               "moe_router_score_function": "moe_router_score_function",
+               "moe_router_enable_expert_bias": "moe_router_enable_expert_bias"}
 
 
 def megatron_args(variant: str) -> argparse.Namespace:
@@ -107,6 +112,9 @@ def build(variant: str, seed: int):
                 p.add_(torch.randn_like(p) * 0.1)
             else:  # activations of order one, where exact and tanh-approximated GeLU differ
                 p.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # large enough to change which experts tokens choose
+                buffer.normal_(0.0, 0.3)
     return model.eval()
 
 

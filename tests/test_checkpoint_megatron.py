@@ -1,10 +1,11 @@
 """Megatron-LM checkpoints both ways, against Megatron-core itself: a GPT (LayerNorm, learned positions,
 biases, tied output, Megatron-LM's fused tanh GeLU), a Llama-style model (RMSNorm, SwiGLU, RoPE,
 grouped-query attention, untied output, no biases), the same with a bias on q, k and v (Qwen2's) and the
-same with per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert; import only) are
-saved by Megatron-core's ``dist_checkpointing`` (torch_dist) and as a legacy torch checkpoint of a
-(t, p) = (2, 2) run; each imports into megapipe with Megatron-core's logits (fp32, 1e-5), and megapipe's
-export loads back into Megatron-core with the very same logits.
+same with per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert) and MoE layers
+with DeepSeek-V3's routing (sigmoid, an expert bias) are saved by Megatron-core's ``dist_checkpointing``
+(torch_dist) and as a legacy torch checkpoint of a (t, p) = (2, 2) run; each imports into megapipe with
+Megatron-core's logits (fp32, 1e-5), megapipe's export loads back into Megatron-core with the very same
+logits, and imports again into the very same tensors.
 
 Megatron-core runs in a world of one spawned process (its parallel state is global, its torch_dist writer
 forks), which also computes megapipe's logits of the imported checkpoints, so one process start serves all.
@@ -20,6 +21,7 @@ from megatron_core_helpers import (EXPORTED, VARIANTS, build, load_dist, logits,
 from megapipe.checkpointing.common import Common, SavedLayout
 from megapipe.checkpointing.convert import export_megatron_checkpoint, import_megatron_checkpoint
 from megapipe.checkpointing.load import load_weights
+from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
@@ -65,6 +67,10 @@ def _round_trip(rank, world_size, root):
             back = build(variant, seed=1)
             load_dist(back, os.path.join(exported, "iter_0000000"))
             result["exported"] = logits(back, ids)
+            again = os.path.join(root, f"{variant}-exported-megapipe")
+            import_megatron_checkpoint(exported, again, SavedLayout(1, 2, 1))
+            result["reimported"] = [read_checkpoint(path)[1:] for path in (
+                os.path.join(root, f"{variant}-torch-megapipe"), again)]
             out[variant] = result
     return out
 
@@ -84,6 +90,17 @@ def test_imported_megatron_checkpoint_gives_megatron_core_logits(round_trip, var
 @pytest.mark.parametrize("variant", EXPORTED)
 def test_exported_checkpoint_loads_in_megatron_core_unchanged(round_trip, variant):
     assert torch.equal(round_trip[variant]["exported"], round_trip[variant]["expected"])
+
+
+@pytest.mark.parametrize("variant", EXPORTED)
+def test_export_then_import_gives_the_same_tensors_bit_for_bit(round_trip, variant):
+    (common, tensors), (common_again, tensors_again) = round_trip[variant]["reimported"]
+    assert common_again.model_config == common.model_config
+    model = sorted(key for key in tensors if key.startswith("model/"))
+    assert model == sorted(key for key in tensors_again if key.startswith("model/"))
+    assert any(".experts." in key for key in model) == bool(common.model_config.num_experts)
+    for key in model:
+        assert torch.equal(tensors_again[key], tensors[key]), key
 
 
 def test_conversions_say_what_they_read_and_that_the_optimizer_starts_fresh(round_trip):

@@ -5,6 +5,7 @@ megapipe cannot read is one sentence and writes nothing; --use-checkpoint-args t
 (tests/test_checkpoint_megatron.py checks the maths against Megatron-core itself.)"""
 
 import argparse
+import dataclasses
 import os
 import shutil
 
@@ -82,11 +83,13 @@ def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, cha
     assert not (tmp_path / "out").exists()
 
 
-def test_an_export_of_an_moe_model_is_one_sentence():
-    config = ModelConfig(**{**vars(CONFIG), "num_experts": 4, "add_bias_linear": False})
-    with pytest.raises(CheckpointError, match=r"^export-megatron writes dense models only yet, and this checkpoint "
-                                              r"has MoE layers \(--num-experts\); export it with export-hf instead\.$"):
+def test_an_export_of_an_moe_model_mixing_dense_layers_is_one_sentence():
+    config = ModelConfig(**{**vars(CONFIG), "num_experts": 4, "moe_layer_freq": 2})
+    with pytest.raises(CheckpointError, match=r"^export-megatron writes MoE models whose every layer is an MoE layer, "
+                                              r"and this one mixes dense layers in \(--moe-layer-freq 2\); export it "
+                                              r"with export-hf instead\.$"):
         megatron_args(config)
+    assert megatron_args(dataclasses.replace(config, moe_layer_freq=1)).num_experts == 4
 
 
 def test_a_tensor_without_a_place_is_named(tmp_path):

@@ -67,8 +67,9 @@ def test_expert_sizes_parse_into_the_parallel_config():
     (("--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"), 2,
      r"^--expert-model-parallel-size 2 x --expert-tensor-parallel-size 2 does not divide the 2 ranks"),
     (("--expert-model-parallel-size", "0"), 2, r"^--expert-model-parallel-size 0 must be at least 1\.$"),
-    (("--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "4"), 4,
-     r"^--expert-tensor-parallel-size 2 is neither 1 nor --tensor-model-parallel-size 4, the two sizes"),
+    (("--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "4"), 4,
+     r"^--expert-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4: each group of that many "
+     r"tensor ranks shares a tensor group's tokens between its experts; use a divisor of it\.$"),
     (("--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"), 2,
      r"^--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 needs --expert-model-parallel-size "
      r"above 1"),

@@ -5,14 +5,19 @@ dropping, expert bias, a gated shared expert, a dense layer among MoE ones, the 
 its loss falls and each log line carries the MoE layer's routing statistics. The same run with the
 experts split over 2 tensor ranks logs the same losses (1e-5), and so do runs at t = 2 whose experts are
 whole (``--expert-tensor-parallel-size 1``) and split over 2 expert ranks, with and without sequence
-parallelism. Loading the checkpoint with another
+parallelism, and so does t = 4 with each expert split over 2 tensor ranks (``--expert-tensor-parallel-size 2``)
+and the experts over 2 expert ranks, whose checkpoint holds the single process's weights. Loading the
+checkpoint with another
 ``--num-experts`` stops before training with one sentence naming the flag and both values.
 """
 
 import re
 
 import pytest
+import torch
 from test_training_cli import TINY, losses, run
+
+from megapipe.checkpointing.offline import read_checkpoint
 
 pytestmark = pytest.mark.system
 
@@ -47,6 +52,16 @@ def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_differen
         assert len(logged) == 6, flags
         for i, value in logged.items():  # the same routing, drops and bias updates on both ranks
             assert value == pytest.approx(values[i], rel=1e-5), (flags, i, value, values[i])
+
+    # two shares of the tensor group, each of 2 ranks splitting its experts' ffn, each rank half the experts
+    split = ["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
+             "2", "--save", str(tmp_path / "etp2")]
+    four = run(TINY + MOE + split, nproc=4, cache=tmp_path)
+    assert four.returncode == 0, four.stderr
+    assert losses(four.stdout) == pytest.approx(values, rel=1e-5)
+    weights, saved = (read_checkpoint(str(tmp_path / name))[2] for name in ("ckpt", "etp2"))
+    for key in (key for key in weights if key.startswith("model/")):
+        torch.testing.assert_close(saved[key], weights[key], rtol=0, atol=1e-4)
 
     other = run(TINY + MOE + ["--num-experts", "8", "--load", str(tmp_path / "ckpt")], cache=tmp_path)
     assert other.returncode == 2

@@ -1,14 +1,20 @@
 """The planner's expert-parallel size e for MoE models: the layouts it considers against the rules written
 out here, its choice against every estimate, the token exchange and the experts' memory against their
 closed forms, the expert gradients reduced over the expert-data ranks only, e > 1 chosen when only it
-fits, and the launch command that carries e."""
+fits, the launch command that carries e, and --overlap-moe-expert-parallel-comm searched on and off: its
+pairs' hidden all-to-alls against the slot-by-slot brute force and the simulator."""
 
 import dataclasses
+import functools
 
 import pytest
 from test_planner_plan import SMALL, small_cluster, valid_by_the_rules
 
+from megapipe.errors import ConfigError
+from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
 from megapipe.planner.analytic import analytic_gpt_profile
+from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, enumerate_layouts, plan
@@ -24,18 +30,40 @@ def moe_profile(shape=MOE):
     return analytic_gpt_profile(shape, 1e12, micro_batch_sizes=(1, 2, 4))
 
 
-def with_expert_sizes(layouts, experts: int) -> set:
-    """Each layout at every e dividing both the experts and d (e x t dividing t x d at expert-tensor size t)."""
-    return {dataclasses.replace(layout, expert=e) for layout in layouts for e in range(1, experts + 1)
-            if experts % e == 0 and layout.data % e == 0}
+def overlap_accepted(layout: Layout, batch: int) -> bool:
+    """Whether --overlap-moe-expert-parallel-comm runs ``layout``: e > 1, no recomputation, a flush schedule
+    whose overlapped lists the flag accepts."""
+    if layout.expert == 1 or layout.recompute or layout.schedule in ("2bw", "pipedream"):
+        return False
+    return pairs_accepted(layout.schedule, layout.pipeline, batch // (layout.data * layout.micro_batch_size),
+                          layout.virtual)
+
+
+@functools.lru_cache(maxsize=None)
+def pairs_accepted(schedule: str, p: int, m: int, v: int) -> bool:
+    try:
+        overlapped_schedule(build_schedule(schedule, p, m, v))
+    except ConfigError:
+        return False
+    return True
+
+
+def with_expert_sizes(layouts, experts: int, batch: int) -> set:
+    """Each layout at every e dividing both the experts and d (e x t dividing t x d at expert-tensor size t),
+    and again with the expert all-to-alls overlapped where the flag accepts it."""
+    sized = {dataclasses.replace(layout, expert=e) for layout in layouts for e in range(1, experts + 1)
+             if experts % e == 0 and layout.data % e == 0}
+    return sized | {dataclasses.replace(layout, overlap_moe_comm=True) for layout in sized
+                    if overlap_accepted(layout, batch)}
 
 
 @pytest.mark.parametrize("devices,batch", [(8, 16), (4, 8)])
 def test_the_search_considers_every_valid_expert_size(devices, batch):
     request = PlanRequest(batch, max_micro_batch_size=8, max_virtual=4)
     found = set(enumerate_layouts(MOE, devices, request))
-    assert found == with_expert_sizes(valid_by_the_rules(MOE, devices, batch, 8, 4), MOE.num_experts)
+    assert found == with_expert_sizes(valid_by_the_rules(MOE, devices, batch, 8, 4), MOE.num_experts, batch)
     assert max(layout.expert for layout in found) == 4
+    assert {layout.schedule for layout in found if layout.overlap_moe_comm} >= {"1f1b", "dualpipev"}
     assert {layout.expert for layout in enumerate_layouts(SMALL, devices, request)} == {1}
 
 
@@ -115,3 +143,67 @@ def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only():
     experts = MOE.expert_params_per_block * MOE.num_layers  # at e = d = 2 each expert lives on one rank
     expected = collective_time("all_reduce", (everything - experts) * grads, 2, link)
     assert model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
+
+
+def pair_by_slots(forward: float, backward: float, exchange: float, layers: int) -> float:
+    """An overlapped pair written out slot by slot (docs/moe.md): the backward's first attention segment
+    alone, per MoE layer forward attention | backward combine, forward dispatch | backward experts, forward
+    experts | backward dispatch, forward combine | backward attention, then the forward's last attention
+    alone; each pass's compute over its 2L + 1 segments, its all-to-alls over its 2L."""
+    f, b, x = forward / (2 * layers + 1), backward / (2 * layers + 1), exchange / (2 * layers)
+    return b + layers * (max(f, x) + max(x, b) + max(f, x) + max(x, b)) + f
+
+
+def slow_expert_cluster(nodes: int = 4):
+    """Each device its own node on slow links: the all-to-alls a visible share of a step."""
+    return Cluster(nodes=nodes, gpus_per_node=1, memory_per_gpu=64 * 2 ** 30, intra_node_bandwidth=5e10,
+                   inter_node_bandwidth=2e8, intra_node_latency=5e-6, inter_node_latency=2e-5)
+
+
+def test_1f1b_pairs_hide_the_all_to_alls_as_the_slots_say():
+    profile = moe_profile()
+    model, batch = PlanCostModel(profile, slow_expert_cluster(), Training(8)), 8
+    off = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2))
+    on = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
+    m, x = on.microbatches, on.expert_comm_time / (2 * on.microbatches)  # one pass's all-to-alls
+    (forward,), (backward,) = on.rank_times
+    pair = pair_by_slots(forward - x, backward - x, x, MOE.num_layers)
+    # F0, then m - 1 pairs F(j+1) & B(j), then B(m-1): one rank, nothing to wait for
+    assert on.batch_time - on.data_comm_time - on.optimizer_time == pytest.approx(forward + (m - 1) * pair + backward)
+    assert off.batch_time - off.data_comm_time - off.optimizer_time == pytest.approx(m * (forward + backward))
+    assert off.batch_time - on.batch_time == pytest.approx((m - 1) * (forward + backward - pair))
+    assert on.batch_time < off.batch_time and on.rank_times == off.rank_times
+    stash = on.memory - off.memory  # one microbatch more in flight, as Megatron's combined 1F1B holds
+    assert stash == pytest.approx(model.estimate(Layout(1, 1, 2, 2, "1f1b", expert=2)).memory - off.memory)
+    assert stash > 0
+
+
+def test_dualpipev_pairs_cost_what_the_simulator_charges():
+    profile = moe_profile()
+    model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
+    layout = Layout(1, 2, 2, 1, "dualpipev", virtual=2, expert=2, overlap_moe_comm=True)
+    on, off = model.estimate(layout), model.estimate(dataclasses.replace(layout, overlap_moe_comm=False))
+    forward, backward = on.rank_times
+    x = on.expert_comm_time / (2 * on.microbatches)  # one pass's all-to-alls on each rank (equal blocks)
+    # stage s on rank s (down the V) or 2p - 1 - s (back up), each rank's two chunks alike
+    per_stage = [forward[0], forward[1], forward[1], forward[0]]
+    backs = [backward[0], backward[1], backward[1], backward[0]]
+    costs = CostModel(forward=tuple((f - x) / 2 for f in per_stage), backward=tuple((b - x) / 2 for b in backs),
+                      input_backward=tuple((b - x) / 4 for b in backs), weight_backward=tuple((b - x) / 4 for b in backs),
+                      expert_comm=x / 2, moe_layers=MOE.num_layers // 4, hide_expert_comm=True)
+    lists = overlapped_schedule(build_schedule("dualpipev", 2, on.microbatches, 2))
+    expected = simulate(lists, costs)
+    assert on.batch_time - on.data_comm_time - on.optimizer_time == pytest.approx(float(expected.makespan))
+    assert on.batch_time < off.batch_time
+
+
+def test_the_plan_overlaps_the_all_to_alls_when_it_pays_and_the_command_says_so():
+    profile = moe_profile()
+    request = PlanRequest(8, schedules=("1f1b",), micro_batch_sizes=(1,), recompute=(False,), shardings=("no_shard",))
+    result = plan(profile, slow_expert_cluster(nodes=2), request)  # e = 2 only at d = 2, p = 1
+    fastest = next(e for e in result.ranked if e.layout.expert > 1)
+    assert fastest.layout.overlap_moe_comm
+    twin = next(e for e in result.ranked if e.layout == dataclasses.replace(fastest.layout, overlap_moe_comm=False))
+    assert twin.samples_per_second < fastest.samples_per_second
+    assert "--overlap-moe-expert-parallel-comm" in torchrun_command(fastest, MOE, slow_expert_cluster(), 8)
+    assert "--overlap-moe-expert-parallel-comm" not in torchrun_command(twin, MOE, slow_expert_cluster(), 8)

@@ -48,7 +48,7 @@ _COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\
                      r"linear_fc1\.(weight|bias))$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 EXTRA_STATE = "_extra_state"  # a layer's framework state (Transformer Engine's FP8 scales), not a weight
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 
 
 @dataclass
@@ -204,6 +204,17 @@ def _read_dist(directory: str) -> MegatronCheckpoint:
                               tensors, None, has_optimizer)
 
 
+def _linears(args: argparse.Namespace) -> list[tuple[str, Optional[int]]]:
+    """Megatron-core's linears of a layer, each with its experts (None: one per layer); MoE layers' routed
+    experts (torch_dist's stacked ``experts.experts``) and shared expert replace the dense MLP's."""
+    if not args.num_experts:
+        return [(name, None) for name in _ATTENTION_LINEARS + ("mlp.linear_fc1", "mlp.linear_fc2")]
+    shared = ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] \
+        if args.moe_shared_expert_intermediate_size else []
+    return ([(name, None) for name in _ATTENTION_LINEARS + tuple(shared)]
+            + [(f"mlp.experts.experts.linear_fc{n}", args.num_experts) for n in (1, 2)])
+
+
 def write_dist(root: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> str:
     """Write ``tensors`` (whole, local-spec names, one key per layer) as a Megatron-core ``torch_dist``
     checkpoint under ``root`` (staged, then renamed into place); returns its iter_* directory."""
@@ -217,12 +228,13 @@ def write_dist(root: str, tensors: dict[str, torch.Tensor], args: argparse.Names
             state[fused_name(name)] = value
     for key, rows in layers.items():
         state[key] = torch.stack([value for _, value in sorted(rows, key=lambda row: row[0])])
-    count = args.num_layers
-    # the (empty) extra state of Megatron-core's linears, one object per layer, stored as Megatron-core stores
-    # its objects: the list of one key's values
-    for module in _LINEARS:
-        for i in range(count):
-            state[f"decoder.layers.{module}.{EXTRA_STATE}/shard_{i}_{count}"] = [None]
+    # the (empty) extra state of Megatron-core's linears, one object per layer (and expert), stored as
+    # Megatron-core stores its objects: the list of one key's values
+    for module, experts in _linears(args):
+        for i in range(args.num_layers):
+            for j in range(experts or 1):
+                at, of = (f"{i}.{j}", f"{args.num_layers}.{experts}") if experts else (i, args.num_layers)
+                state[f"decoder.layers.{module}.{EXTRA_STATE}/shard_{at}_{of}"] = [None]
     if args.untie_embeddings_and_output_weights:
         state[f"output_layer.{EXTRA_STATE}/shard_0_1"] = [None]
     os.makedirs(root, exist_ok=True)

@@ -10,7 +10,8 @@ to megapipe's ``--qk-layernorm``. An MoE layer's router, experts and shared expe
 megapipe's (``--num-experts`` and the other ``--moe-*`` flags, Megatron's names): the local
 spec keeps one ``local_experts.{j}`` MLP per expert, ``torch_dist`` stacks them under
 ``experts.experts``, megapipe stacks them under ``experts``, each expert's SwiGLU rows
-interleaved. What megapipe does not compute (other position embeddings, latent attention ...)
+interleaved; an export writes torch_dist's stacked form, which Megatron-core's local and grouped experts
+both load. What megapipe does not compute (other position embeddings, latent attention ...)
 is refused in one sentence.
 """
 
@@ -170,9 +171,7 @@ def _moe_fields(args) -> dict:
 def megatron_args(config: ModelConfig) -> argparse.Namespace:
     """The Megatron-LM arguments (model shape) of a megapipe ModelConfig, for one tensor and pipeline rank
     (torch_dist does not depend on them)."""
-    if config.num_experts is not None:
-        raise CheckpointError("export-megatron writes dense models only yet, and this checkpoint has MoE layers "
-                              "(--num-experts); export it with export-hf instead.")
+    moe = _moe_args(config)
     if config.qk_layernorm and config.qk_layernorm_scope != "head":
         raise CheckpointError("Megatron's QK layernorm normalises each head; this model normalises whole "
                               "projections (--qk-layernorm-scope projection), which Megatron-LM cannot load.")
@@ -192,7 +191,21 @@ def megatron_args(config: ModelConfig) -> argparse.Namespace:
         openai_gelu=tanh, bias_gelu_fusion=tanh and config.add_bias_linear and not config.swiglu,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, init_method_std=config.init_method_std,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_experts=None)
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **moe)
+
+
+def _moe_args(config: ModelConfig) -> dict:
+    """Megatron's MoE arguments of ``config`` (``num_experts`` None for a dense model): the ``--moe-*`` flags of
+    the same names. Megatron's torch_dist stacks each key over all layers, so a model mixing dense and MoE
+    layers has gaps there that megapipe's writer does not write; it is refused."""
+    if config.num_experts is None:
+        return {"num_experts": None}
+    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        raise CheckpointError(f"export-megatron writes MoE models whose every layer is an MoE layer, and this one "
+                              f"mixes dense layers in (--moe-layer-freq {config.moe_layer_freq}); export it with "
+                              "export-hf instead.")
+    return dict({name: getattr(config, name) for name in _MOE_ARGS}, num_experts=config.num_experts,
+                moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_layer_freq=1)
 
 
 def _pairs(config: ModelConfig):

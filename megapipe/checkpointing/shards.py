@@ -18,7 +18,7 @@ import torch
 from megapipe.config import ModelConfig
 from megapipe.models.state_dict import VOCAB_DIM0, canonical_name
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.utils import is_expert_parallel, is_tensor_parallel
+from megapipe.tensor_parallel.utils import is_expert_parallel, is_tensor_parallel, split_over
 
 
 @dataclass
@@ -46,10 +46,11 @@ def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelStat
     """
     key = canonical_name(name, param)
     shape, offsets = list(tensor.shape), [0] * tensor.dim()
-    if is_tensor_parallel(param) and ps.tp_size > 1:
+    rank, size, _ = split_over(param, ps)
+    if size > 1:
         dim = param.partition_dim
-        offsets[dim] = ps.tp_rank * tensor.shape[dim]
-        shape[dim] = tensor.shape[dim] * ps.tp_size
+        offsets[dim] = rank * tensor.shape[dim]
+        shape[dim] = tensor.shape[dim] * size
     if is_expert_parallel(param) and ps.ep_size > 1:
         offsets[0] = ps.ep_rank * tensor.shape[0]
         shape[0] = tensor.shape[0] * ps.ep_size
@@ -64,15 +65,17 @@ def place(name: str, tensor: torch.Tensor, param: torch.Tensor, ps: ParallelStat
 
 
 def local_shape(name: str, global_shape: tuple[int, ...], param: torch.Tensor, tp_size: int,
-                config: ModelConfig, ep_size: int = 1) -> tuple[int, ...]:
-    """The shape a rank of a ``tp_size``-way tensor group (and ``ep_size``-way expert group) holds for a
-    global tensor (padding included)."""
+                config: ModelConfig, ep_size: int, etp_size: int) -> tuple[int, ...]:
+    """The shape a rank of a ``tp_size``-way tensor group (and ``ep_size``-way expert group, whose experts are
+    split over ``etp_size`` ranks) holds for a global tensor (padding included)."""
     shape = list(global_shape)
     if is_expert_parallel(param):
         shape[0] //= ep_size
     if name in VOCAB_DIM0:
         shape[0] = config.padded_vocab_size(tp_size)
-    if is_tensor_parallel(param) and tp_size > 1:
+    if is_expert_parallel(param) and hasattr(param, "partition_dim"):
+        shape[param.partition_dim] //= etp_size
+    elif is_tensor_parallel(param) and tp_size > 1:
         shape[param.partition_dim] //= tp_size
     return tuple(shape)
 
@@ -80,7 +83,7 @@ def local_shape(name: str, global_shape: tuple[int, ...], param: torch.Tensor, t
 def cut(name: str, whole: torch.Tensor, param: torch.Tensor, ps: ParallelState,
         config: ModelConfig) -> tuple[str, Optional[Shard]]:
     """The piece of the global tensor ``whole`` that the rank ``ps`` describes would hold (see :func:`place`)."""
-    shape = local_shape(name, tuple(whole.shape), param, ps.tp_size, config, ps.ep_size)
+    shape = local_shape(name, tuple(whole.shape), param, ps.tp_size, config, ps.ep_size, ps.etp_size)
     key, bounds = place(name, torch.empty(shape, device="meta"), param, ps, config)
     if bounds is None:
         return key, None

@@ -261,7 +261,8 @@ class ParallelConfig:
     expert: int = flag(1, name="--expert-model-parallel-size", help=(
         "ranks the experts of each MoE layer are split over; carved out of the data-parallel ranks (docs/moe.md)"))
     expert_tensor: Optional[int] = flag(None, name="--expert-tensor-parallel-size", help=(
-        "ranks each expert's ffn dimension is split over: --tensor-model-parallel-size (the default) or 1"))
+        "ranks each expert's ffn dimension is split over: --tensor-model-parallel-size (the default) or a divisor of "
+        "it, each group of that many tensor ranks dispatching its share of the tokens (docs/moe.md)"))
     sequence_parallel: bool = False
     # context parallelism: each sequence split over c ranks of a replica (layout/context.py, layout/context_comm.py)
     context_parallel_size: int = flag(1, help=(
@@ -300,14 +301,15 @@ class ParallelConfig:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
-        if self.expert_tensor not in (None, self.tensor, 1):
-            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} is neither 1 nor "
-                              f"--tensor-model-parallel-size {self.tensor}, the two sizes megapipe's experts support; "
-                              "use one of them.")
-        if self.expert_tensor == 1 and self.tensor > 1 and self.expert == 1:
-            raise ConfigError("--expert-tensor-parallel-size 1 below --tensor-model-parallel-size "
-                              f"{self.tensor} needs --expert-model-parallel-size above 1 (else every tensor rank "
-                              "holds every expert whole); raise the expert size or drop --expert-tensor-parallel-size.")
+        if self.expert_tensor is not None and self.tensor % self.expert_tensor:
+            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} does not divide "
+                              f"--tensor-model-parallel-size {self.tensor}: each group of that many tensor ranks "
+                              "shares a tensor group's tokens between its experts; use a divisor of it.")
+        if self.expert_tensor is not None and self.expert_tensor < self.tensor and self.expert == 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} below --tensor-model-parallel-size "
+                              f"{self.tensor} needs --expert-model-parallel-size above 1 (else every share of the "
+                              "tensor group holds every expert); raise the expert size or drop "
+                              "--expert-tensor-parallel-size.")
         check_comm_type(self.context_parallel_size, self.cp_comm_type, self.hierarchical_context_parallel_sizes)
         if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.utils import is_expert_parallel, is_tensor_parallel, shard
+from megapipe.tensor_parallel.utils import is_expert_parallel, shard, split_over
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 VOCAB_DIM0 = {WORD_EMBEDDING, "output_embedding.weight", "lm_bias"}
@@ -42,8 +42,9 @@ def local_state_dict(canonical: dict, chunk: torch.nn.Module, ps: ParallelState,
         full = canonical[canonical_name(name, param)]
         if name in VOCAB_DIM0:
             full = _pad_vocab(full, config.padded_vocab_size(ps.tp_size))
-        if is_tensor_parallel(param):
-            full = shard(full, param.partition_dim, ps.tp_rank, ps.tp_size)
+        rank, size, _ = split_over(param, ps)
+        if size > 1:
+            full = shard(full, param.partition_dim, rank, size)
         if is_expert_parallel(param):
             full = shard(full, 0, ps.ep_rank, ps.ep_size)
         out[name] = full.to(dtype=current.dtype, device=current.device)
@@ -51,11 +52,13 @@ def local_state_dict(canonical: dict, chunk: torch.nn.Module, ps: ParallelState,
 
 
 def gather_tensor_parallel(tensor: torch.Tensor, param: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """The full tensor (e.g. a weight or its gradient) from every tensor rank's slice."""
-    if not is_tensor_parallel(param) or ps.tp_size == 1:
+    """The full tensor (e.g. a weight or its gradient) from every tensor (or, of experts, expert-tensor) rank's
+    slice."""
+    _, size, group = split_over(param, ps)
+    if size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(ps.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=ps.tp_group)
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=param.partition_dim)
 
 

@@ -51,8 +51,9 @@ def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: b
 
 
 def _first_share(ps: ParallelState) -> float:
-    """1 on the tensor ranks whose summed experts' part counts, 0 on the others: at expert-tensor size 1 below
-    t, every tensor rank holds the same sum over its expert group (times 0 still passes on inf and NaN)."""
+    """1 on the tensor ranks whose summed experts' part counts, 0 on the others: at an expert-tensor size below
+    t, every share of the tensor group (its ``etp`` ranks, the first share ranks 0 .. etp - 1) holds the same
+    sums over its expert groups (times 0 still passes on inf and NaN)."""
     return 1.0 if ps.tp_rank < ps.etp_size else 0.0
 
 

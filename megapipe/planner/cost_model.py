@@ -37,6 +37,10 @@ rank's time (it is on the critical path):
     bytes x (e-1)/e over the link the expert group spans (e consecutive data-parallel replicas);
     each rank holds 1/e of the experts, whose gradients are reduced (and, at sharding levels,
     whose gradients, weights and optimizer state are sharded) over the c d / e expert-data ranks.
+    With ``--overlap-moe-expert-parallel-comm`` (``Layout.overlap_moe_comm``) the batch is the simulator's
+    replay of the schedule's overlapped lists (``schedule_costs.overlapped_time``): each forward/backward
+    pair hides its all-to-alls behind the other pass's compute as ``simulate.overlapped_pair_time``
+    charges it, and the lists' peak in-flight microbatches set the activations' memory.
   context parallelism (``Layout.context`` c): a rank holds s / c tokens of every sample, so its
     compute is the layers' at b / (t c) and its activations and messages those of b / c samples;
     each block adds its key/value exchanges over the context group (``context_costs.py``), on the
@@ -74,8 +78,8 @@ from megapipe.layout.ranks import RankLayout
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.context_costs import Exchange, exchanges
 from megapipe.planner.profile import LayerCosts, ModelProfile
-from megapipe.planner.schedule_costs import (SEARCHED, Searched, bubble_fraction, flushes, in_flight, pipeline_time,
-                                             placement_of, searched, unties_embeddings, weight_versions)
+from megapipe.planner.schedule_costs import (SEARCHED, Searched, bubble_fraction, flushes, in_flight, overlapped_time,
+                                             pipeline_time, placement_of, searched, unties_embeddings, weight_versions)
 from megapipe.planner.traffic import Traffic, TrafficInputs, cross_node_traffic, link_bytes
 from megapipe.layout.placement import Placement, rank_of_stage, stages_of_rank
 from megapipe.layout.stage_plan import equal_split
@@ -96,6 +100,7 @@ class Layout:
     expert: int = 1  # --expert-model-parallel-size e (expert-tensor size t): e divides c x d
     context: int = 1  # --context-parallel-size c: each sequence over c ranks (context_costs.py)
     cp_comm_type: str = "p2p"
+    overlap_moe_comm: bool = False  # --overlap-moe-expert-parallel-comm: pairs hide expert all-to-alls
 
     def describe(self) -> str:
         chunks = f", v={self.virtual}" if self.virtual > 1 else ""
@@ -103,7 +108,8 @@ class Layout:
         experts = f", e={self.expert}" if self.expert > 1 else ""
         context = f", c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
         return (f"t={self.tensor}{context}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
-                f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}")
+                f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}"
+                f"{' with overlapped expert all-to-alls' if self.overlap_moe_comm else ''}")
 
 
 @dataclass(frozen=True)
@@ -409,7 +415,7 @@ class PlanCostModel:
         loads = self._rank_loads(layout)
         steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
         data = float(self._data_parallel_times(layout, loads, m).max())
-        search = searched(loads.forward, loads.backward, m, v) if layout.schedule == SEARCHED else None
+        search = self._simulated(layout, loads, m)
         if search is not None:
             batch_time = search.batch_time + data + float(steps.max())
         elif flushes(layout.schedule):  # all-reduce and step after the flush
@@ -431,6 +437,17 @@ class PlanCostModel:
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
                         m * float(loads.expert[slowest]), m * float(loads.context[slowest]))
+
+    def _simulated(self, layout: Layout, loads: "_RankLoads", m: int) -> Optional[Searched]:
+        """What the simulator predicts for a layout without closed forms: the searched schedule's, or the
+        overlapped pairs' (whose passes, never recomputed, each run half a rank's all-to-alls); else None."""
+        if layout.schedule == SEARCHED:
+            return searched(loads.forward, loads.backward, m, layout.virtual)
+        if layout.overlap_moe_comm:
+            moe_layers = self.profile.shape.num_layers // (layout.pipeline * layout.virtual)
+            return overlapped_time(layout.schedule, loads.forward, loads.backward, loads.expert / 2, moe_layers, m,
+                                   layout.virtual)
+        return None
 
     def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
         """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all

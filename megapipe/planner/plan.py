@@ -6,7 +6,10 @@ schedule, the number of chunks v and, for an MoE model, the expert-parallel size
 Every layout that uses all N devices, divides the model (heads and width by t, layers by p v)
 and the global batch B (by d b, so m = B / (d b) microbatches per pipeline) and suits its
 schedule is estimated, at every e that divides the experts and, with e x t dividing t x d
-(Megatron-core's rule, ``megapipe.layout.experts``, at expert-tensor size t), d; dense models keep e = 1; those that fit in device memory are ranked by predicted throughput.
+(Megatron-core's rule, ``megapipe.layout.experts``, at expert-tensor size t), d; dense models keep e = 1.
+At e > 1 without recomputation a layout is estimated with ``--overlap-moe-expert-parallel-comm`` off and,
+where its schedule has pairs the flag accepts (``schedule_costs.overlapped``), on. Those that fit in
+device memory are ranked by predicted throughput.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Trainin
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.config.sharding import SHARDING_STRATEGIES
 from megapipe.planner.schedule_costs import (SCHEDULES, SEARCHED, SEARCHED_LAYOUTS, flushes, microbatch_problem,
-                                             planned_chunks)
+                                             overlapped, planned_chunks)
 from megapipe.planner.units import human_bytes
 
 
@@ -121,8 +124,11 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                         for recompute in request.recompute:
                             for sharding in _shardings(request, c * d, schedule):
                                 for e in expert_sizes(shape, c * d):
-                                    yield Layout(t, p, d, b, schedule, v, recompute, sharding, e, c,
-                                                 request.cp_comm_type)
+                                    layout = Layout(t, p, d, b, schedule, v, recompute, sharding, e, c,
+                                                    request.cp_comm_type)
+                                    yield layout
+                                    if e > 1 and not recompute and overlapped(schedule, p, m, v) is not None:
+                                        yield replace(layout, overlap_moe_comm=True)
 
 
 def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout]:
@@ -131,7 +137,7 @@ def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout
     and it is never slower than ZB-H1 on the same layout (a seed of the search within its memory)."""
     layouts = []
     for e in sorted(estimates, key=lambda e: -e.samples_per_second):
-        layout = replace(e.layout, schedule=SEARCHED)
+        layout = replace(e.layout, schedule=SEARCHED, overlap_moe_comm=False)
         if (e.memory <= cluster.usable_memory and layout.pipeline > 1 and layout.virtual == 1
                 and microbatch_problem(SEARCHED, layout.pipeline, e.microbatches, 1) is None and layout not in layouts):
             layouts.append(layout)

@@ -9,7 +9,9 @@ simulator gives it per p). ``auto`` (the schedule search) is marked ``search``: 
 the search for the ranks' times (BI and BW half the backward each) within 1F1B's memory (p
 microbatches per rank) and reads the batch time and each rank's peak off its simulation; the
 planner searches one-chunk layouts of up to ``SEARCHED_PASSES`` passes per rank (beyond that it
-leaves ``auto`` out), on its ``SEARCHED_LAYOUTS`` fastest layouts.
+leaves ``auto`` out), on its ``SEARCHED_LAYOUTS`` fastest layouts. A layout with
+``--overlap-moe-expert-parallel-comm`` is simulated too (``overlapped_time``): its pairs hide expert
+all-to-alls as the simulator charges them, and its lists hold other microbatches in flight.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.ir.schedules import DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, schedule_descriptor
+from megapipe.pipeline.ir.actions import Schedule
+from megapipe.pipeline.ir.schedules import (DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, build_schedule,
+                                            overlapped_schedule, schedule_descriptor)
 from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor
-from megapipe.layout.placement import Placement
+from megapipe.layout.placement import Placement, rank_of_stage
 
 SEARCHED = SEARCHED_SCHEDULE.name  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
 SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk
@@ -54,6 +58,44 @@ def _searched(forward: tuple[float, ...], backward: tuple[float, ...], m: int, v
     costs = CostModel.per_rank(p, v, forward, halves, halves, exact=False)
     found = search_schedule(p, m, costs, memory_limit=p, v=v, max_evaluations=0)
     return Searched(float(found.simulation.makespan), found.simulation.peak_activations)
+
+
+@functools.lru_cache(maxsize=256)
+def overlapped(schedule: str, p: int, m: int, v: int) -> Optional[Schedule]:
+    """The lowered lists ``--overlap-moe-expert-parallel-comm`` runs for ``schedule`` (``overlapped_schedule``),
+    or None where the flag refuses it (no pairs, pairs that wait on one another, no flush, ``auto``)."""
+    if schedule == SEARCHED or not flushes(schedule):
+        return None
+    try:
+        return overlapped_schedule(build_schedule(schedule, p, m, v))
+    except ConfigError:
+        return None
+
+
+def overlapped_time(schedule: str, forward: Sequence[float], backward: Sequence[float], exchange: Sequence[float],
+                    moe_layers: int, m: int, v: int = 1) -> Searched:
+    """Batch time and each rank's peak microbatches of ``schedule``'s overlapped lists, simulated for ranks
+    taking ``forward[r]``/``backward[r]`` per microbatch, all-to-alls included, of which ``exchange[r]`` per
+    pass are the expert all-to-alls of ``moe_layers`` MoE layers per stage; each pair hides them as
+    ``simulate.overlapped_pair_time`` says (BI and BW half the backward's compute each, the BI all of its
+    all-to-alls)."""
+    from megapipe.pipeline.analysis.simulate import CostModel, simulate
+
+    lists = overlapped(schedule, len(forward), m, v)
+    if lists is None:
+        raise ValueError(f"{schedule} has no overlapped pairs at p={len(forward)}, m={m}, v={v}")
+    ranks = [rank_of_stage(placement_of(schedule), len(forward), s) for s in range(len(forward) * v)]
+
+    def per_stage(times) -> tuple[float, ...]:
+        return tuple(float(times[r]) / v for r in ranks)
+
+    compute_backward = [b - x for b, x in zip(backward, exchange)]
+    halves = per_stage([b / 2 for b in compute_backward])
+    costs = CostModel(forward=per_stage([f - x for f, x in zip(forward, exchange)]),
+                      backward=per_stage(compute_backward), input_backward=halves, weight_backward=halves,
+                      expert_comm=per_stage(exchange), moe_layers=moe_layers, hide_expert_comm=True)
+    simulation = simulate(lists, costs)
+    return Searched(float(simulation.makespan), simulation.peak_activations)
 
 
 def placement_of(schedule: str) -> Placement:

@@ -4,6 +4,8 @@ A parameter split across the tensor group carries ``tensor_model_parallel = True
 dimension it is split along (``partition_dim``); every other parameter is a replica on each
 tensor rank. ``shared_embedding`` marks the last stage's copy of a tied word embedding (its
 gradient is summed with the first stage's, and a global norm counts it once).
+Stacked experts carry ``expert_parallel`` and their ``partition_dim``, split over the expert-tensor
+group, which is the tensor group at the default expert-tensor size (``split_over``).
 ``sequence_parallel`` marks replicated parameters that see only a slice of the sequence under
 sequence parallelism, whose gradients must be summed over the tensor group.
 """
@@ -35,6 +37,17 @@ def mark_expert_parallel(param: torch.nn.Parameter) -> None:
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
+
+
+def split_over(param: torch.Tensor, ps) -> tuple[int, int, object]:
+    """(rank, size, group) of the ranks whose slices of ``param`` along ``param.partition_dim`` make it whole:
+    the expert-tensor group (``--expert-tensor-parallel-size``) for stacked experts, the tensor group for other
+    tensor-parallel parameters; (0, 1, None) for a parameter held whole."""
+    if is_expert_parallel(param) and hasattr(param, "partition_dim"):
+        return ps.etp_rank, ps.etp_size, ps.etp_group
+    if is_tensor_parallel(param):
+        return ps.tp_rank, ps.tp_size, ps.tp_group
+    return 0, 1, None
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

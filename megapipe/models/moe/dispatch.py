@@ -87,10 +87,15 @@ def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
              ps: ParallelState) -> torch.Tensor:
     """Every token's weighted sum of its experts' outputs [T, h], for the experts that ``routing_map`` lists;
     ``run(rows, counts)`` takes the rows sorted by expert to those experts' outputs (partial sums over the
-    expert-tensor group, summed here)."""
+    expert-tensor group, summed here at expert-tensor size t; below t the layer sums them with the other
+    shares' over the whole tensor group, and its copy over that group sums the input gradients)."""
     expert_ids, token_ids = assignments(routing_map, count)
-    permuted = mappings.copy_to_tensor_parallel_region(tokens, ps.etp_group)[token_ids]
-    out = mappings.reduce_from_tensor_parallel_region(run(permuted, routing_map.sum(dim=0)), ps.etp_group)
+    whole_group = ps.etp_size == ps.tp_size
+    if whole_group:
+        tokens = mappings.copy_to_tensor_parallel_region(tokens, ps.etp_group)
+    out = run(tokens[token_ids], routing_map.sum(dim=0))
+    if whole_group:
+        out = mappings.reduce_from_tensor_parallel_region(out, ps.etp_group)
     weights = probs[token_ids, expert_ids].unsqueeze(-1)
     return torch.zeros_like(tokens).index_add_(0, token_ids, (out * weights).to(tokens.dtype))
 

@@ -45,8 +45,9 @@ def _expert_weight(shape: tuple[int, ...], std: float, name: str, partition_dim:
     weight = init_normal_(torch.empty(local, dtype=dtype, device=device), shape, std, seed, name, partition_dim,
                           ps.etp_rank, ps.etp_size, rows=rows)
     param = nn.Parameter(weight)
-    if ps.etp_size == ps.tp_size:  # split like the dense layers; at expert-tensor size 1 each expert is whole
-        mark_tensor_parallel(param, partition_dim)
+    if ps.etp_size == ps.tp_size:  # split like the dense layers; below t each share of the tensor group
+        mark_tensor_parallel(param, partition_dim)  # holds its own copy (whole experts at expert-tensor size 1)
+    param.partition_dim = partition_dim  # over the expert-tensor group (``split_over``)
     mark_expert_parallel(param)
     return param
 
