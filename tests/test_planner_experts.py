@@ -162,7 +162,7 @@ def slow_expert_cluster(nodes: int = 4):
 
 def test_1f1b_pairs_hide_the_all_to_alls_as_the_slots_say():
     profile = moe_profile()
-    model, batch = PlanCostModel(profile, slow_expert_cluster(), Training(8)), 8
+    model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
     off = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2))
     on = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
     m, x = on.microbatches, on.expert_comm_time / (2 * on.microbatches)  # one pass's all-to-alls

@@ -34,7 +34,7 @@ shared copy left out of the norm), ``sequence_parallel`` (gradient summed over t
 squares summed over the expert group in the norm).
 """
 
-from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, counts_in_norm, global_grad_norm
+from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, counts_in_norm
 from megapipe.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 from megapipe.optim.finalize import finalize_model_grads
 from megapipe.optim.grad_buffer import GradBuffers, trainable_params
@@ -48,7 +48,7 @@ from megapipe.optim.precision import PrecisionOptimizer, StepResult
 __all__ = [
     "OptimizerConfig", "OPTIMIZERS", "LR_DECAY_STYLES",
     "GradBuffers", "GradSync", "ShardingLevel", "SHARDING_STRATEGIES", "trainable_params", "finalize_model_grads",
-    "global_grad_norm", "clip_grads_by_total_norm", "count_zero_grads", "counts_in_norm",
+    "clip_grads_by_total_norm", "count_zero_grads", "counts_in_norm",
     "ConstantLossScaler", "DynamicLossScaler", "build_loss_scaler",
     "build_optimizer", "weight_decay_groups", "PrecisionOptimizer", "StepResult",
     "LRSchedule", "LRScheduler",

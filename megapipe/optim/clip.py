@@ -67,21 +67,6 @@ def _squares(with_grad: list[torch.Tensor], ps: ParallelState, device) -> torch.
     return squared
 
 
-def global_grad_norm(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (``param.grad``), as an fp32 scalar on every rank.
-
-    ``sharded``: each data-parallel rank holds a disjoint piece of the gradients (a sharded
-    optimizer), so the squares are also summed over the data-parallel group. Inf or NaN in any
-    gradient on any model-parallel rank makes the result inf or NaN everywhere
-    (``local_squared_norm``).
-    """
-    squared = local_squared_norm(params, ps, sharded)
-    all_reduce(squared, ps.mp_group, ps.tp_size * ps.pp_size)
-    if sharded:
-        all_reduce(squared, ps.dp_cp_group, ps.dp_cp_size)
-    return squared.sqrt()
-
-
 def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (Megatron's rule).
 
