@@ -24,6 +24,7 @@ import torch
 
 from batch_helpers import random_microbatch
 from megapipe.config import ModelConfig
+from megapipe.data.context_batch import context_share
 from megapipe.models import build_model_chunks, build_planned_stage
 from megapipe.models.families import family
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
@@ -56,6 +57,7 @@ class Case:
     plan: Optional[str] = None  # --pipeline-stages, for replicated stages (1F1B-RR)
     optimizer: str = "sgd"
     drain_after: Optional[int] = None  # drain after this many batches, then go on (as evaluate() does)
+    c: int = 1  # context ranks (ring attention): each trains on its two chunks of every sequence
 
     @property
     def m(self) -> int:
@@ -71,9 +73,8 @@ class Case:
 
     def __str__(self) -> str:
         sync = "+vsync" if self.vertical_sync else ""
-        return (f"{self.kind} {self.schedule}{sync} p={self.p} v={self.v} t={self.t} d={self.d} e={self.e} "
-                f"{self.plan or ''} "
-                f"{self.optimizer}")
+        return (f"{self.kind} {self.schedule}{sync} p={self.p} v={self.v} t={self.t} c={self.c} d={self.d} e={self.e} "
+                f"{self.plan or ''} {self.optimizer}")
 
 
 MOE = dict(num_experts=4, moe_router_topk=2, add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
@@ -158,10 +159,11 @@ _STATES: dict = {}  # one ParallelState per layout and process: building groups 
 
 
 def build(case: Case, config: ModelConfig):
-    key = (case.t, case.p, case.v, case.e, case.plan)
+    key = (case.t, case.c, case.p, case.v, case.e, case.plan)
     if case.plan is None:
         ps = _STATES.get(key) or _STATES.setdefault(
-            key, ParallelState.initialize(tensor=case.t, pipeline=case.p, virtual_pipeline=case.v, expert=case.e))
+            key, ParallelState.initialize(tensor=case.t, pipeline=case.p, virtual_pipeline=case.v, expert=case.e,
+                                          context=case.c))
         return ps, build_model_chunks(case.kind, config, ps)
     plan = case.stage_plan
     ps = _STATES.get(key) or _STATES.setdefault(key, initialize_plan_state(plan, case.t))
@@ -178,16 +180,17 @@ def pipelined(case: Case, initial: dict) -> dict:
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
     versions: dict = {}
-    engine = PipelineEngine(chunks, ps, optimizer_config(case), case.schedule, case.m, (SEQ, MICRO, config.hidden_size),
-                            vertical_sync=case.vertical_sync, versions_used=versions,
-                            timeout=datetime.timedelta(seconds=60))
+    engine = PipelineEngine(chunks, ps, optimizer_config(case), case.schedule, case.m,
+                            (SEQ // case.c, MICRO, config.hidden_size), vertical_sync=case.vertical_sync,
+                            versions_used=versions, timeout=datetime.timedelta(seconds=60))
     last = engine.schedule.num_stages - 1
     losses = {}
     for w in range(BATCHES):
         local = range(w * case.m, (w + 1) * case.m)
         if w == case.drain_after:
             engine.drain()
-        result = engine.train_batch([microbatch(case.kind, config, global_id(case, ps, i)) for i in local])
+        result = engine.train_batch([context_share(microbatch(case.kind, config, global_id(case, ps, i)), SEQ, ps)
+                                     for i in local])
         if ps.is_last_stage:
             ran = [global_id(case, ps, i) for i in local if engine.schedule.rank_of(last, i) == ps.pp_rank]
             losses.update(zip(ran, result.losses))
@@ -228,13 +231,14 @@ def assert_close(actual, expected, what):
 
 
 def check_case(case: Case, per_rank: list[dict], expected_losses, expected_final):
-    losses = {}
+    seen = set()
     for result in per_rank:
-        losses.update(result["losses"])
+        seen.update(result["losses"])  # every context rank of a last stage reports the whole sequence's losses
+        for k, loss in result["losses"].items():
+            assert_close(loss, expected_losses[k], f"{case}: loss of microbatch {k}")
         for name, value in result["final"].items():
             assert_close(value, expected_final[name], f"{case}: parameter {name} of stages {result['stages_held']}")
-    assert sorted(losses) == list(range(len(expected_losses))), f"{case}: losses of microbatches {sorted(losses)}"
-    assert_close([losses[k] for k in sorted(losses)], expected_losses, f"{case}: losses")
+    assert sorted(seen) == list(range(len(expected_losses))), f"{case}: losses of microbatches {sorted(seen)}"
     for result in per_rank:
         held, stages = result["stages_held"], result["stages"]
         if case.schedule == "2bw":

@@ -275,6 +275,30 @@ def test_fp16_constant_scale_skips_without_moving():
     assert [r.ok for r in results] == [False, True] and opt.loss_scale == 256.0
 
 
+def test_fp16_sgd_with_momentum_whose_first_step_overflows_then_steps_as_if_first():
+    """A skipped first step leaves SGD's momentum as it found it (torch's fused kernel would leave it
+    uninitialized): the next update equals a fresh optimizer's first, on the same gradients."""
+    cfg = optimizer_config(fp16=True, optimizer="sgd", sgd_momentum=0.9, weight_decay=0.0, lr_warmup_iters=0,
+                           lr_decay_style="constant", initial_loss_scale=1024.0, hysteresis=1)
+    data = batches(4, torch.float16)
+    updated = []
+    for skip_first in (True, False):
+        model = tiny_fp16_model()
+        grads = GradBuffers([model], PS)
+        opt = build_optimizer([model], cfg, PS, grads)
+
+        def poison(step, grads_):
+            if skip_first and step == 0:
+                next(model.parameters()).main_grad[0, 0] = float("inf")
+
+        results = run_steps(model, opt, LRScheduler(opt, cfg, 10), grads, data if skip_first else data[2:],
+                            inject=poison)
+        assert [r.ok for r in results] == ([False, True] if skip_first else [True])
+        updated.append([main.detach().clone() for main in opt.main_params])
+    for after_skip, first in zip(*updated):
+        torch.testing.assert_close(after_skip, first, rtol=0, atol=0)
+
+
 def test_dynamic_scaler_floor_and_hysteresis_reset_only_on_growth():
     scaler = DynamicLossScaler(initial_scale=4.0, min_scale=1.0, window=2, hysteresis=2)
     trace = []

@@ -21,6 +21,7 @@ from megapipe.config import ModelConfig
 from megapipe.data.context_batch import context_share
 from megapipe.models import build_model_chunks
 from megapipe.models.moe import set_aux_loss_scale
+from megapipe.checkpointing.state import param_entries
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
@@ -36,10 +37,10 @@ SEQ, MICRO, M, STEPS = 8, 2, 4, 3
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
-def model_config(kind: str, recompute: bool = False, num_layers: int = 8) -> ModelConfig:
+def model_config(kind: str, recompute: bool = False, num_layers: int = 8, dtype=torch.float32) -> ModelConfig:
     """The test model; ``recompute`` checkpoints every layer (its gradients are bit-for-bit those without)."""
     fields = dict(num_layers=num_layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=SEQ,
-                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, params_dtype=dtype)
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if kind == "llama":
@@ -76,30 +77,35 @@ def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch, num_laye
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
-def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, context=None, microbatch=microbatch,
-                  optimizer=None, num_layers=8, sequence_parallel=False):
-    """``context``: keyword arguments of ``ParallelState.initialize`` for context parallelism (``context``,
-    ``cp_comm_type``, ``hierarchical_context``); each context rank then trains on its chunks of the microbatches.
-    ``sequence_parallel`` splits each rank's sequence over its tensor group between the blocks."""
-    config = model_config(kind, recompute, num_layers)
+def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, layout=None, microbatch=microbatch,
+                  optimizer=None, num_layers=8, sequence_parallel=False, dtype=torch.float32, skipped=None):
+    """``layout``: further keyword arguments of ``ParallelState.initialize``: context parallelism (``context``,
+    ``cp_comm_type``, ``hierarchical_context``), under which each context rank trains on its chunks of the
+    microbatches, and experts (``expert``). ``sequence_parallel`` splits each rank's sequence over its tensor
+    group between the blocks; ``dtype`` is the parameters' (bf16 or fp16 with ``optimizer``'s flag for it), and
+    ``skipped`` a list to which each step appends whether it skipped its update (an fp16 overflow). The final
+    parameters are the optimizer's main weights: bf16 and fp16 weights' fp32 masters."""
+    config = model_config(kind, recompute, num_layers, dtype)
     placement = schedule.placement if isinstance(schedule, Schedule) else schedule_descriptor(schedule).placement
-    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(context or {}))
+    ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v, placement=placement, **(layout or {}))
     chunks = build_model_chunks(MODEL_KIND[kind], config, ps, sequence_parallel=sequence_parallel)
     for chunk in chunks:
         chunk.load_state_dict(local_state_dict(initial, chunk, ps, config))
     local = SEQ // ps.cp_size // (t if sequence_parallel else 1)
     engine = PipelineEngine(chunks, ps, optimizer or optimizer_config(), schedule, m, (local, MICRO, config.hidden_size),
-                            scatter_gather=not sequence_parallel, timeout=datetime.timedelta(seconds=60))
+                            dtype=dtype, scatter_gather=not sequence_parallel, timeout=datetime.timedelta(seconds=60))
     losses = []
     for step in range(STEPS):
         batches = [context_share(microbatch(kind, config, step, ps.dp_rank * m + i), SEQ, ps) for i in range(m)]
-        losses.append(engine.train_batch(batches).losses)
+        result = engine.train_batch(batches)
+        losses.append(result.losses)
+        if skipped is not None:
+            skipped.append(not result.step.ok)
     final = {}
-    for chunk in chunks:
-        params = dict(chunk.named_parameters())
-        for name, tensor in chunk.state_dict().items():
-            key, full = canonical_tensor(name, tensor, params[name], ps, config)
-            final[key] = full
+    with engine.whole_weights():  # ZeRO-3 releases the weights between passes
+        for entry in param_entries(chunks, engine.optimizer):
+            key, full = canonical_tensor(entry.name, entry.main.detach(), entry.param, ps, config)
+            final[key] = full.clone()
     return ps, losses, final
 
 

@@ -46,10 +46,22 @@ def build_inner_optimizer(groups: list[dict], config: OptimizerConfig,
     kernel_name = next(iter(kernel))
     if config.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, **kernel)
+        if config.sgd_momentum:
+            start_momentum_at_zero(optimizer)
         return optimizer, f"torch SGD ({kernel_name})"
     betas = (config.adam_beta1, config.adam_beta2)
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, **kernel)
     return optimizer, f"torch AdamW ({kernel_name})"
+
+
+def start_momentum_at_zero(optimizer: torch.optim.SGD) -> None:
+    """Give every parameter a zero momentum buffer now, which the first update turns into its gradient (no
+    dampening), exactly as torch's first step would. Torch's fused SGD allocates the buffers uninitialized on
+    its first call and leaves them so when that step is skipped (``found_inf``: an fp16 overflow), after which
+    every update would add uninitialized memory."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def build_optimizer(model_chunks: Iterable[torch.nn.Module], config: OptimizerConfig, ps: ParallelState,
