@@ -71,6 +71,8 @@ def make_test_hosts():
 # so no two of them load the machine at once.
 DEADLINE_FILES = ("test_preemption.py", "test_multihost_faults.py", "test_multihost.py", "test_checkpoint_kill.py",
                   "test_checkpoint_crash.py", "test_cluster_crash.py")
+# Files that start the private Slurm cluster: two at once time out waiting for each other's jobs.
+SLURM_FILES = ("test_cluster_slurm.py", "test_cluster_service_slurm.py")
 
 
 TIERS = ("unit", "distributed", "system")
@@ -95,4 +97,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.iter_markers("xdist_group")):
             name = item.path.name
-            item.add_marker(pytest.mark.xdist_group("deadlines" if name in DEADLINE_FILES else name))
+            group = "deadlines" if name in DEADLINE_FILES else "slurm" if name in SLURM_FILES else name
+            item.add_marker(pytest.mark.xdist_group(group))
