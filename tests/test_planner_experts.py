@@ -78,27 +78,31 @@ def test_the_plan_is_the_fastest_layout_that_fits_over_every_expert_size():
     assert result.best.samples_per_second == max(e.samples_per_second for e in fitting)
 
 
-def test_the_token_exchange_is_two_all_to_alls_per_moe_block_and_pass():
-    profile, cluster = moe_profile(), small_cluster()
+@pytest.mark.parametrize("freq", [1, 2, (0, 1, 1, 0, 0, 0, 0, 1)])
+def test_the_token_exchange_is_two_all_to_alls_per_moe_block_and_pass(freq):
+    shape = dataclasses.replace(MOE, moe_layer_freq=freq)
+    profile, cluster = moe_profile(shape), small_cluster()
     model, b = PlanCostModel(profile, cluster, Training(8)), 2
     m = 8 // (2 * b)
     link = cluster.link([0, 1])  # e = 2 over the two data-parallel replicas of one node
     one = all_to_all_time(b * MOE.seq_length * MOE.moe_router_topk * MOE.hidden_size * profile.element_bytes, 2, link)
     for recompute, per_block in ((False, 4), (True, 6)):
         layout = Layout(1, 1, 2, b, "1f1b", recompute=recompute, expert=2)
-        assert model.estimate(layout).expert_comm_time == pytest.approx(m * MOE.num_layers * per_block * one)
+        assert model.estimate(layout).expert_comm_time == pytest.approx(m * len(shape.moe_layers) * per_block * one)
         assert model.estimate(dataclasses.replace(layout, expert=1)).expert_comm_time == 0.0
     assert one == pytest.approx(b * 32 * 2 * 64 * 2 / 2 / link.bandwidth + link.latency)
 
 
-@pytest.mark.parametrize("sharding,data", [("no_shard", 2), ("optim", 2), ("optim_grads_params", 4)])
-def test_each_rank_holds_one_eth_of_the_experts_and_their_state(sharding, data):
-    profile = moe_profile()
+@pytest.mark.parametrize("sharding,data,freq", [("no_shard", 2, 1), ("optim", 2, 1), ("optim_grads_params", 4, 1),
+                                                ("no_shard", 2, (1, 0, 0, 0, 0, 0, 1, 1))])
+def test_each_rank_holds_one_eth_of_the_experts_and_their_state(sharding, data, freq):
+    shape = dataclasses.replace(MOE, moe_layer_freq=freq)
+    profile = moe_profile(shape)
     training = Training(8)
     model = PlanCostModel(profile, small_cluster(), training)
     layout = Layout(1, 1, data, 1, "1f1b", sharding=sharding, expert=2)
     element, grads, optimizer = profile.element_bytes, training.grad_bytes_per_param, training.optimizer_bytes(2)
-    experts = MOE.expert_params_per_block * MOE.num_layers
+    experts = MOE.expert_params_per_block * len(shape.moe_layers)
     saved = model.estimate(dataclasses.replace(layout, expert=1)).memory - model.estimate(layout).memory
     held = experts / 2  # by each of the e = 2 expert ranks
     if sharding == "no_shard":
@@ -128,19 +132,21 @@ def test_an_moe_model_too_big_for_one_expert_rank_gets_e_above_1():
 
 def test_a_dense_profile_written_before_the_moe_fields_still_loads():
     document = moe_profile(SMALL).to_dict()
-    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq"):
         del document["model"][name]
     assert ModelProfile.from_dict(document).shape == SMALL
 
 
-def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only():
-    profile, cluster = moe_profile(), small_cluster()
+@pytest.mark.parametrize("freq", [1, 4])
+def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only(freq):
+    shape = dataclasses.replace(MOE, moe_layer_freq=freq)
+    profile, cluster = moe_profile(shape), small_cluster()
     model, training = PlanCostModel(profile, cluster, Training(8)), Training(8)
     link, grads = cluster.link([0, 1]), training.grad_bytes_per_param
     dense = model.estimate(Layout(1, 1, 2, 1, "1f1b")).data_comm_time
     everything = sum(layer.params for layer in profile.layers)  # one stage: no second copy of the embedding
     assert dense == pytest.approx(collective_time("all_reduce", everything * grads, 2, link))
-    experts = MOE.expert_params_per_block * MOE.num_layers  # at e = d = 2 each expert lives on one rank
+    experts = MOE.expert_params_per_block * len(shape.moe_layers)  # at e = d = 2 each expert lives on one rank
     expected = collective_time("all_reduce", (everything - experts) * grads, 2, link)
     assert model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
 
@@ -183,14 +189,13 @@ def test_dualpipev_pairs_cost_what_the_simulator_charges():
     model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
     layout = Layout(1, 2, 2, 1, "dualpipev", virtual=2, expert=2, overlap_moe_comm=True)
     on, off = model.estimate(layout), model.estimate(dataclasses.replace(layout, overlap_moe_comm=False))
-    forward, backward = on.rank_times
-    x = on.expert_comm_time / (2 * on.microbatches)  # one pass's all-to-alls on each rank (equal blocks)
-    # stage s on rank s (down the V) or 2p - 1 - s (back up), each rank's two chunks alike
-    per_stage = [forward[0], forward[1], forward[1], forward[0]]
-    backs = [backward[0], backward[1], backward[1], backward[0]]
-    costs = CostModel(forward=tuple((f - x) / 2 for f in per_stage), backward=tuple((b - x) / 2 for b in backs),
-                      input_backward=tuple((b - x) / 4 for b in backs), weight_backward=tuple((b - x) / 4 for b in backs),
-                      expert_comm=x / 2, moe_layers=MOE.num_layers // 4, hide_expert_comm=True)
+    forwards, backs = on.stage_times
+    assert on.rank_times == (tuple(forwards[s] + forwards[3 - s] for s in range(2)),  # stage s on rank s (down
+                             tuple(backs[s] + backs[3 - s] for s in range(2)))      # the V) or 2p - 1 - s
+    x = on.expert_comm_time / (4 * on.microbatches)  # one pass's all-to-alls on each stage (equal blocks)
+    costs = CostModel(forward=tuple(f - x for f in forwards), backward=tuple(b - x for b in backs),
+                      input_backward=tuple((b - x) / 2 for b in backs), weight_backward=tuple((b - x) / 2 for b in backs),
+                      expert_comm=x, moe_layers=MOE.num_layers // 4, hide_expert_comm=True)
     lists = overlapped_schedule(build_schedule("dualpipev", 2, on.microbatches, 2))
     expected = simulate(lists, costs)
     assert on.batch_time - on.data_comm_time - on.optimizer_time == pytest.approx(float(expected.makespan))

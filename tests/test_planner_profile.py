@@ -37,8 +37,8 @@ def test_measured_profile_has_the_models_exact_sizes(measured):
     assert [layer.kind for layer in measured.layers] == ["embedding", "block", "block", "head"]
     assert measured.layers[0].params == v * h + s * h
     assert measured.layers[0].split_params == v * h
-    for block in measured.layers[1:3]:
-        assert (block.params, block.split_params) == block_params(shape)  # 12h^2 + 13h, split 12h^2 + 7h
+    for layer, block in enumerate(measured.layers[1:3]):
+        assert (block.params, block.split_params) == block_params(shape, layer)  # 12h^2 + 13h, split 12h^2 + 7h
         assert block.output_bytes == (4 * s * 1 * h, 4 * s * 2 * h)  # fp32 [s, b, h]
         assert 0 < block.split_stash_bytes[0] < block.stash_bytes[0]
         assert block.stash_bytes[1] > block.stash_bytes[0]
@@ -109,7 +109,7 @@ def test_analytic_profile_follows_eq_4_2_and_the_activation_count():
         # 16-bit activations: s b h (34 + 5 a s / h), of which 24 s b h + 5 a s^2 b split by t
         assert block.stash_bytes[index] == s * b * h * (34 + 5 * a * s / h)
         assert block.split_stash_bytes[index] == 24 * s * b * h + 5 * a * s * s * b
-    assert block_stash_bytes(shape, 1, 2)[0] == s * h * (34 + 5 * a * s / h)
+    assert block_stash_bytes(shape, 1, 2, 0)[0] == s * h * (34 + 5 * a * s / h)
     total = sum(layer.params for layer in profile.layers)
     assert total == parameter_count(shape) + 2 * h  # eq. 4.3 leaves out the final norm
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
+from megapipe.config.moe import check_layer_freq, layer_freq  # noqa: E402
 from megapipe.config.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
 from megapipe.planner.cluster import Cluster  # noqa: E402
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("--moe-router-topk", "MoE shape: experts per token (default 2)"),
                        ("--moe-ffn-hidden-size", "MoE shape: each expert's hidden size (default --ffn-hidden-size)")):
         source.add_argument(flag, type=int, help=help)
+    source.add_argument("--moe-layer-freq", type=layer_freq, default=1,
+                        help="MoE shape: every N-th block holds experts, or one 0/1 per block, e.g. 1,0,1,0 (default 1)")
     source.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     source.add_argument("--achieved-flops", type=float,
                         help="FLOP/s one device reaches on large GEMMs, for a closed-form profile "
@@ -91,6 +94,9 @@ def load_cluster(name: str) -> Cluster:
 def shape_from_flags(args) -> ModelShape | None:
     given = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                            "vocab_size", "ffn_hidden_size")}
+    if args.moe_layer_freq != 1 and not args.num_experts:
+        raise ConfigError("--moe-layer-freq says which blocks hold experts; add --num-experts, or drop it for a "
+                          "dense model.")
     if all(v is None for v in given.values()):
         if args.num_experts:
             raise ConfigError("--num-experts describes a shape given by flags; add --num-layers, --hidden-size, "
@@ -107,8 +113,10 @@ def shape_from_flags(args) -> ModelShape | None:
     if experts and moe[1] > experts:
         raise ConfigError(f"--moe-router-topk {moe[1]} exceeds --num-experts {experts}; route to at most as many "
                           "experts as there are.")
+    if experts:
+        check_layer_freq(args.moe_layer_freq, given["num_layers"])
     return ModelShape(args.model_type, given["num_layers"], given["hidden_size"], given["num_attention_heads"],
-                      given["seq_length"], given["vocab_size"], ffn, True, *moe)
+                      given["seq_length"], given["vocab_size"], ffn, True, *moe, args.moe_layer_freq if experts else 1)
 
 
 def load_profile(args, cluster: Cluster) -> ModelProfile:

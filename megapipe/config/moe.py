@@ -34,6 +34,15 @@ def moe_layer_pattern(freq: LayerFreq, num_layers: int) -> tuple[bool, ...]:
     return tuple(bool(x) for x in freq)
 
 
+def check_layer_freq(freq: LayerFreq, num_layers: int) -> None:
+    """``--moe-layer-freq`` is at least 1, or one 0 or 1 per layer."""
+    if isinstance(freq, int) and freq < 1:
+        raise ConfigError(f"--moe-layer-freq {freq} must be at least 1.")
+    if not isinstance(freq, int) and (len(freq) != num_layers or set(freq) - {0, 1}):
+        raise ConfigError(f"--moe-layer-freq lists {len(freq)} entries but --num-layers is {num_layers}; "
+                          "give one 0 or 1 per layer.")
+
+
 def validate_moe(config, tensor_parallel: int, expert_parallel: int = 1) -> None:
     """The MoE flags of ``config`` (a ModelConfig with ``num_experts`` set), each problem one sentence."""
     e, k = config.num_experts, config.moe_router_topk
@@ -70,12 +79,7 @@ def validate_moe(config, tensor_parallel: int, expert_parallel: int = 1) -> None
     if config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size is None:
         raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (the shared expert "
                           "it gates).")
-    freq = config.moe_layer_freq
-    if isinstance(freq, int) and freq < 1:
-        raise ConfigError(f"--moe-layer-freq {freq} must be at least 1.")
-    if not isinstance(freq, int) and (len(freq) != config.num_layers or set(freq) - {0, 1}):
-        raise ConfigError(f"--moe-layer-freq lists {len(freq)} entries but --num-layers is {config.num_layers}; "
-                          "give one 0 or 1 per layer.")
+    check_layer_freq(config.moe_layer_freq, config.num_layers)
     if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
         raise ConfigError(f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type} is unknown; use "
                           "allgather or alltoall.")

@@ -101,35 +101,53 @@ def head_flops_per_iteration(config: "ModelConfig", global_batch_size: int) -> f
                                   config.padded_vocab_size(1))
 
 
+def layer_forward_flops(tokens: float, config: "ModelConfig", layer: int) -> float:
+    """Transformer layer ``layer``'s forward FLOPs over ``tokens`` tokens: attention and the dense MLP, or
+    attention and the mixture of experts where ``config.is_moe_layer(layer)`` (``--moe-layer-freq``)."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    dense = block_forward_flops(tokens, config.seq_length, h, f, config.query_groups * config.head_dim, config.swiglu)
+    if not config.is_moe_layer(layer):
+        return dense
+    return dense - mlp_forward_flops(tokens, h, f, config.swiglu) + moe_mlp_forward_flops(tokens, config)
+
+
+def expert_parameters(config: "ModelConfig") -> int:
+    """The routed experts' parameters of one MoE layer (no biases: megapipe's experts have none)."""
+    return config.num_experts * (3 if config.swiglu else 2) * config.hidden_size * config.expert_ffn_hidden_size
+
+
+def layer_parameters(config: "ModelConfig", layer: int) -> tuple[int, int]:
+    """(all, replicated) parameters of transformer layer ``layer``: attention, norms and its dense MLP or, where
+    ``config.is_moe_layer(layer)``, its experts, router and shared expert. Replicated are those every
+    tensor-parallel rank holds whole: norms, the row-parallel layers' biases, the router and the shared gate."""
+    h, h_kv, f = config.hidden_size, config.query_groups * config.head_dim, config.ffn_hidden_size
+    bias, matrices = config.add_bias_linear, 3 if config.swiglu else 2
+    qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
+    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
+    if config.qk_layernorm:
+        qk_width = h + h_kv if config.qk_layernorm_scope == "projection" else 2 * config.head_dim
+        norms += qk_width * (2 if config.normalization == "LayerNorm" else 1)
+    if config.is_moe_layer(layer):
+        replicated_mlp = config.num_experts * h + h * config.moe_shared_expert_gate
+        mlp = expert_parameters(config) + replicated_mlp
+        if config.moe_shared_expert_intermediate_size is not None:
+            mlp += matrices * h * config.moe_shared_expert_intermediate_size
+    else:
+        replicated_mlp = bias * h
+        mlp = matrices * h * f + bias * ((2 if config.swiglu else 1) * f + h)
+    return qkv + h * h + bias * h + mlp + norms, norms + bias * h + replicated_mlp
+
+
 def parameter_count(config: "ModelConfig") -> float:
     """Parameters, counted term by term (for GPT-2 shapes, eq. 4.3's 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
     plus the final norm); grouped-query attention, SwiGLU, RMSNorm, q/k norms, biases, an untied head and MoE
-    layers included."""
-    l, h, v, s = config.num_layers, config.hidden_size, config.vocab_size, config.seq_length
-    h_kv, f = config.query_groups * config.head_dim, config.ffn_hidden_size
-    bias = config.add_bias_linear
-    qkv = h * (h + 2 * h_kv) + (h + 2 * h_kv) * (bias or config.add_qkv_bias)
-    mlp = (3 if config.swiglu else 2) * h * f + bias * ((2 if config.swiglu else 1) * f + h)
-    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
-    qk_norms = 0
-    if config.qk_layernorm:
-        qk_width = h + h_kv if config.qk_layernorm_scope == "projection" else 2 * config.head_dim
-        qk_norms = qk_width * (2 if config.normalization == "LayerNorm" else 1)
-    per_layer = qkv + h * h + bias * h + mlp + norms + qk_norms
+    layers included (``layer_parameters``)."""
+    v, h, s = config.vocab_size, config.hidden_size, config.seq_length
     positions = s * h if config.position_embedding_type == "learned_absolute" else 0
     head = v * h if config.untie_embeddings_and_output_weights else 0
-    return l * per_layer + v * h + positions + head + norms // 2 + _moe_extra_parameters(config, mlp)
-
-
-def _moe_extra_parameters(config: "ModelConfig", dense_mlp: float) -> float:
-    """What the MoE layers hold beyond a dense MLP each: E experts, the router, the shared expert and its gate."""
-    if config.num_experts is None:
-        return 0
-    h, matrices = config.hidden_size, 3 if config.swiglu else 2
-    moe = config.num_experts * (matrices * h * config.expert_ffn_hidden_size + h)
-    if config.moe_shared_expert_intermediate_size is not None:
-        moe += matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
-    return sum(config.is_moe_layer(i) for i in range(config.num_layers)) * (moe - dense_mlp)
+    final_norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    layers = sum(layer_parameters(config, i)[0] for i in range(config.num_layers))
+    return layers + v * h + positions + head + final_norm
 
 
 def device_peak_tflops(device_name: str) -> float | None:

@@ -13,7 +13,10 @@ this codebase's layer with e-byte activations and 1-byte dropout masks, are
   split by tensor parallelism: QKV output 3e sbh, attention context e sbh, GeLU input and output
   2e s b ffn, and per head the softmax output, its dropout mask and the dropped probabilities
   ((2e + 1) a b s^2),
-which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``.
+which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``. An MoE block (``--moe-layer-freq``
+says which) costs its experts, router and shared expert instead of the dense MLP, with ffn the k experts'
+width, and holds every expert's parameters: FLOPs and parameters are the model family's own counts
+(``megapipe.models.flops``).
 """
 
 from __future__ import annotations
@@ -27,31 +30,27 @@ DEFAULT_HALF_TOKENS = 0.3 * 2048
 LOGITS_BYTES = 4  # the cross entropy keeps fp32 logits (softmax) per vocabulary entry
 
 
-def block_forward_flops(shape: ModelShape, b: float) -> float:
-    """One block's forward FLOPs at micro-batch b (``megapipe.models.flops``)."""
-    return flops.block_forward_flops(b * shape.seq_length, shape.seq_length, shape.hidden_size,
-                                     shape.active_ffn_hidden_size)
+def block_forward_flops(shape: ModelShape, b: float, layer: int) -> float:
+    """Block ``layer``'s forward FLOPs at micro-batch b (``megapipe.models.flops``: a dense MLP, or its
+    experts, router and shared expert where ``--moe-layer-freq`` puts them)."""
+    return flops.layer_forward_flops(b * shape.seq_length, shape.to_config(), layer)
 
 
 def head_forward_flops(shape: ModelShape, b: float) -> float:
     return flops.head_forward_flops(b * shape.seq_length, shape.hidden_size, shape.vocab_size)
 
 
-def block_params(shape: ModelShape) -> tuple[int, int]:
-    """(all, split) parameters of one block: QKV, projection, two MLP matrices, their biases, two norms;
-    in an MoE block every expert's MLP (split like the dense one) and the replicated router."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    if shape.is_moe:
-        split = 3 * h * h + 3 * h + h * h + shape.expert_params_per_block
-        return split + 2 * h + 4 * h + shape.num_experts * h, split
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    return split + 2 * h + 4 * h, split
+def block_params(shape: ModelShape, layer: int) -> tuple[int, int]:
+    """(all, split) parameters of block ``layer`` (``megapipe.models.flops.layer_parameters``): tensor
+    parallelism splits all but the norms, the row-parallel biases and an MoE block's router."""
+    total, replicated = flops.layer_parameters(shape.to_config(), layer)
+    return total, total - replicated
 
 
-def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int) -> tuple[float, float]:
-    """(all, split) bytes one block keeps for backward at micro-batch b (see the module docstring)."""
-    s, h, f, a, e = (shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size, shape.num_attention_heads,
-                     element_bytes)
+def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: int) -> tuple[float, float]:
+    """(all, split) bytes block ``layer`` keeps for backward at micro-batch b (see the module docstring)."""
+    s, h, f, a, e = (shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size(layer),
+                     shape.num_attention_heads, element_bytes)
     replicated = 4 * e * s * b * h + 2 * s * b * h
     split = 4 * e * s * b * h + 2 * e * s * b * f + (2 * e + 1) * a * b * s * s
     return replicated + split, split
@@ -79,12 +78,16 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
     embedding = LayerProfile("embedding", "embedding", params=v * h + s * h, split_params=v * h, forward_s=zero,
                              backward_s=zero, recompute_backward_s=zero, output_bytes=activation,
                              stash_bytes=per_size(lambda b: s * b * h + 8 * s * b), split_stash_bytes=zero)
-    params, split_params = block_params(shape)
-    forward = seconds(lambda b: block_forward_flops(shape, b))
-    block = LayerProfile("block", "block", params=params, split_params=split_params, forward_s=forward,
-                         backward_s=tuple(2 * t for t in forward), recompute_backward_s=tuple(3 * t for t in forward),
-                         output_bytes=activation, stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e)[0]),
-                         split_stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e)[1]))
+
+    def block(layer: int) -> LayerProfile:
+        params, split_params = block_params(shape, layer)
+        forward = seconds(lambda b: block_forward_flops(shape, b, layer))
+        return LayerProfile(f"block.{layer}", "block", params=params, split_params=split_params, forward_s=forward,
+                            backward_s=tuple(2 * t for t in forward), recompute_backward_s=tuple(3 * t for t in forward),
+                            output_bytes=activation,
+                            stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e, layer)[0]),
+                            split_stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e, layer)[1]))
+
     head_forward = seconds(lambda b: head_forward_flops(shape, b))
     logits = per_size(lambda b: LOGITS_BYTES * s * b * v)
     output_weight = 0 if shape.tied_embeddings else v * h  # an untied head owns its output weight
@@ -93,6 +96,5 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
                         backward_s=tuple(2 * t for t in head_forward), recompute_backward_s=tuple(2 * t for t in head_forward),
                         output_bytes=per_size(lambda b: 4.0),
                         stash_bytes=tuple(2 * a + l for a, l in zip(activation, logits)), split_stash_bytes=logits)
-    blocks = tuple(LayerProfile(f"block.{i}", **{k: getattr(block, k) for k in block.__dataclass_fields__ if k != "name"})
-                   for i in range(shape.num_layers))
+    blocks = tuple(block(layer) for layer in range(shape.num_layers))
     return ModelProfile(shape, sizes, (embedding, *blocks, head), dtype, "analytic", "analytic")

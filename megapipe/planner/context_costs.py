@@ -68,7 +68,9 @@ def activation_bytes_per_rank(shape: ModelShape, seq_length: int, context: int, 
     if seq_length % (2 * context):
         raise ConfigError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {context}.")
     n = micro_batch_size * seq_length / context
-    h, ffn, heads, e = shape.hidden_size, shape.active_ffn_hidden_size, shape.num_attention_heads, element_bytes
-    block = 4 * e * n * h + 2 * n * h + (4 * e * n * h + LOGITS_BYTES * n * heads + 2 * e * n * ffn) / tensor
+    h, heads, e = shape.hidden_size, shape.num_attention_heads, element_bytes
+    blocks = sum(4 * e * n * h + 2 * n * h + (4 * e * n * h + LOGITS_BYTES * n * heads
+                                              + 2 * e * n * shape.active_ffn_hidden_size(layer)) / tensor
+                 for layer in range(shape.num_layers))
     ends = (e + 1) * n * h + e * n * h + LOGITS_BYTES * n * shape.vocab_size / tensor
-    return shape.num_layers * block + ends
+    return blocks + ends

@@ -72,7 +72,7 @@ from typing import Optional
 
 import numpy as np
 
-from megapipe.models.flops import transformer_flops
+from megapipe.models.flops import head_forward_flops, layer_forward_flops
 from megapipe.pipeline.ir.schedules import schedule_descriptor
 from megapipe.layout.ranks import RankLayout
 from megapipe.planner.cluster import Cluster, Link
@@ -144,6 +144,7 @@ class Estimate:
     flops_per_gpu: float  # model FLOP/s per device (eq. 4.2's count, recomputation included when used)
     traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
     rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
+    stage_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # the same per virtual stage
     expert_comm_time: float = 0.0  # per batch on the slowest rank: the MoE blocks' token all-to-alls
     context_comm_time: float = 0.0  # per batch on the slowest rank: the key/value exchanges of context parallelism
 
@@ -223,10 +224,11 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
 
 def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
     """Seed 002 eq. 4.2 per sample (``megapipe.models.flops``): (72 or 96, with recomputation) s l h^2 (1 + s / 6h)
-    + 6 s h V for ffn = 4h."""
+    + 6 s h V for ffn = 4h; each MoE block (``--moe-layer-freq``) counted through its experts and router."""
     shape = profile.shape
-    return transformer_flops(shape.seq_length, shape.seq_length, shape.num_layers, shape.hidden_size,
-                             shape.ffn_hidden_size, shape.vocab_size, recompute)
+    config, s = shape.to_config(), shape.seq_length
+    blocks = sum(layer_forward_flops(s, config, layer) for layer in range(shape.num_layers))
+    return (4 if recompute else 3) * blocks + 3 * head_forward_flops(s, shape.hidden_size, shape.vocab_size)
 
 
 class PlanCostModel:
@@ -296,7 +298,7 @@ class PlanCostModel:
         allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
-        loads = _RankLoads(p, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
+        loads = _RankLoads(p, stages, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
         e = layout.expert
         exchange, expert_params = 0.0, 0.0  # per MoE block: one all-to-all; the experts' parameters held
         if e > 1:  # at e = 1 the experts are data-parallel like the rest and need no exchange
@@ -308,20 +310,24 @@ class PlanCostModel:
             r, layers = rank_of_stage(placement, p, s), stage_layers(n_layers, stages, s)
             blocks = [l for l in layers if 1 <= l <= n_layers]
             ends = [l for l in layers if l not in blocks]  # embedding and head: never recomputed
+            moe_blocks = len([l for l in blocks if shape.is_moe_layer(l - 1)])  # --moe-layer-freq's
             forward = timing.forward[layers].sum() / speed
             back = backward[layers].sum() / speed
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
             tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
-            ep_forward = 2 * len(blocks) * exchange  # dispatch and combine; backward both again, and the
-            ep_backward = (4 if layout.recompute else 2) * len(blocks) * exchange  # recomputed forward's
+            ep_forward = 2 * moe_blocks * exchange  # dispatch and combine; backward both again, and the
+            ep_backward = (4 if layout.recompute else 2) * moe_blocks * exchange  # recomputed forward's
             message = sizes.output_bytes[blocks[-1]] / message_split
             waits = exposed_transfers(layout.schedule, self.cluster.backend)
             receive_forward, receive_backward = (
                 waits * _transfer(message, _boundary(boundary_links, placement, p, s, neighbour))
                 if 0 <= neighbour < stages else 0.0 for neighbour in (s - 1, s + 1))
             cp_forward, cp_backward = len(blocks) * context[0], len(blocks) * context[1]
-            loads.forward[r] += forward + tp_forward + ep_forward + cp_forward + receive_forward
-            loads.backward[r] += back + tp_backward + ep_backward + cp_backward + receive_backward
+            loads.stage_forward[s] = forward + tp_forward + ep_forward + cp_forward + receive_forward
+            loads.stage_backward[s] = back + tp_backward + ep_backward + cp_backward + receive_backward
+            loads.stage_expert[s], loads.stage_moe_layers[s] = ep_forward, moe_blocks
+            loads.forward[r] += loads.stage_forward[s]
+            loads.backward[r] += loads.stage_backward[s]
             loads.expert[r] += ep_forward + ep_backward
             loads.context[r] += cp_forward + cp_backward
             loads.compute[r] += forward + back
@@ -331,8 +337,8 @@ class PlanCostModel:
             if link is not None:  # per microbatch each direction of the link carries this boundary's tensor once
                 loads.link_bytes[link] += message
                 loads.link_messages[link] += 1
-            loads.params[r] += params[layers].sum() - len(blocks) * expert_params * (e - 1)
-            loads.expert_params[r] += len(blocks) * expert_params
+            loads.params[r] += params[layers].sum() - moe_blocks * expert_params * (e - 1)
+            loads.expert_params[r] += moe_blocks * expert_params
             loads.stash[r] += stash[layers].sum()
             loads.unrecomputed_stash[r] += stash[ends].sum()
         if stages > 1:
@@ -436,6 +442,7 @@ class PlanCostModel:
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
+                        (tuple(map(float, loads.stage_forward)), tuple(map(float, loads.stage_backward))),
                         m * float(loads.expert[slowest]), m * float(loads.context[slowest]))
 
     def _simulated(self, layout: Layout, loads: "_RankLoads", m: int) -> Optional[Searched]:
@@ -444,9 +451,8 @@ class PlanCostModel:
         if layout.schedule == SEARCHED:
             return searched(loads.forward, loads.backward, m, layout.virtual)
         if layout.overlap_moe_comm:
-            moe_layers = self.profile.shape.num_layers // (layout.pipeline * layout.virtual)
-            return overlapped_time(layout.schedule, loads.forward, loads.backward, loads.expert / 2, moe_layers, m,
-                                   layout.virtual)
+            return overlapped_time(layout.schedule, layout.pipeline, loads.stage_forward, loads.stage_backward,
+                                   loads.stage_expert, loads.stage_moe_layers, m, layout.virtual)
         return None
 
     def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
@@ -465,6 +471,7 @@ class PlanCostModel:
         tied = 0.0 if unties_embeddings(layout.schedule, p) else self.profile.output_weight_params / t
         blocks = [sum(len([l for l in stage_layers(shape.num_layers, p * v, s) if 1 <= l <= shape.num_layers])
                       for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
+        moe_blocks = [sum(loads.stage_moe_layers[s] for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
         c, tokens = layout.context, b * shape.seq_length / layout.context  # per context rank
         inputs = TrafficInputs(t, p, layout.data, v, self.training.global_batch_size // (layout.data * b),
                                tokens * shape.hidden_size * self.element_bytes, list(loads.params),
@@ -473,7 +480,7 @@ class PlanCostModel:
                                logit_values=tokens, placement=placement, context=c,
                                context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
                                                            self.element_bytes),
-                               expert=layout.expert, moe_blocks_per_rank=blocks,
+                               expert=layout.expert, moe_blocks_per_rank=moe_blocks,
                                routed_token_bytes=tokens * shape.moe_router_topk * shape.hidden_size * self.element_bytes)
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
@@ -481,8 +488,11 @@ class PlanCostModel:
 class _RankLoads:
     """Sums over a rank's chunks: seconds per microbatch and bytes, one array entry per pipeline rank."""
 
-    def __init__(self, p: int, block_stash: float, block_input: float):
+    def __init__(self, p: int, stages: int, block_stash: float, block_input: float):
         self.forward, self.backward, self.compute = np.zeros(p), np.zeros(p), np.zeros(p)
+        # per virtual stage: forward and backward seconds, one pass's expert all-to-alls, MoE blocks
+        self.stage_forward, self.stage_backward, self.stage_expert = np.zeros(stages), np.zeros(stages), np.zeros(stages)
+        self.stage_moe_layers = [0] * stages
         self.tensor, self.pipe, self.expert, self.context = np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p)
         self.params, self.stash, self.unrecomputed_stash = np.zeros(p), np.zeros(p), np.zeros(p)
         self.expert_params = np.zeros(p)  # the part of ``params`` split by expert parallelism (0 at e = 1)

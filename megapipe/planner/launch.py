@@ -41,10 +41,13 @@ def model_flags(shape: ModelShape, untie: bool = False) -> list[str]:
         flags += ["--ffn-hidden-size", shape.ffn_hidden_size]
     if untie or not shape.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
-    if shape.is_moe:
-        flags += ["--num-experts", shape.num_experts, "--moe-router-topk", shape.moe_router_topk]
+    if shape.is_moe:  # megapipe's experts have no biases
+        flags += ["--disable-bias-linear", "--num-experts", shape.num_experts, "--moe-router-topk", shape.moe_router_topk]
         if shape.moe_ffn_hidden_size:
             flags += ["--moe-ffn-hidden-size", shape.moe_ffn_hidden_size]
+        if shape.moe_layer_freq != 1:
+            freq = shape.moe_layer_freq
+            flags += ["--moe-layer-freq", freq if isinstance(freq, int) else ",".join(map(str, freq))]
     return [str(flag) for flag in flags]
 
 

@@ -21,7 +21,9 @@ from typing import Optional
 import numpy as np
 
 from megapipe.config import ModelConfig
+from megapipe.config.moe import LayerFreq, moe_layer_pattern
 from megapipe.errors import ConfigError
+from megapipe.models.flops import expert_parameters
 
 PROFILE_FORMAT = "megapipe-profile/1"
 LAYER_KINDS = ("embedding", "block", "head")
@@ -29,7 +31,7 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PER_SIZE_FIELDS = ("forward_s", "backward_s", "recompute_backward_s", "output_bytes", "stash_bytes",
                     "split_stash_bytes")
 _FIX = "re-create it with tools/profile_model.py"
-_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,14 @@ class ModelShape:
     vocab_size: int
     ffn_hidden_size: int
     tied_embeddings: bool = True
-    num_experts: int = 0  # routed experts per block (0: dense MLPs); every block is an MoE block
+    num_experts: int = 0  # routed experts per MoE block (0: dense MLPs)
     moe_router_topk: int = 0
     moe_ffn_hidden_size: int = 0  # each expert's (0: ffn_hidden_size)
+    moe_layer_freq: LayerFreq = 1  # which blocks hold experts (--moe-layer-freq: every N-th, or a 0/1 per block)
+
+    def __post_init__(self):
+        if isinstance(self.moe_layer_freq, list):  # read back from JSON
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
 
     @staticmethod
     def from_config(kind: str, config: ModelConfig) -> "ModelShape":
@@ -54,16 +61,18 @@ class ModelShape:
         return ModelShape(kind, config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                           config.vocab_size, config.ffn_hidden_size, not config.untie_embeddings_and_output_weights,
                           config.num_experts or 0, config.moe_router_topk if moe else 0,
-                          config.expert_ffn_hidden_size if moe else 0)
+                          config.expert_ffn_hidden_size if moe else 0, config.moe_layer_freq if moe else 1)
 
     def to_config(self, **overrides) -> ModelConfig:
-        """A ModelConfig of this shape (dropout and numerics from ``overrides`` or the defaults)."""
+        """A ModelConfig of this shape (dropout and numerics from ``overrides`` or the defaults); an MoE shape's
+        linear layers have no biases, as megapipe's experts require."""
         moe = dict(num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
-                   moe_ffn_hidden_size=self.expert_ffn_hidden_size) if self.is_moe else {}
+                   moe_ffn_hidden_size=self.expert_ffn_hidden_size, moe_layer_freq=self.moe_layer_freq,
+                   add_bias_linear=False) if self.is_moe else {}
         return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                            num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
                            vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size,
-                           untie_embeddings_and_output_weights=not self.tied_embeddings, **moe, **overrides)
+                           untie_embeddings_and_output_weights=not self.tied_embeddings, **{**moe, **overrides})
 
     @property
     def is_moe(self) -> bool:
@@ -73,17 +82,24 @@ class ModelShape:
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) holds experts instead of a dense MLP."""
+        return self.is_moe and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer]
+
     @property
-    def active_ffn_hidden_size(self) -> int:
-        """The MLP width one token passes through: its k experts' together in an MoE block."""
-        return self.moe_router_topk * self.expert_ffn_hidden_size if self.is_moe else self.ffn_hidden_size
+    def moe_layers(self) -> list[int]:
+        """The blocks (from 0) that hold experts."""
+        return [layer for layer in range(self.num_layers) if self.is_moe_layer(layer)]
+
+    def active_ffn_hidden_size(self, layer: int) -> int:
+        """The MLP width one token passes through in block ``layer``: its k experts' together in an MoE block."""
+        return self.moe_router_topk * self.expert_ffn_hidden_size if self.is_moe_layer(layer) else self.ffn_hidden_size
 
     @property
     def expert_params_per_block(self) -> int:
-        """The routed experts' parameters of one block (two matrices and a bias each, as the dense MLP
-        the closed-form profile counts); expert parallelism holds 1/e of them, tensor parallelism 1/t."""
-        f = self.expert_ffn_hidden_size
-        return self.num_experts * (2 * self.hidden_size * f + f)
+        """The routed experts' parameters of one MoE block (``models.flops.expert_parameters``); expert parallelism
+        holds 1/e of them, tensor parallelism 1/t."""
+        return expert_parameters(self.to_config()) if self.is_moe else 0
 
     def check_same(self, other: "ModelShape", source: str) -> None:
         """Raise when ``other`` (the model to plan) differs from this profile's model."""

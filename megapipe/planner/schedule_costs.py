@@ -26,7 +26,7 @@ from megapipe.pipeline.ir.actions import Schedule
 from megapipe.pipeline.ir.schedules import (DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, build_schedule,
                                             overlapped_schedule, schedule_descriptor)
 from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor
-from megapipe.layout.placement import Placement, rank_of_stage
+from megapipe.layout.placement import Placement
 
 SEARCHED = SEARCHED_SCHEDULE.name  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
 SEARCHED_PASSES = 96  # 3 m v: the planner runs the search for up to 32 microbatches on one chunk
@@ -72,28 +72,23 @@ def overlapped(schedule: str, p: int, m: int, v: int) -> Optional[Schedule]:
         return None
 
 
-def overlapped_time(schedule: str, forward: Sequence[float], backward: Sequence[float], exchange: Sequence[float],
-                    moe_layers: int, m: int, v: int = 1) -> Searched:
-    """Batch time and each rank's peak microbatches of ``schedule``'s overlapped lists, simulated for ranks
-    taking ``forward[r]``/``backward[r]`` per microbatch, all-to-alls included, of which ``exchange[r]`` per
-    pass are the expert all-to-alls of ``moe_layers`` MoE layers per stage; each pair hides them as
-    ``simulate.overlapped_pair_time`` says (BI and BW half the backward's compute each, the BI all of its
-    all-to-alls)."""
+def overlapped_time(schedule: str, p: int, forward: Sequence[float], backward: Sequence[float],
+                    exchange: Sequence[float], moe_layers: Sequence[int], m: int, v: int = 1) -> Searched:
+    """Batch time and each rank's peak microbatches of ``schedule``'s overlapped lists on p ranks, simulated
+    for virtual stages taking ``forward[s]``/``backward[s]`` per microbatch, all-to-alls included, of which
+    ``exchange[s]`` per pass are the expert all-to-alls of the stage's ``moe_layers[s]`` MoE layers; each pair
+    hides them as ``simulate.overlapped_pair_time`` says (BI and BW half the backward's compute each, the BI
+    all of its all-to-alls)."""
     from megapipe.pipeline.analysis.simulate import CostModel, simulate
 
-    lists = overlapped(schedule, len(forward), m, v)
+    lists = overlapped(schedule, p, m, v)
     if lists is None:
-        raise ValueError(f"{schedule} has no overlapped pairs at p={len(forward)}, m={m}, v={v}")
-    ranks = [rank_of_stage(placement_of(schedule), len(forward), s) for s in range(len(forward) * v)]
-
-    def per_stage(times) -> tuple[float, ...]:
-        return tuple(float(times[r]) / v for r in ranks)
-
-    compute_backward = [b - x for b, x in zip(backward, exchange)]
-    halves = per_stage([b / 2 for b in compute_backward])
-    costs = CostModel(forward=per_stage([f - x for f, x in zip(forward, exchange)]),
-                      backward=per_stage(compute_backward), input_backward=halves, weight_backward=halves,
-                      expert_comm=per_stage(exchange), moe_layers=moe_layers, hide_expert_comm=True)
+        raise ValueError(f"{schedule} has no overlapped pairs at p={p}, m={m}, v={v}")
+    compute_backward = tuple(float(b - x) for b, x in zip(backward, exchange))
+    halves = tuple(b / 2 for b in compute_backward)
+    costs = CostModel(forward=tuple(float(f - x) for f, x in zip(forward, exchange)), backward=compute_backward,
+                      input_backward=halves, weight_backward=halves, expert_comm=tuple(map(float, exchange)),
+                      moe_layers=tuple(moe_layers), hide_expert_comm=True)
     simulation = simulate(lists, costs)
     return Searched(float(simulation.makespan), simulation.peak_activations)
 
