@@ -49,10 +49,13 @@ def pairs_accepted(schedule: str, p: int, m: int, v: int) -> bool:
 
 
 def with_expert_sizes(layouts, experts: int, batch: int) -> set:
-    """Each layout at every e dividing both the experts and d (e x t dividing t x d at expert-tensor size t),
-    and again with the expert all-to-alls overlapped where the flag accepts it."""
-    sized = {dataclasses.replace(layout, expert=e) for layout in layouts for e in range(1, experts + 1)
-             if experts % e == 0 and layout.data % e == 0}
+    """Each layout at every e dividing the experts and every expert-tensor size etp dividing t with etp x e
+    dividing t x d (etp below t only at e > 1, etp = t written None), and again with the expert all-to-alls
+    overlapped where the flag accepts it."""
+    sized = {dataclasses.replace(layout, expert=e, expert_tensor=None if etp == layout.tensor else etp)
+             for layout in layouts for e in range(1, experts + 1) for etp in range(1, layout.tensor + 1)
+             if experts % e == 0 and layout.tensor % etp == 0 and (layout.tensor * layout.data) % (etp * e) == 0
+             and (e > 1 or etp == layout.tensor)}
     return sized | {dataclasses.replace(layout, overlap_moe_comm=True) for layout in sized
                     if overlap_accepted(layout, batch)}
 
@@ -63,6 +66,7 @@ def test_the_search_considers_every_valid_expert_size(devices, batch):
     found = set(enumerate_layouts(MOE, devices, request))
     assert found == with_expert_sizes(valid_by_the_rules(MOE, devices, batch, 8, 4), MOE.num_experts, batch)
     assert max(layout.expert for layout in found) == 4
+    assert {layout.expert_tensor for layout in found if layout.expert_tensor is not None} == {1, 2}  # below t
     assert {layout.schedule for layout in found if layout.overlap_moe_comm} >= {"1f1b", "dualpipev"}
     assert {layout.expert for layout in enumerate_layouts(SMALL, devices, request)} == {1}
 

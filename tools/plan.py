@@ -136,9 +136,10 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
 
 def format_table(result, top: int, moe: bool = False, context: bool = False) -> str:
     """The best layouts; the last five columns (six for an MoE model, ``moe``: its experts' token exchange
-    as well, and e with ``&`` where pairs hide the exchange, ``--overlap-moe-expert-parallel-comm``; six with ``context``: the key/value exchange, and c) are seconds per batch on the
+    as well, with e, ``&`` where pairs hide the exchange (``--overlap-moe-expert-parallel-comm``), and the
+    expert-tensor size etp; six with ``context``: the key/value exchange, and c) are seconds per batch on the
     slowest rank."""
-    expert = f" {'e':>4}" if moe else ""
+    expert = f" {'e':>4} {'etp':>3}" if moe else ""
     cp = f" {'c':>3}" if context else ""
     header = (f"{'#':>3} {'t':>3}{cp} {'p':>3} {'d':>3}{expert} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} "
               f"{'recompute':<9} {'dp sharding':<18} "
@@ -149,7 +150,7 @@ def format_table(result, top: int, moe: bool = False, context: bool = False) -> 
     for rank, e in enumerate(result.ranked[:top], 1):
         layout = e.layout
         recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
-        expert = f" {str(layout.expert) + ('&' if layout.overlap_moe_comm else ''):>4}" if moe else ""
+        expert = f" {str(layout.expert) + ('&' if layout.overlap_moe_comm else ''):>4} {layout.etp:>3}" if moe else ""
         cp = f" {layout.context:>3}" if context else ""
         rows.append(f"{rank:>3} {layout.tensor:>3}{cp} {layout.pipeline:>3} {layout.data:>3}{expert} {layout.virtual:>2} "
                     f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "

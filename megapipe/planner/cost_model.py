@@ -32,11 +32,15 @@ rank's time (it is on the critical path):
     the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
     untie it instead: the last stage holds its own output embedding of the same size).
-  expert parallelism (MoE models, ``Layout.expert`` e): per MoE block two all-to-alls forward
-    (dispatch, combine) and two backward (two more when recomputing), each sending b s k h element
-    bytes x (e-1)/e over the link the expert group spans (e consecutive data-parallel replicas);
-    each rank holds 1/e of the experts, whose gradients are reduced (and, at sharding levels,
-    whose gradients, weights and optimizer state are sharded) over the c d / e expert-data ranks.
+  expert parallelism (MoE models, ``Layout.expert`` e, expert-tensor size ``Layout.etp``): per MoE block
+    (``--moe-layer-freq`` says which; dense blocks have no exchange) two all-to-alls forward (dispatch,
+    combine) and two backward (two more when recomputing), each sending b s k h element bytes x etp/t (at
+    etp below t each of the t/etp shares of a tensor group dispatches its share of the tokens) x (e-1)/e
+    over the link the expert group spans (at etp = t, e consecutive data-parallel replicas); the experts'
+    compute per rank is the same at every etp (1/t of the tokens' expert products, split either way), and
+    the partial outputs are summed over the tensor group as a dense MLP's. Each rank holds 1/(etp e) of the
+    experts, whose gradients are reduced (and, at sharding levels, whose gradients, weights and optimizer
+    state are sharded) over the t c d / (etp e) expert-data ranks.
     With ``--overlap-moe-expert-parallel-comm`` (``Layout.overlap_moe_comm``) the batch is the simulator's
     replay of the schedule's overlapped lists (``schedule_costs.overlapped_time``): each forward/backward
     pair hides its all-to-alls behind the other pass's compute as ``simulate.overlapped_pair_time``
@@ -97,15 +101,27 @@ class Layout:
     virtual: int = 1
     recompute: bool = False
     sharding: str = "no_shard"  # --data-parallel-sharding-strategy
-    expert: int = 1  # --expert-model-parallel-size e (expert-tensor size t): e divides c x d
+    expert: int = 1  # --expert-model-parallel-size e: e x etp divides t x c x d
     context: int = 1  # --context-parallel-size c: each sequence over c ranks (context_costs.py)
     cp_comm_type: str = "p2p"
     overlap_moe_comm: bool = False  # --overlap-moe-expert-parallel-comm: pairs hide expert all-to-alls
+    expert_tensor: Optional[int] = None  # --expert-tensor-parallel-size, a divisor of t below it (None: t)
+
+    @property
+    def etp(self) -> int:
+        """The expert-tensor size: how many ranks split each expert's ffn dimension."""
+        return self.expert_tensor or self.tensor
+
+    @property
+    def expert_data(self) -> int:
+        """The ranks that hold the same experts (``layout/experts.py``): t c d / (etp e)."""
+        return self.tensor * self.context * self.data // (self.etp * self.expert)
 
     def describe(self) -> str:
         chunks = f", v={self.virtual}" if self.virtual > 1 else ""
         sharded = f", {self.sharding}" if self.sharding != "no_shard" else ""
         experts = f", e={self.expert}" if self.expert > 1 else ""
+        experts += f", etp={self.expert_tensor}" if self.expert_tensor is not None else ""
         context = f", c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
         return (f"t={self.tensor}{context}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
                 f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}"
@@ -263,10 +279,11 @@ class PlanCostModel:
         return self.cluster.group_link(RankLayout(t, p, d, context=c).context_groups())
 
     @lru_cache(maxsize=None)
-    def expert_links(self, t: int, p: int, d: int, e: int, c: int = 1) -> tuple[Link, Link]:
-        """The links of the expert groups (e consecutive data-parallel or context ranks of one tensor index,
-        as ``megapipe.layout.experts`` folds them at expert-tensor size t) and of the expert-data groups."""
-        layout = RankLayout(t, p, d, expert=e, context=c)
+    def expert_links(self, t: int, p: int, d: int, e: int, c: int = 1, etp: Optional[int] = None) -> tuple[Link, Link]:
+        """The links of the expert groups (e ranks etp apart within a stage's t x c x d, as
+        ``megapipe.layout.experts`` folds them: at etp = t consecutive data-parallel or context ranks of one
+        tensor index) and of the expert-data groups."""
+        layout = RankLayout(t, p, d, expert=e, expert_tensor=etp, context=c)
         return self.cluster.group_link(layout.expert_groups()), self.cluster.group_link(layout.expert_data_groups())
 
     @lru_cache(maxsize=None)
@@ -300,11 +317,13 @@ class PlanCostModel:
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, stages, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
         e = layout.expert
-        exchange, expert_params = 0.0, 0.0  # per MoE block: one all-to-all; the experts' parameters held
+        # per MoE block: one all-to-all; the experts' parameters held, and as the profile splits them (1/t)
+        exchange, expert_params, experts_at_t = 0.0, 0.0, 0.0
         if e > 1:  # at e = 1 the experts are data-parallel like the rest and need no exchange
-            tokens = b * shape.seq_length * shape.moe_router_topk * shape.hidden_size * self.element_bytes
-            exchange = all_to_all_time(tokens / c, e, self.expert_links(t, p, layout.data, e, c)[0])
-            expert_params = shape.expert_params_per_block / t / e
+            exchange = all_to_all_time(self.routed_token_bytes(layout),
+                                       e, self.expert_links(t, p, layout.data, e, c, layout.expert_tensor)[0])
+            expert_params = shape.expert_params_per_block / layout.etp / e
+            experts_at_t = shape.expert_params_per_block / t
         message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
             r, layers = rank_of_stage(placement, p, s), stage_layers(n_layers, stages, s)
@@ -337,7 +356,7 @@ class PlanCostModel:
             if link is not None:  # per microbatch each direction of the link carries this boundary's tensor once
                 loads.link_bytes[link] += message
                 loads.link_messages[link] += 1
-            loads.params[r] += params[layers].sum() - moe_blocks * expert_params * (e - 1)
+            loads.params[r] += params[layers].sum() + moe_blocks * (expert_params - experts_at_t)
             loads.expert_params[r] += moe_blocks * expert_params
             loads.stash[r] += stash[layers].sum()
             loads.unrecomputed_stash[r] += stash[ends].sum()
@@ -358,8 +377,8 @@ class PlanCostModel:
         # the dense parameters over the data-x-context group, the experts' over their expert-data group
         groups = [(params - loads.expert_params, d * c, data_link)]
         if layout.expert > 1:  # one after the other
-            groups.append((loads.expert_params, d * c // layout.expert,
-                           self.expert_links(t, p, d, layout.expert, c)[1]))
+            groups.append((loads.expert_params, layout.expert_data,
+                           self.expert_links(t, p, d, layout.expert, c, layout.expert_tensor)[1]))
 
         def over_groups(collective: str, element_bytes: float) -> np.ndarray:
             return np.array([sum(collective_time(collective, counts[r] * element_bytes, members, link, backend)
@@ -408,7 +427,7 @@ class PlanCostModel:
         versions = weight_versions(layout.schedule, layout.pipeline, rank)
         if layout.sharding == "no_shard":
             return params * (self.element_bytes * versions + grads + self.optimizer_bytes)
-        shard = (params - expert_params) / d + expert_params * layout.expert / d
+        shard = (params - expert_params) / d + expert_params / layout.expert_data
         weights = self.element_bytes * (versions * params + shard)
         if layout.sharding == "optim_grads_params":
             weights = self.element_bytes * (shard + params / layout.virtual)  # one chunk gathered for its pass
@@ -455,6 +474,13 @@ class PlanCostModel:
                                    loads.stage_expert, loads.stage_moe_layers, m, layout.virtual)
         return None
 
+    def routed_token_bytes(self, layout: Layout) -> float:
+        """What one rank dispatches in one all-to-all, b s k h element bytes on a context rank: at etp below t
+        each of the t / etp shares of the tensor group dispatches its t / etp-th of the tokens."""
+        shape = self.profile.shape
+        tokens = layout.micro_batch_size * shape.seq_length / layout.context * layout.etp / layout.tensor
+        return tokens * shape.moe_router_topk * shape.hidden_size * self.element_bytes
+
     def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
         """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all
         data-parallel replicas and tensor ranks send across it (full duplex: the other direction is as busy)."""
@@ -480,8 +506,8 @@ class PlanCostModel:
                                logit_values=tokens, placement=placement, context=c,
                                context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
                                                            self.element_bytes),
-                               expert=layout.expert, moe_blocks_per_rank=moe_blocks,
-                               routed_token_bytes=tokens * shape.moe_router_topk * shape.hidden_size * self.element_bytes)
+                               expert=layout.expert, expert_tensor=layout.expert_tensor, moe_blocks_per_rank=moe_blocks,
+                               routed_token_bytes=self.routed_token_bytes(layout))
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 

@@ -85,6 +85,8 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
     if layout.expert > 1:
         words += ["--expert-model-parallel-size", str(layout.expert)]
+    if layout.expert_tensor is not None:
+        words += ["--expert-tensor-parallel-size", str(layout.expert_tensor)]
     if layout.overlap_moe_comm:
         words += ["--overlap-moe-expert-parallel-comm"]
     if layout.context > 1:  # attention dropout cannot be split over key blocks
@@ -125,6 +127,7 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
         "data_parallel_size": layout.data,
         "data_parallel_sharding_strategy": layout.sharding,
         "expert_model_parallel_size": layout.expert,
+        "expert_tensor_parallel_size": layout.etp,
         "overlap_moe_expert_parallel_comm": layout.overlap_moe_comm,
         "context_parallel_size": layout.context,
         "cp_comm_type": layout.cp_comm_type,

@@ -5,8 +5,9 @@ schedule, the number of chunks v and, for an MoE model, the expert-parallel size
 
 Every layout that uses all N devices, divides the model (heads and width by t, layers by p v)
 and the global batch B (by d b, so m = B / (d b) microbatches per pipeline) and suits its
-schedule is estimated, at every e that divides the experts and, with e x t dividing t x d
-(Megatron-core's rule, ``megapipe.layout.experts``, at expert-tensor size t), d; dense models keep e = 1.
+schedule is estimated, at every e that divides the experts and every expert-tensor size etp dividing t
+with etp x e dividing t x c x d (Megatron-core's rule, ``megapipe.layout.experts``; etp below t only at
+e > 1); dense models keep e = 1.
 At e > 1 without recomputation a layout is estimated with ``--overlap-moe-expert-parallel-comm`` off and,
 where its schedule has pairs the flag accepts (``schedule_costs.overlapped``), on. Those that fit in
 device memory are ranked by predicted throughput.
@@ -73,12 +74,14 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def expert_sizes(shape: ModelShape, data: int) -> list[int]:
-    """The expert-parallel sizes e a stage of ``data`` replicas (data-parallel x context ranks) allows:
-    e divides the experts and c x d."""
+def expert_sizes(shape: ModelShape, tensor: int, data: int) -> list[tuple[int, Optional[int]]]:
+    """The (e, etp) a stage of t x ``data`` ranks (data-parallel x context replicas) allows, as the parallel
+    config and ``megapipe.layout.experts`` do: e divides the experts, etp divides t, etp x e divides t x c x d,
+    and etp below t needs e above 1. etp = t is written None (Megatron's default, no flag)."""
     if not shape.is_moe:
-        return [1]
-    return [e for e in _divisors(shape.num_experts) if data % e == 0]
+        return [(1, None)]
+    return [(e, None if etp == tensor else etp) for e in _divisors(shape.num_experts) for etp in _divisors(tensor)
+            if (tensor * data) % (etp * e) == 0 and (e > 1 or etp == tensor)]
 
 
 def model_splits(shape: ModelShape, devices: int, context: int = 1) -> Iterator[tuple[int, int, int]]:
@@ -123,9 +126,9 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                     if microbatch_problem(schedule, p, m, v) is None:
                         for recompute in request.recompute:
                             for sharding in _shardings(request, c * d, schedule):
-                                for e in expert_sizes(shape, c * d):
+                                for e, etp in expert_sizes(shape, t, c * d):
                                     layout = Layout(t, p, d, b, schedule, v, recompute, sharding, e, c,
-                                                    request.cp_comm_type)
+                                                    request.cp_comm_type, expert_tensor=etp)
                                     yield layout
                                     if e > 1 and not recompute and overlapped(schedule, p, m, v) is not None:
                                         yield replace(layout, overlap_moe_comm=True)

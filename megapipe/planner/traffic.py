@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from megapipe.layout.ranks import RankLayout
 from megapipe.planner.context_costs import Exchange
@@ -124,6 +124,7 @@ class TrafficInputs:
     context: int = 1
     context_exchanges: Sequence[Exchange] = ()  # per block and microbatch (``context_costs.exchanges``)
     expert: int = 1  # e, expert-parallel ranks
+    expert_tensor: Optional[int] = None  # etp, the ranks that split each expert (None: t)
     moe_blocks_per_rank: Sequence[int] = ()  # MoE blocks on each pipeline rank
     routed_token_bytes: float = 0.0  # one microbatch's tokens as dispatched: b s k h x element bytes
 
@@ -131,7 +132,7 @@ class TrafficInputs:
 def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], backend: str = "nccl") -> Traffic:
     t, p, d, v, m, c = inputs.tensor, inputs.pipeline, inputs.data, inputs.virtual, inputs.microbatches, inputs.context
 
-    layout = RankLayout(t, p, d, expert=inputs.expert, context=c)
+    layout = RankLayout(t, p, d, expert=inputs.expert, expert_tensor=inputs.expert_tensor, context=c)
     rank = layout.rank
     replicas = [(ti, di, ci) for ti in range(t) for di in range(d) for ci in range(c)]
 
