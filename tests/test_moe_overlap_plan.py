@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.parallel.comm_overlap import PairGate, communicating
-from megapipe.pipeline.analysis.simulate import CostModel, overlapped_pair_time, simulate
+from megapipe.pipeline.analysis.simulate import CostModel, exposed_expert_comm, overlapped_pair_time, simulate
 from megapipe.pipeline.ir.overlap import PAIR, Segment, overlapped_pairs
 from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
 
@@ -79,6 +79,16 @@ def test_the_simulator_charges_the_hidden_all_to_all_to_overlapped_pairs_only():
     assert apart.makespan == plain.makespan  # without the overlap a pair is its passes one after the other
     saved = (3 + 2 + 6 + 2) - overlapped_pair_time(PAIR, (3, 2), (6, 2), 1)
     assert 0 < plain.makespan - hidden.makespan <= overlapped_pairs(schedule) * saved
+
+
+def test_the_exposed_all_to_all_time_is_what_no_pair_hides():
+    # F0 F1 &B0 ... F7 &B6 B7: 8 forwards and 8 backwards exchange 2 each, 7 pairs hide 1 + 1 + 1 + 1 each
+    schedule = overlapped_schedule(build_schedule("1f1b", 1, 8))
+    costs = dict(forward=3, backward=6, expert_comm=2, moe_layers=1)
+    assert exposed_expert_comm(schedule, CostModel(**costs, hide_expert_comm=True)) == (16 * 2 - 7 * 4,)
+    assert exposed_expert_comm(schedule, CostModel(**costs)) == (16 * 2,)  # passes overlapped whole: none hidden
+    slow = CostModel(**dict(costs, expert_comm=60), hide_expert_comm=True)  # each slot hides its compute's length
+    assert exposed_expert_comm(schedule, slow) == (16 * 60 - 7 * (1 + 1 + 2 + 2),)
 
 
 def test_the_gate_runs_one_pass_all_to_all_while_the_other_computes():

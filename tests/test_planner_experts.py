@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 import pytest
+from test_planner_cli import TOOL, run, write_cluster
 from test_planner_plan import SMALL, small_cluster, valid_by_the_rules
 
 from megapipe.errors import ConfigError
@@ -175,9 +176,12 @@ def test_1f1b_pairs_hide_the_all_to_alls_as_the_slots_say():
     model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
     off = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2))
     on = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
-    m, x = on.microbatches, on.expert_comm_time / (2 * on.microbatches)  # one pass's all-to-alls
+    m, x = on.microbatches, on.expert_comm_total / (2 * on.microbatches)  # one pass's all-to-alls
     (forward,), (backward,) = on.rank_times
     pair = pair_by_slots(forward - x, backward - x, x, MOE.num_layers)
+    # what the m - 1 pairs do not hide stays exposed; with the flag off all of it is
+    assert on.expert_comm_time == pytest.approx(on.expert_comm_total - (m - 1) * (forward + backward - pair))
+    assert on.expert_comm_total == off.expert_comm_total == off.expert_comm_time > on.expert_comm_time > 0
     # F0, then m - 1 pairs F(j+1) & B(j), then B(m-1): one rank, nothing to wait for
     assert on.batch_time - on.data_comm_time - on.optimizer_time == pytest.approx(forward + (m - 1) * pair + backward)
     assert off.batch_time - off.data_comm_time - off.optimizer_time == pytest.approx(m * (forward + backward))
@@ -196,7 +200,7 @@ def test_dualpipev_pairs_cost_what_the_simulator_charges():
     forwards, backs = on.stage_times
     assert on.rank_times == (tuple(forwards[s] + forwards[3 - s] for s in range(2)),  # stage s on rank s (down
                              tuple(backs[s] + backs[3 - s] for s in range(2)))      # the V) or 2p - 1 - s
-    x = on.expert_comm_time / (4 * on.microbatches)  # one pass's all-to-alls on each stage (equal blocks)
+    x = on.expert_comm_total / (4 * on.microbatches)  # one pass's all-to-alls on each stage (equal blocks)
     costs = CostModel(forward=tuple(f - x for f in forwards), backward=tuple(b - x for b in backs),
                       input_backward=tuple((b - x) / 2 for b in backs), weight_backward=tuple((b - x) / 2 for b in backs),
                       expert_comm=x, moe_layers=MOE.num_layers // 4, hide_expert_comm=True)
@@ -204,6 +208,7 @@ def test_dualpipev_pairs_cost_what_the_simulator_charges():
     expected = simulate(lists, costs)
     assert on.batch_time - on.data_comm_time - on.optimizer_time == pytest.approx(float(expected.makespan))
     assert on.batch_time < off.batch_time
+    assert 0 < on.expert_comm_time < on.expert_comm_total == off.expert_comm_time == off.expert_comm_total
 
 
 def test_the_plan_overlaps_the_all_to_alls_when_it_pays_and_the_command_says_so():
@@ -216,3 +221,23 @@ def test_the_plan_overlaps_the_all_to_alls_when_it_pays_and_the_command_says_so(
     assert twin.samples_per_second < fastest.samples_per_second
     assert "--overlap-moe-expert-parallel-comm" in torchrun_command(fastest, MOE, slow_expert_cluster(), 8)
     assert "--overlap-moe-expert-parallel-comm" not in torchrun_command(twin, MOE, slow_expert_cluster(), 8)
+
+
+def test_the_table_shows_the_all_to_alls_and_the_share_no_pair_hides(tmp_path, capsys):
+    cluster = write_cluster(tmp_path / "cluster.json", nodes=2, gpus_per_node=1, memory_per_gpu=2 ** 34,
+                            inter_node_bandwidth=2e8, inter_node_latency=2e-5)
+    shape = ["--num-layers", 8, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
+             "--vocab-size", 128, "--num-experts", 4]
+    code, out, err = run(shape + ["--cluster", cluster, "--global-batch-size", 8, "--schedules", "1f1b",
+                                  "--no-recompute", "--top", 1000], capsys)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    shares = {row[4]: row[-4] for row in rows if row[4] in ("1", "2", "2&")}  # e, and the exposed share
+    assert shares["1"] == "-" and shares["2"] == "100%"
+    assert 0 < int(shares["2&"].rstrip("%")) < 100
+    on = PlanCostModel(moe_profile(), slow_expert_cluster(), Training(8)).estimate(
+        Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
+    share = f"{on.expert_comm_time / on.expert_comm_total:.0%}"
+    assert TOOL.expert_comm_line(on) == (f"expert all-to-alls: {on.expert_comm_total:.4g} s per batch on the slowest "
+                                         f"rank, {on.expert_comm_time:.4g} s of it exposed ({share}; the rest hidden "
+                                         "behind the other microbatch's compute)")

@@ -136,16 +136,16 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
 
 def format_table(result, top: int, moe: bool = False, context: bool = False) -> str:
     """The best layouts; the last five columns (six for an MoE model, ``moe``: its experts' token exchange
-    as well, with e, ``&`` where pairs hide the exchange (``--overlap-moe-expert-parallel-comm``), and the
-    expert-tensor size etp; six with ``context``: the key/value exchange, and c) are seconds per batch on the
-    slowest rank."""
+    as well, with e, ``&`` where pairs hide the exchange (``--overlap-moe-expert-parallel-comm``), the
+    expert-tensor size etp, and the share of the exchange that no pair hides; six with ``context``: the
+    key/value exchange, and c) are seconds per batch on the slowest rank."""
     expert = f" {'e':>4} {'etp':>3}" if moe else ""
     cp = f" {'c':>3}" if context else ""
     header = (f"{'#':>3} {'t':>3}{cp} {'p':>3} {'d':>3}{expert} {'v':>2} {'b':>4} {'m':>5} {'schedule':<12} "
               f"{'recompute':<9} {'dp sharding':<18} "
               f"{'samples/s':>10} {'TFLOP/s/dev':>11} {'memory/dev':>10} {'bubble':>7} {'compute':>8} {'tp comm':>8} "
               + (f"{'cp comm':>8} " if context else "")
-              + (f"{'ep comm':>8} " if moe else "") + f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
+              + (f"{'ep comm':>8} {'exposed':>7} " if moe else "") + f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
     for rank, e in enumerate(result.ranked[:top], 1):
         layout = e.layout
@@ -158,9 +158,20 @@ def format_table(result, top: int, moe: bool = False, context: bool = False) -> 
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
                     + (f"{e.context_comm_time:>8.3g} " if context else "")
-                    + (f"{e.expert_comm_time:>8.3g} " if moe else "")
+                    + (f"{e.expert_comm_total:>8.3g} {_share(e.expert_comm_time, e.expert_comm_total):>7} " if moe else "")
                     + f"{e.pipeline_comm_time:>8.3g} {e.data_comm_time:>8.3g} {e.optimizer_time:>8.3g}")
     return "\n".join(rows)
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
+
+
+def expert_comm_line(estimate) -> str:
+    """The best layout's expert all-to-alls: their time on the slowest rank and how much of it stays exposed."""
+    total, exposed = estimate.expert_comm_total, estimate.expert_comm_time
+    return (f"expert all-to-alls: {total:.4g} s per batch on the slowest rank, {exposed:.4g} s of it exposed "
+            f"({_share(exposed, total)}; the rest hidden behind the other microbatch's compute)")
 
 
 def run_pipedream(args, profile: ModelProfile, cluster: Cluster) -> None:
@@ -235,6 +246,8 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
     best = result.best
     print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")
+    if best.expert_comm_total:
+        print(expert_comm_line(best))
     if not flushes(best.layout.schedule):
         print(stale_weights_note(result))
     print(torchrun_command(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce))

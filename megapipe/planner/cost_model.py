@@ -161,8 +161,10 @@ class Estimate:
     traffic: Traffic  # payload bytes per batch crossing between nodes (``traffic.py``)
     rank_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # per rank: forward, backward seconds
     stage_times: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # the same per virtual stage
-    expert_comm_time: float = 0.0  # per batch on the slowest rank: the MoE blocks' token all-to-alls
+    expert_comm_time: float = 0.0  # per batch on the slowest rank: the MoE blocks' token all-to-alls it waits
+    #                                for, less what --overlap-moe-expert-parallel-comm's pairs hide
     context_comm_time: float = 0.0  # per batch on the slowest rank: the key/value exchanges of context parallelism
+    expert_comm_total: float = 0.0  # per batch on the slowest rank: the token all-to-alls, hidden or not
 
 
 def collective_time(collective: str, nbytes: float, members: int, link: Link, backend: str = "nccl") -> float:
@@ -455,6 +457,7 @@ class PlanCostModel:
             batch_time = max(batch_time, work / self.cluster.shared_cores)
         memory, recompute_layers = self._memory(layout, loads, m, search)
         slowest = int(np.argmax(loads.forward + loads.backward))
+        exposed = search.exposed_expert_comm[slowest] if layout.overlap_moe_comm else m * float(loads.expert[slowest])
         samples = batch / batch_time
         flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * layout.context * p * d)
         return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
@@ -462,7 +465,7 @@ class PlanCostModel:
                         m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
                         (tuple(map(float, loads.stage_forward)), tuple(map(float, loads.stage_backward))),
-                        m * float(loads.expert[slowest]), m * float(loads.context[slowest]))
+                        exposed, m * float(loads.context[slowest]), m * float(loads.expert[slowest]))
 
     def _simulated(self, layout: Layout, loads: "_RankLoads", m: int) -> Optional[Searched]:
         """What the simulator predicts for a layout without closed forms: the searched schedule's, or the

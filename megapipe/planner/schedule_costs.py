@@ -42,6 +42,7 @@ class Searched:
 
     batch_time: float
     in_flight: tuple[Fraction, ...]
+    exposed_expert_comm: tuple[float, ...] = ()  # per rank and batch: all-to-all time no pair hides (overlapped)
 
 
 def searched(forward: Sequence[float], backward: Sequence[float], m: int, v: int = 1) -> Searched:
@@ -78,8 +79,8 @@ def overlapped_time(schedule: str, p: int, forward: Sequence[float], backward: S
     for virtual stages taking ``forward[s]``/``backward[s]`` per microbatch, all-to-alls included, of which
     ``exchange[s]`` per pass are the expert all-to-alls of the stage's ``moe_layers[s]`` MoE layers; each pair
     hides them as ``simulate.overlapped_pair_time`` says (BI and BW half the backward's compute each, the BI
-    all of its all-to-alls)."""
-    from megapipe.pipeline.analysis.simulate import CostModel, simulate
+    all of its all-to-alls); with each rank's all-to-all time that no pair hides."""
+    from megapipe.pipeline.analysis.simulate import CostModel, exposed_expert_comm, simulate
 
     lists = overlapped(schedule, p, m, v)
     if lists is None:
@@ -90,7 +91,8 @@ def overlapped_time(schedule: str, p: int, forward: Sequence[float], backward: S
                       input_backward=halves, weight_backward=halves, expert_comm=tuple(map(float, exchange)),
                       moe_layers=tuple(moe_layers), hide_expert_comm=True)
     simulation = simulate(lists, costs)
-    return Searched(float(simulation.makespan), simulation.peak_activations)
+    return Searched(float(simulation.makespan), simulation.peak_activations,
+                    tuple(map(float, exposed_expert_comm(lists, costs))))
 
 
 def placement_of(schedule: str) -> Placement:

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.overlap import PAIR, PairPlan
-from megapipe.pipeline.ir.replay import Message, message_of, replay
+from megapipe.pipeline.ir.replay import Message, message_of, overlap_partners, replay
 from megapipe.pipeline.analysis.timeline import Timeline, ratio
 
 StageCost = Union[Real, Sequence[Real], Callable[[int], Real]]
@@ -91,7 +91,7 @@ class CostModel:
     def compute_time(self, rank: int, action: Action) -> Real:
         if not action.kind.is_compute:
             return self.step
-        return self._compute_only(action) + self._exchange(action)
+        return self._compute_only(action) + self.exchange(action)
 
     def _compute_only(self, action: Action) -> Real:
         if action.kind is ActionKind.F:
@@ -103,7 +103,7 @@ class CostModel:
             return Fraction(_stage_cost(self.backward, action.stage)) / 2
         return _stage_cost(part, action.stage)
 
-    def _exchange(self, action: Action) -> Real:
+    def exchange(self, action: Action) -> Real:
         """The expert all-to-alls a pass runs (a BW runs none)."""
         return 0 if action.kind is ActionKind.BW else _stage_cost(self.expert_comm, action.stage)
 
@@ -111,8 +111,8 @@ class CostModel:
         """The time of an overlapped pair (see the class docstring)."""
         if not self.hide_expert_comm:
             return self.overlap(self.compute_time(rank, forward), self.compute_time(rank, backward))
-        return overlapped_pair_time(PAIR, (self._compute_only(forward), self._exchange(forward)),
-                                    (self._compute_only(backward), self._exchange(backward)),
+        return overlapped_pair_time(PAIR, (self._compute_only(forward), self.exchange(forward)),
+                                    (self._compute_only(backward), self.exchange(backward)),
                                     _stage_cost(self.moe_layers, forward.stage),
                                     _stage_cost(self.moe_layers, backward.stage))
 
@@ -156,6 +156,21 @@ def overlapped_pair_time(plan: PairPlan, forward: tuple[Real, Real], backward: t
                 longest = max(longest, ratio(comm, 2 * n) if segment.communicates else ratio(compute, 2 * n + 1))
         total += longest
     return total
+
+
+def exposed_expert_comm(schedule: Schedule, costs: CostModel) -> tuple[Real, ...]:
+    """Per rank, the expert all-to-all time its passes run (``CostModel.expert_comm``) less what its overlapped
+    pairs hide with ``hide_expert_comm``: a pair's passes alone take their computes and all-to-alls, the pair
+    ``CostModel.pair_time`` (``overlapped_pair_time``), and the difference is all-to-all time spent beside the
+    other pass's compute."""
+    exposed = []
+    for rank, actions in enumerate(schedule.actions):
+        total = sum((costs.exchange(action) for action in actions if action.kind.is_compute), 0)
+        for backward, forward in (overlap_partners(actions).items() if costs.hide_expert_comm else ()):
+            alone = costs.compute_time(rank, actions[forward]) + costs.compute_time(rank, actions[backward])
+            total -= alone - costs.pair_time(rank, actions[forward], actions[backward])
+        exposed.append(total)
+    return tuple(exposed)
 
 
 def peak_activations(schedule: Schedule) -> list[Fraction]:
