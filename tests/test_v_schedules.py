@@ -125,3 +125,16 @@ def test_schedule_files_keep_the_placement(tmp_path, suffix):
         loaded = load_schedule(path)
         assert loaded.placement is schedule.placement
         assert loaded.to_text() == schedule.to_text()
+
+
+@pytest.mark.parametrize("name", ["zbv", "v-half", "v-min", "dualpipev"])
+def test_per_rank_times_land_on_the_ranks_the_v_places_them(name):
+    """Each rank's times (``CostModel.per_rank``) cost its own two chunks: stage s on rank s down the V and on
+    2p - 1 - s back up, so every rank computes for m times its own F + BI + BW (pairs cost their sum here)."""
+    p, m = 3, 6
+    forward, input_backward, weight_backward = [1, 2, 4], [2, 3, 5], [1, 2, 3]
+    schedule = build_schedule(name, p, m, 2)
+    costs = CostModel.per_rank(p, 2, forward, input_backward, weight_backward, placement=schedule.placement,
+                               overlap=operator.add)
+    assert simulate(schedule, costs).busy_time == tuple(m * (forward[r] + input_backward[r] + weight_backward[r])
+                                                        for r in range(p))

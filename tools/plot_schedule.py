@@ -25,6 +25,7 @@ from fractions import Fraction
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
+from megapipe.layout.placement import Placement  # noqa: E402
 from megapipe.pipeline.analysis.schedule_search import comparison, search_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule  # noqa: E402
 from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
@@ -63,10 +64,10 @@ def _times(text: str) -> list[Fraction]:
     return [Fraction(part) for part in text.split(",")]
 
 
-def cost_model(args: argparse.Namespace, p: int, v: int) -> CostModel:
+def cost_model(args: argparse.Namespace, p: int, v: int, placement: Placement = Placement.LOOPED) -> CostModel:
     halves = [b / 2 for b in args.backward_time]
     return CostModel.per_rank(p, v, args.forward_time, args.input_backward_time or halves,
-                              args.weight_backward_time or halves, latency=args.latency)
+                              args.weight_backward_time or halves, latency=args.latency, placement=placement)
 
 
 def search(args: argparse.Namespace):
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
             else:
                 schedule = (load_schedule(args.schedule_file) if args.schedule_file
                             else build_schedule(args.schedule, args.p, args.m, args.v))
-                costs = cost_model(args, schedule.p, schedule.v)
+                costs = cost_model(args, schedule.p, schedule.v, schedule.placement)
                 result = simulate(schedule.compute_only(), costs)  # receives placed for these costs
             timeline = result.timeline
             output = args.output or f"{schedule.name}-p{schedule.p}-m{schedule.m}-v{schedule.v}.png"

@@ -15,6 +15,7 @@ from fractions import Fraction
 from numbers import Real
 from typing import Callable, Optional, Sequence, Union
 
+from megapipe.layout.placement import Placement, rank_of_stage
 from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
 from megapipe.pipeline.ir.communication import add_communication
 from megapipe.pipeline.ir.overlap import PAIR, PairPlan
@@ -73,15 +74,17 @@ class CostModel:
 
     @classmethod
     def per_rank(cls, p: int, v: int, forward: Sequence[Real], input_backward: Sequence[Real],
-                 weight_backward: Sequence[Real], exact: bool = True, **kwargs) -> "CostModel":
+                 weight_backward: Sequence[Real], exact: bool = True, placement: Placement = Placement.LOOPED,
+                 **kwargs) -> "CostModel":
         """Costs from each pipeline rank's times for one microbatch through all its chunks (lists
-        indexed by rank, or one time for all), split evenly over its v chunks; a whole B costs BI + BW.
+        indexed by rank, or one time for all), split evenly over its v chunks, which ``placement`` says
+        (the schedule's: looped, or the V's); a whole B costs BI + BW.
         ``exact``: as Fractions (floats rounded to a millionth), else as floats (faster to replay)."""
         def per_stage(times: Sequence[Real]) -> tuple[Real, ...]:
             if len(times) not in (1, p):
                 raise ValueError(f"{len(times)} times given for {p} pipeline ranks; give one per rank or one for all")
             convert = _exact if exact else float
-            return tuple(convert(times[(s % p) % len(times)]) / v for s in range(p * v))
+            return tuple(convert(times[rank_of_stage(placement, p, s) % len(times)]) / v for s in range(p * v))
 
         return cls(forward=per_stage(forward), input_backward=per_stage(input_backward),
                    weight_backward=per_stage(weight_backward),
