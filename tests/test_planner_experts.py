@@ -239,5 +239,5 @@ def test_the_table_shows_the_all_to_alls_and_the_share_no_pair_hides(tmp_path, c
         Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
     share = f"{on.expert_comm_time / on.expert_comm_total:.0%}"
     assert TOOL.expert_comm_line(on) == (f"expert all-to-alls: {on.expert_comm_total:.4g} s per batch on the slowest "
-                                         f"rank, {on.expert_comm_time:.4g} s of it exposed ({share}; the rest hidden "
-                                         "behind the other microbatch's compute)")
+                                         f"rank, {on.expert_comm_time:.4g} s of it exposed ({share}; pairs hide the "
+                                         "rest behind the other microbatch's compute)")

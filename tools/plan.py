@@ -170,8 +170,9 @@ def _share(part: float, whole: float) -> str:
 def expert_comm_line(estimate) -> str:
     """The best layout's expert all-to-alls: their time on the slowest rank and how much of it stays exposed."""
     total, exposed = estimate.expert_comm_total, estimate.expert_comm_time
+    hidden = "; pairs hide the rest behind the other microbatch's compute" if estimate.layout.overlap_moe_comm else ""
     return (f"expert all-to-alls: {total:.4g} s per batch on the slowest rank, {exposed:.4g} s of it exposed "
-            f"({_share(exposed, total)}; the rest hidden behind the other microbatch's compute)")
+            f"({_share(exposed, total)}{hidden})")
 
 
 def run_pipedream(args, profile: ModelProfile, cluster: Cluster) -> None:
