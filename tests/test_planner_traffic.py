@@ -127,3 +127,12 @@ def test_expert_all_to_alls_cross_where_an_expert_group_spans_nodes():
     assert spanning.total == spanning.data + spanning.expert
     recomputed = _traffic(1, 1, 4, expert=4, moe_blocks_per_rank=[2], routed_token_bytes=A, recompute=True)
     assert recomputed.expert == spanning.expert * 6 / 4  # the recomputed forward exchanges again
+
+
+def test_expert_gradients_are_reduced_over_their_expert_data_group():
+    # d = 4, e = 2: of W / 4 parameters per rank, X are this rank's experts. The others are all-reduced
+    # over {0, 1, 2, 3} (2 crossing links, 2 (3/4) of them each); the experts over the expert-data
+    # groups {0, 2} and {1, 3} (each a ring of two across the nodes: 2 crossing links, all of its 4 X bytes on each)
+    X = 200.0
+    mixed = _traffic(1, 1, 4, expert=2, moe_blocks_per_rank=[2], routed_token_bytes=A, rank_expert_params=[X])
+    assert mixed.data == pytest.approx(2 * 1.5 * (W / 4 - X) * 4 + 2 * 2 * 1.0 * X * 4)

@@ -510,7 +510,7 @@ class PlanCostModel:
                                context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
                                                            self.element_bytes),
                                expert=layout.expert, expert_tensor=layout.expert_tensor, moe_blocks_per_rank=moe_blocks,
-                               routed_token_bytes=self.routed_token_bytes(layout))
+                               rank_expert_params=list(loads.expert_params), routed_token_bytes=self.routed_token_bytes(layout))
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 

@@ -14,7 +14,8 @@ rank sending its s / c tokens' share of every activation):
 * context parallelism: per context group and block, the key/value exchanges of ``context_costs.py``
   (a ring step's message on every ring link, collectives as rings, an all-to-all's 1/c of what a
   rank sends to each member on another node), forward and backward, once more with recomputation.
-* data parallelism: per data-x-context group, the gradient reduction of every rank's parameters
+* data parallelism: per data-x-context group, the gradient reduction of every rank's parameters but
+  its experts, whose gradients are reduced over their expert-data group instead (``layout/experts.py``)
   (``no_shard``: all-reduce; sharded: reduce-scatter, then an all-gather of the updated
   weights; ``optim_grads_params`` gathers the weights before each forward and backward of
   every microbatch instead, and not after the step).
@@ -126,6 +127,7 @@ class TrafficInputs:
     expert: int = 1  # e, expert-parallel ranks
     expert_tensor: Optional[int] = None  # etp, the ranks that split each expert (None: t)
     moe_blocks_per_rank: Sequence[int] = ()  # MoE blocks on each pipeline rank
+    rank_expert_params: Sequence[float] = ()  # the part of ``rank_params`` that is this rank's experts
     routed_token_bytes: float = 0.0  # one microbatch's tokens as dispatched: b s k h x element bytes
 
 
@@ -153,20 +155,14 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
         embedding = sum(crossing_links([rank(ti, di, 0, ci), rank(ti, di, p - 1, ci)], node_of)
                         * link_bytes("all_reduce", tied, 2, backend) for ti, di, ci in replicas)
 
-    data, members = 0.0, d * c  # gradients are reduced over the data-x-context ranks
+    data = 0.0  # gradients are reduced over the data-x-context ranks, the experts' over their expert-data ranks
     data_crossings = _crossings_per_stage(layout, "data_context", node_of)
+    expert_crossings = _crossings_per_stage(layout, "expert_data", node_of) if inputs.expert > 1 else (0,) * p
     for pi in range(p):
-        grads = inputs.rank_params[pi] * inputs.grad_bytes
-        weights = inputs.rank_params[pi] * inputs.element_bytes
-        if inputs.sharding == "no_shard":
-            per_link = link_bytes("all_reduce", grads, members, backend)
-        elif inputs.sharding == "optim_grads_params":  # gathers before every pass instead of after the step
-            per_link = (link_bytes("reduce_scatter", grads, members, backend)
-                        + 2 * m * link_bytes("all_gather", weights, members, backend))
-        else:
-            per_link = (link_bytes("reduce_scatter", grads, members, backend)
-                        + link_bytes("all_gather", weights, members, backend))
-        data += data_crossings[pi] * per_link
+        experts = inputs.rank_expert_params[pi] if inputs.rank_expert_params else 0.0
+        data += data_crossings[pi] * _reduction_link_bytes(inputs, inputs.rank_params[pi] - experts, d * c, backend)
+        if experts:
+            data += expert_crossings[pi] * _reduction_link_bytes(inputs, experts, layout.fold.expert_data, backend)
 
     tensor = 0.0
     if t > 1:
@@ -193,6 +189,18 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
             repeats = m * blocks * exchange.count * (1 + (inputs.recompute and not exchange.backward))
             context += repeats * exchange_crossing_bytes(exchange, group, node_of, backend)
     return Traffic(pipeline, embedding, data, tensor, context, _expert_traffic(inputs, layout, node_of))
+
+
+def _reduction_link_bytes(inputs: TrafficInputs, params: float, members: int, backend: str) -> float:
+    """Per ring link, what reducing the gradients of ``params`` parameters over ``members`` ranks moves per
+    iteration, with the weight gathers the sharding level adds."""
+    grads, weights = params * inputs.grad_bytes, params * inputs.element_bytes
+    if inputs.sharding == "no_shard":
+        return link_bytes("all_reduce", grads, members, backend)
+    if inputs.sharding == "optim_grads_params":  # gathers before every pass instead of after the step
+        return (link_bytes("reduce_scatter", grads, members, backend)
+                + 2 * inputs.microbatches * link_bytes("all_gather", weights, members, backend))
+    return link_bytes("reduce_scatter", grads, members, backend) + link_bytes("all_gather", weights, members, backend)
 
 
 @lru_cache(maxsize=1024)
