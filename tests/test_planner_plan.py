@@ -14,7 +14,7 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.profile_partition import fold_ends, partition_profile
 from megapipe.planner.launch import torchrun_command
-from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, plan, searched_layouts
+from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, model_splits, plan, searched_layouts
 from megapipe.planner.presets import CLUSTERS, MODELS
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import human_bytes
@@ -172,3 +172,11 @@ def test_big_gpts_on_64_v100s_get_sensible_plans(name):
     assert two_bw[0].layout.pipeline >= 8
     assert two_bw[0].samples_per_second > max(e.samples_per_second for e in result.ranked
                                               if e.layout.schedule == "gpipe")  # seed: 2BW up to 3.2x GPipe
+
+
+@pytest.mark.unit
+def test_tensor_sizes_divide_the_experts_width_too():
+    # training refuses an expert width (--moe-ffn-hidden-size) that t does not divide; so does the search
+    shape = ModelShape("gpt", 4, 64, 4, 32, 128, 256, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6)
+    assert {t for t, _, _ in model_splits(shape, 8)} == {1, 2}
+    assert {t for t, _, _ in model_splits(dataclasses.replace(shape, moe_ffn_hidden_size=8), 8)} == {1, 2, 4}

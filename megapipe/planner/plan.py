@@ -85,11 +85,13 @@ def expert_sizes(shape: ModelShape, tensor: int, data: int) -> list[tuple[int, O
 
 
 def model_splits(shape: ModelShape, devices: int, context: int = 1) -> Iterator[tuple[int, int, int]]:
-    """(t, p, d) with t c p d = devices, t dividing heads, width and MLP width, p dividing the layers."""
+    """(t, p, d) with t c p d = devices, t dividing heads, width and MLP widths (the experts' too, as
+    training's checks ask), p dividing the layers."""
     if devices % context:
         return
     for t in _divisors(devices // context):
-        if shape.num_attention_heads % t or shape.hidden_size % t or shape.ffn_hidden_size % t:
+        widths = (shape.num_attention_heads, shape.hidden_size, shape.ffn_hidden_size, shape.expert_ffn_hidden_size)
+        if any(width % t for width in widths):
             continue
         for p in _divisors(devices // (context * t)):
             if shape.num_layers % p == 0:
