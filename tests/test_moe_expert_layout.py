@@ -36,7 +36,7 @@ def expected(t: int, p: int, d: int, e: int, etp: int) -> dict:
 
 @pytest.mark.parametrize("t, p, d, e, etp", [(1, 1, 2, 2, None), (1, 1, 4, 2, None), (2, 1, 2, 2, None),
                                              (1, 2, 2, 2, None), (2, 2, 4, 4, None), (2, 1, 2, 4, 1),
-                                             (1, 1, 4, 1, None)])
+                                             (1, 1, 4, 1, None), (2, 1, 2, 1, 1)])
 def test_expert_groups_fold_each_stage_like_megatron_core(t, p, d, e, etp):
     layout = RankLayout.for_world(t * p * d, t, p, expert=e, expert_tensor=etp)
     want = expected(t, p, d, e, etp or t)
@@ -70,9 +70,6 @@ def test_expert_sizes_parse_into_the_parallel_config():
     (("--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "4"), 4,
      r"^--expert-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4: each group of that many "
      r"tensor ranks shares a tensor group's tokens between its experts; use a divisor of it\.$"),
-    (("--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"), 2,
-     r"^--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 needs --expert-model-parallel-size "
-     r"above 1"),
     (("--pipeline-stages", "0:2x1,2:4x1", "--expert-model-parallel-size", "2"), 2,
      r"^--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one\.$"),
 ])

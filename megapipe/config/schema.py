@@ -305,11 +305,6 @@ class ParallelConfig:
             raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} does not divide "
                               f"--tensor-model-parallel-size {self.tensor}: each group of that many tensor ranks "
                               "shares a tensor group's tokens between its experts; use a divisor of it.")
-        if self.expert_tensor is not None and self.expert_tensor < self.tensor and self.expert == 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} below --tensor-model-parallel-size "
-                              f"{self.tensor} needs --expert-model-parallel-size above 1 (else every share of the "
-                              "tensor group holds every expert); raise the expert size or drop "
-                              "--expert-tensor-parallel-size.")
         check_comm_type(self.context_parallel_size, self.cp_comm_type, self.hierarchical_context_parallel_sizes)
         if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
