@@ -313,8 +313,11 @@ class ParallelConfig:
         plan = self.stage_plan()
         if plan is None:
             return
-        if self.expert > 1:
-            raise ConfigError("--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one.")
+        if self.expert > 1 and plan.equal_replication is None:
+            raise ConfigError(f"--pipeline-stages {plan.to_text()} replicates its stages unequally, and 1F1B-RR's "
+                              "replicas of a stage run different microbatches at different times, so an expert "
+                              "group across them would wait on the others' all-to-alls; replicate every stage "
+                              "equally or drop --expert-model-parallel-size.")
         if self.context_parallel_size > 1:
             raise ConfigError("--pipeline-stages cannot be combined with --context-parallel-size yet; drop one.")
         if self.virtual_pipeline > 1:

@@ -10,6 +10,9 @@ every worker (one per tensor index) and the schedule has one action list per wor
 Groups: tensor (a worker's t ranks), data (the replicas of a stage: their gradients are
 averaged before each update), pipeline (as above), model_parallel (the ranks of one pipeline;
 with unequal replication, all ranks), embedding (first and last stage of each pipeline).
+A stage's ranks are consecutive (its replicas' workers, tensor-innermost), so the experts' groups
+fold each stage's t x R ranks as ``RankLayout`` folds its stages' (``experts.py``): a plan assigns
+layers to stages, and the experts of a stage's MoE layers are split over that stage's ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megapipe.layout.degrees import Degrees
+from megapipe.layout.experts import ExpertFold
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.layout.placement import first_worker
 
@@ -26,6 +30,8 @@ from megapipe.layout.placement import first_worker
 class PlanLayout:
     plan: StagePlan
     tensor: int = 1
+    expert: int = 1
+    expert_tensor: Optional[int] = None  # None: t
 
     @property
     def world_size(self) -> int:
@@ -49,7 +55,7 @@ class PlanLayout:
 
     def degrees(self, virtual: int = 1) -> Degrees:
         """p counts the plan's stages (not the ranks of its pipeline group) and d their replicas."""
-        return Degrees(self.tensor, self.plan.num_stages, self.plan.replicas, virtual)
+        return Degrees(self.tensor, self.plan.num_stages, self.plan.replicas, virtual, expert=self.expert)
 
     def loss_rank(self, last: int = -1) -> int:
         """The rank that logs the losses: tensor index 0 of the first replica of the last stage (a stage plan
@@ -102,13 +108,17 @@ class PlanLayout:
     def context_ring_groups(self) -> list[list[int]]:
         return []
 
-    # a stage plan holds no expert parallelism: each rank holds every expert, its tensor and data
-    # groups serve the experts too
+    def folds(self) -> list[tuple[int, ExpertFold]]:
+        """Each stage's first rank and how its ranks form the experts' groups (checks the degrees)."""
+        etp = self.expert_tensor or self.tensor
+        return [(self.rank(self.worker(s, 0), 0), ExpertFold.checked(self.expert, etp, self.tensor, count))
+                for s, count in enumerate(self.plan.replicas)]
+
     def expert_groups(self) -> list[list[int]]:
-        return [[rank] for rank in range(self.world_size)]
+        return [g for first, fold in self.folds() for g in fold.expert_groups(first)]
 
     def expert_tensor_groups(self) -> list[list[int]]:
-        return self.tensor_groups()
+        return [g for first, fold in self.folds() for g in fold.expert_tensor_groups(first)]
 
     def expert_data_groups(self) -> list[list[int]]:
-        return self.data_groups()
+        return [g for first, fold in self.folds() for g in fold.expert_data_groups(first)]

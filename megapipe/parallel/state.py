@@ -384,13 +384,15 @@ class ParallelState:
         return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 
-def initialize_plan_state(plan: StagePlan, tensor: int = 1,
-                          timeout: Optional[datetime.timedelta] = None) -> ParallelState:
-    """The ParallelState of this process under ``plan``; all ranks must call it (collective)."""
+def initialize_plan_state(plan: StagePlan, tensor: int = 1, timeout: Optional[datetime.timedelta] = None,
+                          expert: int = 1, expert_tensor: Optional[int] = None) -> ParallelState:
+    """The ParallelState of this process under ``plan``, with each stage's experts split over ``expert`` of its
+    ranks; all ranks must call it (collective)."""
     if not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
                           "first or launch with torchrun.")
-    layout = PlanLayout(plan, tensor)
+    layout = PlanLayout(plan, tensor, expert, expert_tensor)
+    layout.folds()  # checks the experts' degrees
     if layout.world_size != dist.get_world_size():
         plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
     return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout)
