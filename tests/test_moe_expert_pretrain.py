@@ -2,7 +2,8 @@
 (sharded weights, recomputation), with tensor and sequence parallelism, at t = 2 with whole experts (expert-tensor
 size 1, sharded weights), with pipeline parallelism under 1F1B, ZB-H1, ZBV and DualPipeV (the zero-bubble ones
 with the experts' weight gradients left for BW; DualPipeV also with --overlap-moe-expert-parallel-comm), and with a
-stage plan of unequal stages (--pipeline-stages; each stage's experts split over its 2 replicas), logs the
+stage plan of unequal stages (--pipeline-stages; each stage's experts split over its 2 replicas, or over its 2
+context ranks), logs the
 single process's losses (1e-5, no capacity); so does an fp16 run, whose loss scaling skips steps alike on every
 expert rank.
 One single-process run is the reference for every layout."""
@@ -56,10 +57,11 @@ def test_expert_parallel_layouts_log_the_single_process_losses(expected, tmp_pat
         _assert_logs(expected, flags, tmp_path, name)
 
 
-def test_a_stage_plan_splits_each_stages_experts_over_its_replicas(expected, tmp_path):
-    """Stages of 1 and 3 layers (--pipeline-stages), each replicated twice: each stage's MoE layers split their
-    experts over its own 2 replicas."""
+def test_a_stage_plan_splits_each_stages_experts_over_its_own_ranks(expected, tmp_path):
+    """Stages of 1 and 3 layers (--pipeline-stages): each stage's MoE layers split their experts over its own 2
+    replicas, or, with each sequence split over 2 context ranks, over those."""
     _assert_logs(expected, ["--pipeline-stages", "0:1x2,1:4x2"], tmp_path, "plan")
+    _assert_logs(expected, ["--pipeline-stages", "0:1,1:4", "--context-parallel-size", "2"], tmp_path, "plan-c2")
 
 
 def test_fp16_at_two_expert_ranks_logs_the_single_process_losses(tmp_path):

@@ -318,8 +318,6 @@ class ParallelConfig:
                               "replicas of a stage run different microbatches at different times, so an expert "
                               "group across them would wait on the others' all-to-alls; replicate every stage "
                               "equally or drop --expert-model-parallel-size.")
-        if self.context_parallel_size > 1:
-            raise ConfigError("--pipeline-stages cannot be combined with --context-parallel-size yet; drop one.")
         if self.virtual_pipeline > 1:
             raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
                               "--num-layers-per-virtual-pipeline-stage or the plan.")
@@ -331,7 +329,7 @@ class ParallelConfig:
                               "--pipeline-schedule pipedream (1F1B-RR) can run; use it or replicate every stage "
                               "equally.")
         if num_layers is not None:
-            plan.validate(num_layers, world_size, self.tensor)
+            plan.validate(num_layers, world_size, self.tensor, self.context_parallel_size)
 
     def stage_plan(self) -> Optional["StagePlan"]:
         """The plan ``pipeline_stages`` names, or None."""
