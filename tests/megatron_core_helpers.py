@@ -40,6 +40,10 @@ VARIANTS["moe"] = dict(VARIANTS["llama"], qk_layernorm=True, num_experts=4, moe_
 # DeepSeek-V3's routing: sigmoid scores, an expert bias (a buffer) that chooses experts, no shared expert
 VARIANTS["moe-bias"] = dict(VARIANTS["llama"], num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
                             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+# dense and MoE layers mixed (--moe-layer-freq): layer 0 dense, layer 1 MoE with a shared expert; Megatron-core keeps
+# such models' layers under one torch_dist key each instead of stacking them
+VARIANTS["moe-mixed"] = dict(VARIANTS["llama"], num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                             moe_shared_expert_intermediate_size=16, moe_layer_freq=[0, 1])
 EXPORTED = sorted(VARIANTS)
 # Megatron-LM argument -> TransformerConfig field, for the MoE variant's options
 _MOE_CONFIG = {"qk_layernorm": "qk_layernorm", "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
@@ -47,7 +51,7 @@ _MOE_CONFIG = {"qk_layernorm": "qk_layernorm", "num_experts": "num_moe_experts",
                "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
                "moe_shared_expert_gate": "moe_shared_expert_gate",
                "moe_router_score_function": "moe_router_score_function",
-               "moe_router_enable_expert_bias": "moe_router_enable_expert_bias"}
+               "moe_router_enable_expert_bias": "moe_router_enable_expert_bias", "moe_layer_freq": "moe_layer_freq"}
 
 
 def megatron_args(variant: str) -> argparse.Namespace:
@@ -84,7 +88,7 @@ def megatron_core_on_cpu():
 def build(variant: str, seed: int):
     """A Megatron-core GPTModel of ``variant`` with non-trivial norms and biases (so a swapped mapping shows) and
     weights large enough that every non-linearity bends."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -100,8 +104,11 @@ def build(variant: str, seed: int):
         use_cpu_initialization=True, params_dtype=torch.float32,
         moe_token_dispatcher_type="allgather",  # the all-to-all one makes a CUDA stream
         **{field: v[arg] for arg, field in _MOE_CONFIG.items() if arg in v})
-    spec = get_gpt_layer_local_spec(normalization=v["normalization"], num_experts=v.get("num_experts"),
-                                    qk_layernorm=v.get("qk_layernorm", False))
+    if "moe_layer_freq" in v:  # each layer's own spec, dense or MoE
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=v["normalization"])
+    else:
+        spec = get_gpt_layer_local_spec(normalization=v["normalization"], num_experts=v.get("num_experts"),
+                                        qk_layernorm=v.get("qk_layernorm", False))
     model = GPTModel(config, spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type=v["position_embedding_type"],
                      rotary_base=v["rotary_base"],

@@ -1,8 +1,9 @@
 """Megatron-LM checkpoints both ways, against Megatron-core itself: a GPT (LayerNorm, learned positions,
 biases, tied output, Megatron-LM's fused tanh GeLU), a Llama-style model (RMSNorm, SwiGLU, RoPE,
 grouped-query attention, untied output, no biases), the same with a bias on q, k and v (Qwen2's) and the
-same with per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert) and MoE layers
-with DeepSeek-V3's routing (sigmoid, an expert bias) are saved by Megatron-core's ``dist_checkpointing``
+same with per-head QK layernorm and MoE layers (4 experts, top-2, a gated shared expert), MoE layers
+with DeepSeek-V3's routing (sigmoid, an expert bias) and a model mixing a dense and an MoE layer
+(``--moe-layer-freq``, whose torch_dist keys Megatron-core keeps one per layer) are saved by Megatron-core's ``dist_checkpointing``
 (torch_dist) and as a legacy torch checkpoint of a (t, p) = (2, 2) run; each imports into megapipe with
 Megatron-core's logits (fp32, 1e-5), megapipe's export loads back into Megatron-core with the very same
 logits, and imports again into the very same tensors.

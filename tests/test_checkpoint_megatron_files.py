@@ -83,13 +83,11 @@ def test_a_model_megapipe_lacks_is_one_sentence_and_writes_nothing(tmp_path, cha
     assert not (tmp_path / "out").exists()
 
 
-def test_an_export_of_an_moe_model_mixing_dense_layers_is_one_sentence():
+def test_an_moe_model_mixing_dense_layers_exports_its_layer_pattern_as_megatron_lm_parses_it():
     config = ModelConfig(**{**vars(CONFIG), "num_experts": 4, "moe_layer_freq": 2})
-    with pytest.raises(CheckpointError, match=r"^export-megatron writes MoE models whose every layer is an MoE layer, "
-                                              r"and this one mixes dense layers in \(--moe-layer-freq 2\); export it "
-                                              r"with export-hf instead\.$"):
-        megatron_args(config)
-    assert megatron_args(dataclasses.replace(config, moe_layer_freq=1)).num_experts == 4
+    assert megatron_args(config).moe_layer_freq == 2
+    pattern = (0,) + (1,) * (config.num_layers - 1)
+    assert megatron_args(dataclasses.replace(config, moe_layer_freq=pattern)).moe_layer_freq == list(pattern)
 
 
 def test_a_tensor_without_a_place_is_named(tmp_path):

@@ -11,7 +11,9 @@ import pytest
 
 from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
+from megapipe.layout.plan import PlanLayout
 from megapipe.layout.ranks import RankLayout
+from megapipe.layout.stage_plan import StagePlan
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +38,7 @@ def expected(t: int, p: int, d: int, e: int, etp: int) -> dict:
 
 @pytest.mark.parametrize("t, p, d, e, etp", [(1, 1, 2, 2, None), (1, 1, 4, 2, None), (2, 1, 2, 2, None),
                                              (1, 2, 2, 2, None), (2, 2, 4, 4, None), (2, 1, 2, 4, 1),
-                                             (1, 1, 4, 1, None)])
+                                             (1, 1, 4, 1, None), (2, 1, 2, 1, 1)])
 def test_expert_groups_fold_each_stage_like_megatron_core(t, p, d, e, etp):
     layout = RankLayout.for_world(t * p * d, t, p, expert=e, expert_tensor=etp)
     want = expected(t, p, d, e, etp or t)
@@ -48,6 +50,23 @@ def test_expert_groups_fold_each_stage_like_megatron_core(t, p, d, e, etp):
         for group in layout.expert_groups():
             assert len({layout.coords(r)[0] for r in group}) == 1 and len({layout.coords(r)[2] for r in group}) == 1
     assert layout.degrees().text().startswith(f"t {t}, c 1, e {e},")
+
+
+@pytest.mark.parametrize("t, etp, e, replicas", [(1, None, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, None, 2, 4)])
+def test_a_stage_plan_folds_each_stage_as_equal_stages_do(t, etp, e, replicas):
+    """Equally replicated stages of any sizes: the groups of ``RankLayout`` with as many stages."""
+    plan = StagePlan.parse(f"0:1x{replicas},1:4x{replicas}")
+    layout, grid = PlanLayout(plan, t, e, etp), RankLayout(t, 2, replicas, e, etp)
+    for groups in ("expert_groups", "expert_tensor_groups", "expert_data_groups"):
+        assert sorted(getattr(layout, groups)()) == sorted(getattr(grid, groups)()), groups
+
+
+def test_unequal_stages_fold_their_own_ranks():
+    """Whole experts below t at e = 1 (each stage's t / etp shares and its replicas hold the same experts)."""
+    layout = PlanLayout(StagePlan.parse("0:2x2,2:4x1"), tensor=2, expert_tensor=1)
+    assert sorted(layout.expert_data_groups()) == [[0, 1, 2, 3], [4, 5]]
+    assert sorted(layout.expert_groups()) == [[rank] for rank in range(6)]
+    assert sorted(layout.expert_tensor_groups()) == [[rank] for rank in range(6)]
 
 
 def parsed(*flags: str, world: int = 2):
@@ -70,11 +89,12 @@ def test_expert_sizes_parse_into_the_parallel_config():
     (("--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "4"), 4,
      r"^--expert-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4: each group of that many "
      r"tensor ranks shares a tensor group's tokens between its experts; use a divisor of it\.$"),
-    (("--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"), 2,
-     r"^--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 needs --expert-model-parallel-size "
-     r"above 1"),
     (("--pipeline-stages", "0:2x1,2:4x1", "--expert-model-parallel-size", "2"), 2,
-     r"^--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one\.$"),
+     r"^--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 does not divide the 1 ranks of a pipeline "
+     r"stage"),
+    (("--pipeline-stages", "0:2x2,2:4x1", "--pipeline-schedule", "pipedream", "--expert-model-parallel-size", "2"), 3,
+     r"^--pipeline-stages 0:2x2,2:4x1 replicates its stages unequally, and 1F1B-RR's replicas of a stage run "
+     r"different microbatches at different times"),
 ])
 def test_bad_expert_degrees_are_one_sentence(flags, world, message):
     with pytest.raises(ConfigError, match=message):

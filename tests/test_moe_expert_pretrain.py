@@ -1,7 +1,9 @@
 """pretrain_gpt.py with the experts split over 2 expert ranks, composed with 2 expert-data-parallel replicas
 (sharded weights, recomputation), with tensor and sequence parallelism, at t = 2 with whole experts (expert-tensor
-size 1, sharded weights), and with pipeline parallelism under 1F1B, ZB-H1, ZBV and DualPipeV (the zero-bubble ones
-with the experts' weight gradients left for BW; DualPipeV also with --overlap-moe-expert-parallel-comm), logs the
+size 1, sharded weights), with pipeline parallelism under 1F1B, ZB-H1, ZBV and DualPipeV (the zero-bubble ones
+with the experts' weight gradients left for BW; DualPipeV also with --overlap-moe-expert-parallel-comm), and with a
+stage plan of unequal stages (--pipeline-stages; each stage's experts split over its 2 replicas, or over its 2
+context ranks), logs the
 single process's losses (1e-5, no capacity); so does an fp16 run, whose loss scaling skips steps alike on every
 expert rank.
 One single-process run is the reference for every layout."""
@@ -32,17 +34,34 @@ LAYOUTS = {  # on 4 processes; d = 4 / (t x p)
 }
 
 
-def test_expert_parallel_layouts_log_the_single_process_losses(tmp_path):
-    reference = run(TINY + FOUR_LAYERS, cache=tmp_path)
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    """The single process's losses of the four-layer model."""
+    reference = run(TINY + FOUR_LAYERS, cache=tmp_path_factory.mktemp("reference"))
     assert reference.returncode == 0, reference.stderr
-    expected = losses(reference.stdout)
-    assert len(expected) == 6
+    values = losses(reference.stdout)
+    assert len(values) == 6
+    return values
+
+
+def _assert_logs(expected, flags, tmp_path, name):
+    result = run(TINY + FOUR_LAYERS + flags + ["--expert-model-parallel-size", "2"], nproc=4, cache=tmp_path)
+    assert result.returncode == 0, (name, result.stderr)
+    for i, value in losses(result.stdout).items():
+        assert value == pytest.approx(expected[i], rel=1e-5), (name, i, value, expected[i])
+    assert len(losses(result.stdout)) == 6, name
+
+
+def test_expert_parallel_layouts_log_the_single_process_losses(expected, tmp_path):
     for name, flags in LAYOUTS.items():
-        result = run(TINY + FOUR_LAYERS + flags + ["--expert-model-parallel-size", "2"], nproc=4, cache=tmp_path)
-        assert result.returncode == 0, (name, result.stderr)
-        for i, value in losses(result.stdout).items():
-            assert value == pytest.approx(expected[i], rel=1e-5), (name, i, value, expected[i])
-        assert len(losses(result.stdout)) == 6, name
+        _assert_logs(expected, flags, tmp_path, name)
+
+
+def test_a_stage_plan_splits_each_stages_experts_over_its_own_ranks(expected, tmp_path):
+    """Stages of 1 and 3 layers (--pipeline-stages): each stage's MoE layers split their experts over its own 2
+    replicas, or, with each sequence split over 2 context ranks, over those."""
+    _assert_logs(expected, ["--pipeline-stages", "0:1x2,1:4x2"], tmp_path, "plan")
+    _assert_logs(expected, ["--pipeline-stages", "0:1,1:4", "--context-parallel-size", "2"], tmp_path, "plan-c2")
 
 
 def test_fp16_at_two_expert_ranks_logs_the_single_process_losses(tmp_path):

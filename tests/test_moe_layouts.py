@@ -1,11 +1,13 @@
 """MoE models at (t, p, e) = (2, 1, 1), (1, 2, 1) and (1, 1, 2) in a world of 2 ranks, and Mixtral at
-(2, 1, 2) and (1, 2, 2) in a world of 4.
+(2, 1, 2) and (1, 2, 2) in a world of 4, and at t = 2 with whole experts (``--expert-tensor-parallel-size 1``)
+at e = 1 and e = 2 in the world of 2.
 
 The models of ``test_moe_hf.py`` are imported as checkpoints of another layout (t = 2) and loaded at
 each layout: logits equal transformers' within 1e-5 of their scale and greedy generation equals
 ``generate`` token for token. Under t = 2 every tensor rank holds half of each expert's ffn and the
 whole router; at e = 2 each rank holds half of the experts and the tokens travel to them by
-all-to-all. OLMoE's q/k norm over the whole projections needs t = 1, so it runs at t = 1 only.
+all-to-all. With whole experts at t = 2 each tensor rank takes half the tokens (of a decoding step's one
+token per sequence too) to the experts and the halves' outputs are summed. OLMoE's q/k norm over the whole projections needs t = 1, so it runs at t = 1 only.
 
 One 1F1B step of 4 microbatches at p = 2 (an MoE layer on each stage, auxiliary and z losses on)
 moves every weight as single-process gradient accumulation does: the engine gives the losses
@@ -35,22 +37,26 @@ from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {2: ((2, 1, 1), (1, 2, 1), (1, 1, 2)), 4: ((2, 1, 2), (1, 2, 2))}  # by world size
+# (t, p, e, expert-tensor size), by world size; whole experts on each tensor rank (etp = 1) with and without
+# expert parallelism, each tensor rank taking half the tokens: Mixtral shows it
+LAYOUTS = {2: ((2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (2, 1, 1, 1)), 4: ((2, 1, 2, 2), (1, 2, 2, 1))}
 TOKENS = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(2))
 
 
 def _layouts(name: str, world: int):
     if world > 2 and name != "mixtral":  # expert parallelism composed with t or p: one model shows it
         return []
-    return [(t, p, e) for t, p, e in LAYOUTS[world] if not (name == "olmoe" and t > 1)]
+    return [(t, p, e, etp) for t, p, e, etp in LAYOUTS[world]
+            if not (name == "olmoe" and t > 1) and (etp == t or name == "mixtral")]
 
 
 def _layout_checks(rank, world_size, checkpoints):
     out = {}
-    for t, p, e in LAYOUTS[world_size]:
-        ps = ParallelState.initialize(t, p, expert=e)
+    for layout in LAYOUTS[world_size]:
+        t, p, e, etp = layout
+        ps = ParallelState.initialize(t, p, expert=e, expert_tensor=etp)
         for name, directory in checkpoints.items():
-            if (t, p, e) not in _layouts(name, world_size):
+            if layout not in _layouts(name, world_size):
                 continue
             config = Common.read(find_checkpoint(directory)).model_config
             chunk = build_model_chunks("gpt", config, ps)[0].eval()
@@ -58,9 +64,9 @@ def _layout_checks(rank, world_size, checkpoints):
             with torch.no_grad():
                 logits = pipeline_logits(chunk, ps, config, TOKENS)
             if logits is not None and ps.tp_rank == 0:
-                out[("logits", name, t, p, e)] = logits[..., :VOCAB]
+                out[("logits", name, layout)] = logits[..., :VOCAB]
             greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
-            out[("greedy", name, t, p, e, rank)] = generate([chunk], ps, config, prompts(), greedy, padding="left")
+            out[("greedy", name, layout, rank)] = generate([chunk], ps, config, prompts(), greedy, padding="left")
         dist.barrier()
     if world_size == 2:
         out[("step", rank)] = _pipelined_step_matches_accumulation()
@@ -115,11 +121,11 @@ def test_logits_and_greedy_generation_equal_transformers_at_other_layouts(world,
         expected = models[name](TOKENS).logits
     generated = reference_generation(models[name])
     for size in LAYOUTS:
-        for t, p, e in _layouts(name, size):
-            torch.testing.assert_close(results[("logits", name, t, p, e)], expected, rtol=RTOL,
+        for layout in _layouts(name, size):
+            torch.testing.assert_close(results[("logits", name, layout)], expected, rtol=RTOL,
                                        atol=RTOL * expected.abs().max().item())
             for rank in range(size):
-                assert results[("greedy", name, t, p, e, rank)] == generated, (t, p, e, rank)
+                assert results[("greedy", name, layout, rank)] == generated, (layout, rank)
 
 
 def test_a_pipelined_step_attaches_the_auxiliary_losses_with_the_main_loss_scale(world):

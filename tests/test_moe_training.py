@@ -6,7 +6,9 @@ its loss falls and each log line carries the MoE layer's routing statistics. The
 experts split over 2 tensor ranks logs the same losses (1e-5), and so do runs at t = 2 whose experts are
 whole (``--expert-tensor-parallel-size 1``) and split over 2 expert ranks, with and without sequence
 parallelism, and so does t = 4 with each expert split over 2 tensor ranks (``--expert-tensor-parallel-size 2``)
-and the experts over 2 expert ranks, whose checkpoint holds the single process's weights. Loading the
+and the experts over 2 expert ranks, whose checkpoint holds the single process's weights. At t = 2 with whole
+experts and no expert parallelism (each tensor rank dispatching half the tokens) the losses are the same again,
+and the checkpoint of its third iteration trains on at t = 1 with the single process's losses. Loading a
 checkpoint with another
 ``--num-experts`` stops before training with one sentence naming the flag and both values.
 """
@@ -18,6 +20,7 @@ import torch
 from test_training_cli import TINY, losses, run
 
 from megapipe.checkpointing.offline import read_checkpoint
+from megapipe.checkpointing.paths import LATEST
 
 pytestmark = pytest.mark.system
 
@@ -62,6 +65,19 @@ def test_moe_model_trains_on_any_tensor_size_and_its_checkpoint_names_a_differen
     weights, saved = (read_checkpoint(str(tmp_path / name))[2] for name in ("ckpt", "etp2"))
     for key in (key for key in weights if key.startswith("model/")):
         torch.testing.assert_close(saved[key], weights[key], rtol=0, atol=1e-4)
+
+    # whole experts on each of 2 tensor ranks without expert parallelism, each rank dispatching half the tokens;
+    # its checkpoint of iteration 3 trains on at t = 1 as the single process did
+    whole = tmp_path / "t2-etp1"
+    flags = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--save", str(whole),
+             "--save-interval", "3"]
+    two = run(TINY + MOE + flags, nproc=2, cache=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert losses(two.stdout) == pytest.approx(values, rel=1e-5)
+    (whole / LATEST).write_text("3")
+    resumed = run(TINY + MOE + ["--load", str(whole)], cache=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(resumed.stdout) == pytest.approx({i: values[i] for i in (4, 5, 6)}, rel=1e-5)
 
     other = run(TINY + MOE + ["--num-experts", "8", "--load", str(tmp_path / "ckpt")], cache=tmp_path)
     assert other.returncode == 2

@@ -50,12 +50,18 @@ def test_bad_plan_files(tmp_path):
         read_stage_plan(str(broken))
 
 
-@pytest.mark.parametrize("tensor, stages, copies", [(1, 2, 2), (2, 3, 2), (2, 2, 1), (1, 4, 3)])
-def test_equal_replication_is_the_parallel_pipelines_grid(tensor, stages, copies):
+@pytest.mark.parametrize("tensor, stages, copies, context, hierarchical", [
+    (1, 2, 2, 1, None), (2, 3, 2, 1, None), (2, 2, 1, 1, None), (1, 4, 3, 1, None), (2, 2, 2, 2, None),
+    (1, 2, 1, 4, (2, 2))])
+def test_equal_replication_is_the_parallel_pipelines_grid(tensor, stages, copies, context, hierarchical):
     plan = StagePlan.parse(",".join(f"{s}:{s + 1}x{copies}" for s in range(stages)))
-    layout, grid = PlanLayout(plan, tensor), RankLayout(tensor, stages, copies)
-    for name in ("tensor_groups", "data_groups", "pipeline_groups", "model_parallel_groups", "embedding_groups"):
+    layout = PlanLayout(plan, tensor, context=context, hierarchical=hierarchical)
+    grid = RankLayout(tensor, stages, copies, context=context, hierarchical=hierarchical)
+    assert layout.world_size == grid.world_size
+    for name in ("tensor_groups", "data_groups", "pipeline_groups", "model_parallel_groups", "embedding_groups",
+                 "context_groups", "data_context_groups", "context_a2a_groups", "context_ring_groups"):
         assert sorted(getattr(layout, name)()) == sorted(getattr(grid, name)()), name
+    assert layout.degrees().text() == grid.degrees().text()
 
 
 def test_two_one_layout_with_tensor_parallelism():
@@ -65,6 +71,17 @@ def test_two_one_layout_with_tensor_parallelism():
     assert layout.tensor_groups() == [[0, 1], [2, 3], [4, 5]]
     assert layout.data_groups() == [[0, 2], [1, 3], [4], [5]]
     assert layout.pipeline_groups() == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_two_one_layout_with_context_parallelism():
+    # Each worker is 2 context ranks; 1F1B-RR's pipeline groups hold every worker's rank of one context index.
+    layout = PlanLayout(StagePlan.parse("0:2x2,2:4x1"), context=2)
+    assert layout.world_size == 6
+    assert layout.context_groups() == [[0, 1], [2, 3], [4, 5]]
+    assert layout.data_groups() == [[0, 2], [1, 3], [4], [5]]
+    assert layout.data_context_groups() == [[0, 1, 2, 3], [4, 5]]
+    assert layout.pipeline_groups() == [[0, 2, 4], [1, 3, 5]]
+    assert layout.loss_rank() == 4
 
 
 def test_views_answer_the_same_queries():

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megapipe.checkpointing.megatron_names import fused_name, local_name, model_config
 from megapipe.checkpointing.paths import LATEST, prepare_staging, publish
 from megapipe.config import ModelConfig
+from megapipe.config.moe import moe_layer_pattern
 from megapipe.errors import CheckpointError
 
 LEGACY_FILE = "model_optim_rng.pt"
@@ -204,10 +205,10 @@ def _read_dist(directory: str) -> MegatronCheckpoint:
                               tensors, None, has_optimizer)
 
 
-def _linears(args: argparse.Namespace) -> list[tuple[str, Optional[int]]]:
-    """Megatron-core's linears of a layer, each with its experts (None: one per layer); MoE layers' routed
+def _linears(args: argparse.Namespace, moe: bool) -> list[tuple[str, Optional[int]]]:
+    """Megatron-core's linears of one layer, each with its experts (None: one per layer); an MoE layer's routed
     experts (torch_dist's stacked ``experts.experts``) and shared expert replace the dense MLP's."""
-    if not args.num_experts:
+    if not moe:
         return [(name, None) for name in _ATTENTION_LINEARS + ("mlp.linear_fc1", "mlp.linear_fc2")]
     shared = ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] \
         if args.moe_shared_expert_intermediate_size else []
@@ -215,26 +216,52 @@ def _linears(args: argparse.Namespace) -> list[tuple[str, Optional[int]]]:
             + [(f"mlp.experts.experts.linear_fc{n}", args.num_experts) for n in (1, 2)])
 
 
+def _moe_layers(args: argparse.Namespace) -> tuple[bool, ...]:
+    """Whether each layer of the model ``args`` describe is an MoE layer."""
+    if not args.num_experts:
+        return (False,) * args.num_layers
+    return moe_layer_pattern(getattr(args, "moe_layer_freq", 1), args.num_layers)
+
+
+def _stacked(args: argparse.Namespace) -> bool:
+    """Whether Megatron-core stacks each layer key over all layers: so it does for models whose layers are all
+    alike; one that mixes dense and MoE layers (``moe_layer_freq`` above 1, or a list) keeps one key per layer."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    return isinstance(freq, int) and freq == 1
+
+
+def _extra_state_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of Megatron-core's (empty) extra state of its linears, one object per layer (and expert), in the
+    stacked form (``decoder.layers.{linear}``, sharded over the layers) or one key per layer."""
+    keys, stacked = [], _stacked(args)
+    for i, moe in enumerate(_moe_layers(args)):
+        for module, experts in _linears(args, moe):
+            for j in range(experts or 1):
+                at, of = ([str(j)], [str(experts)]) if experts else ([], [])
+                if stacked:
+                    key, at, of = f"decoder.layers.{module}", [str(i), *at], [str(args.num_layers), *of]
+                else:
+                    key, at, of = f"decoder.layers.{i}.{module}", at or ["0"], of or ["1"]
+                keys.append(f"{key}.{EXTRA_STATE}/shard_{'.'.join(at)}_{'.'.join(of)}")
+    return keys
+
+
 def write_dist(root: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int) -> str:
     """Write ``tensors`` (whole, local-spec names, one key per layer) as a Megatron-core ``torch_dist``
     checkpoint under ``root`` (staged, then renamed into place); returns its iter_* directory."""
     layers: dict[str, list] = {}
     state: dict = {}
+    stacked = _stacked(args)
     for name, value in tensors.items():
         match = _LAYER.match(name)
-        if match:
+        if match and stacked:
             layers.setdefault(fused_name("decoder.layers." + match[2]), []).append((int(match[1]), value))
         else:
             state[fused_name(name)] = value
     for key, rows in layers.items():
         state[key] = torch.stack([value for _, value in sorted(rows, key=lambda row: row[0])])
-    # the (empty) extra state of Megatron-core's linears, one object per layer (and expert), stored as
-    # Megatron-core stores its objects: the list of one key's values
-    for module, experts in _linears(args):
-        for i in range(args.num_layers):
-            for j in range(experts or 1):
-                at, of = (f"{i}.{j}", f"{args.num_layers}.{experts}") if experts else (i, args.num_layers)
-                state[f"decoder.layers.{module}.{EXTRA_STATE}/shard_{at}_{of}"] = [None]
+    # stored as Megatron-core stores its objects: the list of one key's values
+    state.update({key: [None] for key in _extra_state_keys(args)})
     if args.untie_embeddings_and_output_weights:
         state[f"output_layer.{EXTRA_STATE}/shard_0_1"] = [None]
     os.makedirs(root, exist_ok=True)

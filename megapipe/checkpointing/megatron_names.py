@@ -196,16 +196,13 @@ def megatron_args(config: ModelConfig) -> argparse.Namespace:
 
 def _moe_args(config: ModelConfig) -> dict:
     """Megatron's MoE arguments of ``config`` (``num_experts`` None for a dense model): the ``--moe-*`` flags of
-    the same names. Megatron's torch_dist stacks each key over all layers, so a model mixing dense and MoE
-    layers has gaps there that megapipe's writer does not write; it is refused."""
+    the same names; ``moe_layer_freq`` an int or, as Megatron-LM parses ``--moe-layer-freq [1,0,...]``, a list."""
     if config.num_experts is None:
         return {"num_experts": None}
-    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
-        raise CheckpointError(f"export-megatron writes MoE models whose every layer is an MoE layer, and this one "
-                              f"mixes dense layers in (--moe-layer-freq {config.moe_layer_freq}); export it with "
-                              "export-hf instead.")
+    freq = config.moe_layer_freq
     return dict({name: getattr(config, name) for name in _MOE_ARGS}, num_experts=config.num_experts,
-                moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_layer_freq=1)
+                moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                moe_layer_freq=freq if isinstance(freq, int) else list(freq))
 
 
 def _pairs(config: ModelConfig):

@@ -99,8 +99,10 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         data, pipeline, replicas = layout.data, par.pipeline, None
     else:
         par.validate(world_size, config.model.num_layers)
-        config.model.validate(par.tensor)  # stages need not hold equal numbers of layers
-        layout = PlanLayout(plan, par.tensor)
+        config.model.validate(par.tensor, expert_parallel=par.expert)  # stages need not hold equal numbers of layers
+        layout = PlanLayout(plan, par.tensor, par.expert, par.expert_tensor, par.context_parallel_size,
+                            par.hierarchical_context_parallel_sizes)
+        layout.folds()  # checks the experts' degrees against each stage's ranks
         data, pipeline, replicas = layout.data_size, layout.pipeline_size, layout.stage_replicas
     config.optimizer.validate()
     config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)

@@ -305,11 +305,6 @@ class ParallelConfig:
             raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} does not divide "
                               f"--tensor-model-parallel-size {self.tensor}: each group of that many tensor ranks "
                               "shares a tensor group's tokens between its experts; use a divisor of it.")
-        if self.expert_tensor is not None and self.expert_tensor < self.tensor and self.expert == 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} below --tensor-model-parallel-size "
-                              f"{self.tensor} needs --expert-model-parallel-size above 1 (else every share of the "
-                              "tensor group holds every expert); raise the expert size or drop "
-                              "--expert-tensor-parallel-size.")
         check_comm_type(self.context_parallel_size, self.cp_comm_type, self.hierarchical_context_parallel_sizes)
         if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
@@ -318,10 +313,11 @@ class ParallelConfig:
         plan = self.stage_plan()
         if plan is None:
             return
-        if self.expert > 1:
-            raise ConfigError("--pipeline-stages cannot be combined with --expert-model-parallel-size yet; drop one.")
-        if self.context_parallel_size > 1:
-            raise ConfigError("--pipeline-stages cannot be combined with --context-parallel-size yet; drop one.")
+        if self.expert > 1 and plan.equal_replication is None:
+            raise ConfigError(f"--pipeline-stages {plan.to_text()} replicates its stages unequally, and 1F1B-RR's "
+                              "replicas of a stage run different microbatches at different times, so an expert "
+                              "group across them would wait on the others' all-to-alls; replicate every stage "
+                              "equally or drop --expert-model-parallel-size.")
         if self.virtual_pipeline > 1:
             raise ConfigError("--pipeline-stages cannot be combined with virtual pipeline stages; drop "
                               "--num-layers-per-virtual-pipeline-stage or the plan.")
@@ -333,7 +329,7 @@ class ParallelConfig:
                               "--pipeline-schedule pipedream (1F1B-RR) can run; use it or replicate every stage "
                               "equally.")
         if num_layers is not None:
-            plan.validate(num_layers, world_size, self.tensor)
+            plan.validate(num_layers, world_size, self.tensor, self.context_parallel_size)
 
     def stage_plan(self) -> Optional["StagePlan"]:
         """The plan ``pipeline_stages`` names, or None."""

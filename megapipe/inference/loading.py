@@ -1,8 +1,10 @@
-"""A checkpoint loaded for inference on this process's part of a (t, p, e) layout, with its tokenizer."""
+"""A checkpoint loaded for inference on this process's part of a (t, p, e) layout (experts split over any
+expert-tensor size that divides t), with its tokenizer."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,9 +16,11 @@ from megapipe.checkpointing.paths import find_checkpoint
 from megapipe.checkpointing.tokenizer_files import read_tokenizer
 from megapipe.data.tokenizer import Tokenizer
 from megapipe.data.tokenizer.flags import add_tokenizer_arguments, tokenizer_from_args
-from megapipe.parallel.launch import init_distributed
+from megapipe.config import ParallelConfig
 from megapipe.errors import CheckpointError, ConfigError
+from megapipe.layout.ranks import RankLayout
 from megapipe.models import build_model_chunks
+from megapipe.parallel.launch import init_distributed
 from megapipe.parallel.state import ParallelState
 
 
@@ -38,6 +42,10 @@ def layout_flags(parser: argparse.ArgumentParser) -> None:
                         help="training's only: generation refuses any value but 1 (a checkpoint loads at any)")
     parser.add_argument("--expert-model-parallel-size", type=int, default=1,
                         help="ranks each MoE layer's experts are split over (it must divide --num-experts)")
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="ranks each expert's ffn dimension is split over: --tensor-model-parallel-size (the "
+                             "default) or a divisor of it, each group of that many tensor ranks taking its share of "
+                             "the tokens (docs/moe.md)")
     add_tokenizer_arguments(parser, required=False)
 
 
@@ -86,11 +94,13 @@ def load_for_inference(args: argparse.Namespace, reads_text: Optional[str] = Non
     tokenizer = _tokenizer(args, directory, common, config.vocab_size)
     if reads_text and tokenizer is None:
         raise _missing_tokenizer(directory, reads_text)
-    config.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    expert_parallel=args.expert_model_parallel_size)
+    t, p, e, etp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    ParallelConfig(tensor=t, pipeline=p, expert=e, expert_tensor=etp).validate()
+    config.validate(t, p, expert_parallel=e)
+    RankLayout.for_world(int(os.environ.get("WORLD_SIZE", "1")), t, p, expert=e, expert_tensor=etp)
     device = init_distributed()
-    ps = ParallelState.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                  expert=args.expert_model_parallel_size)
+    ps = ParallelState.initialize(t, p, expert=e, expert_tensor=etp)
     chunks = build_model_chunks("gpt", config, ps, device=device)
     load_weights(args.load, "gpt", chunks, ps, config)
     torch.set_grad_enabled(False)

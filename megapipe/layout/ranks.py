@@ -127,18 +127,10 @@ class RankLayout:
         return self._groups("context", "data")
 
     def context_a2a_groups(self) -> list[list[int]]:
-        """a2a+p2p: each context group cut into runs of the all-to-all size of consecutive context ranks."""
-        if self.hierarchical is None:
-            return []
-        size = self.hierarchical[0]
-        return [group[i:i + size] for group in self.context_groups() for i in range(0, self.context, size)]
+        return context_a2a_groups(self.context_groups(), self.hierarchical)
 
     def context_ring_groups(self) -> list[list[int]]:
-        """a2a+p2p: the ranks at the same position of every all-to-all group of a context group."""
-        if self.hierarchical is None:
-            return []
-        size = self.hierarchical[0]
-        return [group[i::size] for group in self.context_groups() for i in range(size)]
+        return context_ring_groups(self.context_groups(), self.hierarchical)
 
     def pipeline_groups(self) -> list[list[int]]:
         return self._groups("pipeline")
@@ -163,3 +155,19 @@ class RankLayout:
 
     def expert_data_groups(self) -> list[list[int]]:
         return [g for first in self._stage_firsts() for g in self.fold.expert_data_groups(first)]
+
+
+def context_a2a_groups(context_groups: list[list[int]], hierarchical: Optional[tuple[int, ...]]) -> list[list[int]]:
+    """a2a+p2p: each context group cut into runs of the all-to-all size of consecutive context ranks."""
+    if hierarchical is None:
+        return []
+    size = hierarchical[0]
+    return [group[i:i + size] for group in context_groups for i in range(0, len(group), size)]
+
+
+def context_ring_groups(context_groups: list[list[int]], hierarchical: Optional[tuple[int, ...]]) -> list[list[int]]:
+    """a2a+p2p: the ranks at the same position of every all-to-all group of a context group."""
+    if hierarchical is None:
+        return []
+    size = hierarchical[0]
+    return [group[i::size] for group in context_groups for i in range(size)]

@@ -98,9 +98,9 @@ class StagePlan:
                                   "start:end with start < end.")
         return cls(stages)
 
-    def validate(self, num_layers: int, world_size: Optional[int] = None, tensor: int = 1) -> None:
+    def validate(self, num_layers: int, world_size: Optional[int] = None, tensor: int = 1, context: int = 1) -> None:
         """The stages must cover layers 0 .. num_layers - 1 in order, each exactly once, and the
-        replicas times the tensor size must equal the world size."""
+        replicas times the tensor and context sizes must equal the world size."""
         expected = 0
         for stage in self.stages:
             if stage.layer_start > expected:
@@ -114,10 +114,11 @@ class StagePlan:
             what = (f"leaves layers {expected}..{num_layers - 1} unassigned" if expected < num_layers else
                     f"names layers up to {expected - 1}, but --num-layers is {num_layers}")
             raise ConfigError(f"{FLAG} {what}; the last stage must end at layer {num_layers}.")
-        if world_size is not None and self.workers * tensor != world_size:
+        if world_size is not None and self.workers * tensor * context != world_size:
+            cp = f" x --context-parallel-size {context}" if context > 1 else ""
             raise ConfigError(f"{FLAG} replicas add up to {self.workers} workers x --tensor-model-parallel-size "
-                              f"{tensor} = {self.workers * tensor} processes, but the world has {world_size}; "
-                              "change the replicas or the number of processes.")
+                              f"{tensor}{cp} = {self.workers * tensor * context} processes, but the world has "
+                              f"{world_size}; change the replicas or the number of processes.")
 
 
 def layers_per_stage(num_layers: int, num_stages: int) -> int:

@@ -201,7 +201,9 @@ class GradSync:
                 or (self.ps.tp_size > 1 and getattr(param, "sequence_parallel", False)))
 
     def _is_expert(self, param: torch.Tensor) -> bool:
-        return self.ps.ep_size > 1 and is_expert_parallel(param)
+        """Experts sit apart when their copies differ from the dense layers': split over expert ranks, or
+        below t, where every share of the tensor group holds (and gives gradients to) the same experts."""
+        return is_expert_parallel(param) and (self.ps.ep_size > 1 or self.ps.etp_size < self.ps.tp_size)
 
     def _size(self, experts: bool) -> int:
         """Ranks a bucket's collectives run over: the expert-data-parallel group for experts, else the data one."""

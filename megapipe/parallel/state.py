@@ -384,13 +384,20 @@ class ParallelState:
         return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 
-def initialize_plan_state(plan: StagePlan, tensor: int = 1,
-                          timeout: Optional[datetime.timedelta] = None) -> ParallelState:
-    """The ParallelState of this process under ``plan``; all ranks must call it (collective)."""
+def initialize_plan_state(plan: StagePlan, tensor: int = 1, timeout: Optional[datetime.timedelta] = None,
+                          expert: int = 1, expert_tensor: Optional[int] = None, context: int = 1,
+                          cp_comm_type: str = "p2p",
+                          hierarchical_context: Optional[tuple[int, ...]] = None) -> ParallelState:
+    """The ParallelState of this process under ``plan``, each worker's sequences split over ``context`` ranks and
+    each stage's experts over ``expert`` of its ranks; all ranks must call it (collective)."""
     if not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
                           "first or launch with torchrun.")
-    layout = PlanLayout(plan, tensor)
+    check_comm_type(context, cp_comm_type, hierarchical_context)
+    layout = PlanLayout(plan, tensor, expert, expert_tensor, context,
+                        None if hierarchical_context is None else tuple(hierarchical_context))
+    layout.folds()  # checks the experts' degrees
     if layout.world_size != dist.get_world_size():
-        plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor)
-    return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout)
+        plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor, context)
+    return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout,
+                               cp_comm_type=cp_comm_type)

@@ -72,7 +72,10 @@ class Trainer:
                                                cp_comm_type=par.cp_comm_type,
                                                hierarchical_context=par.hierarchical_context_parallel_sizes)
         else:
-            self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout)
+            self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout, expert=par.expert,
+                                            expert_tensor=par.expert_tensor, context=par.context_parallel_size,
+                                            cp_comm_type=par.cp_comm_type,
+                                            hierarchical_context=par.hierarchical_context_parallel_sizes)
         eval_samples = t.eval_iters * t.global_batch_size
         self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
                                                              eval_samples, eval_samples))
