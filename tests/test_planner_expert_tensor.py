@@ -59,3 +59,25 @@ def test_the_command_carries_the_expert_tensor_size():
     assert (parallel.tensor, parallel.expert, parallel.expert_tensor) == (2, 2, 1)
     assert "--expert-tensor-parallel-size" not in torchrun_command(dataclasses.replace(estimate, layout=WHOLE), MOE,
                                                                    small_cluster(nodes=1), 8)
+
+
+def test_below_t_without_expert_parallelism_each_tensor_share_holds_whole_experts():
+    """t = 2, etp = 1, e = 1: no all-to-all, every rank holds all of every expert (twice etp = t's half), and
+    the experts' gradients are all-reduced over the four ranks t x d that hold them, after the rest over d (one
+    more collective's latency)."""
+    profile, cluster, training = moe_profile(), small_cluster(), Training(8)
+    model = PlanCostModel(profile, cluster, training)
+    dense_like = Layout(2, 1, 2, B, "1f1b")
+    whole, split = model.estimate(dense_like), model.estimate(dataclasses.replace(dense_like, expert_tensor=1))
+    assert whole.expert_comm_time == split.expert_comm_time == 0
+    experts = MOE.expert_params_per_block * MOE.num_layers
+    per_param = profile.element_bytes + training.grad_bytes_per_param + training.optimizer_bytes(2)
+    assert split.memory - whole.memory == pytest.approx((experts - experts / 2) * per_param)
+    link, grad = cluster.link([0, 1]), training.grad_bytes_per_param
+    moved = (collective_time("all_reduce", experts * grad, 4, link)
+             - collective_time("all_reduce", experts / 2 * grad, 2, link) + 2 * link.reduce_latency)
+    assert split.data_comm_time - whole.data_comm_time == pytest.approx(moved)
+    command = torchrun_command(split, MOE, small_cluster(nodes=1), 8)
+    words = shlex.split(command)
+    parallel = parse_config("gpt", words[words.index("pretrain_gpt.py") + 1:], world_size=4).parallel
+    assert (parallel.tensor, parallel.expert, parallel.expert_tensor) == (2, 1, 1)

@@ -51,12 +51,11 @@ def pairs_accepted(schedule: str, p: int, m: int, v: int) -> bool:
 
 def with_expert_sizes(layouts, experts: int, batch: int) -> set:
     """Each layout at every e dividing the experts and every expert-tensor size etp dividing t with etp x e
-    dividing t x d (etp below t only at e > 1, etp = t written None), and again with the expert all-to-alls
+    dividing t x d (etp = t written None), and again with the expert all-to-alls
     overlapped where the flag accepts it."""
     sized = {dataclasses.replace(layout, expert=e, expert_tensor=None if etp == layout.tensor else etp)
              for layout in layouts for e in range(1, experts + 1) for etp in range(1, layout.tensor + 1)
-             if experts % e == 0 and layout.tensor % etp == 0 and (layout.tensor * layout.data) % (etp * e) == 0
-             and (e > 1 or etp == layout.tensor)}
+             if experts % e == 0 and layout.tensor % etp == 0 and (layout.tensor * layout.data) % (etp * e) == 0}
     return sized | {dataclasses.replace(layout, overlap_moe_comm=True) for layout in sized
                     if overlap_accepted(layout, batch)}
 

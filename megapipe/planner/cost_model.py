@@ -321,9 +321,10 @@ class PlanCostModel:
         e = layout.expert
         # per MoE block: one all-to-all; the experts' parameters held, and as the profile splits them (1/t)
         exchange, expert_params, experts_at_t = 0.0, 0.0, 0.0
-        if e > 1:  # at e = 1 the experts are data-parallel like the rest and need no exchange
+        if e > 1:  # at e = 1 no exchange: each rank's tokens stay with its own copy of every expert
             exchange = all_to_all_time(self.routed_token_bytes(layout),
                                        e, self.expert_links(t, p, layout.data, e, c, layout.expert_tensor)[0])
+        if e > 1 or layout.etp < t:  # experts held otherwise than the dense layers
             expert_params = shape.expert_params_per_block / layout.etp / e
             experts_at_t = shape.expert_params_per_block / t
         message_split = t if self.training.scatter_gather else 1
@@ -378,7 +379,7 @@ class PlanCostModel:
         backend = self.cluster.backend
         # the dense parameters over the data-x-context group, the experts' over their expert-data group
         groups = [(params - loads.expert_params, d * c, data_link)]
-        if layout.expert > 1:  # one after the other
+        if layout.expert > 1 or layout.etp < t:  # one after the other
             groups.append((loads.expert_params, layout.expert_data,
                            self.expert_links(t, p, d, layout.expert, c, layout.expert_tensor)[1]))
 

@@ -6,8 +6,8 @@ schedule, the number of chunks v and, for an MoE model, the expert-parallel size
 Every layout that uses all N devices, divides the model (heads and width by t, layers by p v)
 and the global batch B (by d b, so m = B / (d b) microbatches per pipeline) and suits its
 schedule is estimated, at every e that divides the experts and every expert-tensor size etp dividing t
-with etp x e dividing t x c x d (Megatron-core's rule, ``megapipe.layout.experts``; etp below t only at
-e > 1); dense models keep e = 1.
+with etp x e dividing t x c x d (Megatron-core's rule, ``megapipe.layout.experts``); dense models keep
+e = 1.
 At e > 1 without recomputation a layout is estimated with ``--overlap-moe-expert-parallel-comm`` off and,
 where its schedule has pairs the flag accepts (``schedule_costs.overlapped``), on. Those that fit in
 device memory are ranked by predicted throughput.
@@ -76,12 +76,12 @@ def _divisors(n: int) -> list[int]:
 
 def expert_sizes(shape: ModelShape, tensor: int, data: int) -> list[tuple[int, Optional[int]]]:
     """The (e, etp) a stage of t x ``data`` ranks (data-parallel x context replicas) allows, as the parallel
-    config and ``megapipe.layout.experts`` do: e divides the experts, etp divides t, etp x e divides t x c x d,
-    and etp below t needs e above 1. etp = t is written None (Megatron's default, no flag)."""
+    config and ``megapipe.layout.experts`` do: e divides the experts, etp divides t, etp x e divides t x c x d
+    (below t at e = 1 each tensor share holds whole experts for its share of the tokens). etp = t is written None (Megatron's default, no flag)."""
     if not shape.is_moe:
         return [(1, None)]
     return [(e, None if etp == tensor else etp) for e in _divisors(shape.num_experts) for etp in _divisors(tensor)
-            if (tensor * data) % (etp * e) == 0 and (e > 1 or etp == tensor)]
+            if (tensor * data) % (etp * e) == 0]
 
 
 def model_splits(shape: ModelShape, devices: int, context: int = 1) -> Iterator[tuple[int, int, int]]:

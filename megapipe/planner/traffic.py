@@ -157,7 +157,7 @@ def cross_node_traffic(inputs: TrafficInputs, node_of: Callable[[int], int], bac
 
     data = 0.0  # gradients are reduced over the data-x-context ranks, the experts' over their expert-data ranks
     data_crossings = _crossings_per_stage(layout, "data_context", node_of)
-    expert_crossings = _crossings_per_stage(layout, "expert_data", node_of) if inputs.expert > 1 else (0,) * p
+    expert_crossings = _crossings_per_stage(layout, "expert_data", node_of)
     for pi in range(p):
         experts = inputs.rank_expert_params[pi] if inputs.rank_expert_params else 0.0
         data += data_crossings[pi] * _reduction_link_bytes(inputs, inputs.rank_params[pi] - experts, d * c, backend)
