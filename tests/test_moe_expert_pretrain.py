@@ -52,9 +52,9 @@ def _assert_logs(expected, flags, tmp_path, name):
     assert len(losses(result.stdout)) == 6, name
 
 
-def test_expert_parallel_layouts_log_the_single_process_losses(expected, tmp_path):
-    for name, flags in LAYOUTS.items():
-        _assert_logs(expected, flags, tmp_path, name)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_layouts_log_the_single_process_losses(expected, tmp_path, name):
+    _assert_logs(expected, LAYOUTS[name], tmp_path, name)
 
 
 def test_a_stage_plan_splits_each_stages_experts_over_its_own_ranks(expected, tmp_path):
