@@ -61,8 +61,8 @@ def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, 
             dist.destroy_process_group()
 
 
-def _context():
-    """Processes forked from a server that has imported torch: each rank starts in a tenth of a second
+def preloaded_context():
+    """Processes forked from a server that has imported torch (the worlds here, ``forked.py``'s scripts): each rank starts in a tenth of a second
     instead of importing torch again (about a second of CPU each), and of torch._dynamo (about as
     long again; the first optimizer step imports it, and megapipe imports it before a process group
     exists, ``parallel/launch.py``). The server imports and computes nothing else, so no thread pool
@@ -83,7 +83,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     Returns the per-rank return values (they must be picklable). Raises
     ``DistributedFailure`` with the first failing rank's traceback, or on timeout.
     """
-    ctx = _context()
+    ctx = preloaded_context()
     results = ctx.Queue()
     # the parent holds the rendezvous store on a port the system picks, so no other process can
     # take the port between choosing and binding it (ranks connect to it as clients)
