@@ -1,4 +1,6 @@
-"""The training entry points, run as users run them (subprocesses: plain python and torchrun)."""
+"""The training entry points, run as users run them: torchrun, and ``python pretrain_gpt.py`` (the script as
+``__main__`` with its flags, mostly in a process forked from a server that has imported torch, which starts
+seconds sooner than a new interpreter: ``megapipe.testing.forked``)."""
 
 import os
 import subprocess
@@ -8,6 +10,7 @@ import matplotlib.image
 import pytest
 
 from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.testing.forked import run_script
 from megapipe.training.logger import losses_in_log
 from launch_helpers import REPO as ROOT
 
@@ -21,11 +24,15 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr", "3e-3", "--lr-warmup-iters", "0"]
 
 
-def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py"):
+def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py", forked=False):
+    """The script on ``nproc`` ranks under torchrun, or as one process: a new interpreter, or with ``forked`` one
+    forked from a server that has imported torch (``megapipe.testing.forked``: seconds less to start)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     if cache:
         env["MEGAPIPE_CACHE"] = str(cache)
     env.update(env_extra or {})
+    if forked:
+        return run_script([os.path.join(ROOT, script)] + args, env, ROOT, timeout)
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + [os.path.join(ROOT, script)] + args, capture_output=True,
@@ -55,7 +62,7 @@ def losses(output: str, name: str = "lm loss") -> dict[int, float]:
     (["--pipeline-schedule", "auto", "--schedule-profile", "none.json"], "profile none.json does not exist"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
-    result = run(args, timeout=120, cache=tmp_path)
+    result = run(args, timeout=120, cache=tmp_path, forked=True)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
@@ -70,7 +77,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
     (``--record-timeline``): every forward and backward of both pipeline ranks, which
     ``tools/plot_schedule.py --timeline`` draws.
     """
-    single = run(TINY, cache=tmp_path)
+    single = run(TINY, cache=tmp_path, forked=True)
     assert single.returncode == 0, single.stderr
     timeline = tmp_path / "run.timeline.json"
     parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -92,7 +99,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    result = run(TINY + ["--bf16"], cache=tmp_path)
+    result = run(TINY + ["--bf16"], cache=tmp_path, forked=True)
     assert result.returncode == 0, result.stderr
     values = losses(result.stdout)
     assert len(values) == 6 and values[6] < values[1]

@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import threading
 from typing import Optional
 
 from megapipe.testing.worlds import preloaded_context
 
 
-def _run_script(argv: list[str], environ: dict, cwd: str, output) -> None:
-    """In the forked process: become the script's own session with its output on the pipe, then run it."""
+def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> None:
+    """In the forked process: become the script's own session with its output and errors on the pipes
+    (``errors`` None: on the output's), then run it."""
     os.setsid()
     os.dup2(output.fileno(), 1)
-    os.dup2(output.fileno(), 2)
-    output.close()
+    os.dup2((errors or output).fileno(), 2)
+    for pipe in (output, errors):
+        if pipe is not None:
+            pipe.close()
     os.environ.clear()  # the caller's environment, not the server's from when it started
     os.environ.update(environ)
     os.chdir(cwd)
@@ -38,19 +43,23 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output) -> None:
 
 
 class ForkedProcess:
-    """``subprocess.Popen``'s view of a forked script (``pid``, ``stdout`` as text lines, ``poll``, ``wait``,
-    ``returncode``), output and errors merged as with ``stderr=STDOUT``."""
+    """``subprocess.Popen``'s view of a forked script (``pid``, ``stdout`` and ``stderr`` as text, ``poll``,
+    ``wait``, ``returncode``); with ``merge_errors`` its errors come on ``stdout``, as with ``stderr=STDOUT``."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: str):
+    def __init__(self, argv: list[str], env: dict, cwd: str, merge_errors: bool = True):
         self.args = argv
         context = preloaded_context()
-        reader, writer = context.Pipe(duplex=False)
-        self._process = context.Process(target=_run_script, args=(argv, env, cwd, writer), daemon=True)
+        pipes = [context.Pipe(duplex=False) for _ in range(1 if merge_errors else 2)]
+        writers = [writer for _, writer in pipes] + [None] * merge_errors
+        self._process = context.Process(target=_run_script, args=(argv, env, cwd, *writers), daemon=True)
         self._process.start()
-        writer.close()  # the child holds the only write end: the pipe ends when it does
         self.pid = self._process.pid
-        self.stdout = os.fdopen(os.dup(reader.fileno()), "r")
-        reader.close()
+        readers = []
+        for reader, writer in pipes:
+            writer.close()  # the child holds the only write end: the pipe ends when it does
+            readers.append(os.fdopen(os.dup(reader.fileno()), "r"))
+            reader.close()
+        self.stdout, self.stderr = readers if len(readers) == 2 else (readers[0], None)
 
     @property
     def returncode(self) -> Optional[int]:
@@ -59,8 +68,39 @@ class ForkedProcess:
     def poll(self) -> Optional[int]:
         return self._process.exitcode
 
+    def kill(self) -> None:
+        """SIGKILL to the script's process group (to the process alone before it has made its session), waited for."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                os.kill(self.pid, signal.SIGKILL)
+        self._process.join(10)
+
     def wait(self, timeout: Optional[float] = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
+
+
+def run_script(argv: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout)`` with the script forked;
+    past ``timeout`` its process group is killed and ``subprocess.TimeoutExpired`` raised."""
+    process = ForkedProcess(argv, env, cwd, merge_errors=False)
+    texts: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda name=name, pipe=pipe: texts.update({name: pipe.read()}), daemon=True)
+               for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))]
+    for reader in readers:
+        reader.start()
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    finally:
+        for reader in readers:
+            reader.join(10)
+        process.stdout.close()
+        process.stderr.close()
+    return subprocess.CompletedProcess([sys.executable, *argv], code, texts.get("stdout", ""), texts.get("stderr", ""))
