@@ -12,6 +12,7 @@ script that relies on them is started as a new interpreter instead.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import runpy
 import signal
@@ -35,6 +36,7 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> Non
     os.environ.clear()  # the caller's environment, not the server's from when it started
     os.environ.update(environ)
     os.chdir(cwd)
+    multiprocessing.current_process().daemon = False  # the script may start processes of its own, as when run directly
     import torch
 
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
