@@ -42,8 +42,9 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
 class Job:
     """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
     each is killed as a process group on ``close``. With ``forked``, each command ``[python, script, *args]``
-    runs its script in a process forked from a server that has imported torch (``megapipe.testing.forked``),
-    which starts in a fraction of a second instead of seconds."""
+    (or ``[python, -m, module, *args]``: torchrun) runs in a process forked from a server that has imported
+    torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds; the
+    processes it starts itself (torchrun's workers) are new interpreters as always."""
 
     def __init__(self, *commands: list[str], forked: bool = False):
         env = dict(os.environ, OMP_NUM_THREADS="1")

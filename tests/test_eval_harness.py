@@ -1,6 +1,6 @@
 """``tools/eval_harness.py`` runs lm-evaluation-harness on the repository's local tasks
-(examples/eval_tasks) as users run it, plain (the script forked from a server that has imported torch,
-``megapipe.testing.forked``) and under torchrun.
+(examples/eval_tasks) as users run it, plain and under torchrun (the script, or torchrun, forked from a
+server that has imported torch: ``megapipe.testing.forked``).
 
 A GPT-2 with random weights (spread wide, so no near-tie decides a greedy token) is imported and
 read with megapipe's byte-level tokenizer: at (t, p) = (2, 2) every example's log-likelihoods are
@@ -35,7 +35,7 @@ def evaluate(checkpoint, output, *flags, nproc=None):
     """The tool's run (from the repository root, as the task files expect) and its JSON results; its
     processes are killed as a group if it outlives its deadline."""
     argv = [TOOL, "--load", str(checkpoint), *TASKS, "--output-path", str(output), *flags]
-    job = Job([sys.executable, *argv], forked=True) if nproc is None else Job(standalone(nproc, argv))
+    job = Job([sys.executable, *argv] if nproc is None else standalone(nproc, argv), forked=True)
     try:
         code = job.finish(240)
     finally:

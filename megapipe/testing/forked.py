@@ -1,5 +1,5 @@
-"""A Python script run as ``__main__`` in a process of its own, forked from the server of ``worlds.py`` that has
-already imported torch, instead of in a new interpreter.
+"""A Python script (or ``-m module``) run as ``__main__`` in a process of its own, forked from the server of
+``worlds.py`` that has already imported torch, instead of in a new interpreter.
 
 A new interpreter spends about three seconds of CPU importing torch (and ``torch._dynamo``) before the
 script's first line; tests that start a script many times (to kill it at random moments and start it
@@ -40,8 +40,12 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> Non
     import torch
 
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
+    if argv[0] == "-m":  # python -m module args: sys.argv[0] becomes the module's path, as Python's -m does
+        sys.argv = list(argv[1:])
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 class ForkedProcess:
