@@ -66,9 +66,9 @@ def preloaded_context():
     each starts in a tenth of a second instead of importing torch again (about a second of CPU each), and
     torch._dynamo (about as long again; the first optimizer step imports it, and megapipe imports it
     before a process group exists, ``parallel/launch.py``), and the Trainer's and torchrun's modules (a
-    quarter of a second more each; ``MEGAPIPE_TIMEOUT``, the one variable a module of megapipe reads when imported, is the
-    server's). The server imports and computes nothing else, so no thread pool is forked (what makes
-    plain ``fork`` unsafe here)."""
+    quarter of a second more each; ``MEGAPIPE_TIMEOUT``, the one variable a module of megapipe reads
+    when imported, is the server's). The server imports and computes nothing else, so no thread pool
+    is forked (what makes plain ``fork`` unsafe here)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megapipe.training.trainer",
                                 "torch.distributed.run"])
