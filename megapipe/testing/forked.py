@@ -40,10 +40,12 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> Non
     import torch
 
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
-    if argv[0] == "-m":  # python -m module args: sys.argv[0] becomes the module's path, as Python's -m does
+    if argv[0] == "-m":  # as Python's -m: the working directory first on sys.path, argv[0] the module's path
+        sys.path.insert(0, os.getcwd())
         sys.argv = list(argv[1:])
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
+    else:  # as Python's script: its directory first on sys.path
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
 
@@ -90,13 +92,16 @@ class ForkedProcess:
         return self._process.exitcode
 
 
-def run_script(argv: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    """``subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout)`` with the script forked;
-    past ``timeout`` its process group is killed and ``subprocess.TimeoutExpired`` raised."""
-    process = ForkedProcess(argv, env, cwd, merge_errors=False)
+def run_script(argv: list[str], env: dict, cwd: str, timeout: float,
+               merge_errors: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout)`` with the script forked
+    (with ``merge_errors``, ``stderr=STDOUT`` instead); past ``timeout`` its process group is killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    process = ForkedProcess(argv, env, cwd, merge_errors)
     texts: dict[str, str] = {}
+    pipes = (("stdout", process.stdout),) + ((("stderr", process.stderr),) if process.stderr else ())
     readers = [threading.Thread(target=lambda name=name, pipe=pipe: texts.update({name: pipe.read()}), daemon=True)
-               for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))]
+               for name, pipe in pipes]
     for reader in readers:
         reader.start()
     try:
@@ -107,6 +112,6 @@ def run_script(argv: list[str], env: dict, cwd: str, timeout: float) -> subproce
     finally:
         for reader in readers:
             reader.join(10)
-        process.stdout.close()
-        process.stderr.close()
+        for _, pipe in pipes:
+            pipe.close()
     return subprocess.CompletedProcess([sys.executable, *argv], code, texts.get("stdout", ""), texts.get("stderr", ""))
