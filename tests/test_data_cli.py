@@ -2,13 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.tokenizer import build_tokenizer
 from megapipe.errors import USAGE_ERROR
-from megapipe.testing.forked import run_script
 from launch_helpers import REPO as ROOT
 
 pytestmark = pytest.mark.system
@@ -17,9 +18,9 @@ TEXTS = ["The first document. It is short.", "Another one, with a comma!", "Thir
 
 
 def run_tool(name, *args):
-    """``python tools/<name> args``, the script forked from a server that has imported torch (``megapipe.testing.forked``)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return run_script([os.path.join(ROOT, "tools", name), *args], env, os.getcwd(), timeout=120)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
 
 
 def test_train_tokenizer_then_preprocess(tmp_path):
