@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from megapipe.testing.forked import ForkedProcess
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RENDEZVOUS_PORT = 29500  # free in every fresh host: each has its own network namespace
 
@@ -39,12 +41,18 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
 
 class Job:
     """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
-    each is killed as a process group on ``close``."""
+    each is killed as a process group on ``close``. With ``forked``, each command ``[python, script, *args]``
+    (or ``[python, -m, module, *args]``: torchrun) runs in a process forked from a server that has imported
+    torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds; the
+    processes it starts itself (torchrun's workers) are new interpreters as always."""
 
-    def __init__(self, *commands: list[str]):
+    def __init__(self, *commands: list[str], forked: bool = False):
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=env, cwd=REPO, start_new_session=True) for command in commands]
+        if forked:
+            self.procs = [ForkedProcess(command[1:], env, REPO) for command in commands]
+        else:
+            self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           env=env, cwd=REPO, start_new_session=True) for command in commands]
         self.proc = self.procs[0]
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
@@ -107,7 +115,10 @@ class Job:
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # a forked script killed before it made its session
+                    os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
 

@@ -20,6 +20,7 @@ import pytest
 from launch_helpers import REPO
 from megapipe.checkpointing import paths
 from megapipe.checkpointing.offline import read_checkpoint
+from megapipe.testing.forked import run_script
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 
@@ -34,8 +35,7 @@ SENTENCE = (r"saving the checkpoint of iteration {iteration} into {staging} ran 
 def _train(save: str, iterations: int, flags: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *RUN, "--train-iters", str(iterations),
                "--save", save, *flags]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_script(command[1:], dict(os.environ, OMP_NUM_THREADS="1"), REPO, timeout=240)  # forked: starts sooner
 
 
 @pytest.fixture(scope="module")

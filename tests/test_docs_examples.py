@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from docs_example_helpers import REPO, Command, run_block, runnable_blocks, shrunk, working_directory
+from docs_example_helpers import (REPO, Command, forkable, run_block, runnable_blocks, shrunk,
+                                  working_directory)
 
 PAGES = sorted(str(path.relative_to(REPO)) for path in pathlib.Path(REPO).glob("docs/*.md")) + ["README.md"]
 RUNNABLE_PAGES = [page for page in PAGES if runnable_blocks(page, (pathlib.Path(REPO) / page).read_text())]
@@ -56,3 +57,14 @@ def test_the_first_run_a_newcomer_copies_is_among_the_tested_blocks():
     training = (pathlib.Path(REPO) / "docs" / "training.md").read_text()
     commands = [command.text for block in runnable_blocks("docs/training.md", training) for command in block.commands]
     assert "python pretrain_gpt.py" in commands and "docs/training.md" in RUNNABLE_PAGES
+
+
+@pytest.mark.unit
+def test_only_python_and_torchrun_commands_without_shell_syntax_are_forked():
+    assert forkable('python tools/generate.py --prompt "The capital"  # a comment') == [
+        "tools/generate.py", "--prompt", "The capital"]
+    assert forkable("torchrun --nproc_per_node=2 pretrain_gpt.py") == [
+        "-m", "torch.distributed.run", "--nproc_per_node=2", "pretrain_gpt.py"]
+    for command in ("python -c 'print(1)' > out.txt", "python a.py $HOME", "bash tools/gpu_check.sh",
+                    "python a.py && python b.py", "echo python"):
+        assert forkable(command) is None, command

@@ -1,5 +1,6 @@
 """``tools/eval_harness.py`` runs lm-evaluation-harness on the repository's local tasks
-(examples/eval_tasks) as users run it, plain and under torchrun.
+(examples/eval_tasks) as users run it, plain and under torchrun (the script, or torchrun, forked from a
+server that has imported torch: ``megapipe.testing.forked``).
 
 A GPT-2 with random weights (spread wide, so no near-tie decides a greedy token) is imported and
 read with megapipe's byte-level tokenizer: at (t, p) = (2, 2) every example's log-likelihoods are
@@ -11,7 +12,6 @@ task and a missing checkpoint are one sentence each and exit 2.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +22,7 @@ from server_helpers import ROOT, tiny_checkpoint
 
 from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import import_hf_checkpoint
+from megapipe.testing.forked import run_script
 
 pytestmark = pytest.mark.system
 
@@ -34,7 +35,7 @@ def evaluate(checkpoint, output, *flags, nproc=None):
     """The tool's run (from the repository root, as the task files expect) and its JSON results; its
     processes are killed as a group if it outlives its deadline."""
     argv = [TOOL, "--load", str(checkpoint), *TASKS, "--output-path", str(output), *flags]
-    job = Job([sys.executable, *argv] if nproc is None else standalone(nproc, argv))
+    job = Job([sys.executable, *argv] if nproc is None else standalone(nproc, argv), forked=True)
     try:
         code = job.finish(240)
     finally:
@@ -100,8 +101,7 @@ def test_imported_llama_scores_as_transformers(tmp_path):
 ])
 def test_bad_input_is_one_sentence(tmp_path, flags, message):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, TOOL, "--load", str(tmp_path / "missing"), *flags], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120)
+    done = run_script([TOOL, "--load", str(tmp_path / "missing"), *flags], env, ROOT, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr

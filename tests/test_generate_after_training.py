@@ -1,8 +1,8 @@
 """A user's first hour: train with pretrain_gpt.py, generate text from the checkpoint, export it to
 Hugging Face and get the same text from transformers.
 
-``pretrain_gpt.py --save`` (byte-level tokenizer of the embedded corpus) runs once as a real
-process; ``tools/generate.py`` prints text from it, for ``--prompt`` and ``--prompt-ids`` alike. The export loads in
+``pretrain_gpt.py --save`` (byte-level tokenizer of the embedded corpus) runs once as a process of its own
+(forked from a server that has imported torch, as ``tools/generate.py``'s runs: ``megapipe.testing.forked``); ``tools/generate.py`` prints text from it, for ``--prompt`` and ``--prompt-ids`` alike. The export loads in
 ``AutoModelForCausalLM`` and ``AutoTokenizer``, tokenizes the prompt to megapipe's ids and greedy
 generation gives the same text. A checkpoint saved before checkpoints carried tokenizers gets one
 sentence naming the tokenizer flags, and works with them.
@@ -12,8 +12,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import export_hf_checkpoint, reshard
 from megapipe.checkpointing.paths import COMMON, find_checkpoint
 from megapipe.checkpointing.tokenizer_files import TOKENIZER_DIR
+from megapipe.testing.forked import run_script
 
 pytestmark = pytest.mark.system
 
@@ -32,9 +31,8 @@ PROMPT, NEW = "The", 8
 
 def _generate(checkpoint, *flags):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", str(checkpoint),
-                           "--max-new-tokens", str(NEW), "--greedy", *flags],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return run_script([os.path.join(ROOT, "tools", "generate.py"), "--load", str(checkpoint), "--max-new-tokens",
+                       str(NEW), "--greedy", *flags], env, os.getcwd(), timeout=120)
 
 
 def _generate_tool():
@@ -47,7 +45,7 @@ def _generate_tool():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("first-hour")
-    result = run(TINY + ["--train-iters", "2", "--save", str(root / "ck")], cache=root)
+    result = run(TINY + ["--train-iters", "2", "--save", str(root / "ck")], cache=root, forked=True)
     assert result.returncode == 0, result.stderr
     done = _generate(root / "ck", "--prompt", PROMPT, "--prompt-ids", " ".join(map(str, PROMPT.encode())))
     assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ import datetime
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
@@ -77,6 +78,16 @@ def reference_run(kind: str, d: int, m: int = M, microbatch=microbatch, num_laye
     return initial, losses, canonical_state_dict([model], ps, config)
 
 
+def shared_references(runs: list[tuple]) -> dict:
+    """``reference_run(*run)`` for each of ``runs``, each computed by one rank of the world in turn and gathered
+    by every rank: a reference is the same on every rank, so it is computed once, not once per rank."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mine = {run: reference_run(*run) for index, run in enumerate(runs) if index % size == rank}
+    gathered = [None] * size
+    dist.all_gather_object(gathered, mine)
+    return {run: reference for part in gathered for run, reference in part.items()}
+
+
 def pipelined_run(kind, t, p, d, schedule, v, initial, recompute=False, m=M, layout=None, microbatch=microbatch,
                   optimizer=None, num_layers=8, sequence_parallel=False, dtype=torch.float32, skipped=None):
     """``layout``: further keyword arguments of ``ParallelState.initialize``: context parallelism (``context``,
@@ -130,13 +141,13 @@ def assert_matches_reference(ps, losses, final, reference, what, m=M):
 
 def check_layouts(rank, world_size, layouts, kinds):
     checked = []
+    references = shared_references([(kind, d) for kind in kinds for d in sorted({d for _, _, d in layouts})])
     for kind in kinds:
-        references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for t, p, d in layouts:
             for schedule, v in SCHEDULES:
                 what = f"{kind} {schedule} v={v} t={t} p={p} d={d}"
-                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, references[d][0])
-                assert_matches_reference(ps, losses, final, references[d], what)
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, references[kind, d][0])
+                assert_matches_reference(ps, losses, final, references[kind, d], what)
                 checked.append(what)
     return checked
 

@@ -11,7 +11,9 @@ digits. A run whose save takes longer than the grace period (``slow_save_gpt.py`
 without it and leaves the previous checkpoint, which a later run loads.
 
 The signals go to torchrun's workers, as Slurm's go to every process of a task; the torchrun
-of a Slurm job ignores SIGTERM (docs/training.md), so it is not signalled here.
+of a Slurm job ignores SIGTERM (docs/training.md), so it is not signalled here. torchrun itself is
+forked from a server that has imported torch (``Job(forked=True)``), so it starts sooner; its workers
+are new interpreters.
 """
 
 import os
@@ -58,7 +60,7 @@ def _preempt(job: Job, ranks=(0, 1), times: int = 1) -> int:
 
 def _launch(command: list[str], preempt_when) -> tuple[int, dict[int, str]]:
     """Run ``command`` until ``preempt_when(job)`` returns, preempt it; (iteration reached, losses logged)."""
-    job = Job(command)
+    job = Job(command, forked=True)
     try:
         ranks, times = preempt_when(job)
         reached = _preempt(job, ranks, times)
@@ -106,7 +108,7 @@ def test_a_preempted_job_saves_in_its_grace_period_and_resumes_bit_for_bit(tmp_p
         assert read_latest(directory) == reached, f"{point} (seed {seed}): no checkpoint at iteration {reached}"
         assert reached < iterations, f"{point} (seed {seed}): the job finished before the preemption"
         logged.update(seen)
-    job = Job(_command(directory, iterations))
+    job = Job(_command(directory, iterations), forked=True)
     try:
         assert job.finish(RUN_SECONDS) == 0, job.output()[-3000:]
     finally:
@@ -114,7 +116,7 @@ def test_a_preempted_job_saves_in_its_grace_period_and_resumes_bit_for_bit(tmp_p
     logged.update(losses(job.lines))
 
     reference = str(tmp_path / "reference")
-    job = Job(_command(reference, iterations))
+    job = Job(_command(reference, iterations), forked=True)
     try:
         assert job.finish(RUN_SECONDS) == 0, job.output()[-3000:]
     finally:
@@ -128,7 +130,7 @@ def test_a_save_longer_than_the_grace_period_is_skipped_and_the_previous_checkpo
     monkeypatch.setenv("SLOW_SAVE_SECONDS", "15")  # every save waits 15 s first (tests/slow_save_gpt.py)
     directory = str(tmp_path / "ckpt")
     grace = 12.0  # shorter than a save, long enough for two iterations and the exit on a busy machine
-    job = Job(_command(directory, 200, grace, script="tests/slow_save_gpt.py"))
+    job = Job(_command(directory, 200, grace, script="tests/slow_save_gpt.py"), forked=True)
     try:
         job.wait_for(r"saved checkpoint .* at iteration 10 ", RUN_SECONDS)
         signalled = time.monotonic()
@@ -142,7 +144,7 @@ def test_a_save_longer_than_the_grace_period_is_skipped_and_the_previous_checkpo
     assert read_latest(directory) == 10 and find_checkpoint(directory).endswith("iter_0000010")
     eleventh = losses(job.lines)[11]
 
-    job = Job(_command(directory, 200) + ["--exit-interval", "11"])  # loads it, at full speed
+    job = Job(_command(directory, 200) + ["--exit-interval", "11"], forked=True)  # loads it, at full speed
     try:
         job.wait_for(r"loaded checkpoint .*iter_0000010", RUN_SECONDS)
         assert job.finish(RUN_SECONDS) == 0, job.output()[-3000:]

@@ -1,4 +1,6 @@
-"""The training entry points, run as users run them (subprocesses: plain python and torchrun)."""
+"""The training entry points, run as users run them: torchrun, and ``python pretrain_gpt.py`` (the script as
+``__main__`` with its flags, mostly in a process forked from a server that has imported torch, which starts
+seconds sooner than a new interpreter: ``megapipe.testing.forked``)."""
 
 import os
 import subprocess
@@ -8,6 +10,7 @@ import matplotlib.image
 import pytest
 
 from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.testing.forked import run_script
 from megapipe.training.logger import losses_in_log
 from launch_helpers import REPO as ROOT
 
@@ -21,11 +24,15 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr", "3e-3", "--lr-warmup-iters", "0"]
 
 
-def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py"):
+def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py", forked=False):
+    """The script on ``nproc`` ranks under torchrun, or as one process: a new interpreter, or with ``forked`` one
+    forked from a server that has imported torch (``megapipe.testing.forked``: seconds less to start)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     if cache:
         env["MEGAPIPE_CACHE"] = str(cache)
     env.update(env_extra or {})
+    if forked:
+        return run_script([os.path.join(ROOT, script)] + args, env, ROOT, timeout)
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + [os.path.join(ROOT, script)] + args, capture_output=True,
@@ -55,7 +62,7 @@ def losses(output: str, name: str = "lm loss") -> dict[int, float]:
     (["--pipeline-schedule", "auto", "--schedule-profile", "none.json"], "profile none.json does not exist"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
-    result = run(args, timeout=120, cache=tmp_path)
+    result = run(args, timeout=120, cache=tmp_path, forked=True)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
@@ -70,7 +77,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
     (``--record-timeline``): every forward and backward of both pipeline ranks, which
     ``tools/plot_schedule.py --timeline`` draws.
     """
-    single = run(TINY, cache=tmp_path)
+    single = run(TINY, cache=tmp_path, forked=True)
     assert single.returncode == 0, single.stderr
     timeline = tmp_path / "run.timeline.json"
     parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -92,7 +99,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    result = run(TINY + ["--bf16"], cache=tmp_path)
+    result = run(TINY + ["--bf16"], cache=tmp_path, forked=True)
     assert result.returncode == 0, result.stderr
     values = losses(result.stdout)
     assert len(values) == 6 and values[6] < values[1]
@@ -112,25 +119,3 @@ def test_wandb_offline_and_tensorboard_receive_the_figures(tmp_path):
     assert "train/tflops-per-device" in events.Tags()["scalars"]
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
-
-
-@pytest.mark.parametrize("schedule,p,v", [("pipedream", 2, 1), ("2bw", 2, 1), ("2bw", 2, 2),
-                                          ("pipedream", 4, 1), ("2bw", 4, 1), ("2bw", 4, 2)])
-def test_asynchronous_schedules_train_under_the_strict_transport(schedule, p, v, tmp_path):
-    """PipeDream and 2BW through pretrain_gpt.py with gloo held to NCCL's rules: every iteration runs
-    the training loop's agreements (a world collective) while the pipeline stays full. With messages
-    in transit between calls, or one group waiting on the next call, this would hang here as on
-    NCCL; the strict and the relaxed transport give the same losses, to every printed digit."""
-    args = TINY + ["--num-layers", str(4 * v), "--pipeline-model-parallel-size", str(p), "--pipeline-schedule",
-                   schedule, "--untie-embeddings-and-output-weights", "--train-iters", "4"]
-    if v > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", "1" if p == 4 else "2"]
-    if (p, v) == (4, 2):
-        args += ["--global-batch-size", "16"]  # interleaved 2BW at p = 4 needs m >= 8
-    strict = run(args, nproc=p, cache=tmp_path, env_extra={"MEGAPIPE_STRICT_TRANSPORT": "1"})
-    assert strict.returncode == 0, strict.stderr
-    assert sorted(losses(strict.stdout)) == [1, 2, 3, 4]
-    if (schedule, p, v) == ("2bw", 2, 2):
-        relaxed = run(args, nproc=p, cache=tmp_path, env_extra={"MEGAPIPE_STRICT_TRANSPORT": "0"})
-        assert relaxed.returncode == 0, relaxed.stderr
-        assert losses(relaxed.stdout) == losses(strict.stdout)

@@ -31,7 +31,7 @@ import pytest
 from megapipe.pipeline.analysis.schedule_search import search_schedule
 from megapipe.pipeline.analysis.simulate import CostModel
 from megapipe.testing.worlds import run_distributed
-from test_pipeline_training import M, assert_matches_reference, pipelined_run, reference_run
+from test_pipeline_training import M, assert_matches_reference, pipelined_run, shared_references
 
 pytestmark = pytest.mark.distributed
 
@@ -54,8 +54,8 @@ CASES = full_matrix() if FULL else {8: LAYOUTS}
 
 def check_layouts(rank, world_size, layouts, kinds, both_recomputations=False):
     checked = []
+    references = shared_references([(kind, d) for kind in kinds for d in sorted({d for _, _, d in layouts})])
     for kind in kinds:
-        references = {d: reference_run(kind, d) for d in sorted({d for _, _, d in layouts})}
         for layout_index, (t, p, d) in enumerate(layouts):
             for (schedule_index, (schedule, v)), recompute in itertools.product(enumerate(SCHEDULES), (False, True)):
                 # recomputation on for half the runs: each schedule and model sees both, on alternate layouts
@@ -63,15 +63,15 @@ def check_layouts(rank, world_size, layouts, kinds, both_recomputations=False):
                 if not both_recomputations and recompute != alternate:
                     continue
                 what = f"{kind} {schedule} v={v} t={t} p={p} d={d} recompute={recompute}"
-                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, references[d][0], recompute)
-                assert_matches_reference(ps, losses, final, references[d], what)
+                ps, losses, final = pipelined_run(kind, t, p, d, schedule, v, references[kind, d][0], recompute)
+                assert_matches_reference(ps, losses, final, references[kind, d], what)
                 checked.append(what)
         t, p, d = layouts[0]
         times = [Fraction(3, 2) if rank == 1 else 1 for rank in range(p)]
         searched = search_schedule(p, M, CostModel.per_rank(p, 2, times, times, times), memory_limit=p, v=2).schedule
         what = f"{kind} searched t={t} p={p} d={d}"
-        ps, losses, final = pipelined_run(kind, t, p, d, searched, 2, references[d][0])
-        assert_matches_reference(ps, losses, final, references[d], what)
+        ps, losses, final = pipelined_run(kind, t, p, d, searched, 2, references[kind, d][0])
+        assert_matches_reference(ps, losses, final, references[kind, d], what)
         checked.append(what)
     return checked
 
@@ -103,11 +103,10 @@ def v_cases():
 
 
 def check_v_runs(rank, world_size, cases):
-    references, checked = {}, []
+    references = shared_references(sorted({(kind, d, 2 * p) for t, p, d, kind, _, _ in cases}))
+    checked = []
     for t, p, d, kind, schedule, recompute in cases:
         m = 2 * p
-        if (kind, d, m) not in references:
-            references[(kind, d, m)] = reference_run(kind, d, m)
         reference = references[(kind, d, m)]
         what = f"{kind} {schedule} t={t} p={p} d={d} m={m} recompute={recompute}"
         ps, losses, final = pipelined_run(kind, t, p, d, schedule, 2, reference[0], recompute, m=m)

@@ -61,14 +61,17 @@ def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, 
             dist.destroy_process_group()
 
 
-def _context():
-    """Processes forked from a server that has imported torch: each rank starts in a tenth of a second
-    instead of importing torch again (about a second of CPU each), and of torch._dynamo (about as
-    long again; the first optimizer step imports it, and megapipe imports it before a process group
-    exists, ``parallel/launch.py``). The server imports and computes nothing else, so no thread pool
+def preloaded_context():
+    """Processes forked from a server that has imported torch (the worlds here, ``forked.py``'s scripts):
+    each starts in a tenth of a second instead of importing torch again (about a second of CPU each), and
+    torch._dynamo (about as long again; the first optimizer step imports it, and megapipe imports it
+    before a process group exists, ``parallel/launch.py``), and the Trainer's and torchrun's modules (a
+    quarter of a second more each; ``MEGAPIPE_TIMEOUT``, the one variable a module of megapipe reads
+    when imported, is the server's). The server imports and computes nothing else, so no thread pool
     is forked (what makes plain ``fork`` unsafe here)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megapipe.training.trainer",
+                                "torch.distributed.run"])
     return ctx
 
 
@@ -83,7 +86,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     Returns the per-rank return values (they must be picklable). Raises
     ``DistributedFailure`` with the first failing rank's traceback, or on timeout.
     """
-    ctx = _context()
+    ctx = preloaded_context()
     results = ctx.Queue()
     # the parent holds the rendezvous store on a port the system picks, so no other process can
     # take the port between choosing and binding it (ranks connect to it as clients)

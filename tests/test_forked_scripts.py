@@ -1,0 +1,66 @@
+"""A script forked from the preloaded server (``megapipe.testing.forked``) behaves as when run by a new
+interpreter: its argv, the caller's environment and working directory, its output and errors apart,
+Python's exit statuses, processes of its own; past its deadline it is killed with its process group."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megapipe.testing.forked import ForkedProcess, run_script
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+SCRIPT = """
+import multiprocessing, os, sys, time
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    print(sys.argv[1:], os.environ.get("FORKED_TEST"), os.getcwd())
+    print("to stderr", file=sys.stderr)
+    if sys.argv[1] == "pool":
+        with multiprocessing.get_context("spawn").Pool(2) as pool:
+            print(sum(pool.map(square, range(4))))
+    if sys.argv[1] == "hang":
+        print(os.getpgid(0) == os.getpid(), flush=True)
+        time.sleep(600)
+    code = sys.argv[1]
+    sys.exit(None if code == "pool" else int(code) if code.isdigit() else code)
+"""
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT)
+    monkeypatch.setenv("FORKED_TEST", "now")
+    return str(path)
+
+
+def test_argv_environment_directory_output_and_exit_statuses_are_the_scripts(script, tmp_path):
+    env = dict(os.environ)
+    done = run_script([script, "pool"], env, str(tmp_path), timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"['pool'] now {tmp_path}\n14\n", "to stderr\n")
+    assert run_script([script, "a message"], env, str(tmp_path), timeout=60).stderr.endswith("a message\n")
+    assert run_script([script, "a message"], env, str(tmp_path), timeout=60).returncode == 1
+
+
+def test_a_script_runs_in_its_own_session_and_is_killed_with_it_past_its_deadline(script, tmp_path):
+    hanging = ForkedProcess([script, "hang"], dict(os.environ), str(tmp_path))
+    try:
+        lines = [hanging.stdout.readline() for _ in range(3)]  # errors come merged with the output
+        assert "True\n" in lines, lines  # its own process group, which kill() ends
+    finally:
+        hanging.kill()
+    assert hanging.returncode == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_script([script, "hang"], dict(os.environ), str(tmp_path), timeout=3)
+
+
+def test_exit_statuses_are_those_of_a_new_interpreter(script, tmp_path):
+    direct = subprocess.run([sys.executable, script, "7"], capture_output=True, text=True, timeout=60)
+    assert direct.returncode == run_script([script, "7"], dict(os.environ), str(tmp_path), timeout=60).returncode == 7
