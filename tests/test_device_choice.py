@@ -53,3 +53,11 @@ def test_a_device_that_cannot_be_had_is_one_sentence(gpus, monkeypatch, value, c
     monkeypatch.setenv("MEGAPIPE_DEVICE", value)
     with pytest.raises(ConfigError, match=message):
         distributed.default_device()
+
+
+def test_the_timeout_is_read_when_asked_not_when_imported(monkeypatch):
+    # processes forked from a server that imported megapipe long ago must see their own MEGAPIPE_TIMEOUT
+    monkeypatch.setenv("MEGAPIPE_TIMEOUT", "7")
+    assert distributed.default_timeout().total_seconds() == 7
+    monkeypatch.delenv("MEGAPIPE_TIMEOUT")
+    assert distributed.default_timeout().total_seconds() == 300

@@ -22,7 +22,10 @@ from megapipe.errors import ConfigError
 
 logger = logging.getLogger("megapipe")
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MEGAPIPE_TIMEOUT", "300")))
+def default_timeout() -> datetime.timedelta:
+    """How long a collective or a peer's message may take: ``MEGAPIPE_TIMEOUT`` seconds (300 unless set), read
+    at each call, so that a process forked from one that imported megapipe earlier sees its own environment."""
+    return datetime.timedelta(seconds=int(os.environ.get("MEGAPIPE_TIMEOUT", "300")))
 
 
 DEVICE_VARIABLE = "MEGAPIPE_DEVICE"
@@ -57,17 +60,18 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: torch.device | None = None) -> torch.device:
+def init_distributed(timeout: datetime.timedelta | None = None, device: torch.device | None = None) -> torch.device:
     """Join the process group described by torchrun's environment (or a world of one).
 
-    Returns the device this process computes on. Every collective inherits ``timeout``, so a
-    peer that dies makes the others fail with an error instead of hanging. On a GPU the world's
+    Returns the device this process computes on. Every collective inherits ``timeout`` (by default
+    ``default_timeout()``), so a peer that dies makes the others fail with an error instead of
+    hanging. On a GPU the world's
     NCCL communicator is created at once for this process's device (``device_id``), and every
     later NCCL group is split from it instead of being created lazily at its first collective.
     Gloo's interface is chosen whatever the default backend: NCCL runs have gloo side groups too
     (lagged agreements, asynchronous saves).
     """
-    device = device or default_device()
+    device, timeout = device or default_device(), timeout or default_timeout()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapipe.parallel.launch import DEFAULT_TIMEOUT
+from megapipe.parallel.launch import default_timeout
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.ir.transport import Transport
 from megapipe.pipeline.runtime.p2p import check_on_device, strict_transport_requested, wait_for_peer
@@ -35,8 +35,8 @@ class _Send:
 class PeerMessages:
     """This rank's messages to and from its pipeline peers."""
 
-    def __init__(self, ps: ParallelState, device: torch.device, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
-        self.ps, self.device, self.timeout = ps, device, timeout
+    def __init__(self, ps: ParallelState, device: torch.device, timeout: datetime.timedelta | None = None):
+        self.ps, self.device, self.timeout = ps, device, timeout or default_timeout()
         self.transport = Transport.of_backend(dist.get_backend()) if ps.pp_size > 1 else Transport.GLOO
         self.strict = self.transport is Transport.GLOO and strict_transport_requested()
         self.sends: dict[int, list[_Send]] = {}  # per peer, the sends not known to have completed
