@@ -55,6 +55,7 @@ def test_a_device_that_cannot_be_had_is_one_sentence(gpus, monkeypatch, value, c
         distributed.default_device()
 
 
+@pytest.mark.unit
 def test_the_timeout_is_read_when_asked_not_when_imported(monkeypatch):
     # processes forked from a server that imported megapipe long ago must see their own MEGAPIPE_TIMEOUT
     monkeypatch.setenv("MEGAPIPE_TIMEOUT", "7")
