@@ -3,12 +3,14 @@
 The agent stops a job with SIGTERM to every process group of its tree (torchrun's, and each
 worker's: torchrun starts them in sessions of their own). It starts torchrun as the Slurm
 backend does (``backends/torchrun.py``: SIGTERM ignored, not in torchrun's
-``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers 30 s
-later. The job here (two ranks, data parallel, through the agent's own ``JobProcess``) takes 40 s
-to save, on purpose (``slow_save_gpt.py``: a wait before megapipe's save, test only): it must
-still write the checkpoint of the iteration it stopped at, and every process must exit 0. A
-torchrun that handled SIGTERM would have killed the saving workers after 30 s and exited with
-an error, leaving no checkpoint.
+``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers when its
+shutdown timeout is over (30 s; where torch reads ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` the test
+sets it to 3 s, so as not to wait 30 s). The job here (two ranks, data parallel, through the
+agent's own ``JobProcess``) takes 7 s longer than that timeout to save, on purpose
+(``slow_save_gpt.py``: a wait before megapipe's save, test only): it must still write the
+checkpoint of the iteration it stopped at, and every process must exit 0. A torchrun that
+handled SIGTERM would have killed the saving workers at its timeout and exited with an error,
+leaving no checkpoint.
 """
 
 import dataclasses
