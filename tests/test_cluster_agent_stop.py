@@ -3,14 +3,17 @@
 The agent stops a job with SIGTERM to every process group of its tree (torchrun's, and each
 worker's: torchrun starts them in sessions of their own). It starts torchrun as the Slurm
 backend does (``backends/torchrun.py``: SIGTERM ignored, not in torchrun's
-``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers 30 s
-later. The job here (two ranks, data parallel, through the agent's own ``JobProcess``) takes 40 s
-to save, on purpose (``slow_save_gpt.py``: a wait before megapipe's save, test only): it must
-still write the checkpoint of the iteration it stopped at, and every process must exit 0. A
-torchrun that handled SIGTERM would have killed the saving workers after 30 s and exited with
-an error, leaving no checkpoint.
+``--signals-to-handle``), so torchrun neither forwards the signal nor kills its workers when its
+shutdown timeout is over (30 s; where torch reads ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` the test
+sets it to 3 s, so as not to wait 30 s). The job here (two ranks, data parallel, through the
+agent's own ``JobProcess``) takes 7 s longer than that timeout to save, on purpose
+(``slow_save_gpt.py``: a wait before megapipe's save, test only): it must still write the
+checkpoint of the iteration it stopped at, and every process must exit 0. A torchrun that
+handled SIGTERM would have killed the saving workers at its timeout and exited with an error,
+leaving no checkpoint.
 """
 
+import dataclasses
 import os
 import re
 import signal
@@ -31,7 +34,18 @@ pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "64",
          "--train-iters", "100000", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1"]
-SAVE_SECONDS = 40  # longer than the 30 s torchrun allows its workers after a SIGTERM it handles
+
+
+def _torchrun_shutdown_seconds() -> int:
+    """How long torchrun lets its workers end after a SIGTERM it handles: 3 s where its launcher reads
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (the test sets it), else its fixed 30 s."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return 3 if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else 30
+
+
+SHUTDOWN_SECONDS = _torchrun_shutdown_seconds()
+SAVE_SECONDS = SHUTDOWN_SECONDS + 7  # longer than torchrun allows its workers after a SIGTERM it handles
 
 
 def test_a_job_stopped_by_its_agent_finishes_a_long_save_and_exits_0(tmp_path, monkeypatch):
@@ -39,7 +53,8 @@ def test_a_job_stopped_by_its_agent_finishes_a_long_save_and_exits_0(tmp_path, m
     checkpoints, log = str(tmp_path / "checkpoints"), tmp_path / "job.log"
     command = ["tests/slow_save_gpt.py", *MODEL, "--save", checkpoints, "--load", checkpoints]
     launch = {"job_id": 0, "command": command, "hosts": [{"host": "here", "worker_type": "fast", "devices": 2}],
-              "host": "here", "node_rank": 0, "master_addr": "127.0.0.1", "master_port": free_port(), "env": {},
+              "host": "here", "node_rank": 0, "master_addr": "127.0.0.1", "master_port": free_port(),
+              "env": {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_SECONDS)},
               "log_path": str(log)}
     job = JobProcess(launch, throttle=1.0)
     try:
@@ -56,7 +71,7 @@ def test_a_job_stopped_by_its_agent_finishes_a_long_save_and_exits_0(tmp_path, m
     assert job.exit_code() == 0, output[-3000:]
     iteration = int(re.search(r"exiting on SIGTERM at iteration (\d+)", output)[1])
     assert f"[test-only slow save] waiting {SAVE_SECONDS} s before saving iteration {iteration}" in output
-    assert took >= SAVE_SECONDS  # the save really outlasted torchrun's 30 s
+    assert took >= SAVE_SECONDS  # the save really outlasted torchrun's shutdown timeout
     assert read_latest(checkpoints) == iteration  # published only once every shard is written
 
 

@@ -130,7 +130,7 @@ def test_status_page_shows_the_running_trace(cluster, trace, late, tmp_path):
 
 
 def render_in_chromium(url: str, directory) -> tuple:
-    """The page's DOM and a screenshot (as an RGB(A) array), from headless Chromium."""
+    """The page's DOM and a screenshot (as an RGB(A) array), from one run of headless Chromium."""
     import matplotlib.image
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -139,10 +139,9 @@ def render_in_chromium(url: str, directory) -> tuple:
                     "as .ci/run does).")
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
              f"--user-data-dir={directory / 'profile'}"]
-    dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     shot = directory / "status.png"
-    subprocess.run(flags + ["--window-size=1400,900", f"--screenshot={shot}", url], capture_output=True,
-                   timeout=120, check=True)
+    dom = subprocess.run(flags + ["--window-size=1400,900", f"--screenshot={shot}", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
     return dom, matplotlib.image.imread(str(shot))
 
 

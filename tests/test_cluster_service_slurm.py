@@ -11,6 +11,8 @@ it ran in the submitted layout, within 1e-5 relative everywhere (a re-layout sum
 in another order; dropout is off). No job runs twice at once.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
@@ -49,10 +51,13 @@ def test_a_small_trace_runs_end_to_end_on_slurm(tmp_path):
                 jobs = {name: cluster.job(job_id) for name, job_id in ids.items()}
     except SlurmUnavailable as error:
         pytest.skip(str(error))
+    with ThreadPoolExecutor(len(jobs)) as pool:  # each job trained alone, uninterrupted, as submitted
+        references = dict(zip(jobs, pool.map(
+            lambda name: iteration_losses(run_alone(JOBS[name], jobs[name]["devices"], str(tmp_path / name),
+                                                    free_port())), jobs)))
     for name, job in jobs.items():
         log = open(job["log"]).read()
         assert overlapping_runs(log) == [], f"job {name} ran twice at once"
-        reference = iteration_losses(run_alone(JOBS[name], job["devices"], str(tmp_path / name), free_port()))
-        found = continuity(log, reference, JOBS[name], job["devices"])
+        found = continuity(log, references[name], JOBS[name], job["devices"])
         assert found["complete"] and found["bit_exact_before"] and found["max_relative"] <= 1e-5, (name, found)
     assert sum(job["leases"] for job in jobs.values()) > len(jobs), "no job was ever preempted"

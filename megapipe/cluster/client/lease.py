@@ -72,7 +72,11 @@ class ClusterLease:
         self.last_iteration_time = time.monotonic()
 
     def stop_reason(self, iteration: int) -> Optional[str]:
-        """Called after every iteration: None to go on, or why the job must save and exit now."""
+        """Called after every iteration: None to go on, or why the job must save and exit now.
+
+        An iteration's time is counted from the end of the previous report: a renewal that waited
+        for the next round is not training time (counted, it would make every later iteration ask
+        to renew and wait again)."""
         now = time.monotonic()
         if self.last_iteration_time is not None:
             self.seconds_per_iteration = now - self.last_iteration_time
@@ -84,6 +88,7 @@ class ClusterLease:
         if ends_soon or not self.trained or now - self.last_report >= REPORT_SECONDS:
             self._report(iteration, renew=ends_soon)
             self.trained = True
+            self.last_iteration_time = time.monotonic()
         return self.stopped
 
     def finish(self, iteration: int) -> None:

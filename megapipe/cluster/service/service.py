@@ -233,7 +233,9 @@ class ClusterService:
             if report.get("exiting"):
                 return {"ok": True}
             deadline = time.monotonic() + 2 * self.round_seconds + 30
-            margin = max(2 * run.seconds_per_iteration, 1.0)
+            # two iterations' worth of lease, but never more than the next round grants: a job slower than
+            # that waits for the next round's decision, not for the deadline at every iteration
+            margin = min(max(2 * run.seconds_per_iteration, 1.0), self.round_seconds / 2)
             while (report.get("renew") and run.stop_requested is None and not self.stopping
                    and run.lease_end - self.clock.now() < margin and time.monotonic() < deadline):
                 self.lease_changed.wait(0.5)  # until the next round extends or revokes the lease
