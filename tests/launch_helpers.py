@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from megapipe.testing.forked import ForkedProcess
+from megapipe.testing.forked import WORKER_PIDS, ForkedProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RENDEZVOUS_PORT = 29500  # free in every fresh host: each has its own network namespace
@@ -43,13 +45,17 @@ class Job:
     """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
     each is killed as a process group on ``close``. With ``forked``, each command ``[python, script, *args]``
     (or ``[python, -m, module, *args]``: torchrun) runs in a process forked from a server that has imported
-    torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds; the
-    processes it starts itself (torchrun's workers) are new interpreters as always."""
+    torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds, and so
+    do torchrun's workers unless ``fresh_workers`` asks for new interpreters."""
 
-    def __init__(self, *commands: list[str], forked: bool = False):
+    def __init__(self, *commands: list[str], forked: bool = False, fresh_workers: bool = False):
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        self._worker_pids = None
         if forked:
-            self.procs = [ForkedProcess(command[1:], env, REPO) for command in commands]
+            if not fresh_workers:
+                self._worker_pids = env[WORKER_PIDS] = tempfile.mkdtemp(prefix="megapipe-workers-")
+            self.procs = [ForkedProcess(command[1:], env, REPO, fork_workers=not fresh_workers)
+                          for command in commands]
         else:
             self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                            env=env, cwd=REPO, start_new_session=True) for command in commands]
@@ -101,7 +107,10 @@ class Job:
         return next((code for code in codes if code), 0)
 
     def worker_pid(self, rank: int) -> int:
-        """The pid of torchrun's worker with RANK=rank (its children carry the rank in their environment)."""
+        """The pid of torchrun's worker with RANK=rank (its children carry the rank in their environment; forked
+        workers are listed by rank in a folder of their own)."""
+        if self._worker_pids is not None:
+            return int(open(os.path.join(self._worker_pids, str(rank))).read())
         children = open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()
         for pid in children:
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -120,6 +129,14 @@ class Job:
                 except ProcessLookupError:  # a forked script killed before it made its session
                     os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        if self._worker_pids is not None:  # forked workers are not in torchrun's process group: killed by pid
+            for name in os.listdir(self._worker_pids):
+                if not name.endswith(".tmp"):
+                    try:
+                        os.killpg(self.worker_pid(int(name)), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            shutil.rmtree(self._worker_pids, ignore_errors=True)
 
 
 def losses(lines: list[str]) -> dict[int, str]:

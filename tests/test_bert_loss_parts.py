@@ -9,10 +9,7 @@ the order of fp32 operations. The training loop then logs both names, and the va
 split's ``lm loss``, which is what one compares with the data's unigram entropy.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from megapipe.models.families import family
 from megapipe.models.loss_parts import parts_of
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from test_training_cli import ROOT, TINY
+from test_training_cli import TINY, run
 
 
 def bert_batch(config: ModelConfig, b: int = 3, s: int = 16) -> dict:
@@ -60,10 +57,7 @@ def test_parts_are_the_masked_lm_and_sentence_order_losses():
 
 @pytest.mark.system
 def test_pretrain_bert_logs_lm_and_sop_loss(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", MEGAPIPE_CACHE=str(tmp_path))
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py")] + TINY
-                            + ["--train-iters", "2", "--eval-interval", "2"],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    result = run(TINY + ["--train-iters", "2", "--eval-interval", "2"], cache=tmp_path, script="pretrain_bert.py")
     assert result.returncode == 0, result.stderr
     assert re.search(r"iteration\s+2/2 .*\| lm loss: [0-9.]+E[+-]\d+ \| sop loss: [0-9.]+E[+-]\d+ \|", result.stdout)
     assert re.search(r"validation loss at iteration 2 \| lm loss value: .* \| lm loss PPL: .* \| sop loss value: ",

@@ -42,7 +42,7 @@ def _loss(line: str) -> str:
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])  # PipeDream resumes with microbatches in flight
 def test_a_killed_rank_stops_the_job_and_the_same_command_resumes(tmp_path, tmp_path_factory, schedule):
     command = _command(str(tmp_path), session_cache(tmp_path_factory), schedule)
-    job = Job(command, forked=True)  # torchrun starts sooner; its workers are new interpreters
+    job = Job(command, forked=True)  # torchrun and its workers start sooner
     try:
         fifth = job.wait_for(r"iteration\s+5/", RUN_SECONDS)
         os.kill(job.worker_pid(0), signal.SIGKILL)

@@ -7,7 +7,7 @@ under torchrun, two launches at a time (the load makes the race likelier and the
 runs each data-parallel sharding level with its overlaps on and each asynchronous schedule, 4
 times each: 24 runs, every one must exit 0. torchrun itself is forked from a server that has
 imported torch (``Job(forked=True)``, seconds of CPU less per run); its workers, whose exits are
-checked, are new interpreters as always.
+checked, are new interpreters (``fresh_workers``), since what they do at exit is the subject.
 """
 
 import os
@@ -47,8 +47,8 @@ def test_every_sharding_level_and_asynchronous_schedule_exits_0_every_time():
     runs = [case for case in CASES for _ in range(REPEATS)]
     failures = []
     for first in range(0, len(runs), 2):
-        jobs = [Job(standalone(2, [os.path.join(REPO, "pretrain_gpt.py"), *MODEL, *flags]), forked=True)
-                for flags in runs[first:first + 2]]
+        jobs = [Job(standalone(2, [os.path.join(REPO, "pretrain_gpt.py"), *MODEL, *flags]), forked=True,
+                    fresh_workers=True) for flags in runs[first:first + 2]]
         try:
             for job, flags in zip(jobs, runs[first:first + 2]):
                 code = job.finish(RUN_SECONDS)

@@ -64,3 +64,45 @@ def test_a_script_runs_in_its_own_session_and_is_killed_with_it_past_its_deadlin
 def test_exit_statuses_are_those_of_a_new_interpreter(script, tmp_path):
     direct = subprocess.run([sys.executable, script, "7"], capture_output=True, text=True, timeout=60)
     assert direct.returncode == run_script([script, "7"], dict(os.environ), str(tmp_path), timeout=60).returncode == 7
+
+
+
+WORKER = """
+import os, sys
+# one write per line: two unbuffered workers' print() calls could interleave their pieces
+sys.stdout.write(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} in {os.getcwd()} parent {os.getppid()}\\n")
+sys.exit(3 if os.environ["RANK"] == sys.argv[1] else 0)
+"""
+
+
+def _parents(output: str) -> set:
+    return {int(line.split()[-1]) for line in output.splitlines() if line.startswith("rank ")}
+
+
+def test_a_forked_torchrun_forks_its_workers_from_the_server_unless_told_not_to(tmp_path):
+    """torchrun's workers are the server's children, listed by rank in the pid folder; they write on
+    torchrun's output (line by line, as with ``python -u``), and a worker's exit status ends the job as with
+    new interpreters. With ``fork_workers=False`` they are torchrun's own children, as always."""
+    from multiprocessing import forkserver
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = dict(os.environ, MEGAPIPE_WORKER_PIDS=str(pids))
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
+    done = run_script(command + ["none"], env, str(tmp_path), timeout=120, merge_errors=True)
+    assert done.returncode == 0, done.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 in {tmp_path} parent" in done.stdout
+    assert _parents(done.stdout) == {forkserver._forkserver._forkserver_pid}
+    assert sorted(os.listdir(pids)) == ["0", "1"]
+    first = {int((pids / name).read_text()) for name in ("0", "1")}
+    failed = run_script(command + ["1"], env, str(tmp_path), timeout=120, merge_errors=True)
+    assert failed.returncode == 1 and "exitcode  : 3" in failed.stdout, failed.stdout
+    second = {int((pids / name).read_text()) for name in ("0", "1")}
+    assert first.isdisjoint(second)
+    fresh = ForkedProcess(command + ["none"], env, str(tmp_path), fork_workers=False)
+    output = fresh.stdout.read()
+    assert fresh.wait(60) == 0 and _parents(output) == {fresh.pid}, output
+    assert {int((pids / name).read_text()) for name in ("0", "1")} == second  # none listed: not forked

@@ -45,7 +45,7 @@ def _generate_tool():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("first-hour")
-    result = run(TINY + ["--train-iters", "2", "--save", str(root / "ck")], cache=root, forked=True)
+    result = run(TINY + ["--train-iters", "2", "--save", str(root / "ck")], cache=root)
     assert result.returncode == 0, result.stderr
     done = _generate(root / "ck", "--prompt", PROMPT, "--prompt-ids", " ".join(map(str, PROMPT.encode())))
     assert done.returncode == 0, done.stderr

@@ -37,7 +37,7 @@ def start(tmp_path, name: str, flags: list[str], nproc: int = 1) -> Job:
     """pretrain_gpt.py (under torchrun for ``nproc`` > 1) logging its losses to TensorBoard as ``name``."""
     script = [os.path.join(REPO, "pretrain_gpt.py"), *TINY, "--hf-dataset", str(tmp_path / "dataset"),
               "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(tmp_path / name), *flags]
-    return Job(standalone(nproc, script) if nproc > 1 else [sys.executable, *script])
+    return Job(standalone(nproc, script) if nproc > 1 else [sys.executable, *script], forked=True)
 
 
 def finished(tmp_path, name: str, job: Job) -> dict[int, float]:

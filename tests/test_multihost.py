@@ -46,7 +46,7 @@ def _numbers(lines: list[str]) -> list[str]:
 def test_two_hosts_of_two_ranks_train_exactly_like_one_host_of_four(make_test_hosts, tmp_path, tmp_path_factory,
                                                                     t, p, d):
     cache = session_cache(tmp_path_factory)
-    single = Job(standalone(4, _argv(t, p, str(tmp_path / "single"), cache)))
+    single = Job(standalone(4, _argv(t, p, str(tmp_path / "single"), cache)), forked=True)
     try:
         assert single.finish(SECONDS) == 0, single.output()[-3000:]
     finally:

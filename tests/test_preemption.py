@@ -11,9 +11,9 @@ digits. A run whose save takes longer than the grace period (``slow_save_gpt.py`
 without it and leaves the previous checkpoint, which a later run loads.
 
 The signals go to torchrun's workers, as Slurm's go to every process of a task; the torchrun
-of a Slurm job ignores SIGTERM (docs/training.md), so it is not signalled here. torchrun itself is
-forked from a server that has imported torch (``Job(forked=True)``), so it starts sooner; its workers
-are new interpreters.
+of a Slurm job ignores SIGTERM (docs/training.md), so it is not signalled here. torchrun and its
+workers are forked from a server that has imported torch (``Job(forked=True)``), so they start sooner;
+``Job.worker_pid`` finds each worker by its rank.
 """
 
 import os

@@ -24,19 +24,19 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr", "3e-3", "--lr-warmup-iters", "0"]
 
 
-def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py", forked=False):
-    """The script on ``nproc`` ranks under torchrun, or as one process: a new interpreter, or with ``forked`` one
-    forked from a server that has imported torch (``megapipe.testing.forked``: seconds less to start)."""
+def run(args, nproc=None, timeout=300, env_extra=None, cache=None, script="pretrain_gpt.py", forked=True):
+    """The script on ``nproc`` ranks under torchrun, or as one process: forked from a server that has imported
+    torch (``megapipe.testing.forked``, torchrun's workers too: seconds less to start each), or with
+    ``forked=False`` in new interpreters."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     if cache:
         env["MEGAPIPE_CACHE"] = str(cache)
     env.update(env_extra or {})
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    argv = launcher + [os.path.join(ROOT, script)] + args
     if forked:
-        return run_script([os.path.join(ROOT, script)] + args, env, ROOT, timeout)
-    launcher = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(launcher + [os.path.join(ROOT, script)] + args, capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+        return run_script(argv, env, ROOT, timeout)
+    return subprocess.run([sys.executable] + argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def losses(output: str, name: str = "lm loss") -> dict[int, float]:
@@ -62,7 +62,7 @@ def losses(output: str, name: str = "lm loss") -> dict[int, float]:
     (["--pipeline-schedule", "auto", "--schedule-profile", "none.json"], "profile none.json does not exist"),
 ])
 def test_bad_flags_give_one_sentence_and_no_traceback(args, message, tmp_path):
-    result = run(args, timeout=120, cache=tmp_path, forked=True)
+    result = run(args, timeout=120, cache=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
@@ -77,7 +77,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
     (``--record-timeline``): every forward and backward of both pipeline ranks, which
     ``tools/plot_schedule.py --timeline`` draws.
     """
-    single = run(TINY, cache=tmp_path, forked=True)
+    single = run(TINY, cache=tmp_path)
     assert single.returncode == 0, single.stderr
     timeline = tmp_path / "run.timeline.json"
     parallel = run(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -99,7 +99,7 @@ def test_torchrun_tensor_and_pipeline_equal_one_process(tmp_path):
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    result = run(TINY + ["--bf16"], cache=tmp_path, forked=True)
+    result = run(TINY + ["--bf16"], cache=tmp_path)
     assert result.returncode == 0, result.stderr
     values = losses(result.stdout)
     assert len(values) == 6 and values[6] < values[1]

@@ -8,6 +8,12 @@ environment and working directory, its output on a pipe the caller reads, its ow
 process group can be killed), and its exit status (``SystemExit`` as Python's; -9 once SIGKILLed). One
 difference: like every ``multiprocessing`` process it ends without running ``atexit`` handlers, so a
 script that relies on them is started as a new interpreter instead.
+
+A forked torchrun (``python -m torch.distributed.run``) forks its workers from the same server too, unless
+told not to (``fork_workers=False``: a test of what a new interpreter does at exit): torchrun starts each
+worker as ``python -u script``, which costs those seconds again per rank. Such a worker is the server's
+child, not torchrun's; where ``MEGAPIPE_WORKER_PIDS`` names a folder, torchrun writes each worker's pid
+into the file named by its rank there, for callers that signal a rank.
 """
 
 from __future__ import annotations
@@ -23,20 +29,27 @@ from typing import Optional
 
 from megapipe.testing.worlds import preloaded_context
 
+WORKER_PIDS = "MEGAPIPE_WORKER_PIDS"
 
-def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> None:
+
+def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server: Optional[str]) -> None:
     """In the forked process: become the script's own session with its output and errors on the pipes
-    (``errors`` None: on the output's), then run it."""
+    (``errors`` None: on the output's), then run it; a torchrun given the ``server``'s address forks its
+    workers from that server."""
     os.setsid()
     os.dup2(output.fileno(), 1)
     os.dup2((errors or output).fileno(), 2)
     for pipe in (output, errors):
         if pipe is not None:
             pipe.close()
+    for stream in (sys.stdout, sys.stderr):  # line by line, as the callers read it (torchrun's workers run with -u)
+        stream.reconfigure(line_buffering=True)
     os.environ.clear()  # the caller's environment, not the server's from when it started
     os.environ.update(environ)
     os.chdir(cwd)
     multiprocessing.current_process().daemon = False  # the script may start processes of its own, as when run directly
+    if server is not None and argv[:2] == ["-m", "torch.distributed.run"]:
+        _fork_torchrun_workers(server)
     import torch
 
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
@@ -50,24 +63,67 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors) -> Non
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _fork_torchrun_workers(server: str) -> None:
+    """In a forked torchrun: start each worker (``python -u script ...``, as torchrun builds it) as a process
+    forked from the server at ``server`` (the one this process comes from, alive while the caller is),
+    writing where torchrun would have it write."""
+    from multiprocessing import forkserver, resource_tracker
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    forkserver._forkserver._forkserver_address = server
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running  # the server runs; never start another
+
+    def fork_worker(handler: SubprocessHandler, args: tuple, env: dict) -> ForkedProcess:
+        _python, _unbuffered, *argv = args
+        outputs = [(stream or default).fileno() for stream, default in
+                   ((handler._stdout, sys.stdout), (handler._stderr, sys.stderr))]
+        worker = ForkedProcess(argv, env, os.getcwd(), outputs=outputs)
+        if env.get(WORKER_PIDS):
+            path = os.path.join(env[WORKER_PIDS], env["RANK"])
+            with open(path + ".tmp", "w") as file:
+                file.write(str(worker.pid))
+            os.replace(path + ".tmp", path)
+        return worker
+
+    SubprocessHandler._popen = fork_worker
+
+
+def _server_address() -> str:
+    """The address of the server that forks the processes here, started if it is not yet."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_address
+
+
 class ForkedProcess:
     """``subprocess.Popen``'s view of a forked script (``pid``, ``stdout`` and ``stderr`` as text, ``poll``,
-    ``wait``, ``returncode``); with ``merge_errors`` its errors come on ``stdout``, as with ``stderr=STDOUT``."""
+    ``wait``, ``returncode``); with ``merge_errors`` its errors come on ``stdout``, as with ``stderr=STDOUT``.
+    With ``outputs`` (two file descriptors) it writes to those instead, and ``stdout`` and ``stderr`` are None.
+    With ``fork_workers`` a forked torchrun forks its workers too."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: str, merge_errors: bool = True):
+    def __init__(self, argv: list[str], env: dict, cwd: str, merge_errors: bool = True,
+                 outputs: Optional[list[int]] = None, fork_workers: bool = True):
         self.args = argv
         context = preloaded_context()
-        pipes = [context.Pipe(duplex=False) for _ in range(1 if merge_errors else 2)]
-        writers = [writer for _, writer in pipes] + [None] * merge_errors
-        self._process = context.Process(target=_run_script, args=(argv, env, cwd, *writers), daemon=True)
+        if outputs is not None:  # handed to the child as a pipe's end would be
+            pipes, writers = [], [multiprocessing.connection.Connection(os.dup(fd), readable=False) for fd in outputs]
+        else:
+            pipes = [context.Pipe(duplex=False) for _ in range(1 if merge_errors else 2)]
+            writers = [writer for _, writer in pipes] + [None] * merge_errors
+        server = _server_address() if fork_workers and argv[:2] == ["-m", "torch.distributed.run"] else None
+        self._process = context.Process(target=_run_script, args=(argv, env, cwd, *writers, server), daemon=True)
         self._process.start()
         self.pid = self._process.pid
+        for writer in writers if outputs is not None else []:
+            writer.close()
         readers = []
         for reader, writer in pipes:
             writer.close()  # the child holds the only write end: the pipe ends when it does
             readers.append(os.fdopen(os.dup(reader.fileno()), "r"))
             reader.close()
-        self.stdout, self.stderr = readers if len(readers) == 2 else (readers[0], None)
+        self.stdout, self.stderr = (readers + [None, None])[:2]
 
     @property
     def returncode(self) -> Optional[int]:
