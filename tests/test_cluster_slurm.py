@@ -33,7 +33,10 @@ RUN_SECONDS = 240
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     try:
-        with SlurmTestbed(str(tmp_path_factory.mktemp("slurm")), NODES) as testbed:
+        # as deep as a pytest-xdist worker's folders and more: a Unix socket's path under it would pass 107
+        # bytes, so a job step starts only because the testbed keeps its sockets elsewhere
+        deep = tmp_path_factory.mktemp("slurm-testbed-in-a-folder-deeper-than-a-unix-socket-path-may-be")
+        with SlurmTestbed(str(deep), NODES) as testbed:
             yield testbed
     except SlurmUnavailable as error:
         pytest.skip(str(error))

@@ -6,8 +6,11 @@ Every node declares its accelerators as typed GPU GRES (``Gres=gpu:fast:2,gpu:sl
 by device files that are links to ``/dev/null``: Slurm schedules and binds them (it sets
 ``CUDA_VISIBLE_DEVICES``), the processes run on the CPU. Authentication is a private ``munged``
 (its own key and socket), so the testbed touches no system service. Everything lives in one
-directory, every port is picked free, and ``close`` (or leaving the ``with`` block, also on an
-error) cancels the jobs and stops the daemons it started.
+directory, except what holds Unix sockets (munged's, and the one slurmstepd makes per job step in
+a node's spool directory): a socket's path has at most 107 bytes, which a deep test directory
+exceeds (a step that cannot make its socket never starts), so those live in a short private folder
+under the system's temporary directory. Every port is picked free, and ``close`` (or leaving the
+``with`` block, also on an error) cancels the jobs, stops the daemons it started and removes that folder.
 
     with SlurmTestbed(tmp_dir, {"node1": {"fast": 2, "slow": 2}, "node2": {"fast": 2, "slow": 2}}) as slurm:
         subprocess.run(["sinfo"], env=slurm.env)   # SLURM_CONF points at the testbed's slurm.conf
@@ -23,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -69,6 +73,7 @@ class SlurmTestbed:
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         self._daemons: list[subprocess.Popen] = []
         self._cpus = cpus_per_node
+        self._sockets = tempfile.mkdtemp(prefix="megapipe-slurm-")  # munged's socket, the spool directories
         try:
             self._start()
         except BaseException:
@@ -86,14 +91,16 @@ class SlurmTestbed:
         return os.path.join(self.directory, *parts)
 
     def _start(self) -> None:
-        for sub in ("state", "log", "munge", "dev", *(os.path.join("spool", n) for n in self.nodes)):
+        for sub in ("state", "log", "munge", "dev"):
             os.makedirs(self._path(sub), exist_ok=True)
+        for node in self.nodes:
+            os.makedirs(os.path.join(self._sockets, node))
         os.chmod(self._path("munge"), 0o700)
         key = self._path("munge", "munge.key")
         with open(key, "wb") as out:
             out.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        socket_path = self._path("munge", "munge.socket")
+        socket_path = os.path.join(self._sockets, "munge.socket")
         self._spawn(["munged", "--foreground", "--force", f"--socket={socket_path}", f"--key-file={key}",
                      f"--log-file={self._path('log', 'munged.log')}", f"--pid-file={self._path('munge', 'pid')}",
                      f"--seed-file={self._path('munge', 'seed')}"])
@@ -115,7 +122,7 @@ class SlurmTestbed:
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={self._path('state')}",
-            f"SlurmdSpoolDir={self._path('spool', '%n')}",
+            f"SlurmdSpoolDir={os.path.join(self._sockets, '%n')}",
             f"SlurmctldPidFile={self._path('slurmctld.pid')}", f"SlurmdPidFile={self._path('slurmd-%n.pid')}",
             f"SlurmctldLogFile={self._path('log', 'slurmctld.log')}",
             f"SlurmdLogFile={self._path('log', 'slurmd-%n.log')}",
@@ -194,6 +201,7 @@ class SlurmTestbed:
                 daemon.kill()
                 daemon.wait(timeout=5)
         self._daemons.clear()
+        shutil.rmtree(self._sockets, ignore_errors=True)
 
     def _cancel_all(self) -> None:
         self.run(["scancel", "--full", "--signal=KILL", f"--partition={self.partition}"], check=False)
