@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megapipe.testing.forked import WORKER_PIDS, ForkedProcess
+from megapipe.testing.forked import WORKER_PIDS, ForkedProcess, run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RENDEZVOUS_PORT = 29500  # free in every fresh host: each has its own network namespace
@@ -39,6 +39,12 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
     if node == 0:
         command += ["--rdzv-conf", "is_host=1"]
     return hosts.command(node, command + script_argv)
+
+
+def forked_run(argv: list[str], cwd: str, env: dict, timeout: float, **_) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, cwd=, env=, capture_output=True, text=True, timeout=)`` for ``argv`` = [python, ...],
+    forked from the server that has imported torch (torchrun's workers too)."""
+    return run_script(argv[1:], env, cwd, timeout)
 
 
 class Job:

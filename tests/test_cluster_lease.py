@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from launch_helpers import forked_run
 from megapipe.cluster.service.job_log import iteration_losses, run_alone
 from megapipe.cluster.service.local_cluster import free_port
 
@@ -72,8 +73,8 @@ class ScriptedLeases:
 def run_allocations(leases: ScriptedLeases, owned: list, tmp_path) -> list[str]:
     """The job in (2, 1, 1) under leases 1 and 2, then in (1, 1, 2) under lease 3; their outputs."""
     layouts = [TENSOR_2, TENSOR_2, []]
-    return [run_alone(JOB + layout + owned + ["--cluster-lease", leases.address(n)], 2, str(tmp_path), free_port())
-            for n, layout in enumerate(layouts, start=1)]
+    return [run_alone(JOB + layout + owned + ["--cluster-lease", leases.address(n)], 2, str(tmp_path), free_port(),
+                      run=forked_run) for n, layout in enumerate(layouts, start=1)]
 
 
 def test_lease_end_saves_and_the_next_allocation_resumes_exactly_or_resharded(tmp_path):
@@ -81,7 +82,7 @@ def test_lease_end_saves_and_the_next_allocation_resumes_exactly_or_resharded(tm
     checkpoints = str(tmp_path / "checkpoints")
     owned = ["--save", checkpoints, "--load", checkpoints]
     with ThreadPoolExecutor(1) as pool:  # the reference trains beside the three allocations
-        alone = pool.submit(run_alone, JOB + TENSOR_2, 2, str(tmp_path / "alone"), free_port())
+        alone = pool.submit(run_alone, JOB + TENSOR_2, 2, str(tmp_path / "alone"), free_port(), run=forked_run)
         try:
             first, second, third = run_allocations(leases, owned, tmp_path)
         finally:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from launch_helpers import forked_run
 from megapipe.cluster.service.job_log import continuity, iteration_layouts, iteration_losses, layout_key, leases, overlapping_runs, run_alone
 from megapipe.cluster.client.lease import post_json
 from megapipe.cluster.service.local_cluster import TOOL, LocalCluster, free_port
@@ -164,7 +165,7 @@ def test_trace_survives_a_restarted_scheduler_and_keeps_its_losses(cluster, trac
     with ThreadPoolExecutor(len(jobs)) as pool:  # each job trained alone, uninterrupted, as submitted
         references = dict(zip(jobs, pool.map(
             lambda name: iteration_losses(run_alone(submitted[name], jobs[name]["devices"], str(tmp_path / name),
-                                                    free_port())), jobs)))
+                                                    free_port(), run=forked_run)), jobs)))
     for name, job in jobs.items():
         log = open(job["log"]).read()
         assert job["iterations"] == job["target_iters"]

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from launch_helpers import forked_run
 from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, SlurmUnavailable, unavailable_reason
 from megapipe.cluster.service.job_log import continuity, iteration_losses, overlapping_runs, run_alone
 from megapipe.cluster.service.local_cluster import LocalCluster, free_port
@@ -54,7 +55,7 @@ def test_a_small_trace_runs_end_to_end_on_slurm(tmp_path):
     with ThreadPoolExecutor(len(jobs)) as pool:  # each job trained alone, uninterrupted, as submitted
         references = dict(zip(jobs, pool.map(
             lambda name: iteration_losses(run_alone(JOBS[name], jobs[name]["devices"], str(tmp_path / name),
-                                                    free_port())), jobs)))
+                                                    free_port(), run=forked_run)), jobs)))
     for name, job in jobs.items():
         log = open(job["log"]).read()
         assert overlapping_runs(log) == [], f"job {name} ran twice at once"

@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 LEASE = re.compile(r"^\[cluster\] lease (\d+) on (.*?): (\S+\.py .*)$")
 ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.E]+) \|")
@@ -98,18 +98,19 @@ def overlapping_runs(text: str) -> list[int]:
 
 
 def run_alone(command: list[str], devices: int, work_dir: str, port: int, timeout: float = 600,
-              attempts: int = 2) -> str:
+              attempts: int = 2, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str:
     """Train ``command`` on ``devices`` local processes from scratch, uninterrupted; returns its output.
 
     A failed run is tried again once (``attempts``): a two-process run of this torch has been seen
-    to abort in one rank's teardown after training to the end."""
+    to abort in one rank's teardown after training to the end. ``run`` starts torchrun as
+    ``subprocess.run`` would (the tests pass one that forks it from a server that has imported torch)."""
     os.makedirs(work_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for _ in range(attempts):
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
-                                 "--master-port", str(port), str(ROOT / command[0]), *command[1:]],
-                                cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
+        result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
+                      "--master-port", str(port), str(ROOT / command[0]), *command[1:]],
+                     cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
         if result.returncode == 0:
             return result.stdout
     raise RuntimeError(f"the reference run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
