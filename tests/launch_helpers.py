@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from megapipe.cluster.worker.process_tree import process_groups, signal_groups
 from megapipe.testing.forked import WORKER_PIDS, ForkedProcess, run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +40,18 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
     if node == 0:
         command += ["--rdzv-conf", "is_host=1"]
     return hosts.command(node, command + script_argv)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid`` and to every process group of its tree: torchrun's workers each have a session of their
+    own, so killing torchrun's group alone would leave them running. This process's own group is never signalled
+    (a forked script shares it until it has made its session)."""
+    groups = [group for group in process_groups(pid) if group != os.getpgrp()]
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    signal_groups(groups, signal.SIGKILL)
 
 
 def forked_run(argv: list[str], cwd: str, env: dict, timeout: float, **_) -> subprocess.CompletedProcess:
@@ -130,10 +143,7 @@ class Job:
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:  # a forked script killed before it made its session
-                    os.kill(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
             proc.wait(timeout=10)
         if self._worker_pids is not None:  # forked workers are not in torchrun's process group: killed by pid
             for name in os.listdir(self._worker_pids):

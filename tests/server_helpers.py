@@ -8,7 +8,6 @@ log drained by a thread (a full pipe would stop it), and is killed when the ``wi
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import transformers
 
 from megapipe.checkpointing.common import SavedLayout
 from megapipe.checkpointing.convert import import_hf_checkpoint
-from launch_helpers import REPO as ROOT, standalone
+from launch_helpers import REPO as ROOT, kill_tree, standalone
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and", "then", "slept", "here", "now",
          "big", "red", "sun", "rose", "over", "hills"]
@@ -71,7 +70,7 @@ def server_env() -> dict:
 @contextlib.contextmanager
 def serving(checkpoint: str, *flags: str, nproc: int = 1):
     """(URL of ``PUT /api``, its log lines so far) of a server of ``checkpoint`` started with ``flags``, on one
-    process or on ``nproc`` under torchrun (killed as one process group at the end)."""
+    process or on ``nproc`` under torchrun (killed with its workers at the end)."""
     command = [os.path.join(ROOT, "tools", "run_text_generation_server.py"), "--load", checkpoint, "--port", "0",
                *flags]
     command = [sys.executable, *command] if nproc == 1 else standalone(nproc, command)
@@ -83,5 +82,5 @@ def serving(checkpoint: str, *flags: str, nproc: int = 1):
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         yield line.split()[-1], log
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
+        kill_tree(server.pid)
         server.wait(timeout=30)
