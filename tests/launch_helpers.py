@@ -62,7 +62,7 @@ def forked_run(argv: list[str], cwd: str, env: dict, timeout: float, **_) -> sub
 
 class Job:
     """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
-    each is killed as a process group on ``close``. With ``forked``, each command ``[python, script, *args]``
+    each is killed with its workers on ``close``. With ``forked``, each command ``[python, script, *args]``
     (or ``[python, -m, module, *args]``: torchrun) runs in a process forked from a server that has imported
     torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds, and so
     do torchrun's workers unless ``fresh_workers`` asks for new interpreters."""
@@ -145,13 +145,10 @@ class Job:
             if proc.poll() is None:
                 kill_tree(proc.pid)
             proc.wait(timeout=10)
-        if self._worker_pids is not None:  # forked workers are not in torchrun's process group: killed by pid
+        if self._worker_pids is not None:  # forked workers are not in torchrun's tree: killed by pid
             for name in os.listdir(self._worker_pids):
-                if not name.endswith(".tmp"):
-                    try:
-                        os.killpg(self.worker_pid(int(name)), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                if not name.endswith(".tmp"):  # a pid being written (atomic_files' temporary names)
+                    kill_tree(self.worker_pid(int(name)))
             shutil.rmtree(self._worker_pids, ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ import sys
 import threading
 from typing import Optional
 
+from megapipe.atomic_files import write_atomically
 from megapipe.testing.worlds import preloaded_context
 
 WORKER_PIDS = "MEGAPIPE_WORKER_PIDS"
@@ -48,7 +49,7 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server
     os.environ.update(environ)
     os.chdir(cwd)
     multiprocessing.current_process().daemon = False  # the script may start processes of its own, as when run directly
-    if server is not None and argv[:2] == ["-m", "torch.distributed.run"]:
+    if server is not None:
         _fork_torchrun_workers(server)
     import torch
 
@@ -80,10 +81,7 @@ def _fork_torchrun_workers(server: str) -> None:
                    ((handler._stdout, sys.stdout), (handler._stderr, sys.stderr))]
         worker = ForkedProcess(argv, env, os.getcwd(), outputs=outputs)
         if env.get(WORKER_PIDS):
-            path = os.path.join(env[WORKER_PIDS], env["RANK"])
-            with open(path + ".tmp", "w") as file:
-                file.write(str(worker.pid))
-            os.replace(path + ".tmp", path)
+            write_atomically(os.path.join(env[WORKER_PIDS], env["RANK"]), str(worker.pid))
         return worker
 
     SubprocessHandler._popen = fork_worker
