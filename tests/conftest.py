@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megapipe.testing.hosts import NamespacesUnavailable, TestHosts  # noqa: E402
+from parallel_lanes import (group_of, in_worker, order_for_workers,  # noqa: E402, F401 (hooks of this conftest)
+                            pytest_configure, pytest_runtest_setup)
 
 
 def _import_triton_interpreted() -> None:
@@ -66,17 +68,6 @@ def make_test_hosts():
         hosts.close()
 
 
-# Files whose tests assert that a process stops within a deadline (a grace period, a peer timeout)
-# while they kill, cut or signal it: under ``pytest -n``/``--dist loadgroup`` they share one worker,
-# so no two of them load the machine at once. (test_multihost.py kills nothing, and test_cluster_crash.py
-# waits on observable states with deadlines of minutes: each runs on a worker of its own, so that this
-# group, the longest chain of the suite, stays short.)
-DEADLINE_FILES = ("test_preemption.py", "test_multihost_faults.py", "test_checkpoint_kill.py",
-                  "test_checkpoint_crash.py")
-# Files that start the private Slurm cluster: two at once time out waiting for each other's jobs.
-SLURM_FILES = ("test_cluster_slurm.py", "test_cluster_service_slurm.py")
-
-
 TIERS = ("unit", "distributed", "system")
 
 
@@ -86,7 +77,8 @@ def pytest_collection_modifyitems(config, items):
     describes them): ``-m unit`` is only the fast, single-process inner loop while every test is
     marked with what it really starts. Then give each test its file's ``xdist_group``: under
     ``pytest -n N --dist loadgroup`` a file stays on one worker, so its module-scoped worlds, clusters
-    and checkpoints start once, and the deadline files all share one worker."""
+    and checkpoints start once, and the paced files all share one worker (``parallel_lanes.py``), which
+    puts them first."""
     wrong = []
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
@@ -98,6 +90,6 @@ def pytest_collection_modifyitems(config, items):
             "pytest.mark.<tier> in the file, or mark the test):\n" + "\n".join(wrong[:50]))
     for item in items:
         if not any(item.iter_markers("xdist_group")):
-            name = item.path.name
-            group = "deadlines" if name in DEADLINE_FILES else "slurm" if name in SLURM_FILES else name
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    if in_worker():
+        order_for_workers(items, lambda item: next(m.name for m in item.iter_markers() if m.name in TIERS))
