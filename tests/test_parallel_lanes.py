@@ -1,0 +1,49 @@
+"""The suite's two lanes under ``pytest -n 2`` (``parallel_lanes.py``): every paced file exists, the paced
+lane comes first, whole files keep together in tier order, and a background test lowers the priority of
+the worker and of the process server it forks from, and nothing raises it back."""
+
+import multiprocessing.forkserver
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import parallel_lanes
+
+pytestmark = pytest.mark.unit
+
+HERE = Path(__file__).parent
+
+
+def test_every_paced_file_exists():
+    assert [name for name in parallel_lanes.PACED_FILES if not (HERE / name).is_file()] == []
+
+
+def _item(name: str, tier: str):
+    return SimpleNamespace(path=HERE / name, tier=tier)
+
+
+def test_the_paced_lane_comes_first_then_whole_files_by_their_heaviest_tier():
+    items = [_item("test_a.py", "unit"), _item("test_b.py", "unit"), _item("test_b.py", "system"),
+             _item("test_preemption.py", "system"), _item("test_c.py", "distributed"),
+             _item("test_cluster_crash.py", "system"), _item("test_a.py", "unit")]
+    parallel_lanes.order_for_workers(items, lambda item: item.tier)
+    assert [(item.path.name, item.tier) for item in items] == [
+        ("test_preemption.py", "system"), ("test_cluster_crash.py", "system"),  # paced, in collection order
+        ("test_b.py", "unit"), ("test_b.py", "system"),  # a file with a system test, kept whole
+        ("test_c.py", "distributed"), ("test_a.py", "unit"), ("test_a.py", "unit")]
+    assert {parallel_lanes.group_of(item) for item in items[:2]} == {parallel_lanes.PACED_GROUP}
+    assert parallel_lanes.group_of(items[2]) == "test_b.py"
+
+
+def test_a_background_test_lowers_the_worker_and_its_process_server_never_raises_them(monkeypatch):
+    server = 4242  # the pid of the worker's process server, which forks its scripts and ranks
+    monkeypatch.setattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", server)
+    niceness = {0: 0, server: 0}
+    monkeypatch.setattr(os, "getpriority", lambda which, pid: niceness[pid])
+    monkeypatch.setattr(os, "setpriority", lambda which, pid, value: niceness.update({pid: value}))
+    parallel_lanes._lower_priority(parallel_lanes.BACKGROUND_NICENESS)
+    assert niceness == {0: parallel_lanes.BACKGROUND_NICENESS, server: parallel_lanes.BACKGROUND_NICENESS}
+    parallel_lanes._lower_priority(0)
+    assert niceness == {0: parallel_lanes.BACKGROUND_NICENESS, server: parallel_lanes.BACKGROUND_NICENESS}
