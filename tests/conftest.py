@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from megapipe.testing.hosts import NamespacesUnavailable, TestHosts  # noqa: E402
 from parallel_lanes import (group_of, in_worker, order_for_workers,  # noqa: E402, F401 (hooks of this conftest)
-                            pytest_configure, pytest_runtest_setup)
+                            pytest_configure, pytest_runtest_setup, pytest_unconfigure)
 
 
 def _import_triton_interpreted() -> None:

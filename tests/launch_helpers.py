@@ -42,6 +42,13 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
     return hosts.command(node, command + script_argv)
 
 
+def _inside_host(command: list[str]) -> tuple:
+    """(the network namespace of an ``ip netns exec NAMESPACE`` prefix or None, the command without it)."""
+    if command[:3] == ["ip", "netns", "exec"]:
+        return command[3], command[4:]
+    return None, command
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL to ``pid`` and to every process group of its tree: torchrun's workers each have a session of their
     own, so killing torchrun's group alone would leave them running. This process's own group is never signalled
@@ -63,9 +70,10 @@ def forked_run(argv: list[str], cwd: str, env: dict, timeout: float, **_) -> sub
 class Job:
     """Launched commands (one per host, or one) whose output lines, merged, are read with deadlines;
     each is killed with its workers on ``close``. With ``forked``, each command ``[python, script, *args]``
-    (or ``[python, -m, module, *args]``: torchrun) runs in a process forked from a server that has imported
-    torch (``megapipe.testing.forked``), which starts in a fraction of a second instead of seconds, and so
-    do torchrun's workers unless ``fresh_workers`` asks for new interpreters."""
+    (or ``[python, -m, module, *args]``: torchrun; either behind ``ip netns exec HOST``, as ``on_host`` makes
+    it) runs in a process forked from a server that has imported torch (``megapipe.testing.forked``; inside
+    that host), which starts in a fraction of a second instead of seconds, and so do torchrun's workers
+    unless ``fresh_workers`` asks for new interpreters."""
 
     def __init__(self, *commands: list[str], forked: bool = False, fresh_workers: bool = False):
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -73,8 +81,8 @@ class Job:
         if forked:
             if not fresh_workers:
                 self._worker_pids = env[WORKER_PIDS] = tempfile.mkdtemp(prefix="megapipe-workers-")
-            self.procs = [ForkedProcess(command[1:], env, REPO, fork_workers=not fresh_workers)
-                          for command in commands]
+            self.procs = [ForkedProcess(command[1:], env, REPO, fork_workers=not fresh_workers, namespace=namespace)
+                          for namespace, command in map(_inside_host, commands)]
         else:
             self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                            env=env, cwd=REPO, start_new_session=True) for command in commands]

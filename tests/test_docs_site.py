@@ -10,7 +10,8 @@ from launch_helpers import REPO
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(REPO)
-SET_UP = ("bash install.sh && python pretrain_gpt.py", "python -m pytest -q", "python -m pytest -q -m unit")
+TEST_COMMAND = "python -m pytest -q -n 2"
+SET_UP = ("bash install.sh && python pretrain_gpt.py", TEST_COMMAND, "python -m pytest -q -m unit")
 
 
 def test_the_site_builds_strictly_so_a_broken_link_or_a_page_left_out_of_the_nav_fails(tmp_path):
@@ -26,6 +27,7 @@ def test_the_readme_is_a_short_entry_page_with_the_set_up_commands_and_links_tha
     assert len(readme.splitlines()) <= 300, "README.md is an entry page: move details to a docs/ page"
     for command in SET_UP:
         assert command in readme, f"README.md lost the set-up command {command!r}"
+    assert f"\n{TEST_COMMAND} " in (ROOT / ".ci" / "run").read_text(), "CI must run the README's test command"
     targets = {target.split("#")[0] for target in re.findall(r"\]\(([^)]+)\)", readme) if "://" not in target}
     assert {target for target in targets if not (ROOT / target).exists()} == set()
     linked = {pathlib.Path(target).name for target in targets if target.startswith("docs/")}

@@ -54,7 +54,8 @@ def test_two_hosts_of_two_ranks_train_exactly_like_one_host_of_four(make_test_ho
 
     hosts = make_test_hosts(2)
     before = [hosts.counters(host) for host in range(2)]
-    hosts_job = Job(*(on_host(hosts, node, 2, _argv(t, p, str(tmp_path / "hosts"), cache)) for node in range(2)))
+    hosts_job = Job(*(on_host(hosts, node, 2, _argv(t, p, str(tmp_path / "hosts"), cache)) for node in range(2)),
+                    forked=True)
     try:
         assert hosts_job.finish(SECONDS) == 0, hosts_job.output()[-3000:]
     finally:

@@ -41,7 +41,7 @@ def _launch(hosts, directory: str, cache: str, schedule: str, run_id: str) -> Jo
     argv = [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule), "--train-iters", "6",
             "--save", directory, "--load", directory, "--save-interval", "2", "--data-cache-path", cache,
             "--distributed-timeout-minutes", str(TIMEOUT_SECONDS / 60)]
-    return Job(*(on_host(hosts, node, 1, argv, run_id) for node in range(len(hosts))))
+    return Job(*(on_host(hosts, node, 1, argv, run_id) for node in range(len(hosts))), forked=True)
 
 
 def _checkpoint_intact(directory: str, iteration: int) -> None:

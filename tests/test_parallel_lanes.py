@@ -1,8 +1,7 @@
 """The suite's two lanes under ``pytest -n 2`` (``parallel_lanes.py``): every paced file exists, the paced
-lane comes first, whole files keep together in tier order, and a background test lowers the priority of
-the worker and of the process server it forks from, and nothing raises it back."""
+lane comes first, whole files keep together in tier order, and a background test moves the worker and
+the process server it forks from to the background's niceness and CPU group, and nothing raises them back."""
 
-import multiprocessing.forkserver
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,13 +36,16 @@ def test_the_paced_lane_comes_first_then_whole_files_by_their_heaviest_tier():
     assert parallel_lanes.group_of(items[2]) == "test_b.py"
 
 
-def test_a_background_test_lowers_the_worker_and_its_process_server_never_raises_them(monkeypatch):
-    server = 4242  # the pid of the worker's process server, which forks its scripts and ranks
-    monkeypatch.setattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", server)
-    niceness = {0: 0, server: 0}
+def test_a_background_test_moves_the_worker_and_its_process_server_down_never_up(monkeypatch, tmp_path):
+    pids = [os.getpid(), 4242]  # the worker, and the process server that forks its scripts and ranks
+    niceness = dict.fromkeys(pids, 0)
     monkeypatch.setattr(os, "getpriority", lambda which, pid: niceness[pid])
     monkeypatch.setattr(os, "setpriority", lambda which, pid, value: niceness.update({pid: value}))
-    parallel_lanes._lower_priority(parallel_lanes.BACKGROUND_NICENESS)
-    assert niceness == {0: parallel_lanes.BACKGROUND_NICENESS, server: parallel_lanes.BACKGROUND_NICENESS}
-    parallel_lanes._lower_priority(0)
-    assert niceness == {0: parallel_lanes.BACKGROUND_NICENESS, server: parallel_lanes.BACKGROUND_NICENESS}
+    group = tmp_path / "background"  # a control group's directory, with its one file used here
+    group.mkdir()
+    parallel_lanes.lower_priority(pids, str(group))
+    assert niceness == dict.fromkeys(pids, parallel_lanes.BACKGROUND_NICENESS)
+    assert (group / "cgroup.procs").read_text().split() == [str(pid) for pid in pids]
+    niceness.update(dict.fromkeys(pids, 19))
+    parallel_lanes.lower_priority(pids, None)  # no control group: niceness alone, and never raised
+    assert niceness == dict.fromkeys(pids, 19)

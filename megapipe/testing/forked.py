@@ -28,15 +28,19 @@ import threading
 from typing import Optional
 
 from megapipe.atomic_files import write_atomically
+from megapipe.testing.hosts import enter
 from megapipe.testing.worlds import preloaded_context
 
 WORKER_PIDS = "MEGAPIPE_WORKER_PIDS"
 
 
-def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server: Optional[str]) -> None:
-    """In the forked process: become the script's own session with its output and errors on the pipes
-    (``errors`` None: on the output's), then run it; a torchrun given the ``server``'s address forks its
-    workers from that server."""
+def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server: Optional[str],
+                namespace: Optional[str]) -> None:
+    """In the forked process: enter the network ``namespace`` (a test host's) if given, become the script's
+    own session with its output and errors on the pipes (``errors`` None: on the output's), then run it; a
+    torchrun given the ``server``'s address forks its workers from that server, into the same namespace."""
+    if namespace is not None:
+        enter(namespace)
     os.setsid()
     os.dup2(output.fileno(), 1)
     os.dup2((errors or output).fileno(), 2)
@@ -50,7 +54,7 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server
     os.chdir(cwd)
     multiprocessing.current_process().daemon = False  # the script may start processes of its own, as when run directly
     if server is not None:
-        _fork_torchrun_workers(server)
+        _fork_torchrun_workers(server, namespace)
     import torch
 
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
@@ -64,7 +68,7 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _fork_torchrun_workers(server: str) -> None:
+def _fork_torchrun_workers(server: str, namespace: Optional[str]) -> None:
     """In a forked torchrun: start each worker (``python -u script ...``, as torchrun builds it) as a process
     forked from the server at ``server`` (the one this process comes from, alive while the caller is),
     writing where torchrun would have it write."""
@@ -79,7 +83,7 @@ def _fork_torchrun_workers(server: str) -> None:
         _python, _unbuffered, *argv = args
         outputs = [(stream or default).fileno() for stream, default in
                    ((handler._stdout, sys.stdout), (handler._stderr, sys.stderr))]
-        worker = ForkedProcess(argv, env, os.getcwd(), outputs=outputs)
+        worker = ForkedProcess(argv, env, os.getcwd(), outputs=outputs, namespace=namespace)
         if env.get(WORKER_PIDS):
             write_atomically(os.path.join(env[WORKER_PIDS], env["RANK"]), str(worker.pid))
         return worker
@@ -99,10 +103,11 @@ class ForkedProcess:
     """``subprocess.Popen``'s view of a forked script (``pid``, ``stdout`` and ``stderr`` as text, ``poll``,
     ``wait``, ``returncode``); with ``merge_errors`` its errors come on ``stdout``, as with ``stderr=STDOUT``.
     With ``outputs`` (two file descriptors) it writes to those instead, and ``stdout`` and ``stderr`` are None.
-    With ``fork_workers`` a forked torchrun forks its workers too."""
+    With ``fork_workers`` a forked torchrun forks its workers too. With ``namespace`` the script (and a
+    torchrun's workers) runs inside that network namespace, as under ``ip netns exec`` (``testing/hosts.py``)."""
 
     def __init__(self, argv: list[str], env: dict, cwd: str, merge_errors: bool = True,
-                 outputs: Optional[list[int]] = None, fork_workers: bool = True):
+                 outputs: Optional[list[int]] = None, fork_workers: bool = True, namespace: Optional[str] = None):
         self.args = argv
         context = preloaded_context()
         if outputs is not None:  # handed to the child as a pipe's end would be
@@ -111,7 +116,10 @@ class ForkedProcess:
             pipes = [context.Pipe(duplex=False) for _ in range(1 if merge_errors else 2)]
             writers = [writer for _, writer in pipes] + [None] * merge_errors
         server = _server_address() if fork_workers and argv[:2] == ["-m", "torch.distributed.run"] else None
-        self._process = context.Process(target=_run_script, args=(argv, env, cwd, *writers, server), daemon=True)
+        if server is not None and namespace is not None and server.startswith("\0"):
+            server = None  # an abstract socket is per network namespace: from inside a host, torchrun's own workers
+        self._process = context.Process(target=_run_script, args=(argv, env, cwd, *writers, server, namespace),
+                                        daemon=True)
         self._process.start()
         self.pid = self._process.pid
         for writer in writers if outputs is not None else []:
