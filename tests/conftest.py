@@ -18,8 +18,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megapipe.testing.hosts import NamespacesUnavailable, TestHosts  # noqa: E402
-from parallel_lanes import (group_of, in_worker, order_for_workers,  # noqa: E402, F401 (hooks of this conftest)
-                            pytest_configure, pytest_runtest_setup, pytest_unconfigure)
+import parallel_lanes  # noqa: E402
+from parallel_lanes import group_of, in_worker, order_for_workers  # noqa: E402
+
+# the lanes of ``pytest -n 2`` (parallel_lanes.py) act through these hooks of this conftest
+pytest_configure, pytest_unconfigure = parallel_lanes.pytest_configure, parallel_lanes.pytest_unconfigure
+pytest_runtest_setup = parallel_lanes.pytest_runtest_setup
 
 
 def _import_triton_interpreted() -> None:

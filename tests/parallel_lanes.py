@@ -15,7 +15,7 @@ pytest-xdist workers slower than one. So, under ``pytest -n`` (``--dist load``, 
 * while a worker runs a test that is not paced, it and every process it starts from then on run at
   a lower CPU priority, so they take the cycles the paced tests leave idle instead of slowing them
   down: niceness ``BACKGROUND_NICENESS``, and, where the controller may make one (root, at the root of
-  a CPU hierarchy), a CPU control group weighted a tenth of one busy process. The group is what works
+  a CPU hierarchy), a CPU control group weighted a quarter of one busy process. The group is what works
   where the kernel shares the CPU between sessions first (autogroup): every forked script and torchrun
   worker starts a session, and a niceness counts only within its own (measured: at niceness 15 alone
   the paced lane took as long as at 5). The paced lane is its worker's first group, so no priority is
@@ -103,20 +103,20 @@ def lower_priority(pids: list[int], group: str | None) -> None:
 
 
 def _cpu_controller() -> tuple | None:
-    """(directory, weight file, a tenth of one busy process's weight) of the kernel's CPU controller where
+    """(directory, weight file, a quarter of one busy process's weight) of the kernel's CPU controller where
     this process sits at the root of its hierarchy (cgroup v2, or v1's ``cpu``); None elsewhere."""
     own = open("/proc/self/cgroup").read().splitlines()
     unified = "/sys/fs/cgroup/cgroup.controllers"
     if "0::/" in own and os.path.exists(unified) and "cpu" in open(unified).read().split():
-        return "/sys/fs/cgroup", "cpu.weight", "10"
+        return "/sys/fs/cgroup", "cpu.weight", "25"
     if any(line.endswith(":/") and "cpu" in line.split(":")[1].split(",") for line in own) and \
             os.path.exists("/sys/fs/cgroup/cpu/cpu.shares"):
-        return "/sys/fs/cgroup/cpu", "cpu.shares", "102"
+        return "/sys/fs/cgroup/cpu", "cpu.shares", "256"
     return None
 
 
 def _make_background_group() -> str | None:
-    """A CPU control group for the background lane, weighted a tenth of one paced process; None where
+    """A CPU control group for the background lane, weighted a quarter of one paced process; None where
     this process may not make one (not root, or not at the root of a CPU hierarchy)."""
     controller = _cpu_controller()
     if controller is None:

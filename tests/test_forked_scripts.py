@@ -106,3 +106,28 @@ def test_a_forked_torchrun_forks_its_workers_from_the_server_unless_told_not_to(
     output = fresh.stdout.read()
     assert fresh.wait(60) == 0 and _parents(output) == {fresh.pid}, output
     assert {int((pids / name).read_text()) for name in ("0", "1")} == second  # none listed: not forked
+
+
+CLOSE_AFTER_EXIT = """
+import os, sys
+from megapipe.testing import forked
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+forked._fork_torchrun_workers(sys.argv[1], None)  # as in a forked torchrun
+handler = SubprocessHandler(sys.executable, ("-c", "pass"), {**os.environ, "RANK": "0"}, None, None, 0, None)
+handler.proc.wait(60)  # exited, and reaped by the server: its process group is gone
+handler.close()  # what torchrun does to every worker whose exit it has not yet seen, once another fails
+print("closed")
+"""
+
+
+def test_torchrun_closes_a_forked_worker_that_the_server_has_already_reaped(tmp_path):
+    """A new interpreter stays a zombie, with its process group, until torchrun waits for it; a forked worker is
+    the server's child and is reaped at once, so torchrun's ``killpg`` in ``close`` (after another worker
+    failed) can find no group. That must not end torchrun with a traceback instead of the failure's report."""
+    from megapipe.testing.forked import _server_address
+
+    script = tmp_path / "close.py"
+    script.write_text(CLOSE_AFTER_EXIT)
+    done = run_script([str(script), _server_address()], dict(os.environ), str(tmp_path), timeout=60)
+    assert (done.returncode, done.stdout) == (0, "closed\n"), done.stderr

@@ -88,7 +88,18 @@ def _fork_torchrun_workers(server: str, namespace: Optional[str]) -> None:
             write_atomically(os.path.join(env[WORKER_PIDS], env["RANK"]), str(worker.pid))
         return worker
 
-    SubprocessHandler._popen = fork_worker
+    def close(handler: SubprocessHandler, death_sig=None) -> None:
+        """torchrun's ``close``, for a worker that the server reaps as soon as it exits: its process group may
+        be gone before torchrun signals it (a new interpreter stays a zombie, and its group, until torchrun waits)."""
+        try:
+            torchrun_close(handler, death_sig)
+        except ProcessLookupError:
+            for stream in (handler._stdout, handler._stderr):
+                if stream:
+                    stream.close()
+
+    torchrun_close = SubprocessHandler.close
+    SubprocessHandler._popen, SubprocessHandler.close = fork_worker, close
 
 
 def _server_address() -> str:
