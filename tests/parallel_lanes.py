@@ -41,7 +41,7 @@ PACED_FILES = ("test_cluster_service.py", "test_cluster_service_slurm.py", "test
 PACED_GROUP = "paced"
 BACKGROUND_NICENESS = 15  # a thirtieth of a busy paced process's weight, within one session
 TIER_ORDER = ("system", "distributed", "unit")
-LANES = "MEGAPIPE_TEST_LANES"
+LANES = "MEGAPIPE_TEST_LANES"  # from the controller to its workers: the background's CPU group, or "niceness only"
 
 
 def in_worker() -> bool:
