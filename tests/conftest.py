@@ -83,9 +83,10 @@ def pytest_collection_modifyitems(config, items):
     ``pytest -n N --dist loadgroup`` a file stays on one worker, so its module-scoped worlds, clusters
     and checkpoints start once, and the paced files all share one worker (``parallel_lanes.py``), which
     puts them first."""
-    wrong = []
+    wrong, tier_of = [], {}
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        tier_of[item] = tiers[0] if tiers else None
         if len(tiers) != 1:
             wrong.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
     if wrong:
@@ -96,4 +97,4 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(group_of(item)))
     if in_worker():
-        order_for_workers(items, lambda item: next(m.name for m in item.iter_markers() if m.name in TIERS))
+        order_for_workers(items, tier_of.__getitem__)

@@ -18,6 +18,7 @@ import pytest
 
 from megapipe.cluster.worker.process_tree import process_groups, signal_groups
 from megapipe.testing.forked import WORKER_PIDS, ForkedProcess, run_script
+from megapipe.testing.hosts import inside_host
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RENDEZVOUS_PORT = 29500  # free in every fresh host: each has its own network namespace
@@ -40,13 +41,6 @@ def on_host(hosts, node: int, nproc: int, script_argv: list[str], run_id: str = 
     if node == 0:
         command += ["--rdzv-conf", "is_host=1"]
     return hosts.command(node, command + script_argv)
-
-
-def _inside_host(command: list[str]) -> tuple:
-    """(the network namespace of an ``ip netns exec NAMESPACE`` prefix or None, the command without it)."""
-    if command[:3] == ["ip", "netns", "exec"]:
-        return command[3], command[4:]
-    return None, command
 
 
 def kill_tree(pid: int) -> None:
@@ -82,7 +76,7 @@ class Job:
             if not fresh_workers:
                 self._worker_pids = env[WORKER_PIDS] = tempfile.mkdtemp(prefix="megapipe-workers-")
             self.procs = [ForkedProcess(command[1:], env, REPO, fork_workers=not fresh_workers, namespace=namespace)
-                          for namespace, command in map(_inside_host, commands)]
+                          for namespace, command in map(inside_host, commands)]
         else:
             self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                            env=env, cwd=REPO, start_new_session=True) for command in commands]

@@ -100,7 +100,7 @@ def test_a_restarted_agent_finds_the_ranks_its_previous_incarnation_started():
     """Found by the agent and job their environment names, reported alive until they end (``orphans.py``)."""
     identity = agent_identity("host-a", f"http://127.0.0.1:{free_port()}")
     env = dict(os.environ, MEGAPIPE_CLUSTER_AGENT=identity, MEGAPIPE_CLUSTER_JOB="7")
-    rank = subprocess.Popen([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"],
+    rank = subprocess.Popen([sys.executable, "-c", "import signal; print('started', flush=True); signal.pause()"],
                             env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:  # Popen returns once the exec began, before /proc shows the new environment: wait for its first line
         assert rank.stdout.readline() == "started\n"

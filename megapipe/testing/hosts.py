@@ -74,6 +74,16 @@ class Counters:
                         self.sent_packets - other.sent_packets, self.received_packets - other.received_packets)
 
 
+NETNS_EXEC = ("ip", "netns", "exec")
+
+
+def inside_host(command: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """(the network namespace a ``TestHosts.command`` runs ``command`` in, or None; the command without its prefix)."""
+    if tuple(command[:3]) == NETNS_EXEC:
+        return command[3], list(command[4:])
+    return None, list(command)
+
+
 def namespaces_unavailable() -> Optional[str]:
     """Why test hosts cannot be made here, or None when they can."""
     if os.geteuid() != 0:
@@ -192,8 +202,8 @@ class TestHosts:
         return self.hosts[index]
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` prefixed to run inside host ``host`` (for a launcher of one's own)."""
-        return ["ip", "netns", "exec", self.hosts[host].namespace, *argv]
+        """``argv`` prefixed to run inside host ``host`` (for a launcher of one's own; ``inside_host`` undoes it)."""
+        return [*NETNS_EXEC, self.hosts[host].namespace, *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` in a session of its own; killed (its group) on close."""
