@@ -6,10 +6,12 @@
 Flags follow Megatron-LM; `python pretrain_gpt.py --help` lists them.
 """
 
+from megapipe.training.frozen_imports import frozen_imports
 from megapipe.training.sigterm import SigtermNotice
 
 if __name__ == "__main__":
     notice = SigtermNotice().install()  # before torch is imported: a SIGTERM during start-up is noted
-    from megapipe.training.cli import main
+    with frozen_imports():
+        from megapipe.training.cli import main
 
     main("gpt", notice)

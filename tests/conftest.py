@@ -5,6 +5,7 @@ and pipeline messages held to NCCL's rules on gloo (the strict transport of
 hosts (network namespaces) on this machine."""
 
 import importlib.util
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,7 +22,7 @@ from megapipe.testing.hosts import NamespacesUnavailable, TestHosts  # noqa: E40
 import parallel_lanes  # noqa: E402
 from parallel_lanes import group_of, in_worker, order_for_workers  # noqa: E402
 
-# the lanes of ``pytest -n 2`` (parallel_lanes.py) act through these hooks of this conftest
+# the lanes of ``pytest -n 3`` (parallel_lanes.py) act through these hooks of this conftest
 pytest_configure, pytest_unconfigure = parallel_lanes.pytest_configure, parallel_lanes.pytest_unconfigure
 pytest_runtest_setup = parallel_lanes.pytest_runtest_setup
 
@@ -98,3 +99,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group_of(item)))
     if in_worker():
         order_for_workers(items, tier_of.__getitem__)
+
+
+def pytest_collection_finish(session):
+    """Keep what importing and collecting made (modules, the test items) out of every later collection's
+    walk: the suite's own and the tests' ``gc.collect()`` each took about a fifth of a second more for it."""
+    gc.freeze()

@@ -1,5 +1,5 @@
-"""How the suite shares two cores under ``pytest -n 2`` (the README's test command): a paced lane and
-a background lane.
+"""How the suite shares two cores under ``pytest -n 3`` (the README's test command): a paced lane and
+a background lane of two workers.
 
 Many system tests are paced by the clock: scheduling rounds, grace periods, peer timeouts, deadlines
 they assert. They wait for about half their time, and run next to other heavy tests they slow down
@@ -10,8 +10,11 @@ pytest-xdist workers slower than one. So, under ``pytest -n`` (``--dist load``, 
 * the paced files (``PACED_FILES``) form one ``xdist_group``, first in the collection: one worker runs
   them one after another, from the start;
 * every other file is a group of its own (its module-scoped worlds, clusters and checkpoints start
-  once), the files with system tests first, then distributed, then unit ones, so that the last groups
-  handed out are short (xdist's reordering by test count is turned off to keep this order);
+  once), the files with system tests first, then distributed, then unit ones, the longest of a tier
+  (``LONGEST_FILES``) first in it, so that the last groups handed out are short (xdist's reordering by
+  test count is turned off to keep this order);
+* the other workers (two: one alone often leaves a core idle, as when it runs a one-process test while
+  the paced lane waits on the clock) take the background's groups as they finish the previous ones;
 * while a worker runs a test that is not paced, it and every process it starts from then on run at
   a lower CPU priority, so they take the cycles the paced tests leave idle instead of slowing them
   down: niceness ``BACKGROUND_NICENESS``, and, where the controller may make one (root, at the root of
@@ -39,6 +42,9 @@ PACED_FILES = ("test_cluster_service.py", "test_cluster_service_slurm.py", "test
                "test_checkpoint_crash.py", "test_acceptance.py", "test_node_layout.py",
                "test_generation_server_fuzz.py")
 PACED_GROUP = "paced"
+# Files far longer than the rest of their tier (measured: the transport models' replays take about 50 s
+# in one process, three times the next unit file), handed out first within it instead of near the end.
+LONGEST_FILES = ("test_transport_models.py",)
 BACKGROUND_NICENESS = 15  # a thirtieth of a busy paced process's weight, within one session
 TIER_ORDER = ("system", "distributed", "unit")
 LANES = "MEGAPIPE_TEST_LANES"  # from the controller to its workers: the background's CPU group, or "niceness only"
@@ -53,12 +59,14 @@ def group_of(item) -> str:
 
 
 def order_for_workers(items: list, tier_of) -> None:
-    """Sort ``items`` in place: the paced lane first, then whole files by their heaviest tier (stable)."""
+    """Sort ``items`` in place: the paced lane first, then whole files by their heaviest tier, the longest
+    files of a tier first in it (stable)."""
     heaviest: dict = {}
     for item in items:
         rank = TIER_ORDER.index(tier_of(item))
         heaviest[item.path] = min(rank, heaviest.get(item.path, rank))
-    items.sort(key=lambda item: (group_of(item) != PACED_GROUP, heaviest[item.path]))
+    items.sort(key=lambda item: (group_of(item) != PACED_GROUP, heaviest[item.path],
+                                 item.path.name not in LONGEST_FILES))
 
 
 def pytest_configure(config):

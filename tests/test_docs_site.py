@@ -10,7 +10,7 @@ from launch_helpers import REPO
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(REPO)
-TEST_COMMAND = "python -m pytest -q -n 2"
+TEST_COMMAND = "python -m pytest -q -n 3"
 SET_UP = ("bash install.sh && python pretrain_gpt.py", TEST_COMMAND, "python -m pytest -q -m unit")
 
 

@@ -1,6 +1,7 @@
-"""The suite's two lanes under ``pytest -n 2`` (``parallel_lanes.py``): every paced file exists, the paced
-lane comes first, whole files keep together in tier order, and a background test moves the worker and
-the process server it forks from to the background's niceness and CPU group, and nothing raises them back."""
+"""The suite's lanes under ``pytest -n 3`` (``parallel_lanes.py``): every paced and longest file exists, the
+paced lane comes first, whole files keep together in tier order, the longest of a tier first in it, and a
+background test moves the worker and the process server it forks from to the background's niceness and
+CPU group, and nothing raises them back."""
 
 import os
 from pathlib import Path
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.unit
 HERE = Path(__file__).parent
 
 
-def test_every_paced_file_exists():
-    assert [name for name in parallel_lanes.PACED_FILES if not (HERE / name).is_file()] == []
+def test_every_paced_and_longest_file_exists():
+    named = parallel_lanes.PACED_FILES + parallel_lanes.LONGEST_FILES
+    assert [name for name in named if not (HERE / name).is_file()] == []
 
 
 def _item(name: str, tier: str):
@@ -34,6 +36,14 @@ def test_the_paced_lane_comes_first_then_whole_files_by_their_heaviest_tier():
         ("test_c.py", "distributed"), ("test_a.py", "unit"), ("test_a.py", "unit")]
     assert {parallel_lanes.group_of(item) for item in items[:2]} == {parallel_lanes.PACED_GROUP}
     assert parallel_lanes.group_of(items[2]) == "test_b.py"
+
+
+def test_the_longest_file_of_a_tier_goes_first_in_it(monkeypatch):
+    monkeypatch.setattr(parallel_lanes, "LONGEST_FILES", ("test_z.py",))
+    items = [_item("test_a.py", "unit"), _item("test_d.py", "distributed"), _item("test_z.py", "unit"),
+             _item("test_b.py", "unit")]
+    parallel_lanes.order_for_workers(items, lambda item: item.tier)
+    assert [item.path.name for item in items] == ["test_d.py", "test_z.py", "test_a.py", "test_b.py"]
 
 
 def test_a_background_test_moves_the_worker_and_its_process_server_down_never_up(monkeypatch, tmp_path):

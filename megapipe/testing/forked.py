@@ -18,6 +18,7 @@ into the file named by its rank there, for callers that signal a rank.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import runpy
@@ -39,6 +40,7 @@ def _run_script(argv: list[str], environ: dict, cwd: str, output, errors, server
     """In the forked process: enter the network ``namespace`` (a test host's) if given, become the script's
     own session with its output and errors on the pipes (``errors`` None: on the output's), then run it; a
     torchrun given the ``server``'s address forks its workers from that server, into the same namespace."""
+    gc.freeze()  # what the server imported stays for the process's life: no collection need walk it
     if namespace is not None:
         enter(namespace)
     os.setsid()

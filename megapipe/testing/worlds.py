@@ -17,6 +17,7 @@ and carrying its traceback; the other ranks are killed. A world that does not fi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -35,6 +36,7 @@ class DistributedFailure(RuntimeError):
 
 def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, namespace: Optional[str],
             collective_timeout: float, call: bytes, results: "mp.Queue") -> None:
+    gc.freeze()  # what the server imported stays for the process's life: no collection need walk it (``preloaded_context``)
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank),
