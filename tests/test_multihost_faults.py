@@ -1,21 +1,23 @@
 """Hosts that fail in mid-training: a host that disappears, a link cut that heals, one that does not.
 
 Two test hosts of one rank each run a 2-stage pipeline with the multi-node command of docs/parallelism.md
-(``--save`` and ``--load`` the same directory, a checkpoint every 2 iterations, a distributed
-timeout of 20 s), as a job script would, and the same command is started again afterwards.
+(``--save`` and ``--load`` the same directory, a checkpoint every 4 of 40 iterations, a distributed
+timeout of 20 s), as a job script would, and the same command is started again afterwards. A fault
+comes after iteration 5 is logged, so the newest whole checkpoint is iteration 4, or a later one where
+the ranks got further before the fault took effect (they run on while the test reacts); the relaunch
+must load that one and log every iteration the first run logged after it with the same loss (all
+printed digits), then finish.
 
 * 1F1B: host 1's link is cut after iteration 2 and healed 2 s later, well within the timeout:
   training goes on. After iteration 5 every process of host 1 is SIGKILLed (the host
-  disappears): host 0 stops within the timeout, naming the rank it lost. The relaunch loads
-  iteration 4 and logs iteration 5 with the loss the first run logged (all printed digits;
-  dropout on), then finishes.
+  disappears): host 0 stops within the timeout, naming the rank it lost; the relaunch resumes
+  (dropout on).
 * PipeDream (weight stashing; the checkpoint holds the microbatches in flight): host 1's link
   is cut after iteration 5 and not healed. Within the timeout (plus the 10 s roll call) host 0
   names the rank it lost and exits, and host 1's worker says that the rendezvous host cannot be
   reached. Host 1's torchrun itself keeps waiting for its rendezvous store, which it cannot
   reach (torchrun's behaviour), so it is stopped as a cluster scheduler would stop it. The
-  checkpoint of iteration 4 is whole, and with the link back the relaunch resumes with the same
-  loss at iteration 5.
+  newest checkpoint is whole, and with the link back the relaunch resumes.
 """
 
 import os
@@ -33,32 +35,37 @@ pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 TIMEOUT_SECONDS = 20  # a peer is waited for this long: far above the skew of two busy hosts, short for the cut
 STOP_SECONDS = TIMEOUT_SECONDS + 60  # the timeout, then the launchers' shutdown of their workers
 RUN_SECONDS = 240
+TRAIN_ITERS, SAVE_INTERVAL = 40, 4  # far more than a fault needs: the ranks never finish before it
 LOST_RANK_1 = r"error: rank 0 lost contact with rank\(s\) 1 of 2: they did not answer"
 LOST_STORE = r"error: rank 1 lost the job: its rendezvous store at \S+ \(the host of rank 0\) cannot be reached"
 
 
 def _launch(hosts, directory: str, cache: str, schedule: str, run_id: str) -> Job:
-    argv = [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule), "--train-iters", "6",
-            "--save", directory, "--load", directory, "--save-interval", "2", "--data-cache-path", cache,
+    argv = [os.path.join(REPO, "pretrain_gpt.py"), *TINY_GPT, *layout_flags(1, 2, schedule), "--train-iters", str(TRAIN_ITERS),
+            "--save", directory, "--load", directory, "--save-interval", str(SAVE_INTERVAL), "--data-cache-path", cache,
             "--distributed-timeout-minutes", str(TIMEOUT_SECONDS / 60)]
     return Job(*(on_host(hosts, node, 1, argv, run_id) for node in range(len(hosts))), forked=True)
 
 
-def _checkpoint_intact(directory: str, iteration: int) -> None:
-    assert paths.read_latest(directory) == iteration
+def _newest_checkpoint_intact(directory: str) -> int:
+    """The iteration of the newest checkpoint, which must be whole: 4, or later (see the module docstring)."""
+    iteration = paths.read_latest(directory)
+    assert iteration is not None and iteration >= 4 and iteration % SAVE_INTERVAL == 0, iteration
     found, common, tensors = read_checkpoint(directory)
     assert found == paths.iteration_dir(directory, iteration) and common.iteration == iteration and tensors
+    return iteration
 
 
-def _resume(hosts, directory: str, cache: str, schedule: str, logged: dict[int, str]) -> None:
+def _resume(hosts, directory: str, cache: str, schedule: str, logged: dict[int, str], saved: int) -> None:
     job = _launch(hosts, directory, cache, schedule, "resumed")
     try:
-        job.wait_for(r"loaded checkpoint .*iter_0000004", RUN_SECONDS)
-        job.wait_for(r"iteration\s+6/", RUN_SECONDS)
+        job.wait_for(rf"loaded checkpoint .*iter_{saved:07d}", RUN_SECONDS)
+        job.wait_for(rf"iteration\s+{TRAIN_ITERS}/", RUN_SECONDS)
         assert job.finish(RUN_SECONDS) == 0, job.output()[-3000:]
     finally:
         job.close()
-    assert losses(job.lines)[5] == logged[5]
+    resumed, again = losses(job.lines), [i for i in sorted(logged) if i > saved]
+    assert again and {i: resumed[i] for i in again} == {i: logged[i] for i in again}, (saved, logged, resumed)
 
 
 def test_a_host_that_disappears_stops_the_job_and_a_healed_cut_does_not(make_test_hosts, tmp_path, tmp_path_factory):
@@ -79,8 +86,7 @@ def test_a_host_that_disappears_stops_the_job_and_a_healed_cut_does_not(make_tes
     assert re.search(LOST_RANK_1, job.output()), job.output()[-3000:]
     logged = losses(job.lines)
     assert sorted(logged)[:5] == [1, 2, 3, 4, 5]
-    _checkpoint_intact(directory, 4)
-    _resume(hosts, directory, cache, "1f1b", logged)
+    _resume(hosts, directory, cache, "1f1b", logged, _newest_checkpoint_intact(directory))
 
 
 def test_a_cut_that_does_not_heal_stops_both_hosts_and_the_relaunch_resumes(make_test_hosts, tmp_path,
@@ -98,5 +104,4 @@ def test_a_cut_that_does_not_heal_stops_both_hosts_and_the_relaunch_resumes(make
         job.close()
     logged = losses(job.lines)
     hosts.heal(1)
-    _checkpoint_intact(directory, 4)
-    _resume(hosts, directory, cache, "pipedream", logged)
+    _resume(hosts, directory, cache, "pipedream", logged, _newest_checkpoint_intact(directory))
