@@ -4,8 +4,8 @@ and pipeline messages held to NCCL's rules on gloo (the strict transport of
 ``pipeline/runtime/p2p.py``), so every multi-rank run on CPU would also finish on NCCL. ``make_test_hosts`` gives tests several
 hosts (network namespaces) on this machine."""
 
-import importlib.util
 import gc
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

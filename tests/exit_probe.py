@@ -40,8 +40,8 @@ def _threads() -> dict[str, int]:
 
 def _report() -> None:
     deadline = time.monotonic() + SETTLE_SECONDS
-    while (names := _threads()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while (names := _threads()) and time.monotonic() < deadline:  # nothing signals a thread's last exit step,
+        time.sleep(0.01)  # so its task entry is polled for, up to the deadline
     line = f"{PREFIX}{sum(names.values())} threads besides the main one: {names}\n"
     os.write(2, line.encode())  # one write: the ranks share torchrun's stderr, and lines must not interleave
 
