@@ -35,8 +35,8 @@ JOB = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-att
        "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10", "--mock-data",
        "--vocab-size", "128"]
 # what a 200 answer of each route holds (http_api.py's table)
-DOCUMENTED = {"/status": {"jobs"}, "/jobs": {"id"}, "cancel": {"ok"}, "/workers": {"ok"}, "heartbeat": {"messages"},
-              "leases": ({"expires_in"}, {"stop"}, {"ok"})}
+DOCUMENTED = {"/status": {"jobs"}, "/jobs": {"id", "unplaceable"}, "cancel": {"ok"}, "/workers": {"ok"},
+              "heartbeat": {"messages"}, "leases": ({"expires_in"}, {"stop"}, {"ok"})}
 COUNTS: Counter = Counter()
 
 
@@ -148,6 +148,12 @@ def test_bad_framing_and_bodies_are_one_sentence_each_and_change_nothing(schedul
                  .encode()),
          400, f"--vocab-file /etc/passwd is outside the paths this scheduler allows ({scheduler.service.roots[0]}); "
               "move it under one of them or start serve with --allowed-paths naming its directory."),
+        (request("POST", "/jobs", json.dumps({"name": "x", "command": JOB, "strict": "yes"}).encode()),
+         400, "POST /jobs needs 'strict' as true or false; use tools/cluster.py."),
+        (request("POST", "/jobs", json.dumps({"name": "x", "command": JOB, "strict": True}).encode()),
+         409, "--strict refused the job, which no registered worker type can hold now: no worker is registered "
+              "(none has joined yet, or all were lost); start one with tools/cluster.py worker --scheduler HOST:PORT "
+              "--secret-file SECRET --devices TYPE:N."),  # no round loop here: the workers were never looked at
         (request("POST", "/jobs", b"{}", extra={"Transfer-Encoding": "chunked"}),
          411, "a chunked body is not accepted; send the body with a Content-Length."),
         (request("PUT", "/jobs", b"{}"), 405, "PUT is not a method of this scheduler; use GET or POST."),
@@ -164,8 +170,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                                  max_size=4), max_leaves=12)
 FIELDS = st.fixed_dictionaries({}, optional={
-    key: JSON for key in ("name", "priority", "command", "host", "address", "devices", "throttle", "running",
-                          "iteration", "seconds_per_iteration", "renew", "exiting")})
+    key: JSON for key in ("name", "priority", "command", "strict", "host", "address", "devices", "throttle",
+                          "running", "iteration", "seconds_per_iteration", "renew", "exiting")})
 BODIES = st.one_of(st.binary(max_size=300), FIELDS.map(lambda d: json.dumps(d).encode()),
                    JSON.map(lambda v: json.dumps(v).encode()), st.just(b"\xff\xfe{}"), st.just(b""))
 IDS = st.integers(min_value=0, max_value=4)

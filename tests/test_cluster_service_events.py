@@ -3,9 +3,10 @@
 The service runs on its embedded backend (``AgentsBackend``, in memory), with agents registered
 through ``register_worker`` and their messages read through ``heartbeat``, as the HTTP routes
 would. A queued job that no worker type can hold says why (``status``, the status page and
-``tools/cluster.py status``); a run that reported its last iteration is not stopped when the
-next round leaves it out (it is finishing on its own); the service and the agent (against a
-scripted scheduler) announce each event once.
+``tools/cluster.py status``), and submission gives the same reason at once (``submit --strict``
+refuses the job instead, before it is journaled or queued); a run that reported its last
+iteration is not stopped when the next round leaves it out (it is finishing on its own); the
+service and the agent (against a scripted scheduler) announce each event once.
 """
 
 import pytest
@@ -16,6 +17,7 @@ from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
 from megapipe.cluster.worker import agent as agent_module
 from megapipe.cluster.worker.agent import WorkerAgent
+from megapipe.errors import ConfigError
 from cluster_helpers import load_cluster_tool
 
 pytestmark = pytest.mark.unit
@@ -26,6 +28,10 @@ SMALL = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-a
 NEEDS_TWO = ("it needs 2 devices of one type (--tensor-model-parallel-size x --pipeline-model-parallel-size) but "
              "no worker type has that many (the workers have 1 fast, 1 slow); start workers with --devices TYPE:N "
              "adding up to 2 of one type, or cancel it and submit it with a tensor x pipeline size of at most 1.")
+WIDE = SMALL + ["--tensor-model-parallel-size", "2"]
+# submit --strict's refusal: the same reason, whose fix resubmits (there is no queued job to cancel)
+REFUSED = ("--strict refused the job, which no registered worker type can hold now: "
+           + NEEDS_TWO.replace("cancel it and submit it", "submit it"))
 
 
 @pytest.fixture
@@ -58,6 +64,21 @@ def test_a_job_no_worker_type_can_hold_says_why_everywhere(service):
     service.register_worker("host-b", "127.0.0.1", {"fast": 1}, {})  # 2 fast devices over two hosts hold it
     service.before_round()
     assert service.status()["jobs"][wide]["waiting"] is None
+
+
+def test_submission_gives_the_reason_status_shows_and_strict_refuses_before_journaling(service):
+    service.register_worker("host-a", "127.0.0.1", {"fast": 1, "slow": 1}, {})
+    service.before_round()
+    with pytest.raises(ConfigError) as refused:
+        service.submit("wide", 1.0, WIDE, strict=True)
+    assert str(refused.value) == REFUSED
+    assert service.journal.jobs() == [] and service.source.pending == []  # never journaled nor queued
+    narrow = service.submit("narrow", 1.0, SMALL, strict=True)  # one a worker type can hold passes --strict
+    wide = service.submit("wide", 1.0, WIDE)
+    assert (narrow, wide) == (0, 1)
+    assert (service.job_unplaceable(narrow), service.job_unplaceable(wide)) == (None, NEEDS_TWO)
+    assert [job["waiting"] for job in service.status()["jobs"]] == [None, NEEDS_TWO]
+    assert not any("refused" in line for line in service.lines)
 
 
 def test_a_finishing_run_is_left_to_end_and_a_preempted_one_is_stopped(service):

@@ -28,7 +28,9 @@ read-only token in the address ``serve`` and ``status --page-url`` print.
 
 ``serve`` and ``worker`` print one line per event: workers registered or lost, jobs submitted,
 placed (a round's placements, when they change), started, stopped and ended, and a job no worker
-type can hold, with why (``status`` shows that reason too).
+type can hold, with why (``status`` shows that reason too). ``submit`` prints the job's id; when no
+registered worker type can hold the job now, it also says so and why on stderr (the job waits in
+the queue), or with ``--strict`` the scheduler refuses the job in one sentence (exit status 2).
 
 ``simulate`` ends with ``average JCT: <hours> h`` over the steady-state window (``--window START END``,
 job indices; by default the 25 jobs in the middle of the trace, or all of them when it has 25 or
@@ -166,6 +168,9 @@ def _service_commands(commands) -> None:
     _secret_flag(submit)
     submit.add_argument("--name", required=True)
     submit.add_argument("--priority", type=float, default=1.0)
+    submit.add_argument("--strict", action="store_true", help=(
+        "refuse the job (exit status 2, nothing queued) when no registered worker type can hold it now, "
+        "instead of queueing it to wait for one"))
     submit.add_argument("job", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py FLAGS...")
     status = commands.add_parser("status", help="jobs, their state, progress, allocation, JCT and log")
     status.add_argument("--scheduler", required=True, metavar="HOST:P", help=SCHEDULER_HELP)
@@ -271,6 +276,17 @@ def _call(args, path: str, body: dict | None = None) -> dict:
     return answer
 
 
+def submit_job(args) -> None:
+    """Submit the job and print its id; one line on stderr when no worker type can hold it now (it waits)."""
+    command = args.job[1:] if args.job[:1] == ["--"] else args.job
+    answer = _call(args, "/jobs", {"name": args.name, "priority": args.priority, "command": command,
+                                   "strict": args.strict})
+    print(answer["id"])
+    if answer.get("unplaceable"):
+        print(f"job {answer['id']} accepted but no registered worker type can hold it now, so it waits in the queue: "
+              f"{answer['unplaceable']}", file=sys.stderr)
+
+
 def print_status(args) -> None:
     if args.page_url:
         from megapipe.cluster.auth import page_token
@@ -367,9 +383,7 @@ def main(argv=None) -> int:
     elif args.command == "worker":
         run_worker(args)
     elif args.command == "submit":
-        command = args.job[1:] if args.job[:1] == ["--"] else args.job
-        print(_call(args, "/jobs", {"name": args.name, "priority": args.priority,
-                                              "command": command})["id"])
+        submit_job(args)
     elif args.command == "status":
         print_status(args)
     elif args.command == "cancel":

@@ -10,7 +10,7 @@ Routes::
 
     GET  /                         the status page (HTML)
     GET  /status                   the status as JSON
-    POST /jobs                     {"name", "priority", "command"}      -> {"id"}
+    POST /jobs                     {"name", "priority", "command", "strict"} -> {"id", "unplaceable"}
     POST /jobs/<id>/cancel                                              -> {"ok"}
     POST /workers                  {"host", "address", "devices", "throttle"} -> {"ok"}
     POST /workers/<host>/heartbeat {"running": {job id: exit code or null}} -> {"messages"}
@@ -21,8 +21,11 @@ Every request is signed with the cluster's secret (``megapipe/cluster/auth.py``;
 route also with the key derived for that lease, the two GET routes also with the status page's
 ``?token=``); one that is not gets 401. A refused request answers 4xx with ``{"error":
 sentence}``: 400 for a malformed body or field, 404 for what does not exist, 405 for another
-method, 411 for a chunked body, 413 for a body over ``MAX_BODY_BYTES``, 429 when too many signed
-requests arrive to remember their nonces. A refused request changes nothing.
+method, 409 for a ``strict`` job no registered worker type can hold now, 411 for a chunked body,
+413 for a body over ``MAX_BODY_BYTES``, 429 when too many signed requests arrive to remember
+their nonces. A refused request changes nothing. A job accepted although no worker type can hold
+it now is answered with why in ``unplaceable`` (null when one can): what ``status`` shows as its
+``waiting``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from megapipe.cluster.auth import ReplayGuard
+from megapipe.cluster.service.placeable import Unplaceable
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
 from megapipe.errors import ConfigError
@@ -106,6 +110,8 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                 code, value = self._get(route) if self.command == "GET" else self._post(route, json_object(body, EXAMPLE) if body.strip() else {})
             except Refusal as refusal:
                 code, value = refusal.status, {"error": str(refusal)}
+            except Unplaceable as error:
+                code, value = 409, {"error": str(error)}
             except ConfigError as error:
                 code, value = 400, {"error": str(error)}
             except Exception:  # a fault of the service, not of the request: said once, in its log
@@ -140,7 +146,9 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                 if not all(isinstance(word, str) for word in command):
                     raise ConfigError(f"POST {route} needs 'command' as a list of strings; use tools/cluster.py.")
                 priority = field(body, route, "priority", NUMBER, "a number", default=1.0)
-                return 200, {"id": service.submit(name, float(priority), command)}
+                strict = field(body, route, "strict", (bool,), "true or false", default=False)
+                job_id = service.submit(name, float(priority), command, strict=strict)
+                return 200, {"id": job_id, "unplaceable": service.job_unplaceable(job_id)}
             if match := re.fullmatch(r"/jobs/(\d+)/cancel", route):
                 service.cancel(int(match[1]))
                 return 200, {"ok": True}

@@ -34,7 +34,7 @@ from megapipe.cluster.service.job_log import MeasuredThroughput
 from megapipe.cluster.core.jobs import Job
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.names import check_name
-from megapipe.cluster.service.placeable import unplaceable_reason
+from megapipe.cluster.service.placeable import Unplaceable, unplaceable_reason
 from megapipe.cluster.core.mechanism import RoundMechanism
 from megapipe.cluster.core.policies import make_policy
 from megapipe.cluster.service.relayout import layout_command, predicted_iterations_per_second
@@ -166,12 +166,16 @@ class ClusterService:
         return Job(job_id, f"job{job_id}", spec.target_iters, spec.devices, priority_weight=priority)
 
     # ---- requests -------------------------------------------------------------------------------
-    def submit(self, name: str, priority: float, command: list) -> int:
-        """Check and journal a job; ConfigError (megapipe's own sentence) refuses it."""
+    def submit(self, name: str, priority: float, command: list, strict: bool = False) -> int:
+        """Check and journal a job; ConfigError (megapipe's own sentence) refuses it. ``strict``: refuse
+        (``Unplaceable``) a job no registered worker type can hold now, rather than queue it to wait for one."""
         check_name("--name", name)
         if not (math.isfinite(priority) and priority > 0):
             raise ConfigError(f"--priority {priority:g} must be positive (a weight; 1 is the default).")
         spec = parse_job(command, self.roots)
+        reason = unplaceable_reason(spec.devices, self.devices_by_type(), queued=False) if strict else None
+        if reason is not None:
+            raise Unplaceable(f"--strict refused the job, which no registered worker type can hold now: {reason}")
         job_id = self.journal.add_job(name, spec.kind, spec.command, spec.target_iters, spec.devices, priority,
                                       os.path.join(self.work_dir, "logs"), os.path.join(self.work_dir, "checkpoints"))
         with self.lock:
@@ -181,6 +185,21 @@ class ClusterService:
                       f"device{'s' if spec.devices > 1 else ''}, priority {priority:g}")
         self.wake.set()
         return job_id
+
+    def job_unplaceable(self, job_id: int) -> Optional[str]:
+        """Why a queued job cannot be placed on the workers there are now (what ``status`` shows as its
+        ``waiting``), or None when some worker type can hold it; submission answers it at once."""
+        return unplaceable_reason(self.specs[job_id].devices, self.devices_by_type())
+
+    def devices_by_type(self) -> dict:
+        """The registered workers' devices summed per type, as of the last ``tick``: the cluster the rounds
+        place jobs on, and what ``status`` and submission judge a job's placeability against."""
+        with self.lock:
+            counts: dict = {}
+            for devices in self.hosts.values():
+                for worker_type, n in devices.items():
+                    counts[worker_type] = counts.get(worker_type, 0) + n
+            return counts
 
     def cancel(self, job_id: int) -> None:
         row = self.journal.job(job_id)
@@ -299,10 +318,7 @@ class ClusterService:
                           "renew_leases": self.renew_leases, "policy": self.policy_name}
         with self.lock:
             hosts, throttles = dict(self.hosts), self.agents.throttles() if self.agents else {}
-        by_type: dict = {}
-        for devices in hosts.values():
-            for worker_type, n in devices.items():
-                by_type[worker_type] = by_type.get(worker_type, 0) + n
+            by_type = self.devices_by_type()
         jobs = []
         now = time.time()
         for row in self.journal.jobs():
@@ -329,10 +345,7 @@ class ClusterService:
         while not self.stopping:
             with self.lock:
                 self.tick()
-                counts: dict = {}
-                for devices in self.hosts.values():
-                    for worker_type, n in devices.items():
-                        counts[worker_type] = counts.get(worker_type, 0) + n
+                counts = self.devices_by_type()
                 if counts != self.scheduler.cluster.counts:
                     per_server = max((n for devices in self.hosts.values() for n in devices.values()), default=1)
                     self.scheduler.cluster = ClusterSpec(counts, per_server)
