@@ -31,7 +31,7 @@ LAYERS = (
     ("config.flag", "config.sharding", "config.parser", "config.notes"),
     ("config.optimizer", "config.moe"),
     ("config.schema",),
-    ("config.operations", "config"),
+    ("config.operations", "config.unread", "config"),
     ("parallel",),
     ("fusions",),
     ("tensor_parallel",),

@@ -18,6 +18,7 @@ from megapipe.config.flags import apply_preset, build_parser, section_values
 from megapipe.config.notes import tell
 from megapipe.config.operations import validate_operations
 from megapipe.config.optimizer import OptimizerConfig
+from megapipe.config.unread import check_unread_flags
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
@@ -118,6 +119,7 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
     check_device_peak(train.device_peak_tflops)
     validate_operations(kind, config)
+    check_unread_flags(kind, config)
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)
     if par.pipeline_schedule == AUTO:

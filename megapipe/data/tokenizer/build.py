@@ -30,13 +30,28 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_files(tokenizer_type: str, paths: dict[str, Optional[str]]) -> None:
-    for name, what in REQUIRED_FLAGS[tokenizer_type].items():
+def _readers(name: str) -> str:
+    """The tokenizer types that read the file flag ``name``, as a phrase."""
+    return " or ".join(t for t, needs in REQUIRED_FLAGS.items() if name in needs)
+
+
+def check_tokenizer_files(tokenizer_type: Optional[str], paths: dict[str, Optional[str]]) -> None:
+    """Refuse a file flag that ``tokenizer_type`` does not read (or that comes without a type), and a
+    needed file that is missing: no tokenizer flag is ever ignored."""
+    for name in FILE_ARGUMENTS:
+        if paths.get(name) is not None and (tokenizer_type is None or name not in REQUIRED_FLAGS[tokenizer_type]):
+            used = "no --tokenizer-type is given" if tokenizer_type is None else \
+                f"--tokenizer-type {tokenizer_type} does not read it"
+            raise ConfigError(f"{_flag(name)} is read by --tokenizer-type {_readers(name)} only and {used}; "
+                              f"name the tokenizer it belongs to or drop {_flag(name)}.")
+    for name, what in REQUIRED_FLAGS.get(tokenizer_type, {}).items():
         path = paths[name]
         if path is None:
             raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {_flag(name)} ({what}); pass its path.")
         if not os.path.exists(path):
-            raise ConfigError(f"{_flag(name)} {path} does not exist; pass the path of {what}.")
+            hub = " (megapipe reads local files only: save the tokenizer from the Hub into a folder first)" \
+                if tokenizer_type == "HuggingFaceTokenizer" and not os.path.isabs(path) else ""
+            raise ConfigError(f"{_flag(name)} {path} does not exist; pass the path of {what}{hub}.")
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
@@ -44,12 +59,13 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     """Build the tokenizer Megatron's ``--tokenizer-type`` names from the files the other flags give
     (``vocab_size``: NullTokenizer's ``--vocab-size``).
 
-    Raises ConfigError naming the flag when a needed file is missing or the type is unknown.
+    Raises ConfigError naming the flag when a needed file is missing, a file is given that the type
+    does not read, or the type is unknown.
     """
     if tokenizer_type not in REQUIRED_FLAGS:
         raise ConfigError(f"--tokenizer-type {tokenizer_type} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}.")
-    _check_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
-                                  "tokenizer_model": tokenizer_model})
+    check_tokenizer_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
+                                           "tokenizer_model": tokenizer_model})
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 1:
             raise ConfigError(f"--tokenizer-type NullTokenizer needs --vocab-size N (at least 1, got {vocab_size}): "
