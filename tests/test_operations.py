@@ -1,6 +1,7 @@
 """Operations flags as users run them: early exits that save, evaluation only, resuming with a longer
 --train-iters, the learning-rate schedule on resume, and user errors printed once per job."""
 
+import dataclasses
 import os
 import re
 
@@ -63,7 +64,7 @@ def test_schedule_on_resume_follows_megatrons_two_flags():
     saved = _scheduler(6)
     saved.step(3)
     state = saved.state_dict()
-    with pytest.raises(CheckpointError, match="--override-opt-param-scheduler .* "
+    with pytest.raises(CheckpointError, match="--override-opt-param-scheduler;.* "
                                               "--use-checkpoint-opt-param-scheduler"):
         _scheduler(10).load_state_dict(state)
     flags = _scheduler(10)
@@ -96,7 +97,8 @@ def test_extending_train_iters_keeps_a_pinned_schedule_and_names_every_moved_fla
         _defaults_scheduler(900).load_state_dict(unpinned.state_dict())
     text = str(refused.value)
     assert "(--lr-warmup-iters 30 -> 50, --lr-decay-iters 300 -> 900;" in text, text
-    assert "resume with --lr-warmup-iters 30 --lr-decay-iters 300 to keep the checkpoint's schedule" in text, text
+    assert "to resume and extend the run on the flags' schedule, add --override-opt-param-scheduler;" in text, text
+    assert "to keep the checkpoint's schedule, resume with --lr-warmup-iters 30 --lr-decay-iters 300" in text, text
     kept = _defaults_scheduler(900, lr_warmup_iters=30, lr_decay_iters=300)
     kept.load_state_dict(unpinned.state_dict())  # the flags the sentence names resume it
     assert kept.schedule == unpinned.schedule
@@ -154,3 +156,18 @@ def test_user_errors_under_torchrun_are_printed_once(tmp_path):
         assert result.returncode != 0
         lines = error_lines(result.stderr)
         assert len(lines) == 1 and "--load" in lines[0] and "Traceback" not in lines[0], result.stderr
+
+
+@pytest.mark.unit
+def test_a_checkpoint_of_another_shape_names_use_checkpoint_args_and_another_vocabulary_the_tokenizer():
+    from megapipe.checkpointing.validate import shape_differences
+
+    saved = parse_config("gpt", []).model
+    smaller = parse_config("gpt", ["--hidden-size", "64"]).model
+    assert shape_differences(saved, smaller) == (" (checkpoint vs this run: --hidden-size 128 vs 64, --ffn-hidden-size "
+                                                 "512 vs 256); add --use-checkpoint-args to take the model's shape "
+                                                 "from the checkpoint")
+    other_vocabulary = dataclasses.replace(saved, vocab_size=saved.vocab_size + 1)
+    assert shape_differences(saved, other_vocabulary).endswith(
+        "; pass the tokenizer flags (--tokenizer-type and its files) the checkpoint was trained with")
+    assert shape_differences(saved, saved) == ""

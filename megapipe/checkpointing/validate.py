@@ -40,10 +40,19 @@ def first_shape_problem(wanted: dict[str, Shard], saved: dict) -> Optional[str]:
 
 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> str:
-    """The shape-setting flags in which the checkpoint's model and this one differ, as a short phrase."""
-    diffs = [f"{flag} {getattr(saved, name)} vs {getattr(current, name)}" for name, flag in SHAPE_FLAGS.items()
-             if getattr(saved, name) != getattr(current, name)]
-    return f" (checkpoint vs this run: {', '.join(diffs)})" if diffs else ""
+    """The shape-setting flags in which the checkpoint's model and this one differ, as a short phrase,
+    with the fix a resuming user most likely wants: the checkpoint's shape (``--use-checkpoint-args``)
+    or, for the vocabulary, the tokenizer it was trained with."""
+    moved = [name for name in SHAPE_FLAGS if getattr(saved, name) != getattr(current, name)]
+    if not moved:
+        return ""
+    diffs = ", ".join(f"{SHAPE_FLAGS[name]} {getattr(saved, name)} vs {getattr(current, name)}" for name in moved)
+    fixes = []
+    if set(moved) - {"vocab_size"}:
+        fixes.append("add --use-checkpoint-args to take the model's shape from the checkpoint")
+    if "vocab_size" in moved:
+        fixes.append("pass the tokenizer flags (--tokenizer-type and its files) the checkpoint was trained with")
+    return f" (checkpoint vs this run: {diffs}); {' and '.join(fixes)}"
 
 
 def agree_on_fit(directory: str, wanted: dict[str, Shard], param_names: list[str], saved: dict,

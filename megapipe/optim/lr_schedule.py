@@ -113,9 +113,9 @@ class LRScheduler:
         restore = " ".join(_restoring_flag(name, saved) for name in moved)
         raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({changes}; --train-iters "
                               "sets the decay unless --lr-decay-iters does, and the decay sets the default warm-up); "
-                              f"resume with {restore} to keep the checkpoint's schedule, or pass "
-                              "--override-opt-param-scheduler to follow the flags or "
-                              "--use-checkpoint-opt-param-scheduler to follow the checkpoint.")
+                              "to resume and extend the run on the flags' schedule, add "
+                              f"--override-opt-param-scheduler; to keep the checkpoint's schedule, resume with "
+                              f"{restore} or add --use-checkpoint-opt-param-scheduler.")
 
 
 SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "style": "--lr-decay-style",
