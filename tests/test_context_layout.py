@@ -6,9 +6,12 @@ is given its coordinates by enumerating (p, d, c, t) in nested-loop order, tenso
 """
 
 import itertools
+import pathlib
+import re
 
 import pytest
 
+from launch_helpers import REPO
 from megapipe.config.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.layout.ranks import RankLayout
@@ -145,8 +148,9 @@ def test_each_bad_combination_is_one_sentence_naming_its_flags():
         "--pipeline-model-parallel-size 1; launch a multiple of 3 processes.": [
             "--context-parallel-size", "3", "--seq-length", "6"],
         "--attention-dropout 0.1 is not supported with --context-parallel-size 2 (each rank would draw its own "
-        "dropout mask for its blocks); set --attention-dropout 0.": ["--context-parallel-size", "2",
-                                                            "--attention-dropout", "0.1"],
+        "dropout mask for its blocks of scores, so the model would depend on c); add --attention-dropout 0, as the "
+        "documentation's context-parallel commands do.": ["--context-parallel-size", "2",
+                                                          "--attention-dropout", "0.1"],
         "--seq-length 20 is not divisible by 2 x --context-parallel-size 4 (= 8): context parallelism splits each "
         "sequence into 2c equal chunks; choose a sequence length that is a multiple of 8.": [
             "--context-parallel-size", "4", "--seq-length", "20"],
@@ -166,3 +170,22 @@ def test_context_flags_parse_into_the_config():
     assert (par.context_parallel_size, par.cp_comm_type, par.hierarchical_context_parallel_sizes) == (4, "a2a+p2p",
                                                                                                      (2, 2))
     assert parse_config("gpt", [], world_size=1).parallel.context_parallel_size == 1
+
+
+@pytest.mark.unit
+def test_every_documented_context_parallel_command_sets_no_attention_dropout_and_the_docs_say_why():
+    """The default attention dropout is refused with c > 1, so a user copying any documented command
+    must find --attention-dropout 0 in it, and the page must explain the refusal before its first one."""
+    from docs_example_helpers import shell_blocks
+
+    commands = 0
+    for page in sorted(pathlib.Path(REPO, "docs").glob("*.md")) + [pathlib.Path(REPO, "README.md")]:
+        text = page.read_text()
+        for fence in shell_blocks(text):
+            block = "\n".join(fence.body)
+            if re.search(r"--context-parallel-size [2-9]", block) and "pretrain_" in block:
+                commands += 1
+                assert "--attention-dropout 0" in block, (page.name, fence.line)
+                before = "\n".join(text.splitlines()[:fence.line])
+                assert "needs `--attention-dropout 0`" in before.replace("\n", " "), (page.name, fence.line)
+    assert commands >= 1

@@ -32,7 +32,8 @@ def check_context_parallel(*, context: int, comm_type: str, seq_length: int, hea
     if attention_dropout > 0:
         raise ConfigError(
             f"--attention-dropout {attention_dropout} is not supported with --context-parallel-size {context} "
-            "(each rank would draw its own dropout mask for its blocks); set --attention-dropout 0.")
+            "(each rank would draw its own dropout mask for its blocks of scores, so the model would depend on "
+            "c); add --attention-dropout 0, as the documentation's context-parallel commands do.")
     if comm_type in ("a2a", "a2a+p2p"):
         size = context if comm_type == "a2a" else hierarchical_sizes[0]
         check_head_split(heads // tensor_parallel, query_groups // tensor_parallel, size, comm_type)
