@@ -81,7 +81,8 @@ def test_scheduler_state_dict_resumes_and_rejects_changed_flags():
     resumed = LRScheduler(optimizer, config("cosine"), 500)
     resumed.load_state_dict(first.state_dict())
     assert resumed.iteration == 37 and optimizer.param_groups[0]["lr"] == first.lr
-    with pytest.raises(CheckpointError, match=r"\(--lr 0.0003 -> 0.001; .* resume with --lr 0.0003 to keep"):
+    with pytest.raises(CheckpointError, match=r"\(--lr 0.0003 -> 0.001; .* to follow the flags' schedule, add "
+                                              r"--override-opt-param-scheduler; .* resume with --lr 0.0003 or add"):
         LRScheduler(optimizer, config("cosine", lr=1e-3), 500).load_state_dict(first.state_dict())
 
 

@@ -111,11 +111,13 @@ class LRScheduler:
         changes = ", ".join(f"{SCHEDULE_FLAGS[name]} {_text(getattr(saved, name))} -> "
                             f"{_text(getattr(self.schedule, name))}" for name in moved)
         restore = " ".join(_restoring_flag(name, saved) for name in moved)
+        # a moved decay is most often a longer --train-iters: the user is extending the run
+        follow = "to resume and extend the run on the flags' schedule" if "decay_iters" in moved else \
+            "to follow the flags' schedule"
         raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's ({changes}; --train-iters "
                               "sets the decay unless --lr-decay-iters does, and the decay sets the default warm-up); "
-                              "to resume and extend the run on the flags' schedule, add "
-                              f"--override-opt-param-scheduler; to keep the checkpoint's schedule, resume with "
-                              f"{restore} or add --use-checkpoint-opt-param-scheduler.")
+                              f"{follow}, add --override-opt-param-scheduler; to keep the checkpoint's schedule, "
+                              f"resume with {restore} or add --use-checkpoint-opt-param-scheduler.")
 
 
 SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "style": "--lr-decay-style",
