@@ -1,8 +1,9 @@
 """The runnable examples of the documentation: how they are marked, found, shrunk and run.
 
 A shell block preceded by ``<!-- runnable -->`` is run; a block preceded by
-``<!-- expected output -->`` right after it lists lines its output must contain. docs/tests.md
-describes the convention for writers."""
+``<!-- expected output -->`` right after it lists lines its output must contain. A shell block that
+is not run opens with a ``# Needs: ...`` line saying what it needs beyond what a runnable block gets.
+docs/tests.md describes the convention for writers."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from megapipe.testing.forked import run_script
 
 RUNNABLE = "<!-- runnable -->"
 EXPECTED = "<!-- expected output -->"
+SHELL_LANGUAGES = ("bash", "sh", "shell", "console", "zsh")
+NEEDS = re.compile(r"# Needs: \S")  # the first line of a shell block that is not run: what it needs
 TRAINING_SCRIPT = re.compile(r"\bpretrain_(gpt|bert)\.py\b")
 SHRINK_FLAGS = "--exit-interval 1 --log-interval 1"  # one iteration, saved when --save is given, then exit
 COMMAND_SECONDS = 180
@@ -42,20 +45,40 @@ class Block:
         return f"{self.page}:{self.line}"
 
 
-def _fences(lines: list[str]):
-    """(marker line above, opening line number, body lines) of every fenced block; a block opened
-    with more backticks may hold fences of fewer (as docs/tests.md's example of the convention)."""
-    index = 0
+@dataclass
+class Fence:
+    line: int  # of its opening fence
+    language: str  # the fence's info string ("bash", "text"), "" when none
+    marker: str  # the line right above the fence, stripped
+    body: list[str]
+
+
+def fences(text: str) -> list[Fence]:
+    """Every fenced block of a page; a block opened with more backticks may hold fences of fewer
+    (as docs/tests.md's example of the convention)."""
+    lines, found, index = text.splitlines(), [], 0
     while index < len(lines):
-        opening = re.match(r"(`{3,})", lines[index])
+        opening = re.match(r"(`{3,})\s*([^`\s]*)", lines[index])
         if opening:
             start = index
             index += 1
             while lines[index].strip() != opening.group(1):
                 index += 1
-            marker = lines[start - 1].strip() if start else ""
-            yield marker, start + 1, lines[start + 1:index]
+            found.append(Fence(start + 1, opening.group(2).lower(), lines[start - 1].strip() if start else "",
+                               lines[start + 1:index]))
         index += 1
+    return found
+
+
+def shell_blocks(text: str) -> list[Fence]:
+    """The page's shell blocks (bash, sh, shell, console): the examples a reader copies into a terminal."""
+    return [fence for fence in fences(text) if fence.language in SHELL_LANGUAGES]
+
+
+def needs_line(fence: Fence) -> str | None:
+    """What a block that is not run needs, from its first line ``# Needs: ...``; None when it has no such line."""
+    first = fence.body[0].strip() if fence.body else ""
+    return first[len("# "):] if NEEDS.match(first) else None
 
 
 def _commands(first_line: int, body: list[str]) -> list[Command]:
@@ -78,14 +101,14 @@ def runnable_blocks(page: str, text: str) -> list[Block]:
     """The page's runnable blocks in order, each with the expected-output block that follows it."""
     blocks: list[Block] = []
     previous_runnable = False
-    for marker, line, body in _fences(text.splitlines()):
-        if marker == RUNNABLE:
-            blocks.append(Block(page, line, _commands(line, body)))
-        elif marker == EXPECTED:
+    for fence in fences(text):
+        if fence.marker == RUNNABLE:
+            blocks.append(Block(page, fence.line, _commands(fence.line, fence.body)))
+        elif fence.marker == EXPECTED:
             if not previous_runnable:
-                raise AssertionError(f"{page}:{line}: an expected-output block must follow a runnable block")
-            blocks[-1].expected = [" ".join(text.split()) for text in body if text.strip()]
-        previous_runnable = marker == RUNNABLE
+                raise AssertionError(f"{page}:{fence.line}: an expected-output block must follow a runnable block")
+            blocks[-1].expected = [" ".join(text.split()) for text in fence.body if text.strip()]
+        previous_runnable = fence.marker == RUNNABLE
     return blocks
 
 
