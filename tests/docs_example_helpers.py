@@ -23,6 +23,7 @@ EXPECTED = "<!-- expected output -->"
 SHELL_LANGUAGES = ("bash", "sh", "shell", "console", "zsh")
 NEEDS = re.compile(r"# Needs: \S")  # the first line of a shell block that is not run: what it needs
 TRAINING_SCRIPT = re.compile(r"\bpretrain_(gpt|bert)\.py\b")
+SBATCH = re.compile(r"sbatch\s+")
 SHRINK_FLAGS = "--exit-interval 1 --log-interval 1"  # one iteration, saved when --save is given, then exit
 COMMAND_SECONDS = 180
 
@@ -113,11 +114,26 @@ def runnable_blocks(page: str, text: str) -> list[Block]:
 
 
 def shrunk(command: str) -> str:
-    """The command as the test runs it: a training run gets SHRINK_FLAGS (after its own, before a comment)."""
+    """The command as the test runs it: a training run gets SHRINK_FLAGS (after its own, before a comment);
+    so does a Slurm batch script (its arguments are the training flags), submitted with ``--wait``."""
+    without_comment = re.sub(r"\s+#\s.*$", "", command)
+    if SBATCH.match(command):
+        return f"{SBATCH.sub('sbatch --wait ', without_comment, count=1)} {SHRINK_FLAGS}"
     if not TRAINING_SCRIPT.search(command):
         return command
-    without_comment = re.sub(r"\s+#\s.*$", "", command)
     return f"{without_comment} {SHRINK_FLAGS}"
+
+
+def uses_slurm(block: Block) -> bool:
+    """Whether the block submits a Slurm job (the test gives it a Slurm testbed)."""
+    return any(SBATCH.match(command.text) for command in block.commands)
+
+
+def _slurm_log(output: str, cwd: str) -> str:
+    """The log of the batch job ``sbatch --wait`` reported submitting (Slurm's default slurm-JOBID.out)."""
+    submitted = re.search(r"Submitted batch job (\d+)", output)
+    path = os.path.join(cwd, f"slurm-{submitted.group(1)}.out") if submitted else None
+    return open(path).read() if path and os.path.exists(path) else ""
 
 
 def _free_port() -> int:
@@ -149,11 +165,12 @@ def forkable(command: str) -> list[str] | None:
     return None
 
 
-def run_block(block: Block, cwd: str, cache: str) -> None:
-    """Run the block's commands in ``cwd``; fail naming the page, the line and the block."""
+def run_block(block: Block, cwd: str, cache: str, env_extra: dict | None = None) -> None:
+    """Run the block's commands in ``cwd`` (with ``env_extra``, e.g. a Slurm testbed's ``SLURM_CONF``); fail
+    naming the page, the line and the block. A batch job's log counts as its ``sbatch``'s output."""
     env = dict(os.environ, PYTHONPATH=REPO, MEGAPIPE_CACHE=cache, MEGAPIPE_DEVICE="cpu", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **(env_extra or {}))
     output = ""
     for command in block.commands:
         env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's port, so parallel test runs do not collide
@@ -167,10 +184,10 @@ def run_block(block: Block, cwd: str, cache: str) -> None:
         except subprocess.TimeoutExpired as error:
             raise AssertionError(f"{block.page} line {command.line} (block {block.name}) ran past "
                                  f"{COMMAND_SECONDS} s: {command.text}\n{error.output or ''}") from None
-        output += done.stdout
+        output += done.stdout + (_slurm_log(done.stdout, cwd) if SBATCH.match(command.text) else "")
         if done.returncode:
             raise AssertionError(f"{block.page} line {command.line} (block {block.name}) failed with exit status "
-                                 f"{done.returncode}: {command.text}\n{done.stdout[-3000:]}")
+                                 f"{done.returncode}: {command.text}\n{output[-3000:]}")
     seen = " ".join(output.split())
     for line in block.expected:
         if line not in seen:

@@ -4,11 +4,12 @@ and prints the lines its expected-output block lists (convention: docs/tests.md,
 The blocks of one page run in order in one fresh working directory, so a later block can use what an
 earlier one wrote (train, then resume or generate)."""
 
+import contextlib
 import pathlib
 
 import pytest
 
-from docs_example_helpers import (REPO, Command, forkable, run_block, runnable_blocks, shrunk,
+from docs_example_helpers import (REPO, Command, forkable, run_block, runnable_blocks, shrunk, uses_slurm,
                                   working_directory)
 
 PAGES = sorted(str(path.relative_to(REPO)) for path in pathlib.Path(REPO).glob("docs/*.md")) + ["README.md"]
@@ -21,13 +22,34 @@ def corpus_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("megapipe-cache"))
 
 
+# the Slurm testbed's nodes: two GPUs of a type each (links to /dev/null: the ranks run on the CPU)
+SLURM_NODES = {"node1": {"fast": 2}, "node2": {"fast": 2}}
+
+
+@contextlib.contextmanager
+def slurm_for(blocks, directory: str):
+    """The environment that sends a page's ``sbatch`` to a Slurm testbed of two nodes (its GPU count in
+    place of the script's 8); nothing for a page without one, and a skip naming why Slurm cannot run."""
+    if not any(uses_slurm(block) for block in blocks):
+        yield {}
+        return
+    from megapipe.cluster.service.backends.slurm_testbed import SlurmTestbed, unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    with SlurmTestbed(directory, SLURM_NODES) as testbed:
+        yield {"SLURM_CONF": testbed.conf, "SBATCH_GRES": "gpu:2"}
+
+
 @pytest.mark.system
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_the_runnable_blocks_of_a_page_run_and_print_what_it_says(page, tmp_path, corpus_cache):
     cwd = working_directory(str(tmp_path / "work"))
-    for block in runnable_blocks(page, (pathlib.Path(REPO) / page).read_text()):
-        run_block(block, cwd, corpus_cache)
+    blocks = runnable_blocks(page, (pathlib.Path(REPO) / page).read_text())
+    with slurm_for(blocks, str(tmp_path / "slurm")) as env:
+        for block in blocks:
+            run_block(block, cwd, corpus_cache, env)
 
 
 @pytest.mark.system
@@ -48,6 +70,8 @@ def test_training_commands_are_shrunk_to_one_iteration_and_others_run_as_written
     assert shrunk("torchrun --nproc_per_node=2 pretrain_gpt.py --save ckpt   # later:") == \
         "torchrun --nproc_per_node=2 pretrain_gpt.py --save ckpt --exit-interval 1 --log-interval 1"
     assert shrunk("python tools/plot_schedule.py --schedule zbv -p 4") == "python tools/plot_schedule.py --schedule zbv -p 4"
+    assert shrunk("sbatch --nodes 2 examples/train_gpt_slurm.sh -t 2  # one job") == \
+        "sbatch --wait --nodes 2 examples/train_gpt_slurm.sh -t 2 --exit-interval 1 --log-interval 1"
     block = runnable_blocks("x.md", "<!-- runnable -->\n```bash\n# a comment\npython a.py \\\n    --b 1\n```\n")[0]
     assert block.commands == [Command(4, "python a.py      --b 1")]
 
