@@ -92,3 +92,17 @@ def test_only_python_and_torchrun_commands_without_shell_syntax_are_forked():
     for command in ("python -c 'print(1)' > out.txt", "python a.py $HOME", "bash tools/gpu_check.sh",
                     "python a.py && python b.py", "echo python"):
         assert forkable(command) is None, command
+
+
+@pytest.mark.unit
+def test_the_readme_is_a_road_map_of_three_runnable_next_steps_under_150_lines():
+    """After the set-up: several processes (torchrun), your own data, several nodes (Slurm), each a tested block."""
+    readme = (pathlib.Path(REPO) / "README.md").read_text()
+    assert len(readme.splitlines()) < 150
+    road = readme[readme.index("## From a laptop to a cluster"):readme.index("## Documentation")]
+    blocks = runnable_blocks("README.md", road)
+    last_commands = [block.commands[-1].text.split()[0] for block in blocks]
+    assert last_commands == ["torchrun", "python", "sbatch"], last_commands
+    assert "--hf-dataset" in blocks[1].commands[-1].text
+    assert readme.index("## From a laptop to a cluster") < readme.index("## Benchmarks at a glance") < \
+        readme.index("## Reliability")
