@@ -4,7 +4,8 @@ A flag given must take effect. Each rule names a data or training field, when th
 and what to do otherwise: a flag whose absence of effect would surprise the user (``--finetune``
 without ``--load``) is refused in one sentence; one that Megatron-LM's launch scripts carry for a
 path megapipe does not need (``--num-workers`` without ``--hf-dataset``) is said in one note, and
-the run goes on. A field at its default is never reported, so only what the user changed counts.
+the run goes on. A field at its default is never reported, so only what the user changed counts
+(a field whose default is derived, as ``--split``'s, cannot be told apart and has no rule).
 The tokenizer's own flags are checked against the tokenizer they name by
 ``megapipe.data.tokenizer.build.check_tokenizer_files``.
 """
@@ -38,8 +39,6 @@ RULES = (
          "add --hf-dataset PATH or drop the flag", True),
     Rule("data", "num_workers", lambda kind, c: c.data.hf_dataset is not None, "with --hf-dataset",
          "other data is read from memory-mapped files in the training process", False),
-    Rule("data", "split", lambda kind, c: not c.data.mock_data, "for real data",
-         "--mock-data draws every split at random", False),
     Rule("training", "finetune", lambda kind, c: c.training.load is not None, "with --load DIR",
          "add --load with the checkpoint to fine-tune", True),
     Rule("training", "no_load_optim", lambda kind, c: c.training.load is not None, "with --load DIR",
@@ -51,9 +50,9 @@ RULES = (
     Rule("training", "use_checkpoint_opt_param_scheduler", lambda kind, c: c.training.load is not None,
          "with --load DIR", "add --load with the checkpoint whose schedule to follow", True),
     Rule("training", "async_save", lambda kind, c: c.training.save is not None, "with --save DIR",
-         "add --save DIR or drop the flag", True),
+         "nothing is saved without it", False),
     Rule("training", "no_save_optim", lambda kind, c: c.training.save is not None, "with --save DIR",
-         "add --save DIR or drop the flag", True),
+         "nothing is saved without it", False),
     Rule("training", "non_finite_action", lambda kind, c: c.training.check_for_nan_in_loss_and_grad,
          "with --check-for-nan-in-loss-and-grad", "add that flag or drop this one", True),
     Rule("training", "wandb_exp_name", lambda kind, c: c.training.wandb_project is not None,
