@@ -70,6 +70,11 @@ def test_tokenizer_flags_the_run_would_not_read_are_refused_before_any_process_g
     ("bert", ["--no-load-rng"], "--no-load-rng is read only with --load DIR"),
     ("gpt", ["--non-finite-action", "skip"], "--non-finite-action skip is read only with "
                                              "--check-for-nan-in-loss-and-grad"),
+    ("gpt", ["--bert-no-binary-head"], "--bert-no-binary-head is read only by pretrain_bert.py's sentence-order head"),
+    ("gpt", ["--moe-router-topk", "4"], "--moe-router-topk 4 is read only with --num-experts N (a mixture-of-experts "
+                                        "model), so this run would ignore it; add --num-experts or drop the flag"),
+    ("gpt", ["--moe-grouped-gemm"], "--moe-grouped-gemm is read only with --num-experts N"),
+    ("gpt", ["--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size 1 is read only with --num-experts"),
 ])
 def test_a_changed_flag_the_run_would_not_read_is_one_sentence(kind, argv, message):
     with pytest.raises(ConfigError) as error:
@@ -80,9 +85,11 @@ def test_a_changed_flag_the_run_would_not_read_is_one_sentence(kind, argv, messa
 
 def test_flags_megatron_scripts_pass_by_habit_are_noted_once_and_the_run_goes_on(capsys):
     parse_config("gpt", ["--num-workers", "8", "--override-opt-param-scheduler", "--wandb-exp-name", "x",
-                         "--async-save"])
+                         "--async-save", "--cp-comm-type", "a2a"])
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
-    assert notes == ["note: --num-workers 8 is read only with --hf-dataset, so this run would ignore it (other data "
+    assert notes == ["note: --cp-comm-type a2a is read only with --context-parallel-size above 1, so this run would "
+                     "ignore it (one context rank exchanges nothing)",
+                     "note: --num-workers 8 is read only with --hf-dataset, so this run would ignore it (other data "
                      "is read from memory-mapped files in the training process)",
                      "note: --override-opt-param-scheduler is read only with --load DIR, so this run would ignore it "
                      "(a run that starts afresh follows the flags' schedule anyway)",
@@ -92,4 +99,6 @@ def test_flags_megatron_scripts_pass_by_habit_are_noted_once_and_the_run_goes_on
                      "(nothing goes to Weights & Biases without it)"]
     parse_config("gpt", ["--num-workers", "2", "--finetune", "--load", "x", "--save", "x"])  # defaults, or read
     parse_config("gpt", ["--mock-data", "--vocab-size", "10"])  # --split's derived default is no flag given
+    parse_config("gpt", ["--num-experts", "2", "--moe-router-topk", "1", "--disable-bias-linear"])  # read
+    parse_config("bert", ["--bert-no-binary-head"])
     assert "note:" not in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Flags that the run's path would not read: refused, or noted when Megatron-LM's scripts pass them by habit.
 
-A flag given must take effect. Each rule names a data or training field, when the run reads it,
+A flag given must take effect. Each rule names a field, when the run reads it,
 and what to do otherwise: a flag whose absence of effect would surprise the user (``--finetune``
 without ``--load``) is refused in one sentence; one that Megatron-LM's launch scripts carry for a
 path megapipe does not need (``--num-workers`` without ``--hf-dataset``) is said in one note, and
@@ -17,12 +17,12 @@ from typing import Callable, NamedTuple
 
 from megapipe.config.flag import field_default, flag_name
 from megapipe.config.notes import tell
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, ModelConfig
 from megapipe.errors import ConfigError
 
 
 class Rule(NamedTuple):
-    section: str  # "data" or "training"
+    section: str  # the Config attribute holding the field: "model", "parallel", "data" or "training"
     field: str
     reads: Callable[[str, Config], bool]  # (kind, config) -> whether this run reads the field
     only: str  # completes "is read only ..."
@@ -31,6 +31,15 @@ class Rule(NamedTuple):
 
 
 RULES = (
+    Rule("model", "bert_binary_head", lambda kind, c: kind == "bert", "by pretrain_bert.py's sentence-order head",
+         "drop it", True),
+    Rule("parallel", "cp_comm_type", lambda kind, c: c.parallel.context_parallel_size > 1,
+         "with --context-parallel-size above 1", "one context rank exchanges nothing", False),
+    Rule("parallel", "expert_tensor", lambda kind, c: c.model.num_experts is not None,
+         "with --num-experts N (a mixture-of-experts model)", "add --num-experts or drop the flag", True),
+    *(Rule("model", field.name, lambda kind, c: c.model.num_experts is not None,
+           "with --num-experts N (a mixture-of-experts model)", "add --num-experts or drop the flag", True)
+      for field in dataclasses.fields(ModelConfig) if field.name.startswith("moe_")),
     Rule("data", "mask_prob", lambda kind, c: kind == "bert", "by pretrain_bert.py's masked language model",
          "drop it", True),
     Rule("data", "short_seq_prob", lambda kind, c: kind == "bert", "by pretrain_bert.py's sentence pairs",
