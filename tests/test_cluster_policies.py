@@ -52,7 +52,7 @@ def test_every_policy_satisfies_constraints(name):
     policy = make_policy(name, seed=1)
     cluster = ClusterSpec({"v100": 1, "p100": 2, "k80": 2})
     problem = build_problem(small_jobs(), small_table(), cluster, now=100.0, space_sharing=policy.space_sharing,
-                            prices=PRICES)
+                            partners=policy.partners, prices=PRICES)
     x = policy.allocate(problem)
     assert_valid(problem, x)
     assert x.sum() > 0

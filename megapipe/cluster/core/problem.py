@@ -16,6 +16,7 @@ import scipy.sparse as sp
 
 from megapipe.cluster.core.cluster_spec import ClusterSpec
 from megapipe.cluster.core.jobs import Job
+from megapipe.cluster.core.pairs import PARTNERS_PER_JOB, candidate_pairs
 from megapipe.cluster.core.throughputs import UNCONSOLIDATED, ThroughputTable
 from megapipe.cluster.core.lp import cp
 
@@ -32,6 +33,11 @@ class Problem:
     elapsed: np.ndarray  # seconds since each job arrived
     slo_remaining: np.ndarray = None  # seconds left to each job's SLO; inf for none
     prices: dict = field(default_factory=dict)  # accelerator type -> $ per accelerator-hour
+    multiplicity: np.ndarray = None  # per job: how many interchangeable jobs it stands for (symmetry.py)
+
+    def __post_init__(self):
+        if self.multiplicity is None:
+            self.multiplicity = np.ones(len(self.jobs))
 
     @property
     def scale(self) -> np.ndarray:
@@ -41,46 +47,51 @@ class Problem:
     def weights(self) -> np.ndarray:
         return np.array([job.priority_weight for job in self.jobs], dtype=float)
 
+    def members(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, its first job and its second (-1 for a job alone)."""
+        first = np.array([c[0] for c in self.combos], dtype=np.int64)
+        second = np.array([c[1] if len(c) > 1 else -1 for c in self.combos], dtype=np.int64)
+        return first, second
+
     def runnable(self) -> np.ndarray:
         """(rows, columns) mask: every member of the combination has a positive throughput there."""
-        members = np.array([len(c) for c in self.combos])
+        paired = self.members()[1] >= 0
         ok = self.T[:, :, 0] > 0
-        return ok & np.where(members[:, None] > 1, self.T[:, :, 1] > 0, True)
+        return ok & np.where(paired[:, None], self.T[:, :, 1] > 0, True)
+
+    def _per_member(self, values: np.ndarray) -> sp.csr_matrix:
+        """(jobs, rows * columns): each member's entry of ``values`` (rows, columns, 2) at its job's row."""
+        first, second = self.members()
+        n_rows, n_cols = len(self.combos), len(self.columns)
+        flat = np.arange(n_rows * n_cols).reshape(n_rows, n_cols)
+        rows, cols, vals = [], [], []
+        for position, job in ((0, first), (1, second)):
+            mask = (job[:, None] >= 0) & (values[:, :, position] != 0)
+            rows.append(np.broadcast_to(job[:, None], mask.shape)[mask])
+            cols.append(flat[mask])
+            vals.append(values[:, :, position][mask])
+        return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                             shape=(len(self.jobs), n_rows * n_cols))
 
     def throughput_matrix(self) -> sp.csr_matrix:
         """A with throughput(m, X) = (A @ X.flatten())[m]."""
-        n_cols = len(self.columns)
-        rows, cols, vals = [], [], []
-        for r, combo in enumerate(self.combos):
-            for position, m in enumerate(combo):
-                for j in range(n_cols):
-                    if self.T[r, j, position] > 0:
-                        rows.append(m)
-                        cols.append(r * n_cols + j)
-                        vals.append(self.T[r, j, position])
-        return sp.csr_matrix((vals, (rows, cols)), shape=(len(self.jobs), len(self.combos) * n_cols))
+        return self._per_member(np.where(self.T > 0, self.T, 0.0))
 
     def membership(self) -> sp.csr_matrix:
         """M with (M @ X.flatten())[m] = total time fraction of job m over its combinations (5.2)."""
-        n_cols = len(self.columns)
-        rows, cols = [], []
-        for r, combo in enumerate(self.combos):
-            for m in combo:
-                rows += [m] * n_cols
-                cols += range(r * n_cols, (r + 1) * n_cols)
-        return sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(self.jobs), len(self.combos) * n_cols))
+        return self._per_member(np.ones_like(self.T))
 
     def capacity(self) -> tuple[sp.csr_matrix, np.ndarray]:
-        """(C, n) with C @ X.flatten() <= n: accelerators used of each type (5.3)."""
+        """(C, n) with C @ X.flatten() <= n: accelerators used of each type (5.3).
+
+        A row stands for ``multiplicity`` identical combinations (1 unless symmetry.py merged jobs).
+        """
         accelerators = sorted(self.counts)
-        n_cols, scale = len(self.columns), self.scale
-        rows, cols, vals = [], [], []
-        for r in range(len(self.combos)):
-            for j, acc in enumerate(self.accelerator_of):
-                rows.append(accelerators.index(acc))
-                cols.append(r * n_cols + j)
-                vals.append(scale[r])
-        matrix = sp.csr_matrix((vals, (rows, cols)), shape=(len(accelerators), len(self.combos) * n_cols))
+        n_rows, n_cols = len(self.combos), len(self.columns)
+        weight = self.scale * self.multiplicity[self.members()[0]]
+        type_of = np.array([accelerators.index(acc) for acc in self.accelerator_of])
+        matrix = sp.csr_matrix((np.repeat(weight, n_cols), (np.tile(type_of, n_rows), np.arange(n_rows * n_cols))),
+                               shape=(len(accelerators), n_rows * n_cols))
         return matrix, np.array([self.counts[a] for a in accelerators], dtype=float)
 
     def constraints(self, x: cp.Variable) -> list:
@@ -101,28 +112,25 @@ class Problem:
         share = np.array([0.0 if c.endswith(UNCONSOLIDATED) else self.counts[a]
                           for c, a in zip(self.columns, self.accelerator_of)], dtype=float)
         share /= share.sum() if share.sum() else 1.0
-        singles = self.single_rows()
-        return np.array([max(self.T[singles[m], :, 0] @ share, 1e-12) for m in range(len(self.jobs))])
+        return np.maximum(self.T[self.single_rows(), :, 0] @ share, 1e-12)
 
-    def single_rows(self) -> list[int]:
+    def single_rows(self) -> np.ndarray:
         """Row of each job alone."""
-        rows = [0] * len(self.jobs)
-        for r, combo in enumerate(self.combos):
-            if len(combo) == 1:
-                rows[combo[0]] = r
+        first, second = self.members()
+        rows = np.zeros(len(self.jobs), dtype=np.int64)
+        alone = np.flatnonzero(second < 0)
+        rows[first[alone]] = alone
         return rows
 
     def isolated_share(self) -> np.ndarray:
         """X^isolated over single rows: 1/n of every accelerator type, capped at 1 per job (Themis, section 5.4.2)."""
         x = np.zeros((len(self.combos), len(self.columns)))
-        scale, rows, n = self.scale, self.single_rows(), len(self.jobs)
-        for m in range(n):
-            for j, acc in enumerate(self.accelerator_of):
-                if not self.columns[j].endswith(UNCONSOLIDATED):
-                    x[rows[m], j] = self.counts[acc] / n / scale[rows[m]]
-            total = x[rows[m]].sum()
-            if total > 1:
-                x[rows[m]] /= total
+        rows, n = self.single_rows(), self.multiplicity.sum()
+        per_worker = np.array([0.0 if c.endswith(UNCONSOLIDATED) else self.counts[a] / n
+                               for c, a in zip(self.columns, self.accelerator_of)])
+        x[rows] = per_worker[None, :] / self.scale[rows][:, None]
+        total = x[rows].sum(axis=1)
+        x[rows] /= np.maximum(total, 1.0)[:, None]
         return x
 
     def by_key(self, x: np.ndarray) -> dict:
@@ -143,8 +151,13 @@ class Problem:
 
 def build_problem(jobs: list[Job], table: ThroughputTable, cluster: ClusterSpec, now: float = 0.0,
                   steps_done: dict | None = None, space_sharing: bool = False,
-                  placement_sensitive: bool = False, prices: dict | None = None) -> Problem:
-    """The allocation problem for the active ``jobs`` at time ``now``."""
+                  placement_sensitive: bool = False, prices: dict | None = None,
+                  partners: int | None = PARTNERS_PER_JOB) -> Problem:
+    """The allocation problem for the active ``jobs`` at time ``now``.
+
+    With ``space_sharing``, each job gets pair rows with ``partners`` others (pairs.py); None gives
+    every co-locatable pair, the chapter's formulation.
+    """
     steps_done = steps_done or {}
     accelerators = cluster.worker_types
     columns, accelerator_of = list(accelerators), list(accelerators)
@@ -155,18 +168,18 @@ def build_problem(jobs: list[Job], table: ThroughputTable, cluster: ClusterSpec,
                 accelerator_of.append(acc)
     combos = [(m,) for m in range(len(jobs))]
     if space_sharing:
-        combos += [(a, b) for a in range(len(jobs)) for b in range(a + 1, len(jobs))
-                   if jobs[a].scale_factor == jobs[b].scale_factor
-                   and any(table.colocated(jobs[a].key, jobs[b].key, w)[0] > 0 for w in accelerators)]
+        combos += candidate_pairs(jobs, table, accelerators, partners)
     T = np.zeros((len(combos), len(columns), 2))
-    for r, combo in enumerate(combos):
-        for j, column in enumerate(columns):
-            if len(combo) == 1:
-                job = jobs[combo[0]]
-                spread_only = column.endswith(UNCONSOLIDATED) and job.scale_factor == 1
-                T[r, j, 0] = 0.0 if spread_only else table.alone(job.job_type, job.scale_factor, column)
-            elif not column.endswith(UNCONSOLIDATED):
-                T[r, j] = table.colocated(jobs[combo[0]].key, jobs[combo[1]].key, column)
+    alone = {key: [0.0 if column.endswith(UNCONSOLIDATED) and key[1] == 1 else table.alone(key[0], key[1], column)
+                   for column in columns] for key in {job.key for job in jobs}}
+    T[:len(jobs), :, 0] = [alone[job.key] for job in jobs]
+    shared = [j for j, column in enumerate(columns) if not column.endswith(UNCONSOLIDATED)]
+    pair_rates = {}
+    for r, (a, b) in enumerate(combos[len(jobs):], start=len(jobs)):
+        keys = jobs[a].key, jobs[b].key
+        if keys not in pair_rates:
+            pair_rates[keys] = [table.colocated(*keys, columns[j]) for j in shared]
+        T[r, shared] = pair_rates[keys]
     remaining = np.array([job.total_steps - steps_done.get(job.job_id, 0) for job in jobs], dtype=float)
     elapsed = np.array([max(now - job.arrival_time, 0.0) for job in jobs])
     slo_remaining = np.array([np.inf if job.slo is None else job.arrival_time + job.slo - now for job in jobs])

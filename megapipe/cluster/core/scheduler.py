@@ -109,7 +109,7 @@ class Scheduler:
         jobs = list(self.active.values())
         problem = build_problem(jobs, self.policy_table, self.cluster, now,
                                 {i: r.steps_done for i, r in self.records.items()},
-                                space_sharing=self.policy.space_sharing,
+                                space_sharing=self.policy.space_sharing, partners=self.policy.partners,
                                 placement_sensitive=self.policy.placement_sensitive, prices=self.prices)
         started = time.perf_counter()
         x = self.policy.allocate(problem)

@@ -15,6 +15,7 @@ from megapipe.cluster.core.policies.base import Policy
 
 class AlloX(Policy):
     name = "allox"
+    reads_progress = True
 
     def allocate(self, problem):
         singles = problem.single_rows()

@@ -6,8 +6,9 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from megapipe.cluster.core.pairs import PARTNERS_PER_JOB
 from megapipe.cluster.core.problem import Problem
-from megapipe.cluster.core.lp import cp
+from megapipe.cluster.core.lp import SOLVER_NOISE, cp
 
 
 class Policy(ABC):
@@ -23,6 +24,8 @@ class Policy(ABC):
     heterogeneity_aware = True
     placement_sensitive = False
     skip_zero_priority = False  # FIFO: never run a job the allocation gives no time
+    partners = PARTNERS_PER_JOB  # with space_sharing: pair rows per job (pairs.py); None for every pair
+    reads_progress = False  # reads steps done or time elapsed, so an unchanged job set still needs a new solve
 
     @abstractmethod
     def allocate(self, problem: Problem) -> np.ndarray:
@@ -31,9 +34,6 @@ class Policy(ABC):
 
 def variable(problem: Problem) -> cp.Variable:
     return cp.Variable(len(problem.combos) * len(problem.columns))
-
-
-SOLVER_NOISE = 1e-6  # entries of X below this are the solver's tolerance, not time to give
 
 
 def solve(problem: cp.Problem, x: cp.Variable, shape: tuple, solver: str = "CLARABEL") -> np.ndarray:
@@ -55,8 +55,8 @@ def shape_of(problem: Problem) -> tuple[int, int]:
     return len(problem.combos), len(problem.columns)
 
 
-def scaled_throughput(problem: Problem, x: cp.Variable):
-    """throughput(m, X) / throughput(m, X^equal) * scale_factor_m / w_m: the LAS quantity (section 5.4.1)."""
+def fair_share(problem: Problem) -> np.ndarray:
+    """throughput(m, X^equal) * w_m / scale_factor_m: max-min fairness maximises the least ratio of
+    throughput(m, X) to it (section 5.4.1)."""
     scale = np.array([job.scale_factor for job in problem.jobs], dtype=float)
-    factor = scale / problem.equal_share() / problem.weights
-    return cp.multiply(factor, problem.throughput_matrix() @ x)
+    return problem.equal_share() * problem.weights / scale

@@ -45,6 +45,7 @@ class MaxThroughputPerDollar(Policy):
 
     def __init__(self, slos: bool = False):
         self.slos = slos
+        self.reads_progress = slos
         self.name = "max_sum_throughput_normalized_by_cost_perf" + ("_SLOs" if slos else "")
 
     def allocate(self, problem):

@@ -15,6 +15,8 @@ from megapipe.cluster.core.lp import cp
 
 
 class FinishTimeFairness(Policy):
+    reads_progress = True
+
     def __init__(self, heterogeneity_aware: bool = True):
         self.heterogeneity_aware = heterogeneity_aware
         self.name = "finish_time_fairness" + ("_perf" if heterogeneity_aware else "")

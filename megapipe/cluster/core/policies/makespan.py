@@ -6,18 +6,22 @@ exact where the original system bisected on the makespan.
 
 from __future__ import annotations
 
-
-from megapipe.cluster.core.policies.base import Policy, shape_of, solve, variable
-from megapipe.cluster.core.lp import cp
+from megapipe.cluster.core.policies.base import Policy
+from megapipe.cluster.core.ratio_lp import max_ratio
 
 
 class MinTotalDuration(Policy):
+    reads_progress = True
+
     def __init__(self, heterogeneity_aware: bool = True):
         self.heterogeneity_aware = heterogeneity_aware
         self.name = "min_total_duration" + ("_perf" if heterogeneity_aware else "")
 
     def allocate(self, problem):
         seen = problem if self.heterogeneity_aware else problem.agnostic()
-        x, u = variable(seen), cp.Variable(nonneg=True)
-        constraints = seen.constraints(x) + [seen.throughput_matrix() @ x >= u * seen.steps_remaining]
-        return solve(cp.Problem(cp.Maximize(u), constraints), x, shape_of(seen))
+        return max_ratio(seen, seen.steps_remaining)
+
+    def objective(self, problem, x) -> float:
+        """The makespan in seconds, which this policy minimises."""
+        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        return float((seen.steps_remaining / seen.throughput(x)).max())

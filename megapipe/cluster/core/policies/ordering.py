@@ -43,6 +43,7 @@ class Fifo(Policy):
 
 
 class ShortestJobFirst(Policy):
+    reads_progress = True
     skip_zero_priority = True
 
     def __init__(self, heterogeneity_aware: bool = True):
