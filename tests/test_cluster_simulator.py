@@ -95,6 +95,23 @@ def test_cli_simulate_prints_the_contract_lines(capsys, tmp_path):
     written = json.loads((tmp_path / "j.json").read_text())
     assert written["units"] == "hours" and len(written["jct_hours"]) == 20  # the whole trace is the window
     assert float(lines[-2].split()[2]) == pytest.approx(np.mean(list(written["jct_hours"].values())), abs=0.005)
+    assert lines[-3].startswith("solve time per reallocation: mean ")
+
+
+def test_cli_simulate_with_pop_reuses_unchanged_parts(capsys):
+    """POP on the Table 5.3 continuous trace: JCT within 2% of the whole solve (as docs/cluster.md reports),
+    and fewer part solves than parts times reallocations."""
+    args = simulate_args(DATA + "max_min_fairness.trace", "v100:8,p100:16,k80:24")
+    results = []
+    for extra in ([], ["--pop-partitions", "4"]):
+        code, out, _ = run_cli(args + extra, capsys)
+        assert code == 0
+        results.append(out.strip().splitlines())
+    whole, pop = (float(lines[-2].split()[2]) for lines in results)
+    assert pop == pytest.approx(whole, rel=0.02)
+    solves = results[1][-3]
+    reallocations = int(solves.split(" over ")[1].split()[0])
+    assert int(solves.split("(")[1].split()[0]) < 4 * reallocations
 
 
 def test_cli_generate_trace_says_what_it_wrote(capsys, tmp_path, table):
@@ -121,9 +138,12 @@ def bad_trace(tmp_path, mutate):
     ("negative count", "negative count"),
     ("unknown policy", "--policy nope is unknown"),
     ("infeasible slo", "cannot meet its SLO"),
+    ("pop partitions", "--pop-partitions 3 exceeds the 2 v100 workers"),
+    ("pop policy", "--pop-partitions cannot split policy gandiva"),
 ])
 def test_cli_refuses_bad_input_in_one_sentence(case, needle, capsys, tmp_path):
     trace, cluster, policy = DATA + "small_test.trace", "v100:2,p100:2,k80:2", "max_min_fairness_perf"
+    extra = []
     if case == "missing field":
         trace = bad_trace(tmp_path, lambda f: "\t".join(f[:9]))
     elif case == "unknown type":
@@ -132,9 +152,12 @@ def test_cli_refuses_bad_input_in_one_sentence(case, needle, capsys, tmp_path):
         cluster = "v100:-2,k80:2"
     elif case == "unknown policy":
         policy = "nope"
+    elif case.startswith("pop"):
+        extra = ["--pop-partitions", "3"] if case == "pop partitions" else ["--pop-partitions", "2"]
+        policy = "gandiva" if case == "pop policy" else policy
     else:
         trace = bad_trace(tmp_path, lambda f: "\t".join(f[:8] + ["1.0"] + f[9:]))
-    code, out, err = run_cli(simulate_args(trace, cluster, policy), capsys)
+    code, out, err = run_cli(simulate_args(trace, cluster, policy) + extra, capsys)
     assert code == 2 and out == ""
     assert needle in err and err.count("\n") == 1
 

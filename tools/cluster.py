@@ -47,6 +47,8 @@ import ssl
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from tqdm import tqdm  # noqa: E402
@@ -56,6 +58,7 @@ from megapipe.cluster.auth import SECRET_ENV, configured_secret  # noqa: E402
 from megapipe.cluster.core.cluster_spec import parse_cluster  # noqa: E402
 from megapipe.cluster.sim.metrics import completion_times, summarise  # noqa: E402
 from megapipe.cluster.core.policies import POLICY_NAMES, make_policy  # noqa: E402
+from megapipe.cluster.core.pop import check_partitions  # noqa: E402
 from megapipe.cluster.core.policies.cost import check_slos  # noqa: E402
 from megapipe.cluster.core.scheduler import Scheduler  # noqa: E402
 from megapipe.cluster.sim.simulator import simulate  # noqa: E402
@@ -64,6 +67,8 @@ from megapipe.cluster.sim.trace import generate_trace, read_trace, write_trace  
 from megapipe.errors import ConfigError, USAGE_ERROR, reports_user_errors  # noqa: E402
 
 WINDOW_JOBS = 25
+POP_HELP = ("solve the policy as K random parts of the jobs and of each accelerator type, in parallel processes "
+            "(POP); parts whose jobs did not change are not solved again (default 1: the whole problem)")
 SCHEDULER_HELP = "the scheduler's HOST:PORT, or the https://... address of a TLS proxy in front of it"
 
 
@@ -106,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--placement-sensitive", action="store_true",
                      help="policies also see unconsolidated throughputs of multi-worker jobs spread over servers")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--pop-partitions", type=int, default=1, metavar="K", help=POP_HELP)
     run.add_argument("--window", type=int, nargs=2, metavar=("START", "END"))
     run.add_argument("--prices", help="TYPE:$/h,... for cost and cost policies")
     run.add_argument("--estimate-throughputs", type=float, metavar="FRACTION",
@@ -141,6 +147,7 @@ def _service_commands(commands) -> None:
     serve.add_argument("--no-lease-renewal", action="store_true",
                        help="end every lease with its round (each job saves and relaunches every round)")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--pop-partitions", type=int, default=1, metavar="K", help=POP_HELP)
     serve.add_argument("--backend", choices=("agents", "slurm"), default="agents",
                        help="run jobs through worker agents (tools/cluster.py worker) or as Slurm jobs on the "
                             "partition's nodes, typed by their GPU GRES")
@@ -236,6 +243,7 @@ def run_service(args) -> None:
     service = ClusterService(Journal(args.journal), args.policy, args.round_seconds, work_dir,
                              tuple(t for t in args.worker_types.split(",") if t), not args.no_lease_renewal,
                              args.public_address or f"{args.host}:{args.port}", seed=args.seed, backend=backend,
+                             pop_partitions=args.pop_partitions,
                              announce=say, secret=secret, allowed_paths=args.allowed_paths)
     server = serve(service, args.host, args.port, secret)
     say(f"scheduler listening on {args.host}:{server.server_address[1]} (journal {args.journal}, job logs and "
@@ -314,7 +322,7 @@ def status_table(status: dict) -> str:
 def run_simulation(args) -> None:
     if args.round_seconds <= 0:
         raise ConfigError(f"--round-seconds {args.round_seconds} must be positive.")
-    policy = make_policy(args.policy, args.seed)
+    policy = make_policy(args.policy, args.seed, args.pop_partitions)
     policy.placement_sensitive = args.placement_sensitive
     table = ThroughputTable.load(args.throughputs)
     cluster = parse_cluster(args.cluster, args.gpus_per_server)
@@ -323,6 +331,7 @@ def run_simulation(args) -> None:
         raise ConfigError(f"--cluster type {unknown[0]} has no throughputs in {args.throughputs}; use one of {', '.join(table.worker_types)}.")
     jobs = read_trace(args.trace, table)
     check_slos(jobs, table, cluster)
+    check_partitions(args.pop_partitions, len(jobs), cluster.counts, policy)
     window = tuple(args.window) if args.window else default_window(len(jobs))
     if not 0 <= window[0] < window[1] <= len(jobs):
         raise ConfigError(f"--window {window[0]} {window[1]} must satisfy 0 <= START < END <= {len(jobs)} (jobs in the trace).")
@@ -352,6 +361,9 @@ def run_simulation(args) -> None:
           f"accelerator time; average finish-time fairness {summary.average_ftf:.2f} (JCT / JCT alone)")
     if scheduler.prices:
         print(f"cost: ${summary.total_cost:.2f}; SLO violations: {summary.slo_violations} of {summary.jobs_with_slo}")
+    solves = scheduler.solve_seconds
+    print(f"solve time per reallocation: mean {np.mean(solves):.3f} s, max {max(solves):.3f} s over {len(solves)}"
+          + (f" ({policy.solves} part solves, the rest reused)" if args.pop_partitions > 1 else ""))
     print(f"average JCT: {summary.average_jct_hours:.2f} h")
     print(f"makespan: {summary.makespan_hours:.2f} h")
 

@@ -14,6 +14,7 @@ import scipy.sparse as sp
 from megapipe.optional import LazyModule, require
 
 cp = LazyModule("cvxpy", "Gavel's optimisation policies")
+clarabel = LazyModule("clarabel", "Gavel's optimisation policies", package="cvxpy")
 
 SOLVER_NOISE = 1e-6  # entries of X below this are the solver's tolerance, not time to give
 

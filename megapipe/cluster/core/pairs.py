@@ -30,8 +30,19 @@ def colocation_gain(table: ThroughputTable, key, other, worker_types) -> float:
     return best
 
 
-def candidate_pairs(jobs: list[Job], table: ThroughputTable, worker_types, partners: int | None) -> list[tuple[int, int]]:
-    """Pairs (a, b), a < b, of job indices that may share; every co-locatable pair when ``partners`` is None."""
+def candidate_pairs(jobs: list[Job], table: ThroughputTable, worker_types, partners: int | None,
+                    groups: list[int] | None = None) -> list[tuple[int, int]]:
+    """Pairs (a, b), a < b, of job indices that may share; every co-locatable pair when ``partners`` is None.
+
+    ``groups``: a group per job (POP's parts); partners are then chosen within each job's group.
+    """
+    if groups is not None:
+        pairs = []
+        for group in sorted(set(groups)):
+            members = [m for m, g in enumerate(groups) if g == group]
+            pairs += [(members[a], members[b]) for a, b in candidate_pairs([jobs[m] for m in members], table,
+                                                                           worker_types, partners)]
+        return sorted(pairs)
     by_key = defaultdict(list)
     for index, job in enumerate(jobs):
         by_key[job.key].append(index)

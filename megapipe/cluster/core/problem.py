@@ -152,11 +152,11 @@ class Problem:
 def build_problem(jobs: list[Job], table: ThroughputTable, cluster: ClusterSpec, now: float = 0.0,
                   steps_done: dict | None = None, space_sharing: bool = False,
                   placement_sensitive: bool = False, prices: dict | None = None,
-                  partners: int | None = PARTNERS_PER_JOB) -> Problem:
+                  partners: int | None = PARTNERS_PER_JOB, groups: list[int] | None = None) -> Problem:
     """The allocation problem for the active ``jobs`` at time ``now``.
 
     With ``space_sharing``, each job gets pair rows with ``partners`` others (pairs.py); None gives
-    every co-locatable pair, the chapter's formulation.
+    every co-locatable pair, the chapter's formulation; ``groups`` (POP's parts) keeps pairs inside a group.
     """
     steps_done = steps_done or {}
     accelerators = cluster.worker_types
@@ -168,7 +168,7 @@ def build_problem(jobs: list[Job], table: ThroughputTable, cluster: ClusterSpec,
                 accelerator_of.append(acc)
     combos = [(m,) for m in range(len(jobs))]
     if space_sharing:
-        combos += candidate_pairs(jobs, table, accelerators, partners)
+        combos += candidate_pairs(jobs, table, accelerators, partners, groups)
     T = np.zeros((len(combos), len(columns), 2))
     alone = {key: [0.0 if column.endswith(UNCONSOLIDATED) and key[1] == 1 else table.alone(key[0], key[1], column)
                    for column in columns] for key in {job.key for job in jobs}}

@@ -110,6 +110,7 @@ class Scheduler:
         problem = build_problem(jobs, self.policy_table, self.cluster, now,
                                 {i: r.steps_done for i, r in self.records.items()},
                                 space_sharing=self.policy.space_sharing, partners=self.policy.partners,
+                                groups=self.policy.pair_groups(jobs),
                                 placement_sensitive=self.policy.placement_sensitive, prices=self.prices)
         started = time.perf_counter()
         x = self.policy.allocate(problem)

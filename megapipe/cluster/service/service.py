@@ -69,17 +69,17 @@ class ClusterService:
     def __init__(self, journal: Journal, policy: str, round_seconds: float, work_dir: str,
                  worker_types: tuple = ("fast", "slow"), renew_leases: bool = True, address: str = "127.0.0.1:0",
                  lost_seconds: float = 5.0, seed: int = 0, backend=None, announce=None,
-                 secret: Optional[bytes] = None, allowed_paths: Optional[tuple] = None):
+                 secret: Optional[bytes] = None, allowed_paths: Optional[tuple] = None, pop_partitions: int = 1):
         """``backend``: what runs the ranks (the ``Backend`` protocol plus ``nodes()`` and
         ``running_job_ids()``, as ``SlurmBackend`` has them); worker agents by default. ``announce``:
         where the service says what happens, one line per event (workers joining or lost, jobs
         submitted and ended, a round's placements when they change); silent when None. ``secret``:
         the cluster's secret, from which each launch gets its lease's key (``auth.lease_key``).
         ``allowed_paths``: the roots every path of a submitted job must lie in (default
-        ``WORK_DIR/files``)."""
+        ``WORK_DIR/files``). ``pop_partitions``: solve the policy by POP over that many parts."""
         if round_seconds <= 0:
             raise ConfigError(f"--round-seconds {round_seconds:g} must be positive.")
-        self.policy, self.policy_name = make_policy(policy, seed), policy
+        self.policy, self.policy_name = make_policy(policy, seed, pop_partitions), policy
         if self.policy.space_sharing:
             raise ConfigError(f"--policy {policy} shares accelerators between jobs, which the service does not run; "
                               "choose a policy without _packed.")

@@ -38,10 +38,16 @@ FACTORIES = {
 POLICY_NAMES = tuple(FACTORIES)
 
 
-def make_policy(name: str, seed: int = 0) -> Policy:
+def make_policy(name: str, seed: int = 0, pop_partitions: int = 1) -> Policy:
+    """The policy ``name``; with ``pop_partitions`` > 1, solved by POP over that many parts (pop.py)."""
     if name not in FACTORIES:
         raise ConfigError(f"--policy {name} is unknown; see --list-policies for the {len(FACTORIES)} names.")
-    return FACTORIES[name](seed)
+    policy = FACTORIES[name](seed)
+    if pop_partitions == 1:
+        return policy
+    from megapipe.cluster.core.pop import Partitioned
+
+    return Partitioned(policy, pop_partitions, seed)
 
 
 __all__ = ["POLICY_NAMES", "Policy", "make_policy"]

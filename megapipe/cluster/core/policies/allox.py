@@ -15,6 +15,7 @@ from megapipe.cluster.core.policies.base import Policy
 
 class AlloX(Policy):
     name = "allox"
+    unpartitionable = "its min-cost matching orders every job against every other on each accelerator"
     reads_progress = True
 
     def allocate(self, problem):

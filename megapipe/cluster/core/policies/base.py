@@ -25,11 +25,16 @@ class Policy(ABC):
     placement_sensitive = False
     skip_zero_priority = False  # FIFO: never run a job the allocation gives no time
     partners = PARTNERS_PER_JOB  # with space_sharing: pair rows per job (pairs.py); None for every pair
+    unpartitionable = ""  # why POP (pop.py) cannot split this policy; empty when it can
     reads_progress = False  # reads steps done or time elapsed, so an unchanged job set still needs a new solve
 
     @abstractmethod
     def allocate(self, problem: Problem) -> np.ndarray:
         """X for ``problem``."""
+
+    def pair_groups(self, jobs: list) -> list[int] | None:
+        """With space sharing, a group per job within which pairs are chosen (POP's parts); None: one group."""
+        return None
 
 
 def variable(problem: Problem) -> cp.Variable:

@@ -25,8 +25,18 @@ class FinishTimeFairness(Policy):
         seen = problem if self.heterogeneity_aware else problem.agnostic()
         x = variable(seen)
         throughput = seen.throughput_matrix() @ x
-        isolated = np.maximum(seen.throughput(seen.isolated_share()), 1e-9)
-        denominator = seen.elapsed + seen.steps_remaining / isolated
+        denominator = isolated_finish(seen)
         rho = cp.multiply(1.0 / denominator,
                           seen.elapsed + cp.multiply(seen.steps_remaining, cp.inv_pos(throughput)))
         return solve(cp.Problem(cp.Minimize(cp.max(rho)), seen.constraints(x)), x, shape_of(seen))
+
+    def objective(self, problem, x) -> float:
+        """The largest finish-time fairness rho, which this policy minimises."""
+        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        finish = seen.elapsed + seen.steps_remaining / np.maximum(seen.throughput(x), 1e-12)
+        return float((finish / isolated_finish(seen)).max())
+
+
+def isolated_finish(problem) -> np.ndarray:
+    """Per job, t_m + steps_m / throughput(m, X^isolated): when it would finish on its isolated share."""
+    return problem.elapsed + problem.steps_remaining / np.maximum(problem.throughput(problem.isolated_share()), 1e-9)

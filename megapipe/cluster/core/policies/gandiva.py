@@ -17,6 +17,7 @@ from megapipe.cluster.core.policies.base import Policy
 class Gandiva(Policy):
     name = "gandiva"
     space_sharing = True
+    unpartitionable = "it pairs jobs at random and solves no optimisation problem to split"
     partners = None  # pairs at random over every co-locatable pair, as the original baseline does
     heterogeneity_aware = False
 

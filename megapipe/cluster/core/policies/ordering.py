@@ -30,6 +30,7 @@ def ranked_allocation(problem, order: np.ndarray) -> np.ndarray:
 
 
 class Fifo(Policy):
+    unpartitionable = "it ranks every job against every other, which parts would split"
     skip_zero_priority = True
 
     def __init__(self, heterogeneity_aware: bool = True, space_sharing: bool = False):
@@ -43,6 +44,7 @@ class Fifo(Policy):
 
 
 class ShortestJobFirst(Policy):
+    unpartitionable = "it ranks every job against every other, which parts would split"
     reads_progress = True
     skip_zero_priority = True
 

@@ -24,8 +24,13 @@ ENTITY_POLICIES = ("fairness", "fifo")
 
 class WaterFilling(Policy):
     name = "max_min_fairness_water_filling"
+    unpartitionable = "an entity's weight is shared by its jobs in every part"
 
-    def __init__(self, entity_weights: dict | None = None, entity_policies: dict | None = None):
+    def __init__(self, entity_weights: dict | None = None, entity_policies: dict | None = None,
+                 max_iterations: int | None = None):
+        """``max_iterations``: stop after that many LP + MILP iterations (the original system stopped after 2
+        at 2,048 jobs); None: until every job is bottlenecked, as the chapter defines it."""
+        self.max_iterations = max_iterations
         self.entity_weights = dict(entity_weights or {})
         self.entity_policies = dict(entity_policies or {})
         for entity, policy in self.entity_policies.items():
@@ -71,8 +76,9 @@ class WaterFilling(Policy):
                   np.concatenate([np.ones(n), workers]))
         raise_level = RaiseLevel(normalised, limits)
         level, bottlenecked = np.zeros(n), np.zeros(n, dtype=bool)
-        x_free = np.zeros(free.size)
-        while not bottlenecked.all():
+        x_free, iterations = np.zeros(free.size), 0
+        while not bottlenecked.all() and iterations != self.max_iterations:
+            iterations += 1
             weights = self.job_weights(problem, bottlenecked)
             rising = ~bottlenecked & (weights > 0)
             if not rising.any():
