@@ -194,3 +194,30 @@ def test_pop_with_space_sharing_chooses_pairs_inside_each_part(table):
     whole = make_policy("max_min_fairness_packed")
     full = build_problem(jobs, table, cluster(200), space_sharing=True, partners=whole.partners)
     assert policy.objective(problem, x) >= (1 - 0.015) * whole.objective(full, whole.allocate(full))
+
+
+def test_pop_solves_whole_while_the_cluster_or_the_queue_is_smaller_than_k(table):
+    """A live cluster grows worker by worker: until every type has k workers and k jobs are active,
+    parts would sit empty or without a type, so the whole problem is solved (it is small then)."""
+    jobs = many_jobs(table, 40)
+    policy = Partitioned(make_policy("max_min_fairness_perf"), 4, processes=1)
+    small = build_problem(jobs, table, ClusterSpec({"v100": 2, "k80": 8}))
+    whole = make_policy("max_min_fairness_perf").allocate(small)
+    assert np.allclose(policy.allocate(small), whole) and policy.part_of == {}
+    assert np.allclose(policy.allocate(build_problem(jobs[:3], table, cluster(40))),
+                       make_policy("max_min_fairness_perf").allocate(build_problem(jobs[:3], table, cluster(40))))
+
+
+def test_the_service_takes_pop_partitions_and_refuses_what_pop_cannot_split(tmp_path):
+    from megapipe.cluster.service.journal import Journal
+    from megapipe.cluster.service.service import ClusterService
+
+    def service(policy, k):
+        return ClusterService(Journal(str(tmp_path / f"{policy}{k}.db")), policy, 10.0, str(tmp_path / "work"),
+                              secret=b"s" * 32, pop_partitions=k)
+
+    assert isinstance(service("max_min_fairness_perf", 4).policy, Partitioned)
+    with pytest.raises(ConfigError, match="--pop-partitions 0 must be at least 1"):
+        service("max_min_fairness_perf", 0)
+    with pytest.raises(ConfigError, match="cannot split policy fifo_perf"):
+        service("fifo_perf", 2)

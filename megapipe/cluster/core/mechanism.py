@@ -65,14 +65,16 @@ class RoundMechanism:
 
     def priorities(self, allocation: dict) -> dict:
         """(key, type) -> X_kj / f_kj (UNSEEN_PRIORITY * X_kj where f is 0; 0 where X is 0)."""
-        f = self.fractions()
-        result = {}
-        for key, per_type in allocation.items():
-            for worker_type in self.cluster.order:
-                x = per_type.get(worker_type, 0.0)
-                share = f.get((key, worker_type), 0.0)
-                result[(key, worker_type)] = 0.0 if x <= 0 else (x / share if share > 0 else x * UNSEEN_PRIORITY)
-        return result
+        return {(key, t): self.priority(key, t, per_type.get(t, 0.0))
+                for key, per_type in allocation.items() for t in self.cluster.order}
+
+    def priority(self, key, worker_type: str, x: float) -> float:
+        """X_kj / f_kj for one entry, with f_kj computed for it alone."""
+        if x <= 0:
+            return 0.0
+        total = self.type_time[worker_type]
+        share = self.time_received.get((key, worker_type), 0.0) / total if total > 0 else 0.0
+        return x / share if share > 0 else x * UNSEEN_PRIORITY
 
     def select(self, allocation: dict, scale_of: dict, runnable, shuffle_types: bool = False,
                skip_zero_priority: bool = False) -> list[tuple]:
@@ -85,16 +87,11 @@ class RoundMechanism:
         order = list(self.cluster.order)
         if shuffle_types:
             self.rng.shuffle(order)
-        priority = self.priorities(allocation)
-        entries = [(priority[(k, t)], allocation[k].get(t, 0.0), k, t) for k in allocation for t in order]
-        if self.global_queue:
-            queue = sorted(entries, key=lambda e: (e[0], e[1]), reverse=True)
-        else:
-            queue = [e for t in order for e in sorted((e for e in entries if e[3] == t),
-                                                       key=lambda e: (e[0], e[1]), reverse=True)]
         free = dict(self.cluster.counts)
         taken, chosen = set(), []
-        for value, _, key, worker_type in queue:
+        for value, _, key, worker_type in self._queue(allocation, order):
+            if not any(free.values()):
+                break
             if free[worker_type] == 0 or taken.intersection(key) or not runnable(key, worker_type):
                 continue
             if skip_zero_priority and value <= 0:
@@ -106,6 +103,25 @@ class RoundMechanism:
             taken.update(key)
             chosen.append((key, worker_type))
         return chosen
+
+    def _queue(self, allocation: dict, order: list):
+        """The entries (priority, X, key, type) in visiting order: by type (or across types with
+        ``global_queue``), highest priority first, ties by X, then allocation order. Entries with
+        X <= 0 have priority 0, below every other, so they are ranked apart from the rest without
+        computing a priority: with space sharing most pair rows have no time, and a round then
+        costs in proportion to the entries that do."""
+        timed, untimed = [], []
+        for key, per_type in allocation.items():
+            for t in order:
+                x = per_type.get(t, 0.0)
+                if x > 0:
+                    timed.append((self.priority(key, t, x), x, key, t))
+                else:
+                    untimed.append((0.0, x, key, t))
+        ranked = lambda entries: sorted(entries, key=lambda e: (e[0], e[1]), reverse=True)  # noqa: E731  stable
+        for types in ([order] if self.global_queue else [[t] for t in order]):
+            yield from ranked([e for e in timed if e[3] in types])
+            yield from ranked([e for e in untimed if e[3] in types])
 
     def place(self, chosen: list[tuple], scale_of: dict) -> RoundPlan:
         """Workers for each chosen combination: last round's if still free, else as few servers as possible."""
