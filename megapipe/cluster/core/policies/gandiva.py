@@ -42,18 +42,18 @@ class Gandiva(Policy):
         return (job_id,) if other is None else tuple(sorted((job_id, other)))
 
     def _forget_stale(self, problem, ids, row_of):
-        active = set(ids)
+        active, singles = set(ids), problem.single_rows()
         for job_id, other in list(self.partner.items()):
             if job_id not in active or (other is not None and other not in active):
                 self.partner.pop(job_id, None)
                 if other in self.partner:
                     self.partner[other] = None
-            elif other is not None and self._normalised(problem, row_of[self._row_key(job_id)]) < 1.0:
+            elif other is not None and self._normalised(problem, singles, row_of[self._row_key(job_id)]) < 1.0:
                 self.partner[job_id] = self.partner[other] = None
 
     @staticmethod
-    def _normalised(problem, row) -> float:
-        singles = problem.single_rows()
+    def _normalised(problem, singles, row) -> float:
+        """Summed throughput of the pair in ``row`` as fractions of each job alone; 0 where it cannot run."""
         total = 0.0
         for j in range(len(problem.columns)):
             for position, m in enumerate(problem.combos[row]):
