@@ -91,8 +91,8 @@ def test_the_acceptance_command_and_the_cuda_tests_collect(bare):
     (["pretrain_gpt.py", *TINY, "--hf-dataset", "saved-dataset"],
      "error: --hf-dataset needs the datasets package, which is not installed here; pip install datasets"),
     (["tools/cluster.py", "simulate", "--trace", "megapipe/cluster/data/small_test.trace", "--throughputs",
-      "megapipe/cluster/data/simulation_throughputs.json", "--cluster", "v100:1,p100:1,k80:1", "--policy",
-      "max_min_fairness_perf"],
+      "megapipe/cluster/data/simulation_throughputs.json", "--cluster", "v100:4,p100:4,k80:4", "--policy",
+      "finish_time_fairness_perf"],  # a cone program, written in cvxpy (LAS and makespan need only its solvers)
      "error: Gavel's optimisation policies needs the cvxpy package"),
 ])
 def test_a_feature_without_its_package_is_one_sentence(bare, args, message):
