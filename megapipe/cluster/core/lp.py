@@ -17,6 +17,14 @@ cp = LazyModule("cvxpy", "Gavel's optimisation policies")
 clarabel = LazyModule("clarabel", "Gavel's optimisation policies", package="cvxpy")
 
 SOLVER_NOISE = 1e-6  # entries of X below this are the solver's tolerance, not time to give
+INFINITY = np.inf
+
+
+def cleaned(values: np.ndarray) -> np.ndarray:
+    """A solver's X clipped into [0, 1], with entries below its tolerance set to 0."""
+    values = np.clip(values, 0.0, 1.0)
+    values[values < SOLVER_NOISE] = 0.0
+    return values
 
 
 @functools.cache
@@ -68,5 +76,3 @@ def solution(highs) -> np.ndarray | None:
         return None
     return np.asarray(highs.getSolution().col_value)
 
-
-INFINITY = np.inf

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from megapipe.cluster.core.lp import INFINITY, SOLVER_NOISE, clarabel, highs_model, solution
+from megapipe.cluster.core.lp import INFINITY, clarabel, cleaned, highs_model, solution
 from megapipe.cluster.core.problem import Problem
 
 
@@ -56,8 +56,7 @@ def max_ratio(problem: Problem, demand: np.ndarray) -> np.ndarray:
     cost[-1] = -1.0
     z = _clarabel(cost, G, h) if (problem.multiplicity > 1).any() else _highs(cost, G, h)
     x = np.zeros(shape[0] * shape[1])
-    x[free] = np.clip(z[:free.size], 0.0, 1.0)
-    x[x < SOLVER_NOISE] = 0.0
+    x[free] = cleaned(z[:free.size])
     return x.reshape(shape)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from megapipe.cluster.core.pairs import PARTNERS_PER_JOB
 from megapipe.cluster.core.problem import Problem
-from megapipe.cluster.core.lp import SOLVER_NOISE, cp
+from megapipe.cluster.core.lp import cleaned, cp
 
 
 class Policy(ABC):
@@ -51,9 +51,7 @@ def solve(problem: cp.Problem, x: cp.Variable, shape: tuple, solver: str = "CLAR
     problem.solve(solver=solver)
     if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or x.value is None:
         raise RuntimeError(f"the allocation problem is {problem.status}")
-    value = np.clip(x.value, 0.0, 1.0)
-    value[value < SOLVER_NOISE] = 0.0
-    return value.reshape(shape)
+    return cleaned(x.value).reshape(shape)
 
 
 def shape_of(problem: Problem) -> tuple[int, int]:
