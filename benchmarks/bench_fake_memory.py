@@ -35,8 +35,9 @@ from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
-VARIANTS = {"no recomputation": {}, "full recomputation": dict(recompute_granularity="full",
-                                                              recompute_method="uniform", recompute_num_layers=1)}
+VARIANTS = {"no recomputation": {}, "selective recomputation": dict(recompute_granularity="selective"),
+            "full recomputation": dict(recompute_granularity="full", recompute_method="uniform",
+                                       recompute_num_layers=1)}
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **options):
@@ -53,19 +54,21 @@ def measured_peak(shape, overrides: dict) -> float:
         system = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1, **overrides)
         system.build()
         for seed in range(2):
-            system.step(make_batch(shape, FAKE_DEVICE, seed))
+            system.forward_backward(make_batch(shape, FAKE_DEVICE, seed), 1)
+            system.optimizer_step()
     return memory.peak
 
 
-def planned_peak(shape, recompute: bool) -> float:
-    """The planner's MEMORY(.) of the same model, micro-batch and schedule on one device."""
+def planned_peak(shape, granularity: str | None) -> float:
+    """The planner's MEMORY(.) of the same model, micro-batch and schedule on one device, recomputing at
+    ``granularity`` (None, "selective" or "full")."""
     config = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1).config()
     model = ModelShape("gpt", shape.num_layers, shape.hidden_size, shape.heads, shape.seq_length,
                        config.padded_vocab_size(1), config.ffn_hidden_size)
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
-                                   dtype="bfloat16")
+                                   dtype="bfloat16", selective=granularity == "selective")
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
-    return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=recompute)).memory
+    return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=granularity == "full")).memory
 
 
 def main() -> None:
@@ -73,7 +76,7 @@ def main() -> None:
     parser.add_argument("--shape", default="gpt-350m,gpt-1.3b", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the shape's")
     args = parser.parse_args()
-    header = f"{'model':10s} {'micro-batch':>11s} {'variant':20s} {'fake device GiB':>15s} {'planner GiB':>11s} " \
+    header = f"{'model':10s} {'micro-batch':>11s} {'variant':23s} {'fake device GiB':>15s} {'planner GiB':>11s} " \
              f"{'planner/fake':>12s}"
     print(f"torch {torch.__version__}; sequence lengths and micro-batches as bench_single_device.py")
     print_ruled(header)
@@ -84,8 +87,8 @@ def main() -> None:
         for variant, overrides in VARIANTS.items():
             started = time.perf_counter()
             fake = measured_peak(shape, overrides)
-            planned = planned_peak(shape, bool(overrides))
-            print(f"{name:10s} {shape.micro_batch:11d} {variant:20s} {fake / GIB:15.2f} {planned / GIB:11.2f} "
+            planned = planned_peak(shape, overrides.get("recompute_granularity"))
+            print(f"{name:10s} {shape.micro_batch:11d} {variant:23s} {fake / GIB:15.2f} {planned / GIB:11.2f} "
                   f"{planned / fake:12.2f}   ({time.perf_counter() - started:.0f} s)", flush=True)
 
 

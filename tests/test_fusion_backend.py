@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fusion_helpers import restore_backend  # noqa: F401 (fixture)
+from megapipe.errors import ConfigError
 from megapipe.fusions import backend
 
 pytestmark = pytest.mark.unit
@@ -37,11 +38,12 @@ def test_a_triton_that_cannot_build_its_launcher_is_passed_over(pretend_installe
 
 
 def test_compile_on_cuda_needs_a_triton_that_runs(pretend_installed):
+    """Asked for explicitly, torch.compile is refused rather than replaced: it compiles each whole layer."""
     pretend_installed.setitem(backend._PROBES, "triton", failing("Failed to find C compiler"))
-    chosen = backend.select_backend("compile", CUDA)
-    assert chosen.name != "compile"
-    assert chosen.reason.startswith("compile requested, but torch.compile on CUDA needs a working triton "
-                                    "(triton imports but fails to run (RuntimeError: Failed to find C compiler))")
+    with pytest.raises(ConfigError, match=r"^--fusion-backend compile cannot run on cuda: torch.compile on CUDA needs "
+                                          r"a working triton \(triton imports but fails to run \(RuntimeError: Failed "
+                                          r"to find C compiler\)\); use --fusion-backend auto, triton or eager\.$"):
+        backend.select_backend("compile", CUDA)
 
 
 def test_a_family_whose_probe_runs_is_chosen_and_probed_once(pretend_installed):

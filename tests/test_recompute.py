@@ -38,9 +38,10 @@ def batch(kind, cfg, index=0):
     return out
 
 
-def loss_and_grads(kind, cfg, ps):
+def loss_and_grads(kind, cfg, ps, sequence_parallel=False):
     ps.seed(5, torch.device("cpu"))
-    model = build_model_chunks("bert" if kind == "bert" else "gpt", cfg, ps)[0].train()
+    model = build_model_chunks("bert" if kind == "bert" else "gpt", cfg, ps,
+                               sequence_parallel=sequence_parallel)[0].train()
     losses = []
     for i in range(2):  # two microbatches: the random streams must continue identically
         loss = model(None, batch(kind, cfg, i))
@@ -141,10 +142,7 @@ def test_saved_activation_memory_follows_the_formula():
         assert one_group == (l // c) * a_layer
         if c > 1:  # one checkpoint for the whole stage saves nothing: the peak is then one full stage again
             assert c * a_input + (l // c) * a_layer < no_recompute
-    # selective recomputation targets the explicit attention core, whose [b, heads, s, s]
-    # probabilities dominate at long sequences (the fused SDPA kernel does not keep them at all)
-    explicit = dict(masked_softmax_fusion=False, **base)
-    explicit_total, _ = measure(config("gpt", **explicit), l)
-    selective, _ = measure(config("gpt", recompute_granularity="selective", **explicit), l)
-    scores = MICRO * 4 * SEQ * SEQ * 4  # one [b, heads, s, s] fp32 tensor per layer at least
-    assert selective <= explicit_total - l * scores
+    # selective recomputation keeps less in every layer (tests/test_selective_recompute.py: how much) and
+    # saves nothing more while its recipes run in the backward pass
+    selective, during_backward = measure(config("gpt", recompute_granularity="selective", **base), l)
+    assert selective < no_recompute and during_backward == 0

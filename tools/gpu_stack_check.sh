@@ -47,7 +47,7 @@ TESTS=(
     tests/test_context_parallel_kernels.py tests/test_context_attention.py  # SDPA's aten ops with lse, ring, all-to-all
     tests/test_checkpoint_megatron.py                          # Megatron-core's dist_checkpointing on this torch
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
-    tests/test_fusion_backend.py
+    tests/test_fusion_backend.py tests/test_fusions_column_sums.py
     tests/test_bare_image.py tests/test_acceptance.py   # the GPU image's packages alone; the acceptance, dry
     tests/test_cuda.py tests/test_cuda_inference.py     # collected (they run on a GPU)
 )

@@ -60,6 +60,7 @@ def _ops(device: torch.device, dtype: torch.dtype, small: bool) -> list[tuple[st
                             else F.cross_entropy(l_.float(), target, reduction="none"))),
         ("rope", "rope", (q,), lambda fused, q_: fusions.apply_rope(q_, cos, sin, fused=fused)),
         ("swiglu", "swiglu", (x,), lambda fused, x: fusions.swiglu(x, fused=fused)),
+        ("bias_swiglu", "swiglu", (x, bias), lambda fused, x, b_: fusions.swiglu(x, b_, fused=fused)),
     ]
 
 

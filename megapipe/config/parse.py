@@ -22,7 +22,9 @@ from megapipe.config.unread import check_unread_flags
 from megapipe.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, ScheduleSearchConfig,
                                     TrainingConfig)
 from megapipe.errors import ConfigError
+from megapipe.fusions.fp8_mode import check_fp8_flags
 from megapipe.context_parallel import check_context_parallel
+from megapipe.models.compiled_layers import check_compiled_layers
 from megapipe.models.families import FAMILIES, kind_family
 from megapipe.models.flops import check_device_peak
 from megapipe.pipeline.ir.overlap import check_overlap_flags
@@ -118,6 +120,8 @@ def validate_config(config: Config, world_size: int, kind: str = "gpt", ranks_pe
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
     check_device_peak(train.device_peak_tflops)
+    check_fp8_flags(train.fp8_format, config.optimizer.bf16, config.model.num_experts)
+    check_compiled_layers(train.fusion_backend, config.model.num_experts)
     validate_operations(kind, config)
     check_unread_flags(kind, config)
     m = train.num_microbatches(data)

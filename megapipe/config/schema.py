@@ -114,6 +114,13 @@ class ModelConfig:
     masked_softmax_fusion: bool = flag(True, name="--no-masked-softmax-fusion", negate=True, group=KERNELS)
     bias_swiglu_fusion: bool = flag(True, name="--no-bias-swiglu-fusion", negate=True, group=KERNELS)
     apply_rope_fusion: bool = flag(True, name="--no-rope-fusion", negate=True, group=KERNELS)
+    gradient_accumulation_fusion: bool = flag(True, name="--no-gradient-accumulation-fusion", negate=True,
+                                              group=KERNELS, help="weight gradients made in the weights' dtype and "
+                                                                  "then added into the fp32 main gradients, instead "
+                                                                  "of accumulated there by their matrix products")
+    cross_entropy_loss_fusion: bool = flag(True, name="--no-cross-entropy-loss-fusion", negate=True, group=KERNELS,
+                                           help="fp32 copy of the logits in the loss instead of one read of "
+                                                "them per pass")
     recompute_granularity: Optional[str] = flag(None, choices=("full", "selective"), group=KERNELS)
     recompute_method: Optional[str] = flag(None, choices=("uniform", "block"), group=KERNELS)
     recompute_num_layers: Optional[int] = flag(None, group=KERNELS)
@@ -419,6 +426,11 @@ class TrainingConfig:
     device_peak_tflops: Optional[float] = flag(None, help=(
         "peak dense bf16 TFLOP/s of one device, for model FLOPs utilisation (known GPUs are looked up by name)"))
     fusion_backend: str = flag("auto", choices=("auto", "apex", "triton", "compile", "eager"), group=KERNELS)
+    fp8_format: Optional[str] = flag(None, choices=("e4m3", "hybrid"), group=KERNELS, help=(
+        "the transformer layers' linears in FP8 (GPUs of compute capability 8.9 and newer, with --bf16): E4M3 for "
+        "inputs, weights and output gradients, or hybrid: E5M2 for the gradients; default off"))
+    fp8_recipe: str = flag("tensorwise", choices=("tensorwise", "rowwise"), group=KERNELS, help=(
+        "with --fp8-format: one scale per tensor, or one per row of the input and per output row of the weight"))
     # operations (megapipe/training/exits.py)
     distributed_timeout_minutes: float = flag(10.0, help="how long a collective waits for a peer before failing")
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")

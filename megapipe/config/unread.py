@@ -64,6 +64,8 @@ RULES = (
          "nothing is saved without it", False),
     Rule("training", "non_finite_action", lambda kind, c: c.training.check_for_nan_in_loss_and_grad,
          "with --check-for-nan-in-loss-and-grad", "add that flag or drop this one", True),
+    Rule("training", "fp8_recipe", lambda kind, c: c.training.fp8_format is not None, "with --fp8-format",
+         "add --fp8-format e4m3 or hybrid, or drop the flag", True),
     Rule("training", "wandb_exp_name", lambda kind, c: c.training.wandb_project is not None,
          "with --wandb-project", "nothing goes to Weights & Biases without it", False),
     Rule("training", "wandb_save_dir", lambda kind, c: c.training.wandb_project is not None,

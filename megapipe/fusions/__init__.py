@@ -9,14 +9,15 @@ What the model calls; each ``fused`` argument is the matching ``ModelConfig`` bo
                        fused=cfg.masked_softmax_fusion)
     attention(q, k, v, mask=None, causal=False, dropout_p=0.0, training=False, scale=None,
               softmax_in_fp32=True, fused=cfg.masked_softmax_fusion, sdpa=True)   # [b, heads, s, d]
-    swiglu(x, fused=cfg.bias_swiglu_fusion)        # x = [..., (gate, up) x f] -> [..., f]
+    swiglu(x, bias=None, fused=cfg.bias_swiglu_fusion)   # x = [..., (gate, up) x f] -> [..., f]
     apply_rope(x, cos, sin, fused=cfg.apply_rope_fusion)   # x [b, heads, s, d]; rotary_tables(positions, ...)
     LayerNorm(hidden_size, eps), RMSNorm(hidden_size, eps)
 
 Masks are boolean, True = masked out. The kernels come from one backend chosen at start-up,
 ``select_backend("auto"|"apex"|"triton"|"compile"|"eager", device)``, which logs its choice;
 without a call, the first fused op chooses "auto" for the default device. Vocab-parallel
-cross-entropy's elementwise parts live in ``megapipe.fusions.cross_entropy``.
+cross-entropy's elementwise parts live in ``megapipe.fusions.cross_entropy``, its fused one-read
+passes (``cross_entropy_loss_fusion``) in ``megapipe.fusions.fused_cross_entropy``.
 """
 
 from megapipe.fusions.attention import attention

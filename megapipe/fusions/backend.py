@@ -9,7 +9,7 @@ ending with eager PyTorch, so a choice never produces a wrong result or an error
 A family counts as available on CUDA only once one small kernel of it has compiled, launched and
 given the right value (``run_problem``), so a package that imports but cannot run there (a Triton
 without a C compiler, an apex built for another torch) is passed over, with the reason, at start-up
-rather than failing at the first layer.
+rather than failing at the first layer. torch.compile is tried the same way, on the CPU too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megapipe.errors import first_line
+from megapipe.errors import ConfigError, first_line
 
 logger = logging.getLogger("megapipe.fusions")
 
@@ -32,7 +32,8 @@ BACKENDS = ("apex", "triton", "compile", "eager")
 # The ops each kernel family implements; "eager" implements all of them.
 OPS_BY_FAMILY = {
     "apex": frozenset({"layer_norm", "rms_norm"}),
-    "triton": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "layer_norm", "rms_norm"}),
+    "triton": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "layer_norm", "rms_norm", "cross_entropy",
+                         "swiglu"}),
     "compile": frozenset({"bias_gelu", "bias_dropout_add", "softmax", "cross_entropy", "swiglu", "rope"}),
 }
 
@@ -65,7 +66,18 @@ def _probe_triton(device: torch.device) -> None:
         raise RuntimeError("its bias-GeLU kernel gave a wrong result")
 
 
-_PROBES = {"apex": _probe_apex, "triton": _probe_triton}
+def _probe_compile(device: torch.device) -> None:
+    """A small function with its backward through torch.compile: its compiler (a C++ compiler on a CPU,
+    Triton on CUDA) must build, run and be right."""
+    x = torch.linspace(-1.0, 1.0, 8, device=device, requires_grad=True)
+    got = torch.compile(lambda t: torch.sigmoid(t) * t, dynamic=False)(x)
+    got.sum().backward()
+    want = torch.sigmoid(x.detach()) * x.detach()
+    if not torch.allclose(got.detach(), want, rtol=1e-5, atol=1e-6) or x.grad is None:
+        raise RuntimeError("its compiled SiLU gave a wrong result")
+
+
+_PROBES = {"apex": _probe_apex, "triton": _probe_triton, "compile": _probe_compile}
 
 
 @functools.cache
@@ -88,13 +100,14 @@ def run_problem(family: str, device: torch.device) -> str | None:
 
 
 def compile_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot generate kernels for this device, or None when it can."""
+    """Why torch.compile cannot generate kernels for this device, or None when it can (tried once)."""
     if device.type == "cuda":  # inductor writes Triton kernels for CUDA
         problem = _why_not("triton", device)
-        return None if problem is None else f"torch.compile on CUDA needs a working triton ({problem})"
+        if problem is not None:
+            return f"torch.compile on CUDA needs a working triton ({problem})"
     if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         return "torch.compile on CPU needs a C++ compiler"
-    return None
+    return run_problem("compile", device) if device.type in ("cpu", "cuda") else None
 
 
 def _why_not(name: str, device: torch.device) -> str | None:
@@ -125,7 +138,11 @@ class FusionBackend:
         return {"apex": ("apex", "triton"), "triton": ("triton",), "compile": ("compile",)}.get(self.name, ())
 
     def family(self, op: str, tensor: torch.Tensor) -> str:
-        """The first family in this backend's order that implements ``op`` on ``tensor``'s device."""
+        """The first family in this backend's order that implements ``op`` on ``tensor``'s device; inside a
+        region torch.compile traces (a compiled layer, ``models/compiled_layers.py``), PyTorch's own
+        kernels, which the compiler fuses with their neighbours."""
+        if torch.compiler.is_compiling():
+            return "eager"
         for family in self.preference():
             if op not in OPS_BY_FAMILY[family]:
                 continue
@@ -159,7 +176,8 @@ def select_backend(requested: str | None = None, device: torch.device | str | No
 
     ``requested`` is one of "auto" (default), "apex", "triton", "compile", "eager". A requested
     backend that cannot run here falls back to what "auto" would choose, and the log line says
-    why. Never raises for an unavailable backend.
+    why; except "compile", which changes what runs (each transformer layer compiled,
+    ``models/compiled_layers.py``) and is refused in one sentence where it cannot compile.
     """
     from megapipe.parallel.launch import default_device
 
@@ -173,6 +191,9 @@ def select_backend(requested: str | None = None, device: torch.device | str | No
         problem = _why_not(requested, device)
         if problem is None:
             chosen = FusionBackend(requested, "requested")
+        elif requested == "compile":
+            raise ConfigError(f"--fusion-backend compile cannot run on {device.type}: {problem}; use --fusion-backend "
+                              "auto, triton or eager.")
         else:
             fallback = _auto(device)
             chosen = FusionBackend(fallback.name, f"{requested} requested, but {problem}"

@@ -68,7 +68,9 @@ class BERTStage(LanguageModelStage):
             return lm_logits.transpose(0, 1), binary_logits
         labels = batch["labels"].clamp(min=0).transpose(0, 1)
         vocab_start = self.ps.tp_rank * lm_logits.shape[-1]
-        losses = vocab_parallel_cross_entropy(lm_logits, labels, self.ps.tp_group, vocab_start).transpose(0, 1)
+        losses = vocab_parallel_cross_entropy(lm_logits, labels, self.ps.tp_group, vocab_start,
+                                              fused=self.config.cross_entropy_loss_fusion,
+                                              overwrite_logits=True).transpose(0, 1)
         lm_loss = sequence_mean(losses, batch["loss_mask"], self.ps)
         if binary_logits is None:
             return lm_loss

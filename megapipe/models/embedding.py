@@ -12,6 +12,7 @@ from megapipe.models.common import build_norm
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.layers import VocabParallelEmbedding
+from megapipe.tensor_parallel.lookup import sequence_first_lookup
 from megapipe.tensor_parallel.utils import init_normal_
 
 
@@ -24,7 +25,8 @@ def _replicated_embedding(num: int, dim: int, config: ModelConfig, name: str, se
 class Embedding(nn.Module):
     """Token ids ``[b, s]`` -> hidden states ``[s, b, h]`` (a sequence slice under sequence parallelism).
 
-    With ``post_layernorm`` (original BERT) a LayerNorm follows the sum, as in BERT.
+    Every lookup writes its rows in ``[s, b, h]`` order (``tensor_parallel/lookup.py``), so the sum needs no
+    transposing copy. With ``post_layernorm`` (original BERT) a LayerNorm follows the sum, as in BERT.
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, seed: int, sequence_parallel: bool, device=None):
@@ -44,16 +46,15 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.word_embeddings(tokens)
+        x = self.word_embeddings(tokens)  # [s, b, h]
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-            x = x + self.position_embeddings(position_ids)
+            x = x + sequence_first_lookup(position_ids, self.position_embeddings.weight)
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
                 tokentype_ids = torch.zeros_like(tokens)
-            x = x + self.tokentype_embeddings(tokentype_ids)
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            x = x + sequence_first_lookup(tokentype_ids, self.tokentype_embeddings.weight)
         if self.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)
         if self.norm is not None:

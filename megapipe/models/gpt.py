@@ -45,5 +45,6 @@ class GPTStage(LanguageModelStage):
         if "labels" not in batch:
             return logits.transpose(0, 1)
         vocab_start = self.ps.tp_rank * logits.shape[-1]
-        losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), self.ps.tp_group, vocab_start)
+        losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), self.ps.tp_group, vocab_start,
+                                              fused=self.config.cross_entropy_loss_fusion, overwrite_logits=True)
         return sequence_mean(losses.transpose(0, 1), batch["loss_mask"], self.ps)

@@ -8,6 +8,7 @@ from torch import nn
 from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.models.common import output_std
+from megapipe.models.selective import recomputed
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -32,8 +33,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         h, bias = self.fc1(x)
+        return self.fc2(recomputed(self.activation, h, bias))  # under selective recomputation: not kept
+
+    def activation(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """GeLU or SwiGLU of ``h + bias``."""
         if self.config.swiglu:
-            h = fusions.swiglu(h if bias is None else h + bias, fused=self.config.bias_swiglu_fusion)
-        else:
-            h = fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)
-        return self.fc2(h)
+            return fusions.swiglu(h, bias, fused=self.config.bias_swiglu_fusion)
+        return fusions.bias_gelu(h, bias, self.approximate, fused=self.config.bias_gelu_fusion)

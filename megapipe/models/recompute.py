@@ -11,8 +11,8 @@ Which layers: ``full`` granularity with method ``uniform`` checkpoints groups of
 ``recompute_num_layers`` consecutive layers (seed 002 4.3.5: c = l / group checkpoints hold
 c A_input, one group's intermediates (l / c) A_intermediate are live in the backward);
 ``block`` checkpoints the first ``recompute_num_layers`` layers of the stage one by one and
-keeps the rest. ``selective`` recomputes only the attention core (scores, softmax, dropout),
-whose activations grow with s^2 but are cheap to recompute.
+keeps the rest. ``selective`` keeps every layer's matrix-product and attention outputs and recomputes
+only norms, activations and dropout masks (``models/selective.py``).
 """
 
 from __future__ import annotations

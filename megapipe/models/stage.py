@@ -20,6 +20,7 @@ from megapipe.models.masking import ContextMasks, dense_mask
 from megapipe.models.recompute import checkpoint, recompute_groups
 from megapipe.models.transformer import TransformerLayer
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.grad_accumulation import SUMMED_BY_AUTOGRAD
 from megapipe.tensor_parallel.layers import _init_weight
 from megapipe.tensor_parallel.utils import mark_tensor_parallel
 
@@ -68,6 +69,9 @@ class LanguageModelStage(nn.Module, abc.ABC):
                                                     device=device)
         if pre_process and not post_process and not config.untie_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.tied_embedding = True  # its twin lives on the last stage
+        if pre_process and post_process and not config.untie_embeddings_and_output_weights:
+            # the lookup and the output layer both use it: autograd sums their gradients, as without the fusion
+            setattr(self.embedding.word_embeddings.weight, SUMMED_BY_AUTOGRAD, True)
 
     def output_weight(self) -> torch.Tensor:
         """The vocab-parallel weight that turns hidden states into logits."""

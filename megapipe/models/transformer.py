@@ -15,6 +15,7 @@ sequence and only the attention core talks to the other context ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from megapipe.context_parallel import context_attention
 from megapipe.models.common import build_norm, dropout_add, output_std
 from megapipe.models.mlp import MLP
 from megapipe.models.moe import MoELayer
-from megapipe.models.recompute import checkpoint
+from megapipe.models.selective import recomputed, recomputed_masks, selective_recomputation
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.tensor_parallel.utils import divide
@@ -66,30 +67,34 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]
         s, b = qkv.shape[0], qkv.shape[1]
         n, d = self.heads_per_group, self.config.head_dim
-        grouped = qkv.view(s, b, self.local_groups, n + 2, d)
-        q = grouped[:, :, :, :n].reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
-        k, v = (grouped[:, :, :, n + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d], shared by n heads
+        # Views, not indexing: the backward pass concatenates the three gradients once instead of
+        # zero-filling a [s, b, 3h] buffer for each and adding them.
+        grouped = qkv.view(s, b, self.local_groups, n + 2, d).split((n, 1, 1), dim=3)
+        q, k, v = (t.permute(1, 2, 3, 0, 4) for t in grouped)  # [b, groups, n | 1, s, d]
         if self.q_norm is not None:
             q, k = self._qk_norm(q, self.q_norm), self._qk_norm(k, self.k_norm)
         if rotary is not None:
-            fused = self.config.apply_rope_fusion
-            q, k = (fusions.apply_rope(t, *rotary, fused=fused) for t in (q, k))
+            cos, sin = (table.unsqueeze(1) for table in rotary)  # [b, 1, 1, s, r]: over groups and their heads
+            rope = functools.partial(fusions.apply_rope, fused=self.config.apply_rope_fusion)
+            q, k = (recomputed(rope, t, cos, sin) for t in (q, k))
+        # q [b, heads, s, d]: a view unless several heads share a group and neither RoPE nor a norm rewrote
+        # q; k, v [b, groups, s, d], shared by a group's heads. Without a qk-norm, q's memory is in [s, b,
+        # heads, d] order, which the flash and cuDNN kernels give their output too: the permute below is then
+        # a view as well.
+        q, k, v = q.flatten(1, 2), k.squeeze(2), v.squeeze(2)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        if self.config.recompute_granularity == "selective" and self.training:
-            context = checkpoint(lambda q_, k_, v_: self.core_attention(q_, k_, v_, attention_mask, causal),
-                                 self.ps, q, k, v)
-        else:
-            context = self.core_attention(q, k, v, attention_mask, causal)  # [b, heads, s, d]
+        context = self.core_attention(q, k, v, attention_mask, causal)  # [b, heads, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * d)
         return self.dense(context)
 
     def _qk_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
-        """``x`` [b, heads, s, d] normalised per head, or over all its heads' channels together."""
+        """``x`` [b, groups, heads per group, s, d] normalised per head, or over all its heads' channels together."""
         if self.config.qk_layernorm_scope == "head":
-            return norm(x)
-        b, heads, s, d = x.shape
-        return norm(x.transpose(1, 2).reshape(b, s, heads * d)).view(b, s, heads, d).transpose(1, 2)
+            return recomputed(norm, x)
+        b, groups, n, s, d = x.shape
+        whole = x.permute(0, 3, 1, 2, 4).reshape(b, s, groups * n * d)
+        return recomputed(norm, whole).view(b, s, groups, n, d).permute(0, 2, 3, 1, 4)
 
     def core_attention(self, q, k, v, attention_mask, causal):
         """softmax(q k^T / sqrt(d) + mask) v on the local heads; dropout differs per tensor rank. Under
@@ -123,14 +128,24 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config, ps, f"{name}.mlp", seed, sequence_parallel, device)
 
+    def _dropout_add(self, out, bias, residual):
+        return dropout_add(out, bias, residual, self.config, self.training, self.ps, self.sequence_parallel)
+
     def _residual(self, branch_out, residual):
         out, bias = branch_out
-        return dropout_add(out, bias, residual, self.config, self.training, self.ps, self.sequence_parallel)
+        if self.training and self.config.hidden_dropout > 0:
+            return recomputed_masks(self._dropout_add, self.ps, out, bias, residual)
+        return self._dropout_add(out, bias, residual)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = True,
                 rotary=None, kv_cache=None):
-        if self.config.post_layernorm:
-            x = self.attention_norm(self._residual(self.attention(x, attention_mask, causal, rotary, kv_cache), x))
-            return self.mlp_norm(self._residual(self.mlp(x), x))
-        x = self._residual(self.attention(self.attention_norm(x), attention_mask, causal, rotary, kv_cache), x)
-        return self._residual(self.mlp(self.mlp_norm(x)), x)
+        """Under ``--recompute-granularity selective`` the norms' outputs and the dropout masks (and inside the
+        blocks RoPE's and the activation's outputs) are recomputed in the backward pass (``models/selective.py``)."""
+        with selective_recomputation(self.config.recompute_granularity == "selective" and self.training):
+            if self.config.post_layernorm:
+                x = recomputed(self.attention_norm,
+                               self._residual(self.attention(x, attention_mask, causal, rotary, kv_cache), x))
+                return recomputed(self.mlp_norm, self._residual(self.mlp(x), x))
+            x = self._residual(self.attention(recomputed(self.attention_norm, x), attention_mask, causal, rotary,
+                                              kv_cache), x)
+            return self._residual(self.mlp(recomputed(self.mlp_norm, x)), x)

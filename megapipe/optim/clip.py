@@ -11,6 +11,10 @@ over which shards are cut). Under expert parallelism each expert
 rank holds other experts (``expert_parallel`` parameters): their squares are also summed over the
 expert group, which a sharded optimizer's data-parallel sum already covers (the expert and
 expert-data ranks of a stage are its data-parallel and context ranks).
+
+Every gradient is read once for the norm (one multi-tensor pass; the groups above are sums of its
+per-tensor results). Clipping costs no pass of its own under torch's fused optimizers, which divide
+each gradient by ``clip_divisor`` as they read it; other optimizers get one multi-tensor multiply.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def local_squared_norm(params: list[torch.Tensor], ps: ParallelState, sharded: b
     """
     with_grad = [p for p in params if p.grad is not None]
     device = with_grad[0].device if with_grad else (params[0].device if params else None)
-    squared = _squares([p for p in with_grad if not is_expert_parallel(p)], ps, device)
-    experts = _squares([p for p in with_grad if is_expert_parallel(p)], ps, device)
+    norms = list(zip(torch._foreach_norm([p.grad.float() for p in with_grad]), with_grad)) if with_grad else []
+    squared = _squares([(norm, p) for norm, p in norms if not is_expert_parallel(p)], ps, device)
+    experts = _squares([(norm, p) for norm, p in norms if is_expert_parallel(p)], ps, device)
     if not sharded:
         all_reduce(experts, ps.ep_group, ps.ep_size)
         experts = experts * _first_share(ps)
@@ -57,12 +62,13 @@ def _first_share(ps: ParallelState) -> float:
     return 1.0 if ps.tp_rank < ps.etp_size else 0.0
 
 
-def _squares(with_grad: list[torch.Tensor], ps: ParallelState, device) -> torch.Tensor:
+def _squares(norms: list[tuple[torch.Tensor, torch.Tensor]], ps: ParallelState, device) -> torch.Tensor:
+    """The squares of the counted gradients' norms (``(norm, param)`` pairs) summed, plus 0 x the others'."""
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for counted in (True, False):
-        grads = [p.grad.float() for p in with_grad if counts_in_norm(p, ps.tp_rank) == counted]
-        if grads:
-            part = torch.stack(torch._foreach_norm(grads)).square().sum()
+        group = [norm for norm, p in norms if counts_in_norm(p, ps.tp_rank) == counted]
+        if group:
+            part = torch.stack(group).square().sum()
             squared += part if counted else 0.0 * part
     return squared
 
@@ -77,6 +83,13 @@ def clip_grads_by_total_norm(params: list[torch.Tensor], max_norm: float, total_
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+
+
+def clip_divisor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Megatron's clipping as a divisor, ``(total_norm + 1e-6) / max_norm`` and at least 1, for a fused
+    optimizer to divide each gradient by as it reads it (its ``grad_scale``): no pass of its own. On the
+    device, and exactly 1 when there is nothing to clip."""
+    return ((total_norm + CLIP_EPSILON) / max_norm).clamp(min=1.0)
 
 
 def count_zero_grads(params: list[torch.Tensor], ps: ParallelState, sharded: bool = False) -> torch.Tensor:

@@ -3,10 +3,13 @@
 Each trainable parameter gets ``param.main_grad``, a view into its chunk's flat buffer (fp32
 by default). A post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and frees
 ``param.grad`` as soon as autograd has produced it, so bf16/fp16 parameters accumulate across
-microbatches in fp32 and only one low-precision gradient lives at a time. Keeping a chunk's
-gradients in one buffer lets the data-parallel reduction run as a few large collectives
-(buckets) instead of one per parameter; ``grad_sync.py`` holds the buckets, the overlap with
-backward and the sharding levels.
+microbatches in fp32 and only one low-precision gradient lives at a time. With
+``gradient_accumulation_fusion`` (the default) the linears add their weight-gradient products
+into ``main_grad`` themselves, in fp32 on devices that have such a product, where no
+low-precision weight gradient is made at all (``tensor_parallel/grad_accumulation.py``).
+Keeping a chunk's gradients in one buffer lets the data-parallel reduction run as a few large
+collectives (buckets) instead of one per parameter; ``grad_sync.py`` holds the buckets, the
+overlap with backward and the sharding levels.
 """
 
 from __future__ import annotations
@@ -47,12 +50,12 @@ class GradBuffers:
     def __init__(self, model_chunks: Iterable[torch.nn.Module], ps: ParallelState,
                  dtype: torch.dtype = torch.float32, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  level: ShardingLevel = ShardingLevel(), overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, gradient_accumulation_fusion: bool = True):
         self.ps, self.level = ps, level
         by_chunk = _params_by_chunk(model_chunks)
         self.params = [p for params in by_chunk for p in params]
-        self.syncs = [GradSync(params, ps, level, bucket_size, dtype, overlap_grad_reduce, overlap_param_gather)
-                      for params in by_chunk]
+        self.syncs = [GradSync(params, ps, level, bucket_size, dtype, overlap_grad_reduce, overlap_param_gather,
+                               gradient_accumulation_fusion) for params in by_chunk]
         # under the V placement the first and the last stage are chunks of one rank, each with a copy
         # of the tied word embedding: their gradients are summed here instead of over the embedding group
         self._tied_here = [p for p in self.params if is_tied_embedding_copy(p)]

@@ -4,7 +4,10 @@
 data-parallel collective on the chunk's gradients and weights; no other module calls one.
 
 * Gradients: each parameter's ``main_grad`` is a view into one flat buffer, filled by a
-  post-accumulate-grad hook (or, for a stashed weight version, by ``accumulate``). A bucket is
+  post-accumulate-grad hook (or, for a stashed weight version, by ``accumulate``); with
+  ``fuse_products`` (gradient-accumulation fusion, ``tensor_parallel/grad_accumulation.py``) the
+  linears' backward adds its weight-gradient products into it directly, and the same hook, which
+  autograd runs once per backward after a weight's last use, counts such a gradient ready. A bucket is
   averaged over the data-parallel group (all-reduce, or reduce-scatter into this rank's shard
   when the optimizer is sharded). Under context parallelism that group is the d x c ranks of a
   (tensor, pipeline) position: each context rank's backward gives its tokens' share of the gradient
@@ -29,6 +32,7 @@ data-parallel collective on the chunk's gradients and weights; no other module c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import weakref
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from megapipe.parallel.collectives import all_gather_into, all_reduce, all_reduce_coalesced, reduce_scatter_into
 from megapipe.config.sharding import ShardingLevel
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.grad_accumulation import SUMMED_BY_AUTOGRAD, TARGET, MainGradTarget
 from megapipe.tensor_parallel.utils import is_expert_parallel
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel reduction, Megatron's --ddp-bucket-size
@@ -165,7 +170,7 @@ class GradSync:
 
     def __init__(self, params: list[torch.nn.Parameter], ps: ParallelState, level: ShardingLevel = ShardingLevel(),
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_dtype: torch.dtype = torch.float32,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, fuse_products: bool = True):
         self.params, self.ps, self.level = params, ps, level
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.dp = ps.dp_cp_size  # the gradients are averaged over every data-parallel replica and context rank
@@ -181,7 +186,12 @@ class GradSync:
             for param, offset in zip(bucket.params, bucket.offsets):
                 param.main_grad = self.buffer[offset:offset + param.numel()].view_as(param)
                 param.grad_sync = self
+                fused = fuse_products and not getattr(param, SUMMED_BY_AUTOGRAD, False)
+                setattr(param, TARGET, MainGradTarget(functools.partial(self._open, param),
+                                                      functools.partial(self.accumulate, param, None))
+                        if fused else None)
                 self._bucket_of[id(param)] = bucket
+        self._written: set[int] = set()  # parameters a backward added products into since their last hook
         self._grad_released = self._weights_released = False
         self._final_backward = False
         self._ready: dict[int, set] = {}
@@ -245,15 +255,26 @@ class GradSync:
 
     # ---- gradients ------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
-        if param.grad is None:  # a split backward's BI left this weight's gradient to its BW
-            return
-        self.accumulate(param, param.grad)
-        param.grad = None
+        grad, param.grad = param.grad, None
+        self.accumulate(param, grad)
 
-    def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add one backward's gradient of ``param`` into its main gradient; start its bucket once complete."""
+    def _open(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s main gradient, which a backward is about to add a product into (``MainGradTarget``)."""
         self._ensure_grad_buffer()
-        param.main_grad.add_(grad)
+        self._written.add(id(param))
+        return param.main_grad
+
+    def accumulate(self, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Add one backward's gradient of ``param`` into its main gradient; start its bucket once complete.
+        ``grad`` None: autograd brought none, because the backward added its products into the main gradient
+        itself (counted now) or a split backward's BI left them to its BW (nothing to count yet)."""
+        written = id(param) in self._written
+        self._written.discard(id(param))
+        if grad is not None:
+            self._ensure_grad_buffer()
+            param.main_grad.add_(grad)
+        elif not written:
+            return
         if not (self._final_backward and self.overlap_grad_reduce):
             return
         bucket = self._bucket_of[id(param)]
@@ -333,6 +354,7 @@ class GradSync:
         if not self._grad_released:
             self.buffer.zero_()  # a released buffer comes back zeroed at the next gradient
         self._works, self._ready, self._all_started, self._final_backward = {}, {}, False, False
+        self._written.clear()
 
     def grad_state(self) -> torch.Tensor:
         """A copy of the unreduced gradients accumulated so far (an asynchronous pipeline's checkpoint)."""

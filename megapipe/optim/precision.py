@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import CheckpointError
-from megapipe.optim.clip import clip_grads_by_total_norm, count_zero_grads, local_squared_norm
+from megapipe.optim.clip import clip_divisor, clip_grads_by_total_norm, count_zero_grads, local_squared_norm
 from megapipe.parallel.collectives import all_reduce
 from megapipe.optim.grad_buffer import GradBuffers
 from megapipe.optim.grad_sync import piece_of
@@ -154,11 +154,9 @@ class PrecisionOptimizer:
                 self.loss_scaler.update(overflow)
             grad_norm = squared.sqrt()
             skip = overflow | ~torch.isfinite(grad_norm)
-            if self.clip_grad > 0:
-                clip_grads_by_total_norm(self.main_params, self.clip_grad, grad_norm)
             num_zeros = (count_zero_grads(self.main_params, self.ps, self.sharded)
                          if self.log_num_zeros_in_grad else None)
-            self._inner_step(skip)
+            self._inner_step(skip, grad_norm if self.clip_grad > 0 else None)
             self._copy_masters_to_model()  # a skipped update left the masters as they were
             self.grads.publish_weights()
             return StepResult(skip, grad_norm, overflow, num_zeros)
@@ -177,14 +175,19 @@ class PrecisionOptimizer:
         if self.sharded:
             all_reduce(tensor, self.ps.dp_cp_group, self.ps.dp_cp_size, op=op)
 
-    def _inner_step(self, skip: torch.Tensor) -> None:
-        """Update unless ``skip``: torch's fused kernels take the flag on the device (``found_inf``,
-        as its gradient scaler passes it), so no step reads it; other kernels need it on the host."""
+    def _inner_step(self, skip: torch.Tensor, clip_by: Optional[torch.Tensor]) -> None:
+        """Clip by the norm ``clip_by`` (None: no clipping) and update unless ``skip``. Torch's fused kernels
+        take both on the device, as its gradient scaler passes them (``found_inf``, and ``grad_scale``, which
+        they divide each gradient by as they read it), so no step reads the flag and clipping costs no pass;
+        other kernels get the gradients scaled first and need the flag on the host."""
         if self.inner.defaults.get("fused"):
             self.inner.found_inf = skip.float()
-            self.inner.grad_scale = None
+            self.inner.grad_scale = clip_divisor(self.clip_grad, clip_by) if clip_by is not None else None
             self.inner.step()
-        elif not bool(skip):
+            return
+        if clip_by is not None:
+            clip_grads_by_total_norm(self.main_params, self.clip_grad, clip_by)
+        if not bool(skip):
             self.inner.step()
 
     def _attach_main_grads(self) -> None:

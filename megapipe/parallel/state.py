@@ -357,8 +357,12 @@ class ParallelState:
         self.rng_tracker = seed_parallel_rng(seed, self.tp_rank, self.pp_rank, device)
 
     def tensor_parallel_rng(self):
-        """Context for dropout whose mask must differ across tensor ranks."""
-        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+        """Context for dropout whose mask must differ across tensor ranks. With one tensor rank there is no
+        other mask to differ from, so code torch.compile traces (whose graphs cannot swap generator states)
+        draws from the default generator instead."""
+        if self.rng_tracker is None or (self.tp_size == 1 and torch.compiler.is_compiling()):
+            return contextlib.nullcontext()
+        return self.rng_tracker.fork()
 
     @property
     def num_stages(self) -> int:

@@ -13,7 +13,13 @@ this codebase's layer with e-byte activations and 1-byte dropout masks, are
   split by tensor parallelism: QKV output 3e sbh, attention context e sbh, GeLU input and output
   2e s b ffn, and per head the softmax output, its dropout mask and the dropped probabilities
   ((2e + 1) a b s^2),
-which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``. An MoE block (``--moe-layer-freq``
+which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``. Selective recomputation
+(``models/selective.py``) recomputes the norms' outputs (the QKV and fc1 inputs), the activation's output and
+the dropout masks in the backward pass, so a block keeps the 2 norm inputs (2e sbh) replicated and QKV
+output, context and GeLU input split: ``sbh (20 + 5 a s / h)`` for e = 2, ffn = 4h. The attention core's
+``(2e + 1) a b s^2`` (``attention_core_bytes``) is what explicit attention keeps; the fused kernels (SDPA,
+flash) keep a log-sum-exp of 4 a s b bytes instead, and the norms 4 or 8 bytes a token each for their
+statistics, both left out here. An MoE block (``--moe-layer-freq``
 says which) costs its experts, router and shared expert instead of the dense MLP, with ffn the k experts'
 width, and holds every expert's parameters: FLOPs and parameters are the model family's own counts
 (``megapipe.models.flops``).
@@ -47,12 +53,21 @@ def block_params(shape: ModelShape, layer: int) -> tuple[int, int]:
     return total, total - replicated
 
 
-def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: int) -> tuple[float, float]:
-    """(all, split) bytes block ``layer`` keeps for backward at micro-batch b (see the module docstring)."""
-    s, h, f, a, e = (shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size(layer),
-                     shape.num_attention_heads, element_bytes)
-    replicated = 4 * e * s * b * h + 2 * s * b * h
-    split = 4 * e * s * b * h + 2 * e * s * b * f + (2 * e + 1) * a * b * s * s
+def attention_core_bytes(shape: ModelShape, b: float, element_bytes: int) -> float:
+    """The softmax output, its dropout mask and the dropped probabilities of explicit attention: (2e + 1) a b s^2."""
+    return (2 * element_bytes + 1) * shape.num_attention_heads * b * shape.seq_length ** 2
+
+
+def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: int,
+                      selective: bool = False) -> tuple[float, float]:
+    """(all, split) bytes block ``layer`` keeps for backward at micro-batch b, without recomputation or with
+    ``selective`` recomputation (see the module docstring)."""
+    s, h, f, e = shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size(layer), element_bytes
+    if selective:  # norm inputs; QKV output, context, activation input
+        replicated, split = 2 * e * s * b * h, 4 * e * s * b * h + e * s * b * f
+    else:  # also the norm outputs, the activation output and the two dropout masks
+        replicated, split = 4 * e * s * b * h + 2 * s * b * h, 4 * e * s * b * h + 2 * e * s * b * f
+    split += attention_core_bytes(shape, b, e)
     return replicated + split, split
 
 
@@ -61,8 +76,10 @@ def _seconds(flops: float, tokens: float, achieved_flops: float, half_tokens: fl
 
 
 def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                         dtype: str = "float16", half_tokens: float = DEFAULT_HALF_TOKENS) -> ModelProfile:
-    """The profile a device reaching ``achieved_flops`` on large GEMMs would measure for ``shape``."""
+                         dtype: str = "float16", half_tokens: float = DEFAULT_HALF_TOKENS,
+                         selective: bool = False) -> ModelProfile:
+    """The profile a device reaching ``achieved_flops`` on large GEMMs would measure for ``shape`` (its blocks'
+    stashes under ``--recompute-granularity selective`` when ``selective``)."""
     e = ELEMENT_BYTES[dtype]
     s, h, v = shape.seq_length, shape.hidden_size, shape.vocab_size
     sizes = tuple(micro_batch_sizes)
@@ -82,11 +99,13 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
     def block(layer: int) -> LayerProfile:
         params, split_params = block_params(shape, layer)
         forward = seconds(lambda b: block_forward_flops(shape, b, layer))
+
+        def stash(b):
+            return block_stash_bytes(shape, b, e, layer, selective)
         return LayerProfile(f"block.{layer}", "block", params=params, split_params=split_params, forward_s=forward,
                             backward_s=tuple(2 * t for t in forward), recompute_backward_s=tuple(3 * t for t in forward),
                             output_bytes=activation,
-                            stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e, layer)[0]),
-                            split_stash_bytes=per_size(lambda b: block_stash_bytes(shape, b, e, layer)[1]))
+                            stash_bytes=per_size(lambda b: stash(b)[0]), split_stash_bytes=per_size(lambda b: stash(b)[1]))
 
     head_forward = seconds(lambda b: head_forward_flops(shape, b))
     logits = per_size(lambda b: LOGITS_BYTES * s * b * v)

@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.fp8_linear import parallel_linear
 from megapipe.tensor_parallel.split_backward import linear
 from megapipe.tensor_parallel import mappings
+from megapipe.tensor_parallel.lookup import sequence_first_lookup
 from megapipe.tensor_parallel.utils import divide, init_normal_, mark_tensor_parallel
 
 
@@ -58,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias)
+        y = parallel_linear(x, self.weight, bias)  # FP8 under --fp8-format
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.ps.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -89,7 +90,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.ps.tp_group)
-        partial = linear(x, self.weight)
+        partial = parallel_linear(x, self.weight)  # FP8 under --fp8-format
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
         else:
@@ -103,8 +104,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (the padded vocabulary) are split across the tensor group.
 
     Each rank looks up the ids in its range, zeroes the others, and g sums the partial
-    embeddings. With ``reduce_scatter`` (sequence parallelism) the sum is reduce-scattered
-    along the sequence of a ``[s, b, h]`` input instead.
+    embeddings. Ids ``[b, s]`` give ``[s, b, h]``, written in that order (``lookup.py``). With
+    ``reduce_scatter`` (sequence parallelism) the sum is reduce-scattered along the sequence instead.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, *, name: str, seed: int,
@@ -121,10 +122,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, reduce_scatter: bool = False) -> torch.Tensor:
         if self.ps.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return sequence_first_lookup(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = sequence_first_lookup(local_ids, self.weight).masked_fill(outside.t().unsqueeze(-1), 0.0)
         if reduce_scatter:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
         return mappings.reduce_from_tensor_parallel_region(partial, self.ps.tp_group)

@@ -5,11 +5,13 @@ ordinary backward through the stage, run inside ``deferring_weight_gradients``: 
 ``linear`` computes its input (and bias) gradient at once, but instead of its weight gradient
 it records what that product needs (the weight, the output gradient and the input). The MoE
 experts' grouped product (``models/moe/grouped_linear.py``) records its per-expert products
-through ``defer`` the same way. Every other gradient, small ones such as norms' and the
+through ``weight_gradient`` the same way. Every other gradient, small ones such as norms' and the
 embeddings', is accumulated as usual. BW
 then runs the recorded products (``apply_weight_gradients``) and accumulates them through
-autograd, so the gradient syncs' post-accumulate hooks see them like any backward's. The
-graph is freed by BI; between the two parts only the recorded tensors are held.
+autograd, so the gradient syncs' post-accumulate hooks see them like any backward's; a weight
+whose products go straight into its main gradient (``grad_accumulation.py``) gets them there,
+and its gradient sync hears of it once per BW. The graph is freed by BI; between the two parts
+only the recorded tensors are held.
 
 Recomputed blocks need nothing special: their backward runs inside BI, so their linears defer
 too. Outside that context ``linear`` is ``F.linear`` with the same gradients.
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-Deferred = list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]
-"""Recorded weight-gradient products: (weight, the function computing its gradient)."""
+from megapipe.tensor_parallel.grad_accumulation import WeightGradient, accumulate_product, main_grad_target
+
+Deferred = list[tuple[torch.Tensor, WeightGradient]]
+"""Recorded weight-gradient products: (weight, its gradient to compute)."""
 
 _DEFERRED: contextvars.ContextVar[Optional[Deferred]] = contextvars.ContextVar("deferred_weight_gradients",
                                                                                 default=None)
@@ -42,29 +46,38 @@ def deferring_weight_gradients(deferred: Deferred):
 
 
 def apply_weight_gradients(deferred: Deferred) -> None:
-    """Compute the recorded products and accumulate them into the weights (through autograd's
-    accumulation, which runs the weights' hooks)."""
-    weights, grads = [], []
-    for weight, product in deferred:
-        weights.append(weight)
-        grads.append(product().to(weight.dtype))
+    """Compute the recorded products: into the main gradients of the weights that take them, then tell
+    each such weight's owner once; the others accumulated through autograd, which runs the weights' hooks."""
+    weights, grads, targets = [], [], {}
+    with torch.no_grad():  # the recorded tensors belong to a graph; these products need none of their own
+        for weight, gradient in deferred:
+            target = main_grad_target(weight)
+            if target is None:
+                weights.append(weight)
+                grads.append(gradient.compute().to(weight.dtype))
+            else:
+                gradient.accumulate_into(target.open())
+                targets[id(target)] = target
     deferred.clear()
+    for target in targets.values():
+        target.close()
     if weights:
         torch.autograd.backward(weights, grads)
 
 
-def defer(weight: torch.Tensor, product: Callable[[], torch.Tensor]) -> bool:
-    """Inside ``deferring_weight_gradients``, record ``product`` (which computes ``weight``'s gradient) for
-    BW and say so; outside it, do nothing and return False (the caller computes the gradient now)."""
+def weight_gradient(weight: torch.Tensor, gradient: WeightGradient) -> Optional[torch.Tensor]:
+    """What a backward returns as ``weight``'s gradient: None when BW computes it (inside
+    ``deferring_weight_gradients``) or when it went straight into the weight's main gradient
+    (``grad_accumulation.py``), else the gradient itself."""
     deferred = _DEFERRED.get()
-    if deferred is None:
-        return False
-    deferred.append((weight, product))
-    return True
-
-
-def _weight_grad(grad_output: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    return grad_output.t().mm(inp)
+    if deferred is not None:
+        deferred.append((weight, gradient))
+        return None
+    target = main_grad_target(weight)
+    if target is None:
+        return gradient.compute()
+    gradient.accumulate_into(target.open())
+    return None
 
 
 class _Linear(torch.autograd.Function):
@@ -73,6 +86,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias):
         ctx.save_for_backward(inp, weight)
+        ctx.weight = weight  # whose gradient it is: under saved-tensor hooks the saved one comes back a copy
         ctx.has_bias = bias is not None
         return F.linear(inp, weight, bias)
 
@@ -83,8 +97,10 @@ class _Linear(torch.autograd.Function):
         grad_inp = grad_output.mm(weight) if needs_inp else None
         grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
         grad_weight = None
-        if needs_weight and not defer(weight, lambda: _weight_grad(grad_output, inp)):
-            grad_weight = _weight_grad(grad_output, inp)
+        if needs_weight:
+            grad_weight = weight_gradient(ctx.weight, WeightGradient(
+                lambda: grad_output.t().mm(inp),
+                lambda main_grad: accumulate_product(main_grad, grad_output.t(), inp)))
         return grad_inp, grad_weight, grad_bias
 
 
@@ -94,7 +110,9 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     The function itself works on the rows ``[tokens, features]`` and the view back to the input's
     leading dimensions is taken outside it, so the output may be modified in place like F.linear's.
     """
-    if not torch.is_grad_enabled():  # evaluation and generation: no backward to split
+    # evaluation and generation have no backward to split, and a compiled layer's backward computes every
+    # gradient at once (``models/compiled_layers.py``)
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return F.linear(inp, weight, bias)
     rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias)
     return rows.view(*inp.shape[:-1], weight.shape[0])

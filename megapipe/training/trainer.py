@@ -26,6 +26,7 @@ from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenizer_flags
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.errors import CheckpointError
+from megapipe.fusions.fp8_mode import select_fp8
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
 from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
@@ -59,6 +60,7 @@ class Trainer:
         self.exit_conditions = ExitConditions(config, notice=notice)  # --exit-duration-in-mins counts from here
         self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
         self.device = init_distributed(timeout)
+        select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.cluster.client.lease import ClusterLease
 
@@ -84,11 +86,6 @@ class Trainer:
         self.ps.seed(t.seed, self.device)
         self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
         self.m = t.num_microbatches(self.ps.batch_slice[1])
-        model_options = dict(seed=t.seed, sequence_parallel=par.sequence_parallel, device=self.device)
-        if plan is None:
-            self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
-        else:
-            self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
         # a stage boundary holds this rank's s/c tokens of each sequence, split over t with sequence parallelism
         seq = config.model.seq_length // self.ps.cp_size // (par.tensor if par.sequence_parallel else 1)
         schedule = par.pipeline_schedule if par.schedule_file is None else \
@@ -97,6 +94,14 @@ class Trainer:
         if par.pipeline_schedule == AUTO:
             self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
             schedule = self.search.schedule
+        split_backward = schedule_descriptor(schedule).split_backward if isinstance(schedule, str) else \
+            schedule.splits_backward
+        model_options = dict(seed=t.seed, sequence_parallel=par.sequence_parallel, device=self.device,
+                             split_backward=split_backward)
+        if plan is None:
+            self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
+        else:
+            self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
         # with --record-timeline: when each pipeline action ran, one row per pipeline rank
         self.timeline = Timeline(meta={"p": self.ps.pp_size, "v": self.ps.virtual_pipeline, "m": self.m}) \
             if t.record_timeline else None
@@ -106,7 +111,8 @@ class Trainer:
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
                                      timeout=timeout, vertical_sync=par.pipedream_vertical_sync,
                                      timeline=self.timeline, skip_non_finite_loss=t.check_for_nan_in_loss_and_grad,
-                                     overlap_moe_comm=par.overlap_moe_expert_parallel_comm)
+                                     overlap_moe_comm=par.overlap_moe_expert_parallel_comm,
+                                     gradient_accumulation_fusion=config.model.gradient_accumulation_fusion)
         self.scheduler = LRScheduler(self.engine.optimizer, config.optimizer, t.train_iters)
         self.state = TrainState()
         self.saved_iteration: Optional[int] = None  # of the last checkpoint saved (or, asynchronous, started)

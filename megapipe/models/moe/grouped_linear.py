@@ -5,8 +5,11 @@ another, ``weight`` [E, out, in] is stacked by expert; row i gets ``x[i] @ weigh
 as one ``torch._grouped_mm`` where this build has it for the tensors' device and dtype (and their
 widths are multiples of 16 bytes), else as a loop over the experts' runs, which reads the counts on
 the host once. The backward computes the input gradient at once and the weight gradients (one
-product per expert, ``x_e^T``-shaped) through ``split_backward.defer``: under a zero-bubble
-schedule's BI they wait for its BW, like a dense linear's.
+product per expert, ``x_e^T``-shaped) through ``split_backward.weight_gradient``: under a zero-bubble
+schedule's BI they wait for its BW, like a dense linear's, and with gradient-accumulation fusion
+(``tensor_parallel/grad_accumulation.py``) they go into the stacked weight's main gradient. The loop
+adds each expert's product into its block there in fp32 where the device can; ``_grouped_mm`` has no
+accumulating form, so the grouped product is computed in the weights' dtype and then added.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from megapipe.tensor_parallel.split_backward import defer
+from megapipe.tensor_parallel.grad_accumulation import WeightGradient, accumulate_product
+from megapipe.tensor_parallel.split_backward import weight_gradient
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +78,15 @@ class _Products:
         return out
 
     @torch.no_grad()
+    def accumulate_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """``main_grad`` [E, out, in] += ``weight_grad(grad, x)``, each expert's block in place in the loop."""
+        if self.grouped:
+            main_grad.add_(self.weight_grad(grad, x))
+            return
+        for e, (g, part) in enumerate(zip(grad.split(self.splits), x.split(self.splits))):
+            accumulate_product(main_grad[e], g.t(), part)
+
+    @torch.no_grad()
     def _rows(self, rows: torch.Tensor, matrix, width: int) -> torch.Tensor:
         """[N, width]: each expert's run of ``rows`` times ``matrix(e)``, written in place (no concatenation)."""
         out = rows.new_empty(rows.shape[0], width)
@@ -88,6 +101,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, products: _Products):
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # whose gradient it is: under saved-tensor hooks the saved one comes back a copy
         ctx.products = products
         return products.output(x, weight)
 
@@ -99,8 +113,10 @@ class _GroupedLinear(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = products.input_grad(grad, weight) if needs_x else None
         grad_weight: Optional[torch.Tensor] = None
-        if needs_weight and not defer(weight, lambda: products.weight_grad(grad, x)):
-            grad_weight = products.weight_grad(grad, x)
+        if needs_weight:
+            grad_weight = weight_gradient(ctx.weight, WeightGradient(
+                lambda: products.weight_grad(grad, x),
+                lambda main_grad: products.accumulate_weight_grad(grad, x, main_grad)))
         return grad_x, grad_weight, None
 
 

@@ -292,6 +292,11 @@ class Schedule:
         return range(self.ranks_of_stage(stage).index(rank) if replicas > 1 else 0, self.num_microbatches, replicas)
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether some backward is split into BI and BW (its weight gradients deferred to BW)."""
+        return any(action.kind is ActionKind.BI for actions in self.actions for action in actions)
+
+    @property
     def has_communication(self) -> bool:
         return any(action.kind.is_communication for rank_actions in self.actions for action in rank_actions)
 

@@ -84,6 +84,8 @@ class PipelineEngine:
     its step like a NaN/Inf gradient (``optim/non_finite.py``). ``overlap_moe_comm``
     (``--overlap-moe-expert-parallel-comm``): the schedule's forward/backward pairs run overlapped, one
     microbatch's expert all-to-all beside the other's compute (``pipeline/ir/overlap.py``).
+    ``gradient_accumulation_fusion``: the linears add their weight-gradient products into the main
+    gradients themselves (``tensor_parallel/grad_accumulation.py``).
     """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
@@ -92,7 +94,7 @@ class PipelineEngine:
                  scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
                  versions_used: Optional[dict] = None, skip_non_finite_loss: bool = False,
-                 overlap_moe_comm: bool = False):
+                 overlap_moe_comm: bool = False, gradient_accumulation_fusion: bool = True):
         self.chunks, self.ps = chunks, ps
         named = isinstance(schedule, str)
         policy = schedule_descriptor(schedule).weight_policy if named else WeightPolicy.SINGLE  # a file flushes
@@ -127,7 +129,8 @@ class PipelineEngine:
         params_dtype = next(p.dtype for chunk in chunks for p in chunk.parameters())
         self.grads = [GradBuffers(group, group_ps, optimizer_config.grad_dtype(params_dtype),
                                   optimizer_config.bucket_size(ps.dp_cp_size), optimizer_config.sharding,
-                                  optimizer_config.overlap_grad_reduce, optimizer_config.overlap_param_gather)
+                                  optimizer_config.overlap_grad_reduce, optimizer_config.overlap_param_gather,
+                                  gradient_accumulation_fusion)
                       for group, group_ps in self._groups]
         self.optimizers = [build_optimizer(group, optimizer_config, group_ps, grads)
                            for (group, group_ps), grads in zip(self._groups, self.grads)]
@@ -301,7 +304,7 @@ def _check_asynchronous_training(name: str, chunks: list[torch.nn.Module], ps: P
     if any(getattr(getattr(chunk, "config", None), "recompute_granularity", None) == "full" for chunk in chunks):
         raise ConfigError(f"--pipeline-schedule {name} cannot use --recompute-granularity full: recomputing a layer "
                           "would re-run it on the live weights instead of the version the microbatch used; use "
-                          "selective (the attention core has no weights) or no recomputation.")
+                          "selective (it recomputes with the weights the forward ran on) or no recomputation.")
     if config.fp16 and config.loss_scale is None:
         raise ConfigError(f"--pipeline-schedule {name} with --fp16 needs a constant --loss-scale: every stage "
                           "updates on its own, so dynamic scaling would change the scale on each stage at different "

@@ -17,7 +17,9 @@ The policies (``pipeline/ir/weight_policy.py``) bound the versions a store keeps
 flush schedules, one per in-flight microbatch for PipeDream's stashing, two for 2BW.
 
 Gradients computed on an alias are added to the live parameter's ``main_grad`` (or ``grad``),
-where the next update applies them.
+where the next update applies them; an alias carries its parameter's ``main_grad_target``, so
+with gradient-accumulation fusion the linears add their products there directly
+(``tensor_parallel/grad_accumulation.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from megapipe.pipeline.ir.weight_policy import WeightPolicy
+from megapipe.tensor_parallel.grad_accumulation import TARGET, main_grad_target
 
 T = TypeVar("T")
 
@@ -45,8 +48,8 @@ class VersionUse:
 def _accumulate_into(param: torch.Tensor, alias: torch.Tensor) -> None:
     """Post-accumulate hook of an alias: move its gradient to the live parameter it stands for."""
     sync = getattr(param, "grad_sync", None)
-    if sync is not None:  # the chunk's gradient sync (``optim/grad_sync.py``) owns main_grad
-        sync.accumulate(param, alias.grad)
+    if sync is not None:  # the chunk's gradient sync (``optim/grad_sync.py``) owns main_grad; alias.grad is
+        sync.accumulate(param, alias.grad)  # None when the backward added its products there itself
     elif getattr(param, "main_grad", None) is not None:
         param.main_grad.add_(alias.grad)
     elif param.grad is None:
@@ -78,6 +81,7 @@ def _alias(param: torch.nn.Parameter, value: Optional[torch.Tensor] = None) -> t
         alias.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
     alias.requires_grad_(True)
     alias.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, param))
+    setattr(alias, TARGET, main_grad_target(param))
     return alias
 
 

@@ -1,0 +1,93 @@
+"""The column- and row-parallel linears' products in FP8 under ``--fp8-format`` (``fusions/fp8.py``).
+
+``parallel_linear`` is what ``ColumnParallelLinear`` and ``RowParallelLinear`` compute: with an active
+recipe (``fusions/fp8_mode.py``) the forward ``y = x W^T``, the input gradient ``dx = dy W`` and the weight
+gradient ``dW = dy^T x`` each run as one FP8 product, x and W in E4M3 and dy in E4M3 (``e4m3``) or E5M2
+(``hybrid``), scaled per tensor or per row (``fusions/fp8.py``), with outputs in the activations' dtype and
+the bias and its gradient in it too; without one it is ``split_backward.linear``. The output layer and
+BERT's heads keep their bf16 products, as in Megatron-LM.
+
+The weights, their fp32 main gradients and the optimizer are untouched: FP8 is how the products are
+computed, not how anything is stored, so checkpoints are the same and a run resumes in bf16 from an FP8
+run's. The weight gradient goes through ``split_backward.weight_gradient`` like the bf16 linear's: a
+zero-bubble schedule's BI records it (holding the FP8 operands) and its BW runs it, and with
+gradient-accumulation fusion it is added into ``main_grad`` (tensorwise products write fp32 for it;
+rowwise ones write bf16 only, which is then added).
+
+Tensorwise, the forward's FP8 input and weight are what the backward reuses (the input kept in FP8: half
+the bytes of a bf16 one); rowwise, the backward scales them again along the other dimension, so the
+bf16 input is kept. Forward products accumulate fast (Hopper's FP8 units without periodic promotion),
+backward ones fully, as torchao does. In code that torch.compile traces, the weight gradient is returned to
+the compiled backward, which computes every gradient at once (``models/compiled_layers.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megapipe.fusions.fp8 import Fp8Recipe, Quantised, quantise, scaled_mm
+from megapipe.fusions.fp8_mode import active_fp8
+from megapipe.tensor_parallel.grad_accumulation import WeightGradient
+from megapipe.tensor_parallel.split_backward import linear, weight_gradient
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``F.linear`` over 2-d inputs with its three products in FP8 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, recipe: Fp8Recipe):
+        x = quantise(inp, recipe.forward_dtype, recipe.rowwise, 1)
+        w = quantise(weight.t(), recipe.forward_dtype, recipe.rowwise, 0)  # [in, out], column-major
+        out = scaled_mm(x, w, inp.dtype, fast_accumulation=True)
+        if bias is not None:
+            out += bias
+        ctx.recipe, ctx.dtype, ctx.has_bias = recipe, inp.dtype, bias is not None
+        ctx.weight = weight  # whose gradient it is: under saved-tensor hooks the saved one comes back a copy
+        if recipe.rowwise:
+            ctx.save_for_backward(inp, weight)
+        else:
+            ctx.save_for_backward(weight, x.data, x.scale, w.data, w.scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        recipe = ctx.recipe
+        needs_inp, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        if recipe.rowwise:
+            inp, weight = ctx.saved_tensors
+            grad = quantise(grad_output, recipe.gradient_dtype, True, 1) if needs_inp else None
+            w = quantise(weight, recipe.forward_dtype, True, 0) if needs_inp else None
+            grad_t = quantise(grad_output.t(), recipe.gradient_dtype, True, 1) if needs_weight else None
+            x = quantise(inp, recipe.forward_dtype, True, 0) if needs_weight else None
+        else:
+            weight, x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+            grad = quantise(grad_output, recipe.gradient_dtype, False)
+            w, grad_t, x = Quantised(w_data, w_scale).t(), grad.t(), Quantised(x_data, x_scale)
+        grad_inp = scaled_mm(grad, w, ctx.dtype) if needs_inp else None
+        grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
+        grad_weight = None
+        if needs_weight:
+            gradient = _weight_gradient(grad_t, x, weight.dtype, recipe)
+            grad_weight = gradient.compute() if torch.compiler.is_compiling() else weight_gradient(ctx.weight, gradient)
+        return grad_inp, grad_weight, grad_bias, None
+
+
+def _weight_gradient(grad_t: Quantised, x: Quantised, dtype: torch.dtype, recipe: Fp8Recipe) -> WeightGradient:
+    """``dy^T x`` in ``dtype``, or added into a main gradient (in fp32 where the recipe's product can write it)."""
+
+    def accumulate_into(main_grad: torch.Tensor) -> None:
+        main_grad.add_(scaled_mm(grad_t, x, dtype if recipe.rowwise else main_grad.dtype))
+
+    return WeightGradient(lambda: scaled_mm(grad_t, x, dtype), accumulate_into)
+
+
+def parallel_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(inp, weight, bias)`` of a column- or row-parallel linear: in FP8 under the active recipe
+    (in every pass that runs it, so a recomputed forward equals the first), else ``split_backward.linear``."""
+    recipe = active_fp8()
+    if recipe is None:
+        return linear(inp, weight, bias)
+    rows = _Fp8Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias, recipe)
+    return rows.view(*inp.shape[:-1], weight.shape[0])
