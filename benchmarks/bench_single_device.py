@@ -7,9 +7,15 @@ shape, batch and sequence under each system and prints tokens/s and model FLOPs 
 ``GPT2LMHeadModel`` trained the plain way:
 
 - megapipe: bf16 weights with fp32 master weights and fp32 main gradients, fused kernels on;
-  the same with the elementwise fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion``;
-  attention stays with scaled-dot-product attention, whose explicit alternative would hold the
-  [b, heads, s, s] scores of every layer); with selective recomputation; with full recomputation.
+  with FP8 products (``--fp8-format e4m3`` and ``hybrid``, tensorwise scales: tokens/s and the loss
+  after the same steps from the same weights, against the bf16 row; left out, with the reason, on a
+  device without FP8 matrix units); then each change turned off in turn (on the shapes of
+  ``--ablation-shapes``): gradient accumulation into fp32 main gradients
+  (``--no-gradient-accumulation-fusion``), the fused cross-entropy (``--no-cross-entropy-loss-fusion``),
+  the elementwise fusions (``--no-bias-gelu-fusion --no-bias-dropout-fusion``; attention stays with
+  scaled-dot-product attention, whose explicit alternative would hold the [b, heads, s, s] scores
+  of every layer); with selective and with full recomputation; on CUDA each transformer layer
+  compiled (``--fusion-backend compile``).
 - Hugging Face: fp32 weights under bf16 autocast, fused ``torch.optim.AdamW`` with weight
   decay off for biases and norms, ``clip_grad_norm_`` (what ``Trainer(bf16=True)`` does), SDPA
   attention; ``--hf-precision bf16`` trains bf16 weights instead, ``both`` times both.
@@ -33,6 +39,8 @@ each system is built, timed and freed in turn, and its peak memory is shown.
     python benchmarks/bench_single_device.py                        # CPU: cpu-small, 2-5 minutes
     python benchmarks/bench_single_device.py --vocab-size 50257     # CPU, GPT-2's vocabulary
     python benchmarks/bench_single_device.py --shape gpt-350m,gpt-1.3b        # CUDA (the default there)
+    python benchmarks/bench_single_device.py --shape gpt-1.3b --only megapipe,FP8 --skip-check \
+        --warmup 0 --rounds 1 --steps 200     # FP8 against bf16: the loss after 200 steps
 """
 
 from __future__ import annotations
@@ -58,8 +66,11 @@ import torch  # noqa: E402
 from harness import cli
 from harness.report import print_ruled, write_json
 from megapipe import fusions  # noqa: E402
+from megapipe.fusions import fp8_mode  # noqa: E402
+from megapipe.fusions.backend import activate as activate_backend  # noqa: E402
+from megapipe.fusions.fp8_mode import select_fp8  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
-from megapipe.errors import first_line  # noqa: E402
+from megapipe.errors import ConfigError, first_line  # noqa: E402
 from megapipe.parallel.launch import DeviceClock, default_device, device_name, peak_memory_gib, release_cached_memory, reset_peak_memory, synchronize
 from megapipe.models.flops import (check_device_peak, device_peak_tflops, flops_per_iteration,  # noqa: E402
                                    head_flops_per_iteration, parameter_count)
@@ -157,23 +168,48 @@ class System(abc.ABC):
 class Megapipe(System):
     precision = "bf16 weights, fp32 masters + grads"
 
-    def __init__(self, name: str, shape: Shape, device: torch.device, dropout: float, **overrides):
+    def __init__(self, name: str, shape: Shape, device: torch.device, dropout: float,
+                 fusion_backend: Optional[str] = None, fp8: Optional[tuple[str, str]] = None, **overrides):
+        """``fusion_backend``: this row's own (else the run's); ``fp8``: (format, recipe) of FP8 products;
+        ``overrides``: ModelConfig fields that turn one of megapipe's changes off."""
         self.name, self.shape, self.device, self.dropout, self.overrides = name, shape, device, dropout, overrides
+        self.fusion_backend, self.fp8 = fusion_backend, fp8
+        if fp8 is not None:
+            self.precision = f"FP8 {fp8[0]} {fp8[1]} products, bf16 rest"
 
     def config(self) -> ModelConfig:
         return model_config(self.shape, torch.bfloat16, self.dropout, **self.overrides)
 
     def build(self) -> None:
+        self.backend, self.recipe = fusions.active_backend(), fp8_mode.active_fp8()
+        with self.kernels():  # selecting activates: the choices stay this row's
+            if self.fusion_backend is not None:
+                self.backend = fusions.select_backend(self.fusion_backend, self.device)
+            if self.fp8 is not None:
+                self.recipe = select_fp8(*self.fp8, self.device)  # refused where the device cannot
         ps = ParallelState.single()
         self.ps = ps
-        self.model = build_model_chunks("gpt", self.config(), ps, device=self.device)[0].train()
-        self.grads = GradBuffers([self.model], ps)
+        config = self.config()
+        with self.kernels():
+            self.model = build_model_chunks("gpt", config, ps, device=self.device)[0].train()
+        self.grads = GradBuffers([self.model], ps, gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.optimizer = build_optimizer([self.model], OptimizerConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, bf16=True), ps, self.grads)
 
+    @contextlib.contextmanager
+    def kernels(self):
+        """This row's fusion backend and FP8 recipe while it builds and runs (the other rows keep theirs)."""
+        previous_backend, previous_recipe = activate_backend(self.backend), fp8_mode.activate(self.recipe)
+        try:
+            yield
+        finally:
+            activate_backend(previous_backend)
+            fp8_mode.activate(previous_recipe)
+
     def forward_backward(self, batch: dict, micro_batches: int) -> torch.Tensor:
-        loss = self.model(None, batch)
-        self.optimizer.scale_loss(loss / micro_batches).backward()
+        with self.kernels():
+            loss = self.model(None, batch)
+            self.optimizer.scale_loss(loss / micro_batches).backward()
         return loss.detach()
 
     def optimizer_step(self) -> None:
@@ -248,21 +284,43 @@ class MegatronCore(System):
         super().free()
 
 
-def build_systems(shape: Shape, device: torch.device, hf_precision: str, dropout: float) -> list[System]:
-    """megapipe, Hugging Face, megapipe's variants, megatron-core: the rows users compare come first,
-    so a run stopped early (a time limit) still has them."""
+FP8_ROWS = (("e4m3", "tensorwise"), ("hybrid", "tensorwise"))
+
+
+def build_systems(shape: Shape, device: torch.device, hf_precision: str, dropout: float,
+                  ablations: bool = True) -> list[System]:
+    """megapipe, Hugging Face, FP8, then each of megapipe's changes turned off in turn (``ablations``),
+    megatron-core: the rows users compare come first, so a run stopped early (a time limit) still has
+    them. Where the device has no FP8 matrix units the FP8 rows say so; the compiled-layers row runs on
+    CUDA (on a CPU compiling takes longer than the whole benchmark: ``--fusion-backend compile`` times
+    it there)."""
     systems: list[System] = [Megapipe("megapipe", shape, device, dropout)]
     for precision in (("autocast", "bf16") if hf_precision == "both" else (hf_precision,)):
         systems.append(HuggingFace(shape, device, dropout, precision))
+    systems += [Megapipe(f"megapipe, FP8 {fmt} {recipe}", shape, device, dropout, fp8=(fmt, recipe))
+                for fmt, recipe in FP8_ROWS]
+    if not ablations:
+        return systems
     systems += [
+        Megapipe("megapipe, gradient accumulation fusion off", shape, device, dropout,
+                 gradient_accumulation_fusion=False),
+        Megapipe("megapipe, cross-entropy fusion off", shape, device, dropout, cross_entropy_loss_fusion=False),
         Megapipe("megapipe, elementwise fusions off", shape, device, dropout, bias_gelu_fusion=False,
                  bias_dropout_fusion=False),
         Megapipe("megapipe, selective recompute", shape, device, dropout, recompute_granularity="selective"),
         Megapipe("megapipe, full recompute", shape, device, dropout, recompute_granularity="full",
                  recompute_method="uniform", recompute_num_layers=1),
-        MegatronCore(shape, device, dropout),
     ]
+    if device.type == "cuda":
+        systems.append(Megapipe("megapipe, compiled layers", shape, device, dropout, fusion_backend="compile"))
+    systems.append(MegatronCore(shape, device, dropout))
     return systems
+
+
+def chosen(name: str, words: list[str]) -> bool:
+    """``--only``: the row is named one of ``words`` or contains one that is not "megapipe" (which every
+    megapipe row contains: alone it names the bf16 row)."""
+    return name in words or any(word != "megapipe" and word in name for word in words)
 
 
 # ---- checks and measurements ----------------------------------------------------------------------
@@ -298,6 +356,16 @@ def check_same_maths(shape: Shape, device: torch.device) -> str:
     return summary
 
 
+def same_maths_line(shape: Shape, device: torch.device) -> str:
+    """``check_same_maths``'s line, or why the check is left out (no ``transformers`` on this machine:
+    megapipe's rows are still measured)."""
+    try:
+        import transformers  # noqa: F401 - only asked whether it is there
+    except ImportError:
+        return "same maths check: left out: transformers is not installed (pip install transformers)"
+    return check_same_maths(shape, device)
+
+
 def measure_cpu_peak_tflops(seconds: float = 1.0, n: int = 2048) -> float:
     """Best bf16 TFLOP/s of an n x n x n matmul with the current threads over ``seconds``."""
     a = torch.randn(n, n, dtype=torch.bfloat16)
@@ -319,7 +387,8 @@ class Result:
     times: list[float]  # seconds per whole step, one median per round
     pass_times: list[float]  # seconds of the step's forward and backward passes, one median per round
     peak_gib: Optional[float] = None
-    error: Optional[str] = None
+    error: Optional[str] = None  # it failed: why
+    left_out: Optional[str] = None  # this device cannot run it (megapipe refused its flags): why
     final_loss: Optional[float] = None
 
     @property
@@ -378,20 +447,32 @@ def timed_steps(system: System, batches: list[dict], steps: int, micro_batches: 
     return statistics.median(whole), statistics.median(passes), loss
 
 
-def build_and_warm(system: System, batches: list[dict], args, device: torch.device) -> Optional[str]:
-    """Build ``system`` (its build time printed) and run its warm-up steps; the one-line reason when it
-    cannot run."""
+def build_and_warm(system: System, batches: list[dict], args, device: torch.device) -> Result:
+    """Build ``system`` (its build time printed) and run its warm-up steps: its result, with the one-line
+    reason when it cannot run. Each system starts from the same random state, so dropout draws alike."""
     try:
         started = time.perf_counter()
+        torch.manual_seed(0)
         system.build()
         synchronize(device)
         print(f"  {system.name}: built in {time.perf_counter() - started:.1f} s", flush=True)
         timed_steps(system, batches, args.warmup, args.micro_batches, device)
-        return None
+        return Result(system, [], [])
+    except ConfigError as refusal:  # megapipe refuses this row's flags on this device (FP8 on a CPU)
+        system.free()
+        return Result(system, [], [], left_out=str(refusal))
     except Exception as error:  # noqa: BLE001 - any failure of a system becomes its row's reason
         system.free()
         gc.collect()
-        return one_line(error)
+        return Result(system, [], [], error=one_line(error))
+
+
+def runs(result: Result) -> bool:
+    return result.error is None and result.left_out is None
+
+
+def not_run_line(result: Result) -> str:
+    return f"left out: {result.left_out}" if result.left_out is not None else f"not run: {result.error}"
 
 
 def time_round(result: Result, batches: list[dict], args, device: torch.device) -> None:
@@ -405,20 +486,19 @@ def run_interleaved(systems, batches, args, device, peak_probe: Optional[Callabl
     """Build every system, then time them round-robin ``args.rounds`` times (the CPU way)."""
     results = []
     for system in systems:
-        error = build_and_warm(system, batches, args, device)
-        results.append(Result(system, [], [], error=error))
-        if error is not None:
-            print(f"  {system.name}: not run: {error}", flush=True)
+        results.append(build_and_warm(system, batches, args, device))
+        if not runs(results[-1]):
+            print(f"  {system.name}: {not_run_line(results[-1])}", flush=True)
     peaks = []
     for round_ in range(args.rounds):
         started = time.perf_counter()
         for result in results:
-            if result.error is None:
+            if runs(result):
                 time_round(result, batches, args, device)
         if peak_probe is not None:
             peaks.append(peak_probe())
         print(f"  round {round_ + 1}/{args.rounds}: "
-              + ", ".join(f"{r.times[-1] * 1e3:.0f}" for r in results if r.error is None)
+              + ", ".join(f"{r.times[-1] * 1e3:.0f}" for r in results if runs(r))
               + f" ms/step ({time.perf_counter() - started:.0f} s)", flush=True)
     return results, max(peaks) if peaks else None
 
@@ -429,17 +509,17 @@ def run_sequential(systems, batches, args, device, after_each: Callable[[list], 
     results = []
     for system in systems:
         reset_peak_memory(device)
-        result = Result(system, [], [], error=build_and_warm(system, batches, args, device))
+        result = build_and_warm(system, batches, args, device)
         try:
-            for _ in range(args.rounds if result.error is None else 0):
+            for _ in range(args.rounds if runs(result) else 0):
                 time_round(result, batches, args, device)
         except Exception as error:  # noqa: BLE001 - e.g. out of memory in a timed step
             result.error = one_line(error)
-        if result.error is None:
+        if runs(result):
             result.peak_gib = peak_memory_gib(device) if device.type == "cuda" else None
             print(f"  {system.name}: {result.seconds * 1e3:.1f} ms/step", flush=True)
         else:
-            print(f"  {system.name}: not run: {result.error}", flush=True)
+            print(f"  {system.name}: {not_run_line(result)}", flush=True)
         system.free()
         gc.collect()
         release_cached_memory(device)
@@ -456,9 +536,13 @@ def table_rows(results: list[Result], shape: Shape, micro_batches: int, flops: f
                peak_tflops: Optional[float]) -> list[dict]:
     """Every system's figures as plain values (for ``--json`` and the table)."""
     tokens = micro_batches * shape.micro_batch * shape.seq_length
-    baseline = next((r for r in results if isinstance(r.system, HuggingFace) and r.error is None), None)
+    baseline = next((r for r in results if isinstance(r.system, HuggingFace) and runs(r)), None)
+    bf16 = next((r for r in results if r.system.name == "megapipe" and runs(r)), None)
     rows = []
     for r in results:
+        if r.left_out is not None:
+            rows.append({"system": r.system.name, "left_out": r.left_out})
+            continue
         if r.error is not None:
             rows.append({"system": r.system.name, "error": r.error})
             continue
@@ -468,7 +552,11 @@ def table_rows(results: list[Result], shape: Shape, micro_batches: int, flops: f
                      "mfu": achieved / peak_tflops if peak_tflops else None,
                      "mfu_passes": flops / r.pass_seconds / 1e12 / peak_tflops if peak_tflops else None,
                      "vs_hf": baseline.seconds / r.seconds if baseline is not None else None,
-                     "peak_gib": r.peak_gib, "spread": (max(r.times) - min(r.times)) / r.seconds})
+                     "peak_gib": r.peak_gib, "spread": (max(r.times) - min(r.times)) / r.seconds,
+                     "final_loss": r.final_loss})
+        if isinstance(r.system, Megapipe) and r.system.fp8 is not None and bf16 is not None:
+            rows[-1]["vs_bf16"] = bf16.seconds / r.seconds  # the same steps from the same weights and batches
+            rows[-1]["loss_vs_bf16"] = (r.final_loss - bf16.final_loss) / bf16.final_loss
     return rows
 
 
@@ -478,8 +566,9 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
               f"{'MFU f+b':>7s} {'MFU':>6s} {'vs HF':>6s}" + (f" {'peak GiB':>8s}" if show_memory else ""))
     print_ruled(header)
     for row in rows:
-        if "error" in row:
-            print(f"{row['system']:44s} not run: {row['error']}")
+        if "left_out" in row or "error" in row:
+            reason = f"left out: {row['left_out']}" if "left_out" in row else f"not run: {row['error']}"
+            print(f"{row['system']:44s} {reason}")
             continue
         line = (f"{row['system']:44s} {row['precision']:36s} {row['ms_per_step']:9.1f} {row['tokens_per_s']:10.0f} "
                 f"{row['tflops']:8.3f} {_percent(row['mfu_passes']):>7s} {_percent(row['mfu'])} "
@@ -487,6 +576,10 @@ def print_table(rows: list[dict], results: list[Result]) -> None:
         if show_memory:
             line += f" {row['peak_gib']:8.1f}" if row["peak_gib"] is not None else f" {'-':>8s}"
         print(line + (f"   (rounds spread {row['spread']:.0%})" if row["spread"] > 0.15 else ""))
+    for row in rows:
+        if "loss_vs_bf16" in row:
+            print(f"{row['system']}: {row['vs_bf16']:.2f}x bf16's tokens/s; loss after the same steps "
+                  f"{row['final_loss']:.4f}, {row['loss_vs_bf16']:+.2%} from bf16's")
     for r in results:
         if isinstance(r.system, MegatronCore) and r.error is None and r.system.detail:
             print(f"megatron-core: {r.system.detail}")
@@ -499,6 +592,9 @@ def parse_args(device: torch.device):
     parser.add_argument("--shape", default=None,
                         help=f"comma-separated shapes from {', '.join(SHAPES)} "
                              "(default: cpu-small on CPU, gpt-350m,gpt-1.3b on CUDA)")
+    parser.add_argument("--ablation-shapes", default=None,
+                        help="comma-separated shapes that also get a row per megapipe change turned off "
+                             "(default: every shape)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="sequences per micro-batch (default: per shape, " +
                              ", ".join(f"{k} {v.micro_batch}" for k, v in SHAPES.items()) + ")")
@@ -523,6 +619,9 @@ def parse_args(device: torch.device):
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default 1 on CPU: a shared machine oversubscribed by several threads "
                              "per process stalls them at every barrier)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated words: time only the rows named one of them or containing one "
+                             "(\"megapipe,FP8\": megapipe's bf16 row and its FP8 rows)")
     parser.add_argument("--json", default=None, help="also write every table's rows to this JSON file")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default=None,
                         help="wall: elapsed time; cpu: CPU time of the one compute thread, so load from other "
@@ -545,7 +644,9 @@ def parse_args(device: torch.device):
     args.steps = args.steps if args.steps is not None else (3 if cuda else 2)
     args.rounds = args.rounds if args.rounds is not None else (3 if cuda else 4)
     args.sequential = args.sequential or cuda
-    for name in args.shape.split(","):
+    args.ablation_shapes = [name for name in (args.ablation_shapes if args.ablation_shapes is not None
+                                              else args.shape).split(",") if name]
+    for name in args.shape.split(",") + args.ablation_shapes:
         if name not in SHAPES:
             parser.error(f"--shape {name} is unknown; use one of {', '.join(SHAPES)}.")
     return args
@@ -601,9 +702,12 @@ def main() -> None:
         print(f"model FLOPs per step {flops / 1e9:.1f} GFLOP (logit layer {head / flops:.0%}); "
               f"{args.warmup} warm-up steps, then {args.rounds} rounds x {args.steps} timed steps")
         if not args.skip_check:
-            print(check_same_maths(shape, device), flush=True)
+            print(same_maths_line(shape, device), flush=True)
         batches = [make_batch(shape, device, seed) for seed in range(2)]
-        systems = build_systems(shape, device, args.hf_precision, args.dropout)
+        systems = build_systems(shape, device, args.hf_precision, args.dropout,
+                                ablations=shape_name in args.ablation_shapes)
+        if args.only:
+            systems = [system for system in systems if chosen(system.name, args.only.split(","))]
 
         def report_rows(results, measured=None):
             peak_tflops = max(peak, measured or 0.0) if peak is not None else None
@@ -618,7 +722,7 @@ def main() -> None:
         print(f"\nMFU = model FLOPs per second / peak: {peak_note}")
         print_table(report["shapes"][shape_name], results)
         for r in results:
-            if r.error is None and not math.isfinite(r.final_loss):
+            if runs(r) and not math.isfinite(r.final_loss):
                 print(f"warning: {r.system.name} ended with loss {r.final_loss}")
         for system in systems:
             system.free()

@@ -26,23 +26,24 @@ class Step:
 
 
 _STEPS = (  # name, budget in seconds on a GPU, what it checks; the module is megapipe.acceptance.<name>
-    ("stack", 15, "torch, CUDA, cuDNN, NCCL, Triton, C compiler, optional packages, device peak, fusion backend "
+    ("stack", 12, "torch, CUDA, cuDNN, NCCL, Triton, C compiler, optional packages, device peak, fusion backend "
                   "chosen by running it"),
     ("kernels", 75, "every fused kernel family against eager in fp32 and bf16, forward and backward: bias-GeLU, "
                     "bias-dropout-add (p = 0; p = 0.1 kept fraction and backward mask), softmax, LayerNorm, RMSNorm, "
-                    "cross-entropy, RoPE, SwiGLU"),
-    ("attention", 20, "scaled-dot-product attention forced to the flash and cuDNN kernels on megapipe's own q/k/v "
+                    "cross-entropy, RoPE, SwiGLU with and without bias"),
+    ("attention", 18, "scaled-dot-product attention forced to the flash and cuDNN kernels on megapipe's own q/k/v "
                       "(MHA and GQA, causal, dropout), and the kernel the model takes by default"),
-    ("training", 50, "pretrain_gpt.py on one GPU with each fusion backend (losses fall, Triton's first loss equals "
+    ("training", 45, "pretrain_gpt.py on one GPU with each fusion backend (losses fall, Triton's first loss equals "
                      "eager's) and a Llama-shaped run (RMSNorm, SwiGLU, RoPE, GQA, untied, full recomputation with "
                      "dropout)"),
-    ("syncs", 20, "host synchronisations of whole training iterations outside log intervals (0)"),
-    ("checkpoint", 40, "--async-save, then --load: the resumed losses equal the uninterrupted run's"),
+    ("syncs", 17, "host synchronisations of whole training iterations outside log intervals (0)"),
+    ("checkpoint", 37, "--async-save, then --load: the resumed losses equal the uninterrupted run's"),
     ("generation", 40, "tools/generate.py, greedy and sampled with a repetition penalty, repeatable for a seed"),
-    ("zero", 30, "ZeRO-1 and ZeRO-3 at d = 2 on this machine's torch with the GPU hidden (gloo): losses equal to "
+    ("zero", 27, "ZeRO-1 and ZeRO-3 at d = 2 on this machine's torch with the GPU hidden (gloo): losses equal to "
                  "unsharded data parallelism"),
-    ("benchmark", 180, "benchmarks/bench_single_device.py: GPT-350M and GPT-1.3B, sequence 2048, bf16, 8 "
-                       "micro-batches per step, against Hugging Face"),
+    ("benchmark", 209, "benchmarks/bench_single_device.py: GPT-350M and GPT-1.3B, sequence 2048, bf16, 8 "
+                       "micro-batches per step, against Hugging Face, FP8 against bf16 (speed and loss), and at "
+                       "GPT-1.3B each of megapipe's changes turned off"),
 )
 STEPS = tuple(Step(name, f"megapipe.acceptance.{name}", budget, what) for name, budget, what in _STEPS)
 TOTAL_BUDGET_SECONDS = sum(step.budget_seconds for step in STEPS)

@@ -95,12 +95,17 @@ def benchmark_table(results: list[StepResult]) -> list[str]:
 
     for shape, rows in report.get("shapes", {}).items():
         for row in rows:
-            if "error" in row:
-                lines.append(f"| {shape} | {row['system']} | not run: {row['error']} | | | | | |")
+            if "error" in row or "left_out" in row:
+                reason = f"not run: {row['error']}" if "error" in row else f"left out: {row['left_out']}"
+                lines.append(f"| {shape} | {row['system']} | {reason} | | | | | |")
                 continue
             lines.append(f"| {shape} | {row['system']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} | "
                          f"{number(row['mfu_passes'], '.1%')} | {number(row['mfu'], '.1%')} | "
                          f"{number(row['vs_hf'], '.2f')} | {number(row['peak_gib'], '.1f')} |")
+    fp8 = [(shape, row) for shape, rows in report.get("shapes", {}).items() for row in rows if "loss_vs_bf16" in row]
+    if fp8:
+        lines += [""] + [f"- {shape}, {row['system']}: {row['vs_bf16']:.2f}x bf16's tokens/s, loss after the same "
+                         f"steps {row['loss_vs_bf16']:+.2%} from bf16's" for shape, row in fp8]
     return lines
 
 
