@@ -5,8 +5,10 @@ and pipeline messages held to NCCL's rules on gloo (the strict transport of
 hosts (network namespaces) on this machine."""
 
 import gc
+import importlib
 import importlib.util
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -71,6 +73,17 @@ def make_test_hosts():
     yield make
     for hosts in made:
         hosts.close()
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """``benchmarks/bench_single_device.py`` as a module: its systems, rows and helpers."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module("bench_single_device")
+    finally:
+        sys.path.remove(folder)
 
 
 TIERS = ("unit", "distributed", "system")

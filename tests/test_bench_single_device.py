@@ -2,10 +2,6 @@
 the loss after the same steps), rows the device cannot run left out with megapipe's sentence, ``--only``,
 and the aims the acceptance step notes from them."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,18 +9,6 @@ from megapipe.acceptance import benchmark as acceptance
 from megapipe.acceptance.record import Record, read_checks
 
 pytestmark = pytest.mark.unit
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_single_device")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
 
 def _result(bench, system, seconds: float, loss: float):
     return bench.Result(system, [seconds, seconds], [0.9 * seconds, 0.9 * seconds], final_loss=loss)

@@ -21,16 +21,6 @@ pytestmark = pytest.mark.unit
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    """``bench_single_device.py``, whose megapipe step the model counts."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_single_device")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
 def test_a_step_has_the_analytic_flops_of_its_matrix_products_and_attention(bench):
     """A tiny GPT's step (2 micro-batches of 2 sequences): its matrix products add up to the model FLOPs of
     ``megapipe.models.flops`` less attention, exactly (integer counts of the same products); attention's
