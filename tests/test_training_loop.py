@@ -27,14 +27,20 @@ def fp16_with_overflow(rank, world_size, cache):
     from megapipe.training.trainer import Trainer
 
     trainer = Trainer("gpt", parse_config("gpt", FP16_FLAGS))
-    poisoned = trainer.chunks[0].layers["0"].mlp.fc1.weight
+    fc1 = trainer.chunks[0].layers["0"].mlp.fc1
     record = []
     original = trainer.engine.train_batch
+
+    def poison(module, args, output):
+        """fc1's output gradient made infinite: its weight gradient, accumulated straight into the fp32
+        main gradient (no ``.grad`` to hook), is infinite too."""
+        product = output[0] if isinstance(output, tuple) else output
+        product.register_hook(lambda g: torch.full_like(g, math.inf))
 
     def train_batch(microbatches):
         before = [p.detach().clone() for p in trainer.engine.optimizer.main_params]
         inject = len(record) == 2  # the third iteration gets an infinite gradient
-        handle = poisoned.register_hook(lambda g: torch.full_like(g, math.inf)) if inject else None
+        handle = fc1.register_forward_hook(poison) if inject else None
         result = original(microbatches)
         if handle is not None:
             handle.remove()
