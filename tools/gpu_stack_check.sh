@@ -48,6 +48,8 @@ TESTS=(
     tests/test_checkpoint_megatron.py                          # Megatron-core's dist_checkpointing on this torch
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
     tests/test_fusion_backend.py tests/test_fusions_column_sums.py
+    tests/test_fused_cross_entropy.py tests/test_gradient_accumulation_fusion.py  # addmm into fp32, chunked loss
+    tests/test_fp8.py tests/test_compiled_layers.py     # float8 dtypes and torch._scaled_mm's meta; dynamo's explain
     tests/test_bare_image.py tests/test_acceptance.py   # the GPU image's packages alone; the acceptance, dry
     tests/test_cuda.py tests/test_cuda_inference.py     # collected (they run on a GPU)
 )
