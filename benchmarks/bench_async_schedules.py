@@ -38,10 +38,10 @@ from harness.settings import Settings
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.analysis.timeline import Timeline
+from megapipe.schedules.catalog import build_schedule
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = ("1f1b", "pipedream", "2bw")

@@ -60,7 +60,7 @@ def _plain_load(trainer, path: str) -> None:
 
 def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
-    from megapipe.config.parse import parse_config
+    from megapipe.cli.parse import parse_config
     from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",

@@ -61,7 +61,7 @@ from megapipe.layout.context_comm import COMM_TYPES
 from megapipe.models import build_model_chunks
 from megapipe.parallel.context import ContextGroups
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 TOLERANCE = 1e-5

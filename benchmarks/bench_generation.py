@@ -38,8 +38,8 @@ from megapipe.models.families.llama import llama_model_config
 from megapipe.models.hf_llama import llama_from_hf
 from megapipe.models.state_dict import local_state_dict
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.schedules.forward_only import forward_only_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.schedules.catalog.forward_only import forward_only_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
 from megapipe.testing.worlds import run_distributed
 
 

@@ -34,8 +34,8 @@ from megapipe.config import ModelConfig, OptimizerConfig
 from megapipe.layout.placement import Placement
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.timeline import Timeline
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.hosts import TestHosts
 from megapipe.testing.worlds import run_distributed
 

@@ -48,7 +48,7 @@ from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
 from megapipe.config import ModelConfig
 from megapipe.models import build_planned_stage
 from megapipe.optim import OptimizerConfig
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.parallel.state import initialize_plan_state
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Training

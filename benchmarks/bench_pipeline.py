@@ -50,10 +50,10 @@ from harness.pairing import take_turns, timed
 from harness.settings import Settings
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.actions import Action, ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.actions import Action, ActionKind
+from megapipe.schedules.catalog import build_schedule, schedule_descriptor
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),

@@ -42,8 +42,8 @@ from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.pipeline.ir.schedules import schedule_descriptor
+from megapipe.pipeline.engine import PipelineEngine
+from megapipe.schedules.catalog import schedule_descriptor
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.plan import PlanRequest, plan

@@ -23,7 +23,7 @@ that a post-validated iteration may start before the other stages have stepped),
 ``drain`` (the last step validated), between two barriers. The variants take turns, the order
 rotating every round; reported are the median seconds per step, the median of the per-round
 ratios post-validated / synchronous with their quartiles, the simulator's ratio for the same
-costs and the same steps back to back (``pipeline/analysis/iterations.py``, without and with a
+costs and the same steps back to back (``schedules/analysis/iterations.py``, without and with a
 barrier at each step: (N 3m + p - 1) / N (3m + p - 1) for N steps of ZB-H2, which tends to
 3m / (3m + p - 1)), and whether the losses and final weights of both runs are equal bit for bit.
 """
@@ -46,11 +46,11 @@ from harness.ratios import paired, quartiles
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.iterations import replay_iterations
-from megapipe.pipeline.analysis.schedule_search import search_schedule
-from megapipe.pipeline.analysis.simulate import CostModel
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.iterations import replay_iterations
+from megapipe.schedules.analysis.schedule_search import search_schedule
+from megapipe.schedules.analysis.simulate import CostModel
+from megapipe.schedules.catalog import build_schedule
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.testing.worlds import run_distributed
 

@@ -6,7 +6,7 @@
 One world of p processes (gloo) trains the same small GPT with megapipe's ``PipelineEngine``
 under each named flush schedule (GPipe, 1F1B, ZB-H1, ZB-H2 on one chunk per rank; interleaved
 1F1B and interleaved zero bubble on two) and under ``--pipeline-schedule auto``, the schedule
-searched (``pipeline/analysis/schedule_search.py``) for the stage costs measured on the
+searched (``schedules/analysis/schedule_search.py``) for the stage costs measured on the
 executor's own timeline, with one and with two chunks per rank, within 1F1B's memory (p
 microbatches' activations per rank).
 
@@ -45,12 +45,12 @@ from harness.settings import Settings
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.schedule_search import search_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.schedule_search import search_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.analysis.timeline import Timeline
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import build_schedule
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 NAMED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved-zb", 2)]

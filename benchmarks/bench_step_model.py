@@ -56,7 +56,7 @@ from bench_single_device import SHAPES, Megapipe, make_batch  # noqa: E402
 import torch  # noqa: E402
 from harness import cli  # noqa: E402
 from harness.report import print_ruled, write_json  # noqa: E402
-from megapipe.config.flags import FIELD_FLAGS, build_parser  # noqa: E402
+from megapipe.cli.flags import FIELD_FLAGS, build_parser  # noqa: E402
 from megapipe.errors import ConfigError, UserError  # noqa: E402
 from megapipe.models.flops import flops_per_iteration  # noqa: E402
 from megapipe.testing.fake_device import FAKE_DEVICE  # noqa: E402

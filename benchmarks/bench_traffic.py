@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 
 from harness import cli
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training

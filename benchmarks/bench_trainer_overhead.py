@@ -43,7 +43,7 @@ from harness.models import MegapipeRunner, adamw, batch
 from harness.pairing import take_turns, timed
 from harness.ratios import median_ratio, paired, quartiles
 from harness.settings import Settings
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.models import build_model_chunks
 from megapipe.testing.worlds import run_distributed
 from megapipe.training.trainer import Trainer

@@ -31,7 +31,7 @@ from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 SCHEDULES = ("1f1b", "2bw", "pipedream")

@@ -8,7 +8,7 @@ import os
 
 import torch.distributed as dist
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.training.trainer import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of

@@ -1,7 +1,7 @@
 """Test-wide environment: no network waits from Hugging Face, no wandb uploads, the CPU and gloo
 even on a machine with GPUs (``MEGAPIPE_DEVICE=cpu``; the CUDA tests ask for the GPU themselves),
 and pipeline messages held to NCCL's rules on gloo (the strict transport of
-``pipeline/runtime/p2p.py``), so every multi-rank run on CPU would also finish on NCCL. ``make_test_hosts`` gives tests several
+``pipeline/p2p.py``), so every multi-rank run on CPU would also finish on NCCL. ``make_test_hosts`` gives tests several
 hosts (network namespaces) on this machine."""
 
 import gc

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megapipe.checkpointing.paths import read_latest  # noqa: E402
-from megapipe.config.parse import parse_config  # noqa: E402
+from megapipe.cli.parse import parse_config  # noqa: E402
 from megapipe.training.trainer import Trainer  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "32",

@@ -4,9 +4,9 @@ hold: shared by the planner's and the registry's tests."""
 import operator
 from fractions import Fraction
 
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import build_schedule
 from megapipe.planner.schedule_costs import bubble_fraction, in_flight, pipeline_time
 
 

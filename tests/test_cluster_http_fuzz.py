@@ -22,7 +22,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megapipe.cluster.auth import SECRET_ENV, lease_key, page_token, sign
+from megapipe.lease.auth import SECRET_ENV, lease_key, page_token, sign
 from megapipe.cluster.service.http_api import MAX_BODY_BYTES, serve
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.local_cluster import TOOL

@@ -8,14 +8,14 @@ import os
 
 import pytest
 
-from megapipe.cluster.auth import LEASE_KEY_ENV, lease_key
+from megapipe.lease.auth import LEASE_KEY_ENV, lease_key
 from megapipe.cluster.service.backends.base import HostSlots
 from megapipe.cluster.service.job_paths import PATH_FLAGS
 from megapipe.cluster.service.job_spec import OWNED_FLAGS, parse_job
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
-from megapipe.config.parse import build_parser
+from megapipe.cli.parse import build_parser
 from megapipe.errors import ConfigError
 
 pytestmark = pytest.mark.unit

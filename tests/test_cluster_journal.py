@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.cluster.service.backends.base import HostSlots
 from megapipe.cluster.service.job_log import layout_key
 from megapipe.cluster.service.job_spec import parse_job

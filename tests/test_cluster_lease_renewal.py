@@ -10,8 +10,8 @@ iteration grew to the deadline, 2 rounds + 30 s, under a loaded machine).
 
 import pytest
 
-from megapipe.cluster.client import lease as lease_module
-from megapipe.cluster.client.lease import ClusterLease
+from megapipe.lease import client as lease_module
+from megapipe.lease.client import ClusterLease
 from megapipe.cluster.service.backends.base import HostSlots
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.service import ClusterService

@@ -12,7 +12,7 @@ from megapipe.cluster.core.pairs import candidate_pairs
 from megapipe.cluster.core.policies import make_policy
 from megapipe.cluster.core.policies.base import fair_share
 from megapipe.cluster.core.policies.water_filling import WaterFilling
-from megapipe.cluster.core.pop import Partitioned, check_partitions, split_counts
+from megapipe.cluster.core.policies.pop import Partitioned, check_partitions, split_counts
 from megapipe.cluster.core.problem import build_problem
 from megapipe.cluster.core.ratio_lp import max_ratio
 from megapipe.cluster.core.symmetry import solve_by_class

@@ -27,7 +27,7 @@ import pytest
 
 from launch_helpers import forked_run
 from megapipe.cluster.service.job_log import continuity, iteration_layouts, iteration_losses, layout_key, leases, overlapping_runs, run_alone
-from megapipe.cluster.client.lease import post_json
+from megapipe.lease.client import post_json
 from megapipe.cluster.service.local_cluster import TOOL, LocalCluster, free_port
 from megapipe.testing.hosts import NamespacesUnavailable, TestHosts
 

@@ -10,7 +10,7 @@ loopback port, and the tool's ``main`` called in this process: the whole path, n
 
 import pytest
 
-from megapipe.cluster.auth import SECRET_ENV, create_secret_file
+from megapipe.lease.auth import SECRET_ENV, create_secret_file
 from megapipe.cluster.service.http_api import serve
 from megapipe.cluster.service.journal import Journal
 from megapipe.cluster.service.service import ClusterService

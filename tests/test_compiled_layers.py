@@ -20,13 +20,13 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fusion_helpers import COMPILE_TESTS
 from model_families import MODEL_KIND, family_config
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.fusions import backend
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.models.compiled_layers import compile_layers
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_descriptor
+from megapipe.schedules.catalog import build_schedule, schedule_descriptor
 from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients
 
 pytestmark = pytest.mark.unit

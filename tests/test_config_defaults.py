@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from megapipe.config import Config, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from megapipe.config.parse import build_parser, parse_config
+from megapipe.cli.parse import build_parser, parse_config
 from megapipe.models.families import FAMILIES
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,7 @@ def test_an_empty_command_line_gives_the_dataclass_defaults(kind):
 def test_every_flag_default_is_its_field_default(kind):
     """Per option: the parser's own default (before any derivation) is the field's default."""
     from megapipe.config.flag import field_default
-    from megapipe.config.flags import FIELD_FLAGS, SECTIONS
+    from megapipe.cli.flags import FIELD_FLAGS, SECTIONS
 
     classes = {section: cls for section, cls, _ in SECTIONS}
     defaults = _flag_dests(kind)
@@ -59,7 +59,7 @@ def test_every_flag_default_is_its_field_default(kind):
 
 @pytest.mark.parametrize("kind", SCRIPT_KINDS)
 def test_every_flag_maps_to_a_field(kind):
-    from megapipe.config.flags import FIELD_FLAGS, INPUT_FLAGS
+    from megapipe.cli.flags import FIELD_FLAGS, INPUT_FLAGS
 
     unmapped = sorted(set(_flag_dests(kind)) - set(FIELD_FLAGS) - set(INPUT_FLAGS))
     assert not unmapped, f"flags of pretrain_{kind}.py that set no configuration field: {unmapped}"

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from launch_helpers import REPO
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.layout.ranks import RankLayout
 

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint_helpers import TINY_GPT, session_cache, train
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.training.trainer import Trainer
 from megapipe.testing.worlds import run_distributed
 

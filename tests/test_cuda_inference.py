@@ -16,7 +16,7 @@ from megapipe.fusions import backend
 from megapipe.inference import SamplingParams, generate, score_continuations
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.peer_messages import PeerMessages
+from megapipe.pipeline.peer_messages import PeerMessages
 
 DEVICE = default_device()
 pytestmark = [pytest.mark.unit, pytest.mark.cuda, pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.hf_source import open_hf_dataset
 from megapipe.data.hf_stream import StreamedGPTDataset, build_streamed_datasets

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from batch_helpers import random_microbatch
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks, build_planned_stage
@@ -33,9 +33,9 @@ from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, l
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
 from megapipe.parallel.state import initialize_plan_state
-from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.timeline import Timeline
+from megapipe.schedules.actions import ActionKind
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.testing.worlds import run_distributed
 

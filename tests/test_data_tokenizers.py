@@ -209,7 +209,7 @@ def test_bad_tokenizer_arguments_are_one_sentence_errors(tmp_path):
 
 
 def test_training_flags_build_megatrons_tokenizers_by_name():
-    from megapipe.config.parse import parse_config
+    from megapipe.cli.parse import parse_config
     from megapipe.data.rank_data import run_tokenizer
 
     null = run_tokenizer("gpt", parse_config("gpt", ["--data-path", "x", "--tokenizer-type", "NullTokenizer",

@@ -12,7 +12,7 @@ from megapipe.fusions.backend import BACKENDS
 from megapipe.models import MODEL_KINDS, build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 
 pytestmark = pytest.mark.unit
 

@@ -23,9 +23,9 @@ from megapipe.inference.server import make_handler, run_next
 from megapipe.inference.server_limits import ServerLimits
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.actions import parse_action
-from megapipe.pipeline.runtime.p2p import StageP2P
-from megapipe.pipeline.runtime.peer_messages import PeerMessages
+from megapipe.schedules.actions import parse_action
+from megapipe.pipeline.p2p import StageP2P
+from megapipe.pipeline.peer_messages import PeerMessages
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.config import TrainingConfig
 from megapipe.errors import ConfigError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from data_helpers import gpt2_files
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.data.corpus import corpus_paragraphs
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.rank_data import check_tokenizer_flags, run_tokenizer

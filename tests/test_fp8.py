@@ -30,7 +30,7 @@ import torch
 
 from batch_helpers import random_microbatch
 from fake_device_helpers import S, model_config as fake_model_config
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.config.schema import TrainingConfig
 from megapipe.errors import ConfigError
 from megapipe.fusions import fp8
@@ -39,7 +39,7 @@ from megapipe.fusions.fp8_mode import activate, active_fp8, select_fp8
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.tensor_parallel.fp8_linear import parallel_linear
 from megapipe.tensor_parallel.grad_accumulation import TARGET, MainGradTarget
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -23,7 +23,7 @@ from fusion_helpers import assert_bf16_rounded, assert_fp32_close, eager_backend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.fusions import fused_cross_entropy
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState

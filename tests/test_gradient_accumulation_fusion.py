@@ -31,13 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batch_helpers import random_microbatch
 from fake_device_helpers import S, model_config as fake_model_config
 from megapipe.config import ModelConfig
-from megapipe.config.parse import config_from_argv
+from megapipe.cli.parse import config_from_argv
 from megapipe.models import build_model_chunks
 from megapipe.optim import GradBuffers, OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.weight_policy import WeightPolicy
-from megapipe.pipeline.runtime.engine import PipelineEngine
-from megapipe.pipeline.runtime.weights import WeightVersionStore
+from megapipe.schedules.weight_policy import WeightPolicy
+from megapipe.pipeline.engine import PipelineEngine
+from megapipe.pipeline.weights import WeightVersionStore
 from megapipe.tensor_parallel.grad_accumulation import accumulates_wider, main_grad_target
 from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients, linear
 from megapipe.testing.fake_device import FAKE_DEVICE, fake_accelerator

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.parallel.launch import count_synchronisations, counting_synchronisations
 from megapipe.training.exits import ExitConditions
 from megapipe.testing.worlds import run_distributed

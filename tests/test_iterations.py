@@ -16,10 +16,10 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.analysis.iterations import replay_iterations, steady_iteration_time, unrolled
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule
+from megapipe.schedules.analysis.iterations import replay_iterations, steady_iteration_time, unrolled
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import build_schedule
 
 pytestmark = pytest.mark.unit
 

@@ -18,41 +18,30 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(megapipe.__file__).parent
 
-# Bottom first. A unit may import its own modules and units of lower layers, nothing else: two
-# units of one layer are independent of each other.
+# Bottom first, one top-level folder (or loose module) per unit. A unit may import its own modules and
+# units of lower layers, nothing else: two units of one layer are independent of each other.
 LAYERS = (
     ("errors",),
     ("optional", "json_requests", "atomic_files"),
     ("launcher",),  # megapipe's side of torchrun: no torch until torchrun has imported it
-    ("layout",),
-    ("pipeline.ir",),
-    ("pipeline.analysis",),
-    # config: the dataclasses low, their command line high
-    ("config.flag", "config.sharding", "config.parser", "config.notes"),
-    ("config.optimizer", "config.moe"),
-    ("config.schema",),
-    ("config.operations", "config.unread", "config"),
+    ("layout",),  # ranks, stage plans, placements: arithmetic
+    ("schedules",),  # schedules as data (actions, descriptors, lowering, validators) and their simulator
+    ("config",),  # the dataclasses a run is described by, each field with its flag
     ("parallel",),
     ("fusions",),
     ("tensor_parallel",),
     ("context_parallel",),  # attention over a sequence split over context ranks: kernels, ring, all-to-all
     ("models", "data"),
     ("optim",),
-    ("pipeline.runtime",),
+    ("pipeline",),  # the executor, transports, weight stores, the engine
     ("checkpointing",),
-    ("inference", "planner", "cluster.auth"),  # cluster.auth: the signing both the lease and the service use
-    ("pipeline.selection", "cluster.client"),
-    ("config.flags",),  # the flags, generated from the dataclasses and the model families' own
-    ("config.checkpoint_args",),  # --use-checkpoint-args: the model shape of the --load checkpoint
-    ("config.parse",),  # parse_config: flags, presets and every cross-flag check (the schedule search's too)
+    ("inference", "planner", "lease"),  # lease: a training job's side of the cluster service, and the signing
+    ("cli",),  # flags, every cross-flag check, schedule selection: reads models, schedules and the planner
     ("training",),
-    ("cluster.core",),
-    ("cluster.sim", "cluster.worker"),
-    ("cluster.service",),
-    ("acceptance", "testing", "pipeline", "cluster"),  # "pipeline", "cluster": the packages' own __init__
+    ("cluster",),  # Gavel: core, simulator, worker agents, the scheduler service
+    ("acceptance", "testing"),
 )
-SPLIT = ("pipeline", "cluster", "config")  # packages whose subpackages or modules are units of their own
-PURE = ("layout", "pipeline.ir")  # arithmetic that must run without torch
+PURE = ("layout", "schedules")  # arithmetic that must run without torch
 
 
 def module_name(path: Path) -> str:
@@ -61,10 +50,15 @@ def module_name(path: Path) -> str:
 
 
 def unit_of(module: str) -> str:
-    parts = module.split(".")[1:]
-    if not parts:
-        return "megapipe"
-    return ".".join(parts[:2]) if parts[0] in SPLIT and len(parts) > 1 else parts[0]
+    """The top-level folder (or loose module) ``module`` lives in."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "megapipe"
+
+
+def packages_above(module: str) -> list[str]:
+    """The packages whose ``__init__`` Python runs before ``module``: importing ``a.b.c`` runs ``a`` and ``a.b``."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
 def _type_checking_only(node: ast.If) -> bool:
@@ -91,8 +85,17 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+def loads(module: str, imported: set[str]) -> set[str]:
+    """What importing ``module`` runs of megapipe: its imports and every package ``__init__`` above them."""
+    found = {target for target in imported if target in MODULES}
+    for target in list(found) + [module]:
+        found.update(package for package in packages_above(target) if package in MODULES)
+    return found - {module}
+
+
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-GRAPH = {module: imports_of(path) for module, path in MODULES.items()}
+IMPORTS = {module: imports_of(path) for module, path in MODULES.items()}
+GRAPH = {module: loads(module, imported) for module, imported in IMPORTS.items()}
 LAYER = {unit: index for index, layer in enumerate(LAYERS) for unit in layer}
 
 
@@ -101,9 +104,9 @@ def test_every_unit_has_a_layer():
     assert units <= set(LAYER), f"units without a layer: {sorted(units - set(LAYER))}; add them to LAYERS"
 
 
-def test_imports_run_downward_only():
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     upward = []
-    for module, imported in sorted(GRAPH.items()):
+    for module, imported in sorted(graph.items()):
         unit = unit_of(module)
         for target in sorted(imported):
             if not target.startswith("megapipe.") or target not in MODULES:
@@ -111,7 +114,33 @@ def test_imports_run_downward_only():
             other = unit_of(target)
             if other != unit and LAYER.get(other, -1) >= LAYER.get(unit, -1):
                 upward.append(f"{module} imports {target} ({unit} may not depend on {other})")
+    return upward
+
+
+def test_imports_run_downward_only():
+    upward = upward_imports(GRAPH)
     assert not upward, "\n".join(upward)
+
+
+def test_the_check_follows_package_inits():
+    """Importing a deep module runs the ``__init__`` of every package above it, so the check counts those:
+    a leased training process that imported ``cluster.x.y`` would load Gavel's ``cluster/__init__``."""
+    loaded = loads("megapipe.training.trainer", {"megapipe.cluster.core.jobs"})
+    assert {"megapipe.cluster", "megapipe.cluster.core"} <= loaded
+    assert upward_imports({"megapipe.training.trainer": loaded})
+
+
+def test_no_import_cycles_between_folders():
+    """Counted by top-level folder, the units form no cycle either (the layers' order implies it; this names one)."""
+    edges: dict[str, set[str]] = {unit: set() for unit in LAYER}
+    for module, loaded in GRAPH.items():
+        edges.setdefault(unit_of(module), set()).update(unit_of(target) for target in loaded)
+    edges = {unit: targets - {unit, "megapipe"} for unit, targets in edges.items()}
+    for targets in list(edges.values()):
+        for target in targets:
+            edges.setdefault(target, set())
+    cycle = _find_cycle(edges)
+    assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_no_import_cycles_between_modules():
@@ -158,9 +187,7 @@ def test_pure_arithmetic_imports_no_torch(unit):
         if module in seen:
             continue
         seen.add(module)
-        for target in GRAPH[module]:
-            if target.split(".")[0] in ("torch", "numpy"):
-                heavy.append(f"{module} imports {target}")
-            elif target in MODULES:
-                todo.append(target)
+        heavy.extend(f"{module} imports {target}" for target in IMPORTS[module]
+                     if target.split(".")[0] in ("torch", "numpy"))
+        todo.extend(GRAPH[module])
     assert not heavy, "\n".join(sorted(heavy))

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.layout.plan import PlanLayout
 from megapipe.layout.ranks import RankLayout

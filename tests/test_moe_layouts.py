@@ -32,7 +32,7 @@ from megapipe.config import OptimizerConfig
 from megapipe.models import build_model_chunks
 from megapipe.models.moe import set_aux_loss_scale
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed

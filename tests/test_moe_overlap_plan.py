@@ -1,4 +1,4 @@
-"""The overlapped pair's plan (``pipeline/ir/overlap.py``): which all-to-all runs beside which compute, which
+"""The overlapped pair's plan (``schedules/overlap.py``): which all-to-all runs beside which compute, which
 backwards become overlapped, what the simulator charges, how the gate interleaves two threads, and the
 flag's refusals."""
 
@@ -9,12 +9,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.parallel.comm_overlap import PairGate, communicating
-from megapipe.pipeline.analysis.simulate import CostModel, exposed_expert_comm, overlapped_pair_time, simulate
-from megapipe.pipeline.ir.overlap import PAIR, Segment, overlapped_pairs
-from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
+from megapipe.schedules.analysis.simulate import CostModel, exposed_expert_comm, overlapped_pair_time, simulate
+from megapipe.schedules.overlap import PAIR, Segment, overlapped_pairs
+from megapipe.schedules.catalog import build_schedule, overlapped_schedule
 
 pytestmark = pytest.mark.unit
 

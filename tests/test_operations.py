@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import CheckpointError, ConfigError
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.optim.lr_schedule import LRScheduler

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from model_families import MODEL_KIND, family_config
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.data.packing import Packing
 from megapipe.errors import ConfigError
 from megapipe.models import build_model_chunks

@@ -11,7 +11,7 @@ import torch
 
 from megapipe.errors import PipelineTimeout
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.peer_messages import PeerMessages
+from megapipe.pipeline.peer_messages import PeerMessages
 from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from megapipe.errors import PipelineTimeout
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 from test_pipeline_training import MICRO, SEQ, microbatch, model_config, optimizer_config

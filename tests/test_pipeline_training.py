@@ -26,9 +26,9 @@ from megapipe.checkpointing.state import param_entries
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.actions import Schedule
-from megapipe.pipeline.ir.schedules import schedule_descriptor
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.actions import Schedule
+from megapipe.schedules.catalog import schedule_descriptor
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -41,8 +41,8 @@ from collections import Counter
 import pytest
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.ir.schedules import build_schedule, lower_schedule, schedule_descriptor
+from megapipe.schedules.actions import Action, ActionKind, Schedule
+from megapipe.schedules.catalog import build_schedule, lower_schedule, schedule_descriptor
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 

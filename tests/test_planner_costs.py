@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.analysis.simulate import CostModel as SimulatorCosts, simulate
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.analysis.simulate import CostModel as SimulatorCosts, simulate
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training
 from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape

@@ -10,7 +10,7 @@ import pytest
 from test_planner_experts import MOE, moe_profile
 from test_planner_plan import small_cluster
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command

@@ -12,8 +12,8 @@ from test_planner_cli import TOOL, run, write_cluster
 from test_planner_plan import SMALL, small_cluster, valid_by_the_rules
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.schedules import build_schedule, overlapped_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.catalog import build_schedule, overlapped_schedule
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time

@@ -10,7 +10,7 @@ import pytest
 from test_planner_cli import run, write_cluster
 from test_planner_plan import SMALL, small_cluster
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.models import build_model_chunks
 from megapipe.models.flops import moe_flops_per_iteration
 from megapipe.parallel.state import ParallelState

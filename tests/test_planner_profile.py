@@ -159,9 +159,9 @@ def test_the_profile_tools_defaults_fit_the_default_training_run(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from megapipe.config.parse import parse_config
+    from megapipe.cli.parse import parse_config
     from megapipe.data.rank_data import run_tokenizer
-    from megapipe.pipeline.selection import searched_schedule
+    from megapipe.cli.selection import searched_schedule
 
     spec = importlib.util.spec_from_file_location("profile_tool", Path(__file__).parents[1] / "tools" / "profile_model.py")
     tool = importlib.util.module_from_spec(spec)

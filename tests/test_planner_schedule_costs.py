@@ -1,4 +1,4 @@
-"""The planner's schedule formulas (seed 002 Table 7.1, per rank) against megapipe.pipeline.analysis.simulate,
+"""The planner's schedule formulas (seed 002 Table 7.1, per rank) against megapipe.schedules.analysis.simulate,
 and its weight-version counts against the versions the PipeDream and 2BW schedules actually use
 (and against the seeds' closed-form version rules)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from schedule_helpers import assert_closed_forms_match_the_simulator, versions_held
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.analysis.simulate import CostModel, peak_activations, simulate
 from megapipe.planner.schedule_costs import (bubble_fraction, in_flight, microbatch_problem, pipeline_time,
                                              weight_versions)
 

@@ -36,7 +36,7 @@ from megapipe.config import ModelConfig
 from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training

@@ -8,12 +8,12 @@ import matplotlib.image
 import pytest
 from matplotlib.colors import to_rgba
 
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.analysis.plot import BACKWARD_COLOR, FORWARD_COLOR, chunk_color, draw_simulation, draw_timeline
-from megapipe.pipeline.ir.schedule_file import load_training_schedule
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.analysis.plot import BACKWARD_COLOR, FORWARD_COLOR, chunk_color, draw_simulation, draw_timeline
+from megapipe.schedules.schedule_file import load_training_schedule
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.analysis.timeline import Timeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import plot_schedule  # noqa: E402

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from batch_helpers import random_microbatch
 from model_families import MODEL_KIND, family_config
@@ -43,8 +43,8 @@ from megapipe.optim import LRScheduler, OptimizerConfig
 from megapipe.optim.clip import CLIP_EPSILON
 from megapipe.optim.post_validation import AMEND_MARGIN
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.schedules import schedule_descriptor
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.catalog import schedule_descriptor
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.testing.worlds import run_distributed
 from test_training_cli import TINY, run

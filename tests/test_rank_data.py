@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.gpt import GPTStage
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 from model_families import family_config
 

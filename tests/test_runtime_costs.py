@@ -18,7 +18,7 @@ import torch
 from megapipe.parallel.launch import count_synchronisations
 from megapipe.models import build_model_chunks
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
 
 from test_pipeline_training import MICRO, SEQ, microbatch, model_config, optimizer_config

@@ -3,7 +3,7 @@
 import pytest
 
 from megapipe.errors import ScheduleError
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.schedules.actions import Action, ActionKind, Schedule, parse_action
 
 pytestmark = pytest.mark.unit
 

@@ -13,10 +13,10 @@ import pytest
 from launch_helpers import REPO
 from schedule_helpers import assert_closed_forms_match_the_simulator, versions_held
 from megapipe.errors import ConfigError
-from megapipe.pipeline.analysis.simulate import peak_activations
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import DESCRIPTORS, SEARCHED, accepted_names, build_schedule, schedule_descriptor
-from megapipe.pipeline.ir.weight_policy import WeightPolicy
+from megapipe.schedules.analysis.simulate import peak_activations
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import DESCRIPTORS, SEARCHED, accepted_names, build_schedule, schedule_descriptor
+from megapipe.schedules.weight_policy import WeightPolicy
 from megapipe.planner import schedule_costs
 
 ROOT = Path(REPO)
@@ -162,7 +162,7 @@ def test_the_planner_plans_where_the_descriptor_has_closed_forms(name):
 
 
 def _parse(name):
-    from megapipe.config.parse import parse_config
+    from megapipe.cli.parse import parse_config
 
     descriptor = schedule_descriptor(name)
     p = 2
@@ -178,7 +178,7 @@ def _parse(name):
 
 
 def test_the_command_line_takes_exactly_the_registered_names_and_auto():
-    from megapipe.config.parse import build_parser
+    from megapipe.cli.parse import build_parser
 
     assert set(accepted_names()) == set(NAMES) | {SEARCHED.name}
     for name in accepted_names():
@@ -197,7 +197,7 @@ def test_the_command_line_takes_exactly_the_registered_names_and_auto():
 
 
 def _parse_unknown(name):
-    from megapipe.config.parse import parse_config
+    from megapipe.cli.parse import parse_config
 
     return parse_config("gpt", ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
                                 "--pipeline-schedule", name], world_size=2)

@@ -1,4 +1,4 @@
-"""The schedule search (``pipeline/analysis/schedule_search.py``) on the simulator.
+"""The schedule search (``schedules/analysis/schedule_search.py``) on the simulator.
 
 References: the named schedules simulated with the same costs, the closed forms of the
 zero-bubble schedules at unit costs, a lower bound for one slow rank (it cannot start before
@@ -15,13 +15,13 @@ from fractions import Fraction
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.analysis.schedule_search import search_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, peak_activations, simulate
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule
-from megapipe.pipeline.ir.replay import replay
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_names, schedule_descriptor
-from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
-from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.schedules.analysis.schedule_search import search_schedule
+from megapipe.schedules.analysis.simulate import CostModel, peak_activations, simulate
+from megapipe.schedules.actions import Action, ActionKind, Schedule
+from megapipe.schedules.replay import replay
+from megapipe.schedules.catalog import build_schedule, schedule_names, schedule_descriptor
+from megapipe.schedules.transport import ALL_TRANSPORTS
+from megapipe.schedules.validate import validate_schedule
 
 pytestmark = pytest.mark.unit
 

@@ -5,13 +5,13 @@ from collections import defaultdict
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.pipeline.ir.communication import add_communication
-from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
-from megapipe.pipeline.ir import schedules
-from megapipe.pipeline.ir.schedules import build_schedule, register_schedule, schedule_names
-from megapipe.pipeline.ir.schedules.descriptor import ScheduleDescriptor
-from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.schedules.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.schedules.communication import add_communication
+from megapipe.schedules.schedule_file import load_schedule, save_schedule
+from megapipe.schedules import catalog as schedules
+from megapipe.schedules.catalog import build_schedule, register_schedule, schedule_names
+from megapipe.schedules.catalog.descriptor import ScheduleDescriptor
+from megapipe.schedules.validate import validate_schedule
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.transformer import TransformerLayer
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.planner.analytic import attention_core_bytes, block_stash_bytes
 from megapipe.planner.profile import ModelShape
 from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients

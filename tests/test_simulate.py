@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.ir.actions import ActionKind
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
+from megapipe.schedules.actions import ActionKind
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
 
 pytestmark = pytest.mark.unit
 

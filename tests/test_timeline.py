@@ -5,10 +5,10 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.ir.actions import Action, ActionKind, parse_action
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.analysis.simulate import simulate
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.actions import Action, ActionKind, parse_action
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.analysis.simulate import simulate
+from megapipe.schedules.analysis.timeline import Timeline
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import sys
 import matplotlib.image
 import pytest
 
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.testing.forked import run_script
 from megapipe.training.logger import losses_in_log
 from launch_helpers import REPO as ROOT

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.config import ModelConfig
 from megapipe.models.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint_helpers import session_cache
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.errors import ConfigError
 from megapipe.training.trainer import Trainer
 from megapipe.testing.worlds import run_distributed

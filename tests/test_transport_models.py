@@ -2,7 +2,7 @@
 (p, m, v) its generator accepts among p = 2..8, m in {p, p + 1, 2p - 1, 2p, 4p}, v = 1..3 (the least m
 of each V schedule included).
 
-The reference is the transport models themselves (``pipeline/ir/transport.py``): a replay under
+The reference is the transport models themselves (``schedules/transport.py``): a replay under
 gloo's rules (each message on its own) and under NCCL's (groups complete as one unit, a rank's
 groups in issue order, a compute waits for the whole group holding its receive). Asynchronous
 schedules are checked over their unrolled form with a collective between every two calls, which
@@ -12,14 +12,14 @@ is what the training loop's agreements are.
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.ir.actions import ActionKind, Schedule, parse_action
-from megapipe.pipeline.ir.communication import add_communication
-from megapipe.pipeline.ir.replay import replay
-from megapipe.pipeline.ir.schedule_file import load_training_schedule
-from megapipe.pipeline.ir.schedules import build_schedule, build_segmented, schedule_names, schedule_descriptor
-from megapipe.pipeline.ir.segments import segment_cuts
-from megapipe.pipeline.ir.transport import ALL_TRANSPORTS, Transport, group_ids
-from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.schedules.actions import ActionKind, Schedule, parse_action
+from megapipe.schedules.communication import add_communication
+from megapipe.schedules.replay import replay
+from megapipe.schedules.schedule_file import load_training_schedule
+from megapipe.schedules.catalog import build_schedule, build_segmented, schedule_names, schedule_descriptor
+from megapipe.schedules.segments import segment_cuts
+from megapipe.schedules.transport import ALL_TRANSPORTS, Transport, group_ids
+from megapipe.schedules.validate import validate_schedule
 
 pytestmark = pytest.mark.unit
 

@@ -24,11 +24,11 @@ from fractions import Fraction
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.schedules.schedule_file import load_schedule, save_schedule
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.validate import validate_schedule
 from megapipe.layout.placement import Placement
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megapipe.pipeline.ir.weight_policy import WeightPolicy
-from megapipe.pipeline.runtime.weights import WeightVersionStore
+from megapipe.schedules.weight_policy import WeightPolicy
+from megapipe.pipeline.weights import WeightVersionStore
 
 pytestmark = pytest.mark.unit
 

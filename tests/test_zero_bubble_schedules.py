@@ -17,11 +17,11 @@ from fractions import Fraction
 import pytest
 
 from megapipe.errors import ConfigError, ScheduleError
-from megapipe.pipeline.analysis.simulate import CostModel, simulate
-from megapipe.pipeline.ir.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.pipeline.ir.schedules import build_schedule
-from megapipe.pipeline.ir.transport import ALL_TRANSPORTS
-from megapipe.pipeline.ir.validate import validate_schedule
+from megapipe.schedules.analysis.simulate import CostModel, simulate
+from megapipe.schedules.actions import Action, ActionKind, Schedule, parse_action
+from megapipe.schedules.catalog import build_schedule
+from megapipe.schedules.transport import ALL_TRANSPORTS
+from megapipe.schedules.validate import validate_schedule
 from megapipe.planner.schedule_costs import bubble_fraction, in_flight, microbatch_problem, pipeline_time
 
 pytestmark = pytest.mark.unit

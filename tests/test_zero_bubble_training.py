@@ -28,8 +28,8 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.pipeline.analysis.schedule_search import search_schedule
-from megapipe.pipeline.analysis.simulate import CostModel
+from megapipe.schedules.analysis.schedule_search import search_schedule
+from megapipe.schedules.analysis.simulate import CostModel
 from megapipe.testing.worlds import run_distributed
 from test_pipeline_training import M, assert_matches_reference, pipelined_run, shared_references
 

@@ -54,11 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tqdm import tqdm  # noqa: E402
 
 from megapipe.atomic_files import write_atomically  # noqa: E402
-from megapipe.cluster.auth import SECRET_ENV, configured_secret  # noqa: E402
+from megapipe.lease.auth import SECRET_ENV, configured_secret  # noqa: E402
 from megapipe.cluster.core.cluster_spec import parse_cluster  # noqa: E402
 from megapipe.cluster.sim.metrics import completion_times, summarise  # noqa: E402
 from megapipe.cluster.core.policies import POLICY_NAMES, make_policy  # noqa: E402
-from megapipe.cluster.core.pop import check_partitions  # noqa: E402
+from megapipe.cluster.core.policies.pop import check_partitions  # noqa: E402
 from megapipe.cluster.core.policies.cost import check_slos  # noqa: E402
 from megapipe.cluster.core.scheduler import Scheduler  # noqa: E402
 from megapipe.cluster.sim.simulator import simulate  # noqa: E402
@@ -218,7 +218,7 @@ def say(line: str) -> None:
 
 
 def run_service(args) -> None:
-    from megapipe.cluster.auth import create_secret_file, page_token
+    from megapipe.lease.auth import create_secret_file, page_token
     from megapipe.cluster.service.http_api import serve
     from megapipe.cluster.service.journal import Journal
     from megapipe.cluster.service.service import ClusterService
@@ -267,7 +267,7 @@ def run_worker(args) -> None:
 
 def _call(args, path: str, body: dict | None = None) -> dict:
     """One signed request to the service at ``args.scheduler``; its refusal sentence becomes a ConfigError."""
-    from megapipe.cluster.client.lease import get_json, post_json, scheduler_url
+    from megapipe.lease.client import get_json, post_json, scheduler_url
 
     scheduler, key = args.scheduler, client_secret(args)
     url = f"{scheduler_url(scheduler)}{path}"
@@ -297,8 +297,8 @@ def submit_job(args) -> None:
 
 def print_status(args) -> None:
     if args.page_url:
-        from megapipe.cluster.auth import page_token
-        from megapipe.cluster.client.lease import scheduler_url
+        from megapipe.lease.auth import page_token
+        from megapipe.lease.client import scheduler_url
 
         print(f"{scheduler_url(args.scheduler)}/?token={page_token(client_secret(args))}")
         return

@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.layout.placement import Placement  # noqa: E402
-from megapipe.pipeline.analysis.schedule_search import comparison, search_schedule  # noqa: E402
-from megapipe.pipeline.ir.schedule_file import load_schedule, save_schedule  # noqa: E402
-from megapipe.pipeline.ir.schedules import build_schedule, schedule_names  # noqa: E402
-from megapipe.pipeline.analysis.simulate import CostModel, simulate  # noqa: E402
-from megapipe.pipeline.analysis.timeline import Timeline  # noqa: E402
+from megapipe.schedules.analysis.schedule_search import comparison, search_schedule  # noqa: E402
+from megapipe.schedules.schedule_file import load_schedule, save_schedule  # noqa: E402
+from megapipe.schedules.catalog import build_schedule, schedule_names  # noqa: E402
+from megapipe.schedules.analysis.simulate import CostModel, simulate  # noqa: E402
+from megapipe.schedules.analysis.timeline import Timeline  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,7 +83,7 @@ def search(args: argparse.Namespace):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from megapipe.pipeline.analysis.plot import draw_simulation, draw_timeline
+        from megapipe.schedules.analysis.plot import draw_simulation, draw_timeline
 
         if args.timeline:
             timeline = Timeline.load(args.timeline)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from megapipe.config.parse import config_from_argv  # noqa: E402
+from megapipe.cli.parse import config_from_argv  # noqa: E402
 from megapipe.data.rank_data import run_tokenizer  # noqa: E402
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
 from megapipe.planner.profiler import profile_model  # noqa: E402

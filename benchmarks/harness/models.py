@@ -14,8 +14,8 @@ from megapipe.models.sequence_loss import sequence_mean
 from megapipe.optim import OptimizerConfig, trainable_params, weight_decay_groups
 from megapipe.optim.optimizer import build_inner_optimizer
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.timeline import Timeline
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.timeline import Timeline
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 from .settings import Settings

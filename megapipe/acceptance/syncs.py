@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megapipe.acceptance.record import Context, Record
 from megapipe.acceptance.runs import CPU_MODEL, GPU_MODEL
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.training.trainer import Trainer
 
 COUNTED = 3

@@ -19,7 +19,7 @@ points),
 ``convert`` (what ``tools/convert_checkpoint.py`` runs).
 
 Asynchronous schedules (PipeDream, 2BW) are not drained for a save: each rank also stores
-what its pipeline holds in flight (``megapipe.pipeline.runtime.in_flight``: stashed weight versions,
+what its pipeline holds in flight (``megapipe.pipeline.in_flight``: stashed weight versions,
 forwards awaiting their backwards with their inputs and random states, accumulated
 gradients), and a run resumed in the same layout replays those forwards, so it continues the
 trajectory of a run that never stopped. Another layout, schedule or batch split starts with

@@ -26,7 +26,7 @@ from megapipe.config.operations import same_path
 from megapipe.errors import CheckpointError
 from megapipe.optim.lr_schedule import schedule_source
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.in_flight import InFlight
+from megapipe.pipeline.in_flight import InFlight
 
 
 def _open(directory: str, kind: str) -> tuple[str, Common, dict]:

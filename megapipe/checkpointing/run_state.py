@@ -17,7 +17,7 @@ from megapipe.config import Config
 from megapipe.data.tokenizer import Tokenizer
 from megapipe.optim.lr_schedule import LRScheduler
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.pipeline.engine import PipelineEngine
 
 
 @dataclasses.dataclass

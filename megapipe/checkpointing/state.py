@@ -8,7 +8,7 @@ Keys (canonical parameter names, global shapes; see ``shards.place``)::
                                       momentum_buffer) split like the weight, or a scalar (step)
     rng/rank_<r>/{cpu,device,tracker/<stream>}   random generator states of global rank r
     inflight/rank_<r>/...             what rank r's asynchronous pipeline held between two
-                                      batches (``megapipe.pipeline.runtime.in_flight``; PipeDream, 2BW)
+                                      batches (``megapipe.pipeline.in_flight``; PipeDream, 2BW)
 
 Saving lists this rank's pieces (``save_shards``); loading lists the blocks this rank needs,
 read into fresh buffers (``LoadTargets``), so nothing touches the model until every read

@@ -6,9 +6,3 @@ clock and throughput-derived progress, and the scheduler service (``service.py``
 serve``) drives the same mechanism with the wall clock and the progress its jobs report, running them
 through worker agents or Slurm.
 """
-
-from megapipe.cluster.core.cluster_spec import ClusterSpec, parse_cluster
-from megapipe.cluster.core.jobs import Job
-from megapipe.cluster.core.throughputs import ThroughputTable
-
-__all__ = ["ClusterSpec", "Job", "ThroughputTable", "parse_cluster"]

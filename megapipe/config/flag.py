@@ -2,7 +2,7 @@
 
 Each configuration field is declared once, with its default; its metadata carries the
 Megatron-LM flag name (by default the field's name with dashes, ``micro_batch_size`` ->
-``--micro-batch-size``), the help text and argparse details. ``megapipe.config.flags`` builds
+``--micro-batch-size``), the help text and argparse details. ``megapipe.cli.flags`` builds
 the parser from these fields, so a flag's default is always the field's. ``flag(default,
 name=None)`` declares a field that no flag sets (it is derived or fixed by the model family).
 

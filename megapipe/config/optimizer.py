@@ -1,7 +1,7 @@
 """OptimizerConfig: the optimizer, learning-rate and loss-scaling flags, validated once.
 
 Field names follow Megatron-LM's flags (``--lr``, ``--min-lr``, ``--clip-grad``,
-``--loss-scale-window`` ...); each field's default is its flag's default (``megapipe.config.flags``
+``--loss-scale-window`` ...); each field's default is its flag's default (``megapipe.cli.flags``
 generates the flags from these fields).
 """
 

@@ -1,7 +1,7 @@
 """Configuration dataclasses: one source of truth, validated once, before any process group.
 
 Each field carries its default and its Megatron-LM flag (``megapipe.config.flag``); the
-parser of ``megapipe.config.flags`` is generated from them, so the command line and the
+parser of ``megapipe.cli.flags`` is generated from them, so the command line and the
 dataclasses cannot give different defaults. A model family's own defaults (BERT's epsilon,
 activation, token types ...) live in its registry entry (``megapipe.models.families``).
 Library code takes the dataclass. Every validation error is one sentence that names the flag
@@ -23,7 +23,7 @@ from megapipe.config.moe import LayerFreq, layer_freq, moe_layer_pattern, valida
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.layout.context_comm import COMM_TYPES, check_comm_type
 from megapipe.layout.stage_plan import StagePlan, read_stage_plan
-from megapipe.pipeline.ir.schedules import pipeline_schedule_help
+from megapipe.schedules.catalog import pipeline_schedule_help
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 MOE = "mixture of experts"  # the --help section of the MoE flags
@@ -238,7 +238,7 @@ def times(text: str) -> tuple[float, ...]:
 
 @dataclass
 class ScheduleSearchConfig:
-    """Inputs of ``--pipeline-schedule auto`` (``pipeline/selection.py``): per-rank times or a profile."""
+    """Inputs of ``--pipeline-schedule auto`` (``cli/selection.py``): per-rank times or a profile."""
 
     forward_time: Optional[tuple] = flag(None, name="--schedule-forward-time", type=times, help=(
         "auto: forward time of one microbatch per pipeline rank (comma-separated, or one for all)"))
@@ -449,7 +449,7 @@ class TrainingConfig:
     non_finite_action: str = flag("stop", choices=("stop", "skip"), help=(
         "with --check-for-nan-in-loss-and-grad: stop (Megatron-LM's behaviour: exit 2 with one sentence naming "
         "the iteration and the rank, before any later checkpoint) or skip (log the same and keep training)"))
-    # scheduler address of this job's lease (megapipe/cluster/client/lease.py)
+    # scheduler address of this job's lease (megapipe/lease/client.py)
     cluster_lease: Optional[str] = flag(None, metavar="ADDRESS", help=(
         "run under a lease of the cluster scheduler at this http:// address: report progress, renew before the "
         "lease ends, else save and exit (set by tools/cluster.py)"))

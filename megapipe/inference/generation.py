@@ -40,7 +40,7 @@ from megapipe.inference.frame import Frame
 from megapipe.inference.kv_cache import KVCache
 from megapipe.inference.sampling import SamplingParams, next_tokens, sequence_generators
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.peer_messages import PeerMessages
+from megapipe.pipeline.peer_messages import PeerMessages
 from megapipe.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megapipe.config import ModelConfig
 from megapipe.inference.generation import GenerationError
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.runtime.peer_messages import PeerMessages
+from megapipe.pipeline.peer_messages import PeerMessages
 from megapipe.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 

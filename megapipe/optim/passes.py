@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Optional
 
 from megapipe.optim.grad_sync import GradSync
-from megapipe.pipeline.ir.actions import ActionKind
+from megapipe.schedules.actions import ActionKind
 
 _PARTS = {ActionKind.B: (ActionKind.BI, ActionKind.BW), ActionKind.BI: (ActionKind.BI,), ActionKind.BW: (ActionKind.BW,)}
 

@@ -1,6 +1,6 @@
 """The gate that interleaves an overlapped pair's forward and backward, each on its own thread.
 
-The executor runs the two passes of a pair (``pipeline/ir/overlap.py``) on two threads and gives
+The executor runs the two passes of a pair (``schedules/overlap.py``) on two threads and gives
 each this gate. A pass's communication marks its own segments: ``communicating(segment, backward)``
 around an expert all-to-all ends the compute segment before it and starts the next one after it. The
 gate is found by the pass's direction, not its thread: a process runs at most one forward and one
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from megapipe.pipeline.ir.overlap import PairPlan, Segment
+from megapipe.schedules.overlap import PairPlan, Segment
 
 _running: dict[bool, Optional["PairGate"]] = {False: None, True: None}  # per direction (backward?): its pair's gate
 

@@ -77,7 +77,7 @@ from typing import Optional
 import numpy as np
 
 from megapipe.models.flops import head_forward_flops, layer_forward_flops
-from megapipe.pipeline.ir.schedules import schedule_descriptor
+from megapipe.schedules.catalog import schedule_descriptor
 from megapipe.layout.ranks import RankLayout
 from megapipe.planner.cluster import Cluster, Link
 from megapipe.planner.context_costs import Exchange, exchanges

@@ -1,4 +1,4 @@
-"""The planner's reading of the schedule descriptors (``pipeline/ir/schedules``): which schedules it
+"""The planner's reading of the schedule descriptors (``schedules/catalog``): which schedules it
 plans, and their batch time, bubble, in-flight activations and weight versions.
 
 Each schedule's closed forms, and the seed 002 Table 7.1 rows and tests that justify them, live
@@ -22,10 +22,10 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 from megapipe.errors import ConfigError
-from megapipe.pipeline.ir.actions import Schedule
-from megapipe.pipeline.ir.schedules import (DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, build_schedule,
+from megapipe.schedules.actions import Schedule
+from megapipe.schedules.catalog import (DESCRIPTORS, SEARCHED as SEARCHED_SCHEDULE, build_schedule,
                                             overlapped_schedule, schedule_descriptor)
-from megapipe.pipeline.ir.schedules.descriptor import ClosedForms, ScheduleDescriptor
+from megapipe.schedules.catalog.descriptor import ClosedForms, ScheduleDescriptor
 from megapipe.layout.placement import Placement
 
 SEARCHED = SEARCHED_SCHEDULE.name  # the schedule search, which the planner runs on its fastest layouts only (plan.py)
@@ -52,8 +52,8 @@ def searched(forward: Sequence[float], backward: Sequence[float], m: int, v: int
 
 @functools.lru_cache(maxsize=1024)
 def _searched(forward: tuple[float, ...], backward: tuple[float, ...], m: int, v: int) -> Searched:
-    from megapipe.pipeline.analysis.schedule_search import search_schedule
-    from megapipe.pipeline.analysis.simulate import CostModel
+    from megapipe.schedules.analysis.schedule_search import search_schedule
+    from megapipe.schedules.analysis.simulate import CostModel
 
     p, halves = len(forward), [b / 2 for b in backward]
     costs = CostModel.per_rank(p, v, forward, halves, halves, exact=False)
@@ -80,7 +80,7 @@ def overlapped_time(schedule: str, p: int, forward: Sequence[float], backward: S
     ``exchange[s]`` per pass are the expert all-to-alls of the stage's ``moe_layers[s]`` MoE layers; each pair
     hides them as ``simulate.overlapped_pair_time`` says (BI and BW half the backward's compute each, the BI
     all of its all-to-alls); with each rank's all-to-all time that no pair hides."""
-    from megapipe.pipeline.analysis.simulate import CostModel, exposed_expert_comm, simulate
+    from megapipe.schedules.analysis.simulate import CostModel, exposed_expert_comm, simulate
 
     lists = overlapped(schedule, p, m, v)
     if lists is None:

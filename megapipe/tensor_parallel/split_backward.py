@@ -1,6 +1,6 @@
 """A split backward's two parts: BI (input gradients) defers the weight-gradient products, BW runs them.
 
-Zero-bubble schedules split each backward in two (``pipeline/ir/actions.py``). BI is an
+Zero-bubble schedules split each backward in two (``schedules/actions.py``). BI is an
 ordinary backward through the stage, run inside ``deferring_weight_gradients``: there every
 ``linear`` computes its input (and bias) gradient at once, but instead of its weight gradient
 it records what that product needs (the weight, the output gradient and the input). The MoE

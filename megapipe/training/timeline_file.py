@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.analysis.timeline import Timeline
 
 
 def save_run_timeline(timeline: Timeline, ps: ParallelState, path: str) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megapipe import fusions
-from megapipe.config.parse import parse_config
+from megapipe.cli.parse import parse_config
 from megapipe.checkpointing.run_state import RunState, TrainState
 from megapipe.config import Config
 from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenizer_flags
@@ -37,11 +37,11 @@ from megapipe.training.sigterm import SigtermNotice
 from megapipe.checkpointing.paths import read_latest
 from megapipe.optim import LRScheduler
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.analysis.schedule_search import comparison
-from megapipe.pipeline.ir.schedule_file import load_schedule, load_training_schedule
-from megapipe.pipeline.ir.schedules import schedule_descriptor
-from megapipe.pipeline.selection import AUTO, searched_schedule, stage_costs
-from megapipe.pipeline.runtime.engine import PipelineEngine
+from megapipe.schedules.analysis.schedule_search import comparison
+from megapipe.schedules.schedule_file import load_schedule, load_training_schedule
+from megapipe.schedules.catalog import schedule_descriptor
+from megapipe.cli.selection import AUTO, searched_schedule, stage_costs
+from megapipe.pipeline.engine import PipelineEngine
 from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
 from megapipe.parallel.state import initialize_plan_state
@@ -49,7 +49,7 @@ from megapipe.training.logger import IterationStats, TrainLogger, amended_text
 from megapipe.training.non_finite import NonFiniteWatch
 from megapipe.training.startup import startup_line, where_losses_are_logged
 from megapipe.training.timeline_file import save_run_timeline
-from megapipe.pipeline.analysis.timeline import Timeline
+from megapipe.schedules.analysis.timeline import Timeline
 
 
 class Trainer:
@@ -62,7 +62,7 @@ class Trainer:
         self.device = init_distributed(timeout)
         select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
-            from megapipe.cluster.client.lease import ClusterLease
+            from megapipe.lease.client import ClusterLease
 
             self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
         par, t = config.parallel, config.training

@@ -17,7 +17,7 @@ Routes::
     POST /leases/<job>/<lease>     {"iteration", "seconds_per_iteration", "renew", "exiting"}
                                    -> {"expires_in"} | {"stop"} | {"error"}
 
-Every request is signed with the cluster's secret (``megapipe/cluster/auth.py``; a lease's
+Every request is signed with the cluster's secret (``megapipe/lease/auth.py``; a lease's
 route also with the key derived for that lease, the two GET routes also with the status page's
 ``?token=``); one that is not gets 401. A refused request answers 4xx with ``{"error":
 sentence}``: 400 for a malformed body or field, 404 for what does not exist, 405 for another
@@ -38,7 +38,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from megapipe.cluster.auth import ReplayGuard
+from megapipe.lease.auth import ReplayGuard
 from megapipe.cluster.service.placeable import Unplaceable
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page

@@ -59,7 +59,7 @@ def leases(text: str) -> list[tuple[int, str, list[str]]]:
 
 def layout_key(command: list[str], devices: int) -> tuple:
     """(t, p, d, schedule, micro-batch size) of a training command on ``devices`` processes."""
-    from megapipe.config.parse import build_parser
+    from megapipe.cli.parse import build_parser
     from megapipe.cluster.service.job_spec import SCRIPTS
 
     args, _ = build_parser(SCRIPTS[os.path.basename(command[0])]).parse_known_args(command[1:])

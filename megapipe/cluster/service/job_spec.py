@@ -17,7 +17,7 @@ from typing import Optional
 
 from megapipe.cluster.service.job_paths import check_paths
 from megapipe.cluster.service.names import check_plain
-from megapipe.config.parse import build_parser, parse_config
+from megapipe.cli.parse import build_parser, parse_config
 from megapipe.config import Config
 from megapipe.errors import ConfigError
 

@@ -7,7 +7,7 @@ address, or, given ``test_hosts`` (``megapipe/testing/hosts.py``), real hosts: e
 inside its own network namespace with that host's ``--address``, so its jobs' ranks live there
 and reach ranks on the other host over the bridge; the scheduler listens on the bridge's address
 (the gateway every host reaches), where agents, jobs' leases and this class's requests find it.
-Every party signs its requests with the secret in ``WORK_DIR/secret`` (``megapipe/cluster/auth.py``);
+Every party signs its requests with the secret in ``WORK_DIR/secret`` (``megapipe/lease/auth.py``);
 jobs may name paths under ``files`` (the service's default root).
 """
 
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megapipe.cluster.auth import create_secret_file, page_token
-from megapipe.cluster.client.lease import get_json, post_json
+from megapipe.lease.auth import create_secret_file, page_token
+from megapipe.lease.client import get_json, post_json
 
 ROOT = Path(__file__).resolve().parents[3]
 TOOL = str(ROOT / "tools" / "cluster.py")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megapipe.checkpointing.paths import read_latest
-from megapipe.cluster.auth import LEASE_KEY_ENV, lease_key
-from megapipe.cluster.client.lease import scheduler_url
+from megapipe.lease.auth import LEASE_KEY_ENV, lease_key
+from megapipe.lease.client import scheduler_url
 from megapipe.cluster.service.backends.agents import LOST, AgentsBackend
 from megapipe.cluster.service.backends.base import HostSlots, Launch
 from megapipe.cluster.core.cluster_spec import ClusterSpec, devices_text

@@ -34,7 +34,7 @@ from typing import Optional
 
 from megapipe.cluster.core.cluster_spec import devices_text
 from megapipe.cluster.worker.torchrun import node_shell_command
-from megapipe.cluster.client.lease import post_json, scheduler_url
+from megapipe.lease.client import post_json, scheduler_url
 from megapipe.cluster.worker.orphans import AGENT, agent_identity, any_alive, orphaned_jobs
 from megapipe.cluster.worker.process_tree import signal_tree
 from megapipe.errors import ConfigError
@@ -116,7 +116,7 @@ class WorkerAgent:
                  key: Optional[bytes] = None):
         """``announce``: where the agent says what happens, one line per event (registered, the scheduler
         lost and back, each job's ranks started, stopped and ended); silent when None. ``key``: the
-        cluster's secret, which signs every request (``megapipe/cluster/auth.py``)."""
+        cluster's secret, which signs every request (``megapipe/lease/auth.py``)."""
         self.url, self.host, self.address, self.key = scheduler_url(scheduler), host, address, key
         self.devices, self.throttle = devices, throttle
         self.announce = announce or (lambda line: None)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megapipe.models.moe.router import Routing
 from megapipe.parallel.comm_overlap import communicating
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.ir.overlap import Segment
+from megapipe.schedules.overlap import Segment
 from megapipe.tensor_parallel import mappings
 
 

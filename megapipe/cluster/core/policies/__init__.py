@@ -45,7 +45,7 @@ def make_policy(name: str, seed: int = 0, pop_partitions: int = 1) -> Policy:
     policy = FACTORIES[name](seed)
     if pop_partitions == 1:
         return policy
-    from megapipe.cluster.core.pop import Partitioned
+    from megapipe.cluster.core.policies.pop import Partitioned
 
     return Partitioned(policy, pop_partitions, seed)
 

@@ -1,0 +1,44 @@
+"""Runs an overlapped pair's forward and backward together (``--overlap-moe-expert-parallel-comm``).
+
+The backward runs on a thread of its own (on CUDA also on a stream of its own), the forward on the
+caller's; a ``PairGate`` interleaves them by the IR's plan (``schedules/overlap.py``), so one
+microbatch's expert all-to-all is in flight while the other computes. Each pass computes exactly
+what it computes alone, in the same order, so the results are those of running them one after the
+other, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from megapipe.parallel.comm_overlap import PairGate
+from megapipe.parallel.launch import side_stream
+from megapipe.schedules.overlap import PAIR, Segment
+
+Record = Optional[Callable[[bool, Segment, float, float], None]]
+
+
+def run_pair(forward: Callable[[], object], backward: Callable[[], object], device: torch.device,
+             record: Record = None) -> None:
+    """Run both passes; ``record(backward, segment, start, end)`` sees each all-to-all's time."""
+    gate = PairGate(PAIR, record)
+    failures: list[BaseException] = []
+
+    def run_backward() -> None:
+        try:
+            with side_stream(device):
+                gate.run(True, backward)
+        except BaseException as error:  # handed to the caller's thread
+            failures.append(error)
+
+    thread = threading.Thread(target=run_backward, name="overlapped backward", daemon=True)
+    thread.start()
+    try:
+        gate.run(False, forward)
+    finally:
+        thread.join()
+    if failures:
+        raise failures[0]
