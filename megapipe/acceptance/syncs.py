@@ -7,12 +7,13 @@ from __future__ import annotations
 from megapipe.acceptance.record import Context, Record
 from megapipe.acceptance.runs import CPU_MODEL, GPU_MODEL
 from megapipe.cli.parse import parse_config
+from megapipe.schedules.catalog import one_f_one_b, two_bw
 from megapipe.training.trainer import Trainer
 
 COUNTED = 3
 FLAGS = ["--mock-data", "--vocab-size", "1024", "--train-iters", "100", "--log-interval", "100",
          "--eval-interval", "100", "--eval-iters", "1", "--untie-embeddings-and-output-weights", "--bf16"]
-CASES = (("1f1b", 2), ("1f1b", 8), ("2bw", 2), ("2bw", 8))
+CASES = tuple((schedule, m) for schedule in (one_f_one_b.DESCRIPTOR.name, two_bw.DESCRIPTOR.name) for m in (2, 8))
 
 
 def count(flags: list[str]) -> str:

@@ -23,7 +23,8 @@ from megapipe.config.moe import LayerFreq, layer_freq, moe_layer_pattern, valida
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.layout.context_comm import COMM_TYPES, check_comm_type
 from megapipe.layout.stage_plan import StagePlan, read_stage_plan
-from megapipe.schedules.catalog import pipeline_schedule_help
+from megapipe.schedules.catalog import (default_schedule, names_where, pipeline_schedule_help, schedule_descriptor,
+                                         schedule_names)
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 MOE = "mixture of experts"  # the --help section of the MoE flags
@@ -302,7 +303,11 @@ class ParallelConfig:
         if self.hierarchical_context_parallel_sizes is not None:
             self.hierarchical_context_parallel_sizes = tuple(self.hierarchical_context_parallel_sizes)
         if self.pipeline_schedule is None:
-            self.pipeline_schedule = "interleaved" if self.virtual_pipeline > 1 else "1f1b"
+            self.pipeline_schedule = default_schedule(self.virtual_pipeline)
+
+    def _descriptor_has(self, fact: str) -> bool:
+        """Whether the named schedule has a descriptor property (``auto`` and files have none)."""
+        return self.pipeline_schedule in schedule_names() and getattr(schedule_descriptor(self.pipeline_schedule), fact)
 
     def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
@@ -313,10 +318,10 @@ class ParallelConfig:
                               f"--tensor-model-parallel-size {self.tensor}: each group of that many tensor ranks "
                               "shares a tensor group's tokens between its experts; use a divisor of it.")
         check_comm_type(self.context_parallel_size, self.cp_comm_type, self.hierarchical_context_parallel_sizes)
-        if self.pipedream_vertical_sync and self.pipeline_schedule != "pipedream":
+        if self.pipedream_vertical_sync and not self._descriptor_has("vertical_sync"):
             raise ConfigError(f"--pipedream-vertical-sync has no meaning with --pipeline-schedule "
                               f"{self.pipeline_schedule}: it chooses the weight versions of PipeDream's weight "
-                              "stashing; drop the flag or use --pipeline-schedule pipedream.")
+                              f"stashing; drop the flag or use --pipeline-schedule {names_where('vertical_sync')}.")
         plan = self.stage_plan()
         if plan is None:
             return
@@ -331,10 +336,10 @@ class ParallelConfig:
         if self.pipeline not in (1, plan.num_stages):
             raise ConfigError(f"--pipeline-stages names {plan.num_stages} stages but --pipeline-model-parallel-size "
                               f"is {self.pipeline}; drop --pipeline-model-parallel-size or make them equal.")
-        if plan.equal_replication is None and self.pipeline_schedule != "pipedream":
+        if plan.equal_replication is None and not self._descriptor_has("unequal_replicas"):
             raise ConfigError(f"--pipeline-stages replicates its stages unequally ({plan.to_text()}), which only "
-                              "--pipeline-schedule pipedream (1F1B-RR) can run; use it or replicate every stage "
-                              "equally.")
+                              f"--pipeline-schedule {names_where('unequal_replicas')} (1F1B-RR) can run; use "
+                              "it or replicate every stage equally.")
         if num_layers is not None:
             plan.validate(num_layers, world_size, self.tensor, self.context_parallel_size)
 

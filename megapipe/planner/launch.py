@@ -25,6 +25,9 @@ from megapipe.planner.cost_model import Estimate
 from megapipe.planner.partition import Partition
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.schedule_costs import SEARCHED, unties_embeddings
+from megapipe.schedules.catalog import pipedream
+
+PIPEDREAM = pipedream.DESCRIPTOR.name
 
 
 def pipeline_stages_flag(stages: list[tuple[int, int, int]]) -> str:
@@ -158,14 +161,14 @@ def pipedream_plan(partition: Partition, shape: ModelShape, cluster: Cluster, mi
     stages = [(s.start, s.end, s.replicas) for s in partition.stages]
     flag = pipeline_stages_flag(stages)
     batch = micro_batch_size * partition.stages[0].replicas
-    untie = unties_embeddings("pipedream", len(stages))
+    untie = unties_embeddings(PIPEDREAM, len(stages))
     command = _join(torchrun_prefix(cluster, partition.workers) + [_script(shape)] + model_flags(shape, untie) + [
         "--pipeline-stages", flag, "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(batch),
-        "--pipeline-schedule", "pipedream"])
+        "--pipeline-schedule", PIPEDREAM])
     return {
         "stages": [{"layers": [a, b], "replicas": r, "in_flight": s.in_flight}
                    for (a, b, r), s in zip(stages, partition.stages)],
-        "schedule": "pipedream",
+        "schedule": PIPEDREAM,
         "micro_batch_size": micro_batch_size,
         "global_batch_size": batch,
         "tensor_model_parallel_size": 1,

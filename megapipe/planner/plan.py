@@ -23,6 +23,7 @@ from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.config.sharding import SHARDING_STRATEGIES
+from megapipe.schedules.catalog import default_schedule
 from megapipe.planner.schedule_costs import (SCHEDULES, SEARCHED, SEARCHED_LAYOUTS, flushes, microbatch_problem,
                                              overlapped, planned_chunks)
 from megapipe.planner.units import human_bytes
@@ -121,7 +122,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
             for schedule in request.schedules:
                 if schedule == SEARCHED:
                     continue  # searched for the fastest layouts only, in ``plan``
-                if p == 1 and schedule != "1f1b":
+                if p == 1 and schedule != default_schedule(1):
                     continue  # without a pipeline every schedule is gradient accumulation
                 chunks = [v for v in planned_chunks(schedule, request.max_virtual) if shape.num_layers % (p * v) == 0]
                 for v in chunks:

@@ -25,7 +25,7 @@ from typing import Optional
 
 from megapipe.errors import ConfigError, ScheduleError
 from megapipe.schedules.actions import Action, ActionKind, Schedule, parse_action
-from megapipe.schedules.catalog import lower_schedule
+from megapipe.schedules.catalog import lower_schedule, names_where
 from megapipe.schedules.validate import validate_schedule
 from megapipe.schedules.validate_updates import is_asynchronous
 from megapipe.layout.placement import Placement
@@ -52,7 +52,7 @@ def load_training_schedule(path, p: int, m: int, v: int) -> Schedule:
     schedule = load_schedule(path)
     if is_asynchronous(schedule):
         raise ConfigError(f"--schedule-file {path} updates with UPDATE actions; the training scripts run flush "
-                          "schedules from files (one STEP per rank); use --pipeline-schedule pipedream or 2bw.")
+                          f"schedules from files (one STEP per rank); use --pipeline-schedule {names_where('asynchronous')}.")
     if (schedule.p, schedule.m, schedule.v) != (p, m, v):
         raise ConfigError(f"--schedule-file {path} is written for p={schedule.p}, m={schedule.m}, v={schedule.v}, but "
                           f"this run has p={p} (--pipeline-model-parallel-size), m={m} microbatches (--global-batch-size"

@@ -61,10 +61,11 @@ def layout_key(command: list[str], devices: int) -> tuple:
     """(t, p, d, schedule, micro-batch size) of a training command on ``devices`` processes."""
     from megapipe.cli.parse import build_parser
     from megapipe.cluster.service.job_spec import SCRIPTS
+    from megapipe.schedules.catalog import default_schedule
 
     args, _ = build_parser(SCRIPTS[os.path.basename(command[0])]).parse_known_args(command[1:])
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    return t, p, devices // (t * p), args.pipeline_schedule or "1f1b", args.micro_batch_size
+    return t, p, devices // (t * p), args.pipeline_schedule or default_schedule(1), args.micro_batch_size
 
 
 def iteration_layouts(text: str) -> dict[int, tuple]:

@@ -78,6 +78,18 @@ def register_schedule(descriptor: ScheduleDescriptor) -> None:
     _REGISTRY[descriptor.name] = descriptor
 
 
+def default_schedule(virtual_pipeline: int) -> str:
+    """The schedule a run gets without ``--pipeline-schedule``: 1F1B, or Megatron's interleaved 1F1B when each
+    rank holds more than one model chunk."""
+    return (interleaved.DESCRIPTOR if virtual_pipeline > 1 else one_f_one_b.DESCRIPTOR).name
+
+
+def names_where(fact: str) -> str:
+    """The registered schedules whose descriptor has ``fact`` (a true property), for a sentence: ``pipedream``
+    or ``2bw or pipedream``."""
+    return " or ".join(name for name in schedule_names() if getattr(_REGISTRY[name], fact))
+
+
 def schedule_names() -> list[str]:
     """The registered schedules (those with a generator), sorted."""
     return sorted(_REGISTRY)

@@ -119,7 +119,9 @@ class ScheduleDescriptor:
     chunks, and keywords ``(p, m, v, batches, replicas, vertical_sync)`` when it is asynchronous
     (weight policy other than single); None for ``auto``, which the search makes. ``split_backward``:
     its lists split backwards into BI and BW. ``alternates``: a rank runs forwards after backwards of the
-    same batch (all but GPipe). ``summary`` is its line in the docs' table."""
+    same batch (all but GPipe). ``unequal_replicas``: it runs a stage plan that replicates its stages
+    unequally (1F1B-RR). ``vertical_sync``: ``--pipedream-vertical-sync`` chooses its weight versions.
+    ``summary`` is its line in the docs' table."""
 
     name: str
     generate: Optional[Generator]
@@ -129,6 +131,8 @@ class ScheduleDescriptor:
     weight_policy: WeightPolicy = WeightPolicy.SINGLE
     split_backward: bool = False
     alternates: bool = True
+    unequal_replicas: bool = False
+    vertical_sync: bool = False
     costs: Union[ClosedForms, NoClosedForm] = field(default=SIMULATE)
 
     @property

@@ -77,6 +77,6 @@ def _stash(actions: list[Action], replicas: tuple[int, ...], tags: Optional[dict
 # microbatch, so a batch is one microbatch per pipeline.
 DESCRIPTOR = ScheduleDescriptor(
     "pipedream", pipedream, "1F1B(-RR) without flushes, an update after every backward, weight stashing",
-    weight_policy=WeightPolicy.STASH,
+    weight_policy=WeightPolicy.STASH, unequal_replicas=True, vertical_sync=True,
     costs=ClosedForms(in_flight=rank_warmup_in_flight, bubble=no_bubble, batch_time=steady_time, exact=False,
                       sizes=Sizes(most_microbatches=1)))
