@@ -106,7 +106,8 @@ def test_analytic_profile_follows_eq_4_2_and_the_activation_count():
         assert block.backward_s[index] == pytest.approx(2 * forward, rel=1e-12)
         assert block.recompute_backward_s[index] == pytest.approx(3 * forward, rel=1e-12)
         head = profile.layers[-1]
-        assert head.forward_s[index] + head.backward_s[index] == pytest.approx(6 * b * s * h * padded / (flops * efficiency))
+        head_seconds = 6 * b * s * h * padded / (flops * efficiency)
+        assert head.forward_s[index] + head.backward_s[index] == pytest.approx(head_seconds)
         # 16-bit activations: s b h (34 + 5 a s / h), of which 24 s b h + 5 a s^2 b split by t
         assert block.stash_bytes[index] == s * b * h * (34 + 5 * a * s / h)
         assert block.split_stash_bytes[index] == 24 * s * b * h + 5 * a * s * s * b
