@@ -24,6 +24,7 @@ import numpy as np
 
 from megapipe.errors import ConfigError
 from megapipe.models.shape import ModelShape
+from megapipe.planner.json_file import read_json
 
 PROFILE_FORMAT = "megapipe-profile/1"
 LAYER_KINDS = ("embedding", "block", "head")
@@ -131,12 +132,7 @@ class ModelProfile:
     @staticmethod
     def load(path: str | Path, expected: Optional[ModelShape] = None) -> "ModelProfile":
         """Read and check a profile; with ``expected``, refuse a profile of another model."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"profile {path} does not exist; create it with tools/profile_model.py.") from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"profile {path} is not valid JSON ({error.msg} at line {error.lineno}); {_FIX}.") from None
+        data = read_json(path, "profile", "create it with tools/profile_model.py", _FIX)
         profile = ModelProfile.from_dict(data, f"profile {path}")
         if expected is not None:
             profile.shape.check_same(expected, f"profile {path}")
