@@ -25,6 +25,7 @@ stubbed here; the other comm types' collectives are not.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -89,9 +90,7 @@ def main() -> None:
     parser.add_argument("--context", default="1,2,4,8", help="comma-separated context-parallel sizes")
     args = parser.parse_args()
     config = model_config(args.num_layers, args.seq_length)
-    shape = ModelShape.from_config("gpt", config)
-    shape = ModelShape(shape.kind, shape.num_layers, shape.hidden_size, shape.num_attention_heads,
-                       shape.seq_length, config.padded_vocab_size(1), shape.ffn_hidden_size)
+    shape = ModelShape.from_config("gpt", replace(config, vocab_size=config.padded_vocab_size(1)))
     print(f"torch {torch.__version__}; GPT {args.num_layers} layers of the 1.3B shape, bf16, sequence "
           f"{args.seq_length}, micro-batch 1, --cp-comm-type p2p; bytes of context rank 0")
     print_ruled(f"{'c':>2s} {'tokens/rank':>11s} {'kept GiB':>9s} {'x c=1':>6s} {'peak GiB':>9s} {'x c=1':>6s} "

@@ -63,8 +63,7 @@ def planned_peak(shape, granularity: str | None) -> float:
     """The planner's MEMORY(.) of the same model, micro-batch and schedule on one device, recomputing at
     ``granularity`` (None, "selective" or "full")."""
     config = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1).config()
-    model = ModelShape("gpt", shape.num_layers, shape.hidden_size, shape.heads, shape.seq_length,
-                       config.padded_vocab_size(1), config.ffn_hidden_size)
+    model = ModelShape.from_config("gpt", replace(config, vocab_size=config.padded_vocab_size(1)))
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
                                    dtype="bfloat16", selective=granularity == "selective")
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))

@@ -72,7 +72,8 @@ from megapipe.fusions.fp8_mode import select_fp8  # noqa: E402
 from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.errors import ConfigError, first_line  # noqa: E402
 from megapipe.parallel.launch import DeviceClock, default_device, device_name, peak_memory_gib, release_cached_memory, reset_peak_memory, synchronize
-from megapipe.models.flops import (check_device_peak, device_peak_tflops, flops_per_iteration,  # noqa: E402
+from megapipe.models.families import family_of  # noqa: E402
+from megapipe.models.flops import (check_device_peak, device_peak_tflops,  # noqa: E402
                                    head_flops_per_iteration, parameter_count)
 from megapipe.models import build_model_chunks  # noqa: E402
 from megapipe.models.hf_mapping import gpt2_from_hf  # noqa: E402
@@ -693,7 +694,7 @@ def main() -> None:
                                                       ("vocab_size", args.vocab_size)) if v is not None})
         config = model_config(shape, torch.bfloat16, args.dropout)
         sequences = args.micro_batches * shape.micro_batch
-        flops = flops_per_iteration(config, sequences, recompute=False)
+        flops = family_of("gpt", config).flops(config, sequences, recompute=False)
         head = head_flops_per_iteration(config, sequences)
         print(f"\n== {shape_name}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.heads} heads, "
               f"sequence {shape.seq_length}, {args.micro_batches} micro-batches of {shape.micro_batch} per step, "

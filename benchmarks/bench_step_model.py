@@ -58,7 +58,7 @@ from harness import cli  # noqa: E402
 from harness.report import print_ruled, write_json  # noqa: E402
 from megapipe.cli.flags import FIELD_FLAGS, build_parser  # noqa: E402
 from megapipe.errors import ConfigError, UserError  # noqa: E402
-from megapipe.models.flops import flops_per_iteration  # noqa: E402
+from megapipe.models.families import family_of  # noqa: E402
 from megapipe.testing.fake_device import FAKE_DEVICE  # noqa: E402
 
 MICRO_BATCHES, DROPOUT = 8, 0.1
@@ -142,7 +142,8 @@ def count(shape_name: str, model: dict, fp8: dict, micro_batches: int):
 
 def model_flops(shape_name: str, micro_batches: int) -> float:
     system = Megapipe("megapipe", SHAPES[shape_name], FAKE_DEVICE, DROPOUT)
-    return flops_per_iteration(system.config(), micro_batches * SHAPES[shape_name].micro_batch, recompute=False)
+    config = system.config()
+    return family_of("gpt", config).flops(config, micro_batches * SHAPES[shape_name].micro_batch, recompute=False)
 
 
 def commit_of(root: Path) -> str:

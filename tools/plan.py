@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megapipe.errors import ConfigError, reports_user_errors  # noqa: E402
+from megapipe.config import ModelConfig  # noqa: E402
 from megapipe.config.moe import check_layer_freq, layer_freq  # noqa: E402
 from megapipe.config.sharding import SHARDING_STRATEGIES  # noqa: E402
 from megapipe.planner.analytic import analytic_gpt_profile  # noqa: E402
@@ -107,16 +108,15 @@ def shape_from_flags(args) -> ModelShape | None:
     if missing:
         raise ConfigError(f"a model shape needs --{missing[0].replace('_', '-')} as well; give the whole shape or use "
                           "--model or --profile.")
-    ffn = given["ffn_hidden_size"] or 4 * given["hidden_size"]
-    experts = args.num_experts or 0
-    moe = (experts, args.moe_router_topk or 2, args.moe_ffn_hidden_size or 0) if experts else (0, 0, 0)
-    if experts and moe[1] > experts:
-        raise ConfigError(f"--moe-router-topk {moe[1]} exceeds --num-experts {experts}; route to at most as many "
+    experts, topk = args.num_experts, args.moe_router_topk or 2
+    moe = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+               moe_layer_freq=args.moe_layer_freq, add_bias_linear=False) if experts else {}
+    if experts and topk > experts:
+        raise ConfigError(f"--moe-router-topk {topk} exceeds --num-experts {experts}; route to at most as many "
                           "experts as there are.")
     if experts:
         check_layer_freq(args.moe_layer_freq, given["num_layers"])
-    return ModelShape(args.model_type, given["num_layers"], given["hidden_size"], given["num_attention_heads"],
-                      given["seq_length"], given["vocab_size"], ffn, True, *moe, args.moe_layer_freq if experts else 1)
+    return ModelShape.from_config(args.model_type, ModelConfig(**given, **moe))
 
 
 def load_profile(args, cluster: Cluster) -> ModelProfile:

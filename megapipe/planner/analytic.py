@@ -3,16 +3,19 @@
 Times come from FLOP counts (seed 002 section 4.5.1, the terms of eq. 4.2): a block's forward
 is ``24 b s h^2 + 4 b s^2 h`` for ffn = 4h (in general ``8 b s h^2 + 4 b s h ffn + 4 b s^2 h``),
 backward twice that, recomputation one forward more; the head's logits cost ``2 b s h V``
-forward and twice that backward. A device runs them at ``achieved_flops * e(n)``, where the
+forward (V padded as the model pads it) and twice that backward. SwiGLU's three MLP matrices and
+grouped-query attention's narrower keys and values (``megapipe.models.flops.block_forward_flops``)
+are counted as the model family counts them. A device runs them at ``achieved_flops * e(n)``, where the
 efficiency ``e(n) = n / (n + half_tokens)`` of a GEMM over n tokens models that small
 micro-batches do not fill the device; the default half point of 0.3 x 2048 tokens makes
 throughput rise 1.3x from b = 1 to large b at s = 2048, as the seed reports for its 1B model
 (Fig. 4.7). Bytes come from the shape: the tensors one block keeps for backward, counted for
 this codebase's layer with e-byte activations and 1-byte dropout masks, are
   replicated across tensor ranks: 2 norm inputs, QKV and fc1 inputs (4e sbh), 2 dropout masks (2 sbh);
-  split by tensor parallelism: QKV output 3e sbh, attention context e sbh, GeLU input and output
-  2e s b ffn, and per head the softmax output, its dropout mask and the dropped probabilities
-  ((2e + 1) a b s^2),
+  split by tensor parallelism: QKV output e sb (h + 2 h_kv) with h_kv = query groups x head size
+  (3e sbh under multi-head attention), attention context e sbh, the activation's input and output
+  2e s b ffn (3e s b ffn for SwiGLU, whose input is gate and up), and per head the softmax output, its
+  dropout mask and the dropped probabilities ((2e + 1) a b s^2),
 which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``. Selective recomputation
 (``models/selective.py``) recomputes the norms' outputs (the QKV and fc1 inputs), the activation's output and
 the dropout masks in the backward pass, so a block keeps the 2 norm inputs (2e sbh) replicated and QKV
@@ -43,7 +46,8 @@ def block_forward_flops(shape: ModelShape, b: float, layer: int) -> float:
 
 
 def head_forward_flops(shape: ModelShape, b: float) -> float:
-    return flops.head_forward_flops(b * shape.seq_length, shape.hidden_size, shape.vocab_size)
+    """The logit layer's forward FLOPs at micro-batch b, over the padded vocabulary as the family counts them."""
+    return flops.head_forward_flops(b * shape.seq_length, shape.hidden_size, shape.padded_vocab_size)
 
 
 def block_params(shape: ModelShape, layer: int) -> tuple[int, int]:
@@ -63,10 +67,13 @@ def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: in
     """(all, split) bytes block ``layer`` keeps for backward at micro-batch b, without recomputation or with
     ``selective`` recomputation (see the module docstring)."""
     s, h, f, e = shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size(layer), element_bytes
+    qkv_context = h + 2 * shape.kv_hidden_size + h  # QKV output (keys and values per query group) and context
+    activation_input = 2 * f if shape.swiglu else f  # SwiGLU's gate and up halves
     if selective:  # norm inputs; QKV output, context, activation input
-        replicated, split = 2 * e * s * b * h, 4 * e * s * b * h + e * s * b * f
+        replicated, split = 2 * e * s * b * h, e * s * b * qkv_context + e * s * b * activation_input
     else:  # also the norm outputs, the activation output and the two dropout masks
-        replicated, split = 4 * e * s * b * h + 2 * s * b * h, 4 * e * s * b * h + 2 * e * s * b * f
+        replicated = 4 * e * s * b * h + 2 * s * b * h
+        split = e * s * b * qkv_context + e * s * b * (activation_input + f)
     split += attention_core_bytes(shape, b, e)
     return replicated + split, split
 
@@ -92,7 +99,8 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
 
     zero = per_size(lambda b: 0.0)
     activation = per_size(lambda b: e * s * b * h)
-    embedding = LayerProfile("embedding", "embedding", params=v * h + s * h, split_params=v * h, forward_s=zero,
+    positions = s * h if shape.position_embedding_type == "learned_absolute" else 0
+    embedding = LayerProfile("embedding", "embedding", params=v * h + positions, split_params=v * h, forward_s=zero,
                              backward_s=zero, recompute_backward_s=zero, output_bytes=activation,
                              stash_bytes=per_size(lambda b: s * b * h + 8 * s * b), split_stash_bytes=zero)
 
@@ -110,7 +118,8 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
     head_forward = seconds(lambda b: head_forward_flops(shape, b))
     logits = per_size(lambda b: LOGITS_BYTES * s * b * v)
     output_weight = 0 if shape.tied_embeddings else v * h  # an untied head owns its output weight
-    head = LayerProfile("head", "head", params=2 * h + output_weight, split_params=output_weight,
+    final_norm = 2 * h if shape.normalization == "LayerNorm" else h  # RMSNorm has no bias
+    head = LayerProfile("head", "head", params=final_norm + output_weight, split_params=output_weight,
                         forward_s=head_forward,
                         backward_s=tuple(2 * t for t in head_forward), recompute_backward_s=tuple(2 * t for t in head_forward),
                         output_bytes=per_size(lambda b: 4.0),

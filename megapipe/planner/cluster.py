@@ -26,12 +26,12 @@ algorithms, see ``traffic.py``) and ``name``. Global rank r sits on node
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterable, Optional
 
 from megapipe.errors import ConfigError
+from megapipe.planner.json_file import read_json
 
 _REQUIRED = ("nodes", "gpus_per_node", "memory_per_gpu", "intra_node_bandwidth", "inter_node_bandwidth")
 
@@ -154,10 +154,6 @@ class Cluster:
 
     @staticmethod
     def load(path: str | Path) -> "Cluster":
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"cluster file {path} does not exist; pass a JSON file or a preset name.") from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"cluster file {path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+        data = read_json(path, "cluster file", "pass a JSON file or a preset name",
+                         "correct it or pass a preset name")
         return Cluster.from_dict(data, str(path))

@@ -76,7 +76,6 @@ from typing import Optional
 
 import numpy as np
 
-from megapipe.models.flops import head_forward_flops, layer_forward_flops
 from megapipe.schedules.catalog import schedule_descriptor
 from megapipe.layout.ranks import RankLayout
 from megapipe.planner.cluster import Cluster, Link
@@ -241,12 +240,9 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
 
 
 def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:
-    """Seed 002 eq. 4.2 per sample (``megapipe.models.flops``): (72 or 96, with recomputation) s l h^2 (1 + s / 6h)
-    + 6 s h V for ffn = 4h; each MoE block (``--moe-layer-freq``) counted through its experts and router."""
-    shape = profile.shape
-    config, s = shape.to_config(), shape.seq_length
-    blocks = sum(layer_forward_flops(s, config, layer) for layer in range(shape.num_layers))
-    return (4 if recompute else 3) * blocks + 3 * head_forward_flops(s, shape.hidden_size, shape.vocab_size)
+    """Model FLOPs per sample as the model's family counts them (``ModelShape.flops_per_sample``): for ffn = 4h and
+    multi-head attention seed 002 eq. 4.2, (72 or 96, with recomputation) s l h^2 (1 + s / 6h) + 6 s h V."""
+    return profile.shape.flops_per_sample(recompute)
 
 
 class PlanCostModel:

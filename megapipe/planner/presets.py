@@ -20,6 +20,7 @@ named sizes at s = 512 and V = 51,200 (the seeds do not list them).
 
 from __future__ import annotations
 
+from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.profile import ModelShape
@@ -58,7 +59,9 @@ CLUSTERS = {
 
 
 def _gpt(num_layers: int, hidden_size: int, heads: int, seq_length: int = 512) -> ModelShape:
-    return ModelShape("gpt", num_layers, hidden_size, heads, seq_length, 51200, 4 * hidden_size)
+    return ModelShape.from_config("gpt", ModelConfig(num_layers=num_layers, hidden_size=hidden_size,
+                                                     num_attention_heads=heads, seq_length=seq_length,
+                                                     vocab_size=51200))
 
 
 MODELS = {

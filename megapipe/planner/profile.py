@@ -5,25 +5,26 @@ micro-batch size b it holds forward and backward seconds, the backward seconds u
 activation recomputation (forward again, then backward), the bytes of the layer's output (what
 a pipeline boundary after it sends) and of the tensors it keeps for backward (its stash), with
 the part of the stash and of the parameters that a tensor-parallel rank holds 1/t of. The
-model shape is stored so that a profile of another model is refused. Values at micro-batch
-sizes between the profiled ones are interpolated linearly; outside, the end segments are
-extended (so a fixed per-call overhead carries over). A profile also holds the seconds the
-optimizer step takes per parameter (0 when not measured).
+model shape (``megapipe.models.shape``) is stored so that a profile of another model is refused; a
+profile written before a shape field existed reads with that field's default, which describes a GPT
+(GeLU, multi-head attention, LayerNorm), so an older profile of a Llama is refused and must be
+re-created with tools/profile_model.py. Values at micro-batch sizes between the profiled ones are
+interpolated linearly; outside, the end segments are extended (so a fixed per-call overhead carries
+over). A profile also holds the seconds the optimizer step takes per parameter (0 when not measured).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from megapipe.config import ModelConfig
-from megapipe.config.moe import LayerFreq, moe_layer_pattern
 from megapipe.errors import ConfigError
-from megapipe.models.flops import expert_parameters
+from megapipe.models.shape import ModelShape
+from megapipe.planner.json_file import read_json
 
 PROFILE_FORMAT = "megapipe-profile/1"
 LAYER_KINDS = ("embedding", "block", "head")
@@ -31,83 +32,6 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PER_SIZE_FIELDS = ("forward_s", "backward_s", "recompute_backward_s", "output_bytes", "stash_bytes",
                     "split_stash_bytes")
 _FIX = "re-create it with tools/profile_model.py"
-_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shape that makes two models cost the same; a profile is only valid for its own shape."""
-
-    kind: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    ffn_hidden_size: int
-    tied_embeddings: bool = True
-    num_experts: int = 0  # routed experts per MoE block (0: dense MLPs)
-    moe_router_topk: int = 0
-    moe_ffn_hidden_size: int = 0  # each expert's (0: ffn_hidden_size)
-    moe_layer_freq: LayerFreq = 1  # which blocks hold experts (--moe-layer-freq: every N-th, or a 0/1 per block)
-
-    def __post_init__(self):
-        if isinstance(self.moe_layer_freq, list):  # read back from JSON
-            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
-
-    @staticmethod
-    def from_config(kind: str, config: ModelConfig) -> "ModelShape":
-        moe = config.num_experts is not None
-        return ModelShape(kind, config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
-                          config.vocab_size, config.ffn_hidden_size, not config.untie_embeddings_and_output_weights,
-                          config.num_experts or 0, config.moe_router_topk if moe else 0,
-                          config.expert_ffn_hidden_size if moe else 0, config.moe_layer_freq if moe else 1)
-
-    def to_config(self, **overrides) -> ModelConfig:
-        """A ModelConfig of this shape (dropout and numerics from ``overrides`` or the defaults); an MoE shape's
-        linear layers have no biases, as megapipe's experts require."""
-        moe = dict(num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
-                   moe_ffn_hidden_size=self.expert_ffn_hidden_size, moe_layer_freq=self.moe_layer_freq,
-                   add_bias_linear=False) if self.is_moe else {}
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
-                           vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size,
-                           untie_embeddings_and_output_weights=not self.tied_embeddings, **{**moe, **overrides})
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def expert_ffn_hidden_size(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether block ``layer`` (from 0) holds experts instead of a dense MLP."""
-        return self.is_moe and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer]
-
-    @property
-    def moe_layers(self) -> list[int]:
-        """The blocks (from 0) that hold experts."""
-        return [layer for layer in range(self.num_layers) if self.is_moe_layer(layer)]
-
-    def active_ffn_hidden_size(self, layer: int) -> int:
-        """The MLP width one token passes through in block ``layer``: its k experts' together in an MoE block."""
-        return self.moe_router_topk * self.expert_ffn_hidden_size if self.is_moe_layer(layer) else self.ffn_hidden_size
-
-    @property
-    def expert_params_per_block(self) -> int:
-        """The routed experts' parameters of one MoE block (``models.flops.expert_parameters``); expert parallelism
-        holds 1/e of them, tensor parallelism 1/t."""
-        return expert_parameters(self.to_config()) if self.is_moe else 0
-
-    def check_same(self, other: "ModelShape", source: str) -> None:
-        """Raise when ``other`` (the model to plan) differs from this profile's model."""
-        for item in fields(self):
-            mine, theirs = getattr(self, item.name), getattr(other, item.name)
-            if mine != theirs:
-                raise ConfigError(f"{source} was measured for a model with {item.name} {mine}, but the model to plan "
-                                  f"has {item.name} {theirs}; profile this model with tools/profile_model.py.")
 
 
 @dataclass(frozen=True)
@@ -208,12 +132,7 @@ class ModelProfile:
     @staticmethod
     def load(path: str | Path, expected: Optional[ModelShape] = None) -> "ModelProfile":
         """Read and check a profile; with ``expected``, refuse a profile of another model."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"profile {path} does not exist; create it with tools/profile_model.py.") from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"profile {path} is not valid JSON ({error.msg} at line {error.lineno}); {_FIX}.") from None
+        data = read_json(path, "profile", "create it with tools/profile_model.py", _FIX)
         profile = ModelProfile.from_dict(data, f"profile {path}")
         if expected is not None:
             profile.shape.check_same(expected, f"profile {path}")
@@ -230,7 +149,7 @@ class ModelProfile:
             raise ConfigError(f"{source} has format {data['format']!r}, not {PROFILE_FORMAT!r}; {_FIX}.")
         model = need(data, "model", "")
         shape = ModelShape(**{f.name: need(model, f.name, "model.") for f in fields(ModelShape)
-                              if f.name not in _MOE_FIELDS or f.name in model})  # dense profiles predate them
+                              if f.default is MISSING or f.name in model})  # older profiles lack the later ones
         sizes = tuple(int(b) for b in need(data, "micro_batch_sizes", ""))
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ConfigError(f"{source} has micro_batch_sizes {list(sizes)}; they must be increasing positive "

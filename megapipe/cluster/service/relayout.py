@@ -13,9 +13,12 @@ measured there.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megapipe.cluster.service.backends.base import HostSlots
 from megapipe.cluster.service.job_spec import JobSpec
 from megapipe.cluster.core.throughputs import planner_steps_per_second
+from megapipe.data.rank_data import run_tokenizer
 from megapipe.errors import ConfigError
 from megapipe.layout.stage_plan import layers_per_stage
 from megapipe.planner.analytic import analytic_gpt_profile
@@ -29,17 +32,14 @@ from megapipe.planner.schedule_costs import FLUSHING
 CPU_DEVICE = dict(memory_per_gpu=8 * 2 ** 30, intra_node_bandwidth=2e9, inter_node_bandwidth=5e8,
                   intra_node_latency=5e-5, inter_node_latency=2e-4)
 CPU_FLOPS = 1e10
-GPT2_PADDED_VOCABULARY = 50304  # the embedded corpus's tokenizer, padded as Megatron pads it
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-schedule",
                 "--num-layers-per-virtual-pipeline-stage")
 
 
 def _shape(spec: JobSpec) -> ModelShape:
-    model = spec.config.model
-    vocabulary = spec.config.data.vocab_size or GPT2_PADDED_VOCABULARY
-    return ModelShape(spec.kind, model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length,
-                      vocabulary, model.ffn_hidden_size or 4 * model.hidden_size,
-                      not model.untie_embeddings_and_output_weights)
+    """The job's model shape, with the vocabulary of the tokenizer its run would use (as the trainer sets it)."""
+    model = dataclasses.replace(spec.config.model, vocab_size=run_tokenizer(spec.kind, spec.config).vocab_size)
+    return ModelShape.from_config(spec.kind, model)
 
 
 def _cluster(hosts: tuple[HostSlots, ...], speed: float) -> Cluster:
