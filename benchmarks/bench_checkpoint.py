@@ -60,14 +60,14 @@ def _plain_load(trainer, path: str) -> None:
 
 def _bench_world(rank, world_size, layers, root, repeats):
     os.environ["MEGAPIPE_CACHE"] = os.path.join(root, "cache")
-    from megapipe.cli.parse import parse_config
+    from megapipe.cli.parse import parse_run
     from megapipe.training.trainer import Trainer
 
     flags = ["--num-layers", str(layers), "--hidden-size", "768", "--num-attention-heads", "12",
              "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
              "--eval-iters", "1", "--log-interval", "1", "--fusion-backend", "eager",
              "--tensor-model-parallel-size", str(world_size)]
-    trainer = Trainer("gpt", parse_config("gpt", flags, world_size=world_size))
+    trainer = Trainer(parse_run("gpt", flags, world_size=world_size))
     trainer.train()
     directory = os.path.join(root, f"world{world_size}")
     plain = os.path.join(directory, f"plain_rank{rank}.pt")

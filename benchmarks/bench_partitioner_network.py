@@ -46,10 +46,10 @@ from harness.report import print_markdown
 from bench_planner_network import LINK_SIZES, slope
 from bench_planner_vs_measured import block_probe, one_way_seconds, probe_rounds
 from megapipe.config import ModelConfig
-from megapipe.models import build_planned_stage
+from megapipe.models import build_model_chunks
 from megapipe.optim import OptimizerConfig
 from megapipe.pipeline.engine import PipelineEngine
-from megapipe.parallel.state import initialize_plan_state
+from megapipe.parallel.state import ParallelState
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import Training
 from megapipe.planner.profile_partition import partition_profile
@@ -102,9 +102,9 @@ def train_plans(rank, world_size, plans, model, warmup, rounds):
     config = ModelConfig(**model)
     runs = []
     for plan in plans:
-        ps = initialize_plan_state(plan)
+        ps = ParallelState.initialize(plan=plan)
         ps.seed(1234, torch.device("cpu"))
-        chunks = build_planned_stage("gpt", config, ps, plan.layer_ranges)
+        chunks = build_model_chunks("gpt", config, ps, plan.layer_ranges)
         m = inputs_per_step(plan)
         engine = PipelineEngine(chunks, ps, OptimizerConfig(optimizer="adam", lr=1e-4), "pipedream", m,
                                 (config.seq_length, MICRO_BATCH, config.hidden_size),

@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 
 from harness import cli
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
 from megapipe.planner.cost_model import PlanCostModel, Layout, Training
@@ -71,7 +71,7 @@ def measure(rank, world_size, runs):
     for argv in runs:
         dist.barrier()
         before = own_counters() if first else None
-        Trainer("gpt", parse_config("gpt", argv, world_size=world_size)).train()
+        Trainer(parse_run("gpt", argv, world_size=world_size)).train()
         dist.barrier()
         changes.append(own_counters() - before if first else None)
     return changes

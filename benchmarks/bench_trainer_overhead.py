@@ -43,7 +43,7 @@ from harness.models import MegapipeRunner, adamw, batch
 from harness.pairing import take_turns, timed
 from harness.ratios import median_ratio, paired, quartiles
 from harness.settings import Settings
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.models import build_model_chunks
 from megapipe.testing.worlds import run_distributed
 from megapipe.training.trainer import Trainer
@@ -122,8 +122,8 @@ def same_model(trainer: Trainer, settings: Settings) -> bool:
 
 def world(rank: int, world_size: int, settings: Settings, rounds: int, extra: list[str],
           with_torch: bool) -> dict:
-    config = parse_config("gpt", trainer_flags(settings, world_size, rounds) + extra, world_size=world_size)
-    trainer = Trainer("gpt", config)
+    plan = parse_run("gpt", trainer_flags(settings, world_size, rounds) + extra, world_size=world_size)
+    trainer = Trainer(plan)
     executor = MegapipeRunner(bench_model(trainer, settings), trainer.ps, settings, "1f1b", adamw())
     steps = [batch(settings, step) for step in range(WARMUP_STEPS + rounds)]  # made before any timing
     systems = {"pretrain_gpt": TrainerStep(trainer), "executor": RunnerStep(executor, steps)}

@@ -8,7 +8,7 @@ import os
 
 import torch.distributed as dist
 
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.training.trainer import Trainer
 
 # 4 layers so every pipeline split (p = 1, 2, 4; v = 2) fits; vocabulary padded to multiples of
@@ -37,8 +37,8 @@ def layout_flags(t: int, p: int, schedule: str = "1f1b") -> list[str]:
 
 def build(argv: list[str], cache: str) -> Trainer:
     """The Trainer ``pretrain_gpt.py TINY_GPT + argv`` builds in this world (not yet trained)."""
-    config = parse_config("gpt", TINY_GPT + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
-    return Trainer("gpt", config)
+    plan = parse_run("gpt", TINY_GPT + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
+    return Trainer(plan)
 
 
 def train(argv: list[str], cache: str, after_load=None) -> tuple[Trainer, list[list[float]]]:

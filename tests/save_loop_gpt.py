@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megapipe.checkpointing.paths import read_latest  # noqa: E402
-from megapipe.cli.parse import parse_config  # noqa: E402
+from megapipe.cli.parse import parse_run  # noqa: E402
 from megapipe.training.trainer import Trainer  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "32",
@@ -42,8 +42,8 @@ def saved_part(trainer: Trainer, p: torch.Tensor) -> torch.Tensor:
 
 
 def main(root: str, saves: int, flags: list[str]) -> None:
-    config = parse_config("gpt", MODEL + ["--save", root, "--load", root] + flags, world_size=1)
-    trainer = Trainer("gpt", config)
+    plan = parse_run("gpt", MODEL + ["--save", root, "--load", root] + flags, world_size=1)
+    trainer = Trainer(plan)
     if read_latest(root) is not None:
         trainer.checkpointer.load(root)
     start = trainer.state.iteration

@@ -5,13 +5,9 @@ from fractions import Fraction
 
 import pytest
 
-from megapipe.config import ModelConfig, ParallelConfig
+from megapipe.cli.parse import parse_run
+from megapipe.config import ParallelConfig
 from megapipe.errors import ConfigError
-from megapipe.models import build_model_chunks
-from megapipe.optim import OptimizerConfig
-from megapipe.parallel.state import ParallelState
-from megapipe.layout.ranks import RankLayout
-from megapipe.pipeline.engine import PipelineEngine
 from megapipe.schedules.actions import ActionKind
 from megapipe.schedules.program import PeriodicProgram
 from megapipe.schedules.catalog import build_schedule
@@ -161,22 +157,20 @@ def test_updates_per_batch_and_throughput_against_flush():
         assert long - short == 3 * m
 
 
-def first_of_two_stages() -> ParallelState:
-    """Rank 0 of a 2-stage pipeline, enough for checks made before any process group is used."""
-    members = {"tensor": [0], "data": [0], "pipeline": [0, 1], "model_parallel": [0, 1], "embedding": [0, 1]}
-    return ParallelState(RankLayout(1, 2, 1), 0, groups={k: None for k in members}, members=members)
+TWO_STAGES = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "4",
+              "--micro-batch-size", "1", "--global-batch-size", "2", "--pipeline-model-parallel-size", "2",
+              "--mock-data", "--vocab-size", "16", "--optimizer", "sgd", "--lr", "0.1"]
 
 
-@pytest.mark.parametrize("model, optimizer, message", [
-    ({}, {}, "needs --untie-embeddings-and-output-weights"),
-    ({"untie_embeddings_and_output_weights": True, "recompute_granularity": "full", "recompute_method": "uniform"},
-     {}, "cannot use --recompute-granularity full"),
-    ({"untie_embeddings_and_output_weights": True}, {"fp16": True}, "with --fp16 needs a constant --loss-scale"),
+@pytest.mark.parametrize("flags, message", [
+    ([], "needs --untie-embeddings-and-output-weights"),
+    (["--untie-embeddings-and-output-weights", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "cannot use --recompute-granularity full"),
+    (["--untie-embeddings-and-output-weights", "--fp16"], "with --fp16 needs a constant --loss-scale"),
 ])
-def test_what_asynchronous_training_refuses(model, optimizer, message):
-    ps = first_of_two_stages()
-    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=16, seq_length=4, **model)
-    chunks = build_model_chunks("gpt", config, ps)
+def test_what_asynchronous_training_refuses(flags, message):
+    """Refused once, when the run is resolved from its flags, before any process group or model exists."""
     for schedule in ("pipedream", "2bw"):
         with pytest.raises(ConfigError, match=message):
-            PipelineEngine(chunks, ps, OptimizerConfig(optimizer="sgd", lr=0.1, **optimizer), schedule, 2, (4, 1, 8))
+            parse_run("gpt", TWO_STAGES + flags + ["--pipeline-schedule", schedule], world_size=2)
+    parse_run("gpt", TWO_STAGES + flags + ["--pipeline-schedule", "1f1b"], world_size=2)  # flushes keep one copy

@@ -25,13 +25,12 @@ import torch
 from batch_helpers import random_microbatch
 from megapipe.config import ModelConfig
 from megapipe.data.context_batch import context_share
-from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.models import build_model_chunks
 from megapipe.models.families import family
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.engine import PipelineEngine
-from megapipe.parallel.state import initialize_plan_state
 from megapipe.schedules.catalog.round_robin import warmup_forwards
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.testing.worlds import run_distributed
@@ -166,8 +165,8 @@ def build(case: Case, config: ModelConfig):
                                           context=case.c))
         return ps, build_model_chunks(case.kind, config, ps)
     plan = case.stage_plan
-    ps = _STATES.get(key) or _STATES.setdefault(key, initialize_plan_state(plan, case.t))
-    return ps, build_planned_stage(case.kind, config, ps, plan.layer_ranges)
+    ps = _STATES.get(key) or _STATES.setdefault(key, ParallelState.initialize(case.t, plan=plan))
+    return ps, build_model_chunks(case.kind, config, ps, plan.layer_ranges)
 
 
 def global_id(case: Case, ps: ParallelState, local: int) -> int:

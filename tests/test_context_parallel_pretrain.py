@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint_helpers import TINY_GPT, session_cache, train
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.training.trainer import Trainer
 from megapipe.testing.worlds import run_distributed
 
@@ -46,7 +46,7 @@ def _bert(context: int, cache: str) -> list:
     """Per iteration, (mean lm loss, mean sop loss) over every replica's microbatches, on every rank."""
     flags = TINY_GPT + ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "2",
                         "--context-parallel-size", str(context), "--data-cache-path", cache]
-    trainer = Trainer("bert", parse_config("bert", flags, world_size=dist.get_world_size()))
+    trainer = Trainer(parse_run("bert", flags, world_size=dist.get_world_size()))
     parts, train_batch = [], trainer.engine.train_batch
 
     def recording(microbatches):

@@ -28,11 +28,10 @@ from batch_helpers import random_microbatch
 from megapipe.cli.parse import parse_config
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, canonical_tensor, local_state_dict
 from megapipe.optim import OptimizerConfig
 from megapipe.parallel.state import ParallelState
-from megapipe.parallel.state import initialize_plan_state
 from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.schedules.actions import ActionKind
 from megapipe.pipeline.engine import PipelineEngine
@@ -68,8 +67,8 @@ def build(case: tuple, strategy: str, overlap: bool, initial: dict, timeline=Non
     config = model_config(untied=asynchronous)
     if len(case) > 6:
         plan = StagePlan.parse(case[6])
-        ps = initialize_plan_state(plan, t)
-        chunks = build_planned_stage("gpt", config, ps, plan.layer_ranges)
+        ps = ParallelState.initialize(t, plan=plan)
+        chunks = build_model_chunks("gpt", config, ps, plan.layer_ranges)
     else:
         ps = ParallelState.initialize(tensor=t, pipeline=p, virtual_pipeline=v)
         chunks = build_model_chunks("gpt", config, ps, sequence_parallel=t > 1)

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.parallel.launch import count_synchronisations, counting_synchronisations
 from megapipe.training.exits import ExitConditions
 from megapipe.testing.worlds import run_distributed
@@ -46,7 +46,7 @@ ONE_PROCESS_ONLY = [("1f1b", 8, ("--fp16",)),  # dynamic loss scaling: the skip 
 def trainer(p: int, schedule: str, m: int, extra=()) -> Trainer:
     flags = FLAGS + ["--pipeline-model-parallel-size", str(p), "--pipeline-schedule", schedule,
                      "--global-batch-size", str(m), *extra]
-    return Trainer("gpt", parse_config("gpt", flags, world_size=p))
+    return Trainer(parse_run("gpt", flags, world_size=p))
 
 
 def syncs_of(p: int, schedule: str, m: int, extra=()) -> int:

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.errors import NonFiniteError
 from megapipe.pipeline.engine import PipelineEngine
 from megapipe.testing.worlds import run_distributed
@@ -56,7 +56,7 @@ def poisoned_run(action: str, what: str, extra=()) -> dict:
     """Train to iteration POISONED with a NaN in it, then one more iteration unless it stopped."""
     from megapipe.training.trainer import Trainer
 
-    trainer = Trainer("gpt", parse_config("gpt", FLAGS + ["--non-finite-action", action, *extra],
+    trainer = Trainer(parse_run("gpt", FLAGS + ["--non-finite-action", action, *extra],
                                           world_size=torch.distributed.get_world_size()))
     batches = trainer.train_batches()
     for _ in range(POISONED - 1):
@@ -111,7 +111,7 @@ def one_process(rank, world_size, cache):
     from megapipe.training.trainer import Trainer
 
     runs = {(action, what): poisoned_run(action, what) for action in ("skip", "stop") for what in ("loss", "grad")}
-    checked = Trainer("gpt", parse_config("gpt", FLAGS + ["--train-iters", "100", "--log-interval", "100"]))
+    checked = Trainer(parse_run("gpt", FLAGS + ["--train-iters", "100", "--log-interval", "100"]))
     syncs = checked.count_synchronisations(3)
     checked.engine.drain()
     checked.exit_conditions.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.testing.worlds import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -48,9 +48,9 @@ def _record_dataset_access(opened: list, built: list) -> None:
 def _train(kind: str, cache: str, pipeline: int) -> list:
     from megapipe.training.trainer import Trainer
 
-    config = parse_config(kind, FLAGS + ["--pipeline-model-parallel-size", str(pipeline), "--data-cache-path", cache],
+    plan = parse_run(kind, FLAGS + ["--pipeline-model-parallel-size", str(pipeline), "--data-cache-path", cache],
                           world_size=dist.get_world_size())
-    trainer = Trainer(kind, config)
+    trainer = Trainer(plan)
     record = []
     original = trainer.engine.train_batch
 

@@ -85,7 +85,7 @@ def test_two_one_layout_with_context_parallelism():
 
 
 def test_views_answer_the_same_queries():
-    # A 2-1 state as initialize_plan_state builds it (rank 4: tensor rank 0 of the stage-1 worker).
+    # A 2-1 state as ParallelState.initialize(plan=...) builds it (rank 4: tensor rank 0 of the stage-1 worker).
     members = {"tensor": [4, 5], "data": [4], "pipeline": [0, 2, 4], "model_parallel": list(range(6)),
                "embedding": []}
     ps = ParallelState(PlanLayout(StagePlan.parse("0:2x2,2:4x1"), 2), 4, groups={k: None for k in members},

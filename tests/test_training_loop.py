@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.config import ModelConfig
 from megapipe.models.flops import device_peak_tflops, flops_per_iteration
 from megapipe.models import build_model_chunks
@@ -26,7 +26,7 @@ def fp16_with_overflow(rank, world_size, cache):
     os.environ["MEGAPIPE_CACHE"] = cache
     from megapipe.training.trainer import Trainer
 
-    trainer = Trainer("gpt", parse_config("gpt", FP16_FLAGS))
+    trainer = Trainer(parse_run("gpt", FP16_FLAGS))
     fc1 = trainer.chunks[0].layers["0"].mlp.fc1
     record = []
     original = trainer.engine.train_batch

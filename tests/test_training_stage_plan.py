@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint_helpers import session_cache
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_config, parse_run
 from megapipe.errors import ConfigError
 from megapipe.training.trainer import Trainer
 from megapipe.testing.worlds import run_distributed
@@ -40,8 +40,8 @@ ROUND_ROBIN = ["--pipeline-stages", "0:1x2,1:4x1", "--pipeline-schedule", "piped
 
 def _train(argv: list[str], cache: str) -> tuple[Trainer, list[list[float]]]:
     """Train ``FLAGS + argv``; the microbatch losses of every engine call, drains included."""
-    config = parse_config("gpt", FLAGS + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
-    trainer = Trainer("gpt", config)
+    plan = parse_run("gpt", FLAGS + argv + ["--data-cache-path", cache], world_size=dist.get_world_size())
+    trainer = Trainer(plan)
     calls = []
     for name in ("train_batch", "drain"):
         method = getattr(trainer.engine, name)

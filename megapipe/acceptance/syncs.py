@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megapipe.acceptance.record import Context, Record
 from megapipe.acceptance.runs import CPU_MODEL, GPU_MODEL
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
 from megapipe.schedules.catalog import one_f_one_b, two_bw
 from megapipe.training.trainer import Trainer
 
@@ -17,7 +17,7 @@ CASES = tuple((schedule, m) for schedule in (one_f_one_b.DESCRIPTOR.name, two_bw
 
 
 def count(flags: list[str]) -> str:
-    trainer = Trainer("gpt", parse_config("gpt", flags, world_size=1))
+    trainer = Trainer(parse_run("gpt", flags, world_size=1))
     try:
         found = trainer.count_synchronisations(COUNTED)
     finally:

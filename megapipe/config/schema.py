@@ -10,6 +10,8 @@ and the fix.
 
 from __future__ import annotations
 
+import datetime
+
 import math
 from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ from megapipe.schedules.catalog import (default_schedule, names_where, pipeline_
 
 KERNELS = "kernels and memory"  # the --help section of the fusion and recomputation flags
 MOE = "mixture of experts"  # the --help section of the MoE flags
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # how long a collective waits for a peer, unless a flag says
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -437,7 +441,7 @@ class TrainingConfig:
     fp8_recipe: str = flag("tensorwise", choices=("tensorwise", "rowwise"), group=KERNELS, help=(
         "with --fp8-format: one scale per tensor, or one per row of the input and per output row of the weight"))
     # operations (megapipe/training/exits.py)
-    distributed_timeout_minutes: float = flag(10.0, help="how long a collective waits for a peer before failing")
+    distributed_timeout_minutes: float = flag(COLLECTIVE_TIMEOUT.total_seconds() / 60, help="how long a collective waits for a peer before failing")
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
     exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
                                                              "this long")
@@ -462,6 +466,11 @@ class TrainingConfig:
     def __post_init__(self):
         if self.log_interval is None:  # a few lines in any run: 4 iterations log each, long runs every 100
             self.log_interval = min(100, max(1, self.train_iters // 10))
+
+    @property
+    def collective_timeout(self) -> datetime.timedelta:
+        """``--distributed-timeout-minutes``: how long every collective of the run waits for a peer."""
+        return datetime.timedelta(minutes=self.distributed_timeout_minutes)
 
     def logs_after(self, iteration: int) -> bool:
         """Whether the loss line is printed after ``iteration``: every --log-interval, and at the end, so

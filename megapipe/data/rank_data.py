@@ -67,13 +67,9 @@ def batch_fields(kind: str, config: Config) -> dict[str, tuple[str, ...]]:
 
 def stage_roles(ps: ParallelState) -> frozenset:
     """``first``, ``middle``, ``last``: the roles of the model chunks this rank holds."""
-    if ps.stage_replicas is not None:
-        stages, num_stages = [ps.pipeline_stage], len(ps.stage_replicas)
-    else:
-        stages = ps.chunk_stages()
-        num_stages = ps.pp_size * ps.virtual_pipeline
+    num_stages = ps.virtual_stages
     roles = set()
-    for s in stages:
+    for s in ps.chunk_stages():
         roles |= {"first"} if s == 0 else set()
         roles |= {"last"} if s == num_stages - 1 else set()
         roles |= {"middle"} if 0 < s < num_stages - 1 else set()
@@ -82,7 +78,7 @@ def stage_roles(ps: ParallelState) -> frozenset:
 
 def _has_middle_only_ranks(ps: ParallelState) -> bool:
     """True when some pipeline rank holds neither the first nor the last stage."""
-    return (len(ps.stage_replicas) if ps.stage_replicas is not None else ps.pp_size) >= 3
+    return ps.num_stages >= 3
 
 
 @dataclass

@@ -77,6 +77,11 @@ class RankLayout:
         return ExpertFold.checked(self.expert, self.expert_tensor or self.tensor, self.tensor, self.data, self.context)
 
     @property
+    def stage_replicas(self) -> None:
+        """Every stage has ``data`` replicas in parallel pipelines (a stage plan's ``PlanLayout`` may say otherwise)."""
+        return None
+
+    @property
     def world_size(self) -> int:
         return self.tensor * self.context * self.data * self.pipeline
 

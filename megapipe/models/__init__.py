@@ -8,6 +8,8 @@ Each model family's stage class comes from its registry entry (``megapipe.models
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from megapipe import fusions
 from megapipe.config import ModelConfig
 from megapipe.models.families import KINDS, kind_family
@@ -19,38 +21,27 @@ from megapipe.parallel.state import ParallelState
 MODEL_KINDS = {kind: kind_family(kind).stage for kind in KINDS}
 
 
-def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState, seed: int = 1234,
+def build_model_chunks(kind: str, config: ModelConfig, ps: ParallelState,
+                       layer_ranges: Optional[Sequence[tuple[int, int]]] = None, seed: int = 1234,
                        sequence_parallel: bool = False, device=None,
                        split_backward: bool = False) -> list[LanguageModelStage]:
-    """The model chunks this rank holds: one per virtual stage, in chunk order; chunk c holds the layers
-    of virtual stage ``ps.chunk_stages()[c]``.
+    """The model chunks this rank holds, in chunk order: chunk c holds the layers ``layer_ranges[s]`` of
+    stage ``s = ps.chunk_stages()[c]``. ``layer_ranges`` gives every (virtual) stage's layers, in stage order
+    (a stage plan's, or ``RunPlan.layer_ranges``); None splits the layers equally over the stages.
 
     With v chunks per rank rank r holds virtual stages r, r + p, r + 2p, ... (looped, Megatron's
     layout) or r and 2p - 1 - r (V); the first stage has the embedding and the last the head.
     """
-    config.validate(ps.tp_size, ps.pp_size, ps.virtual_pipeline)
-    stage_cls = MODEL_KINDS[kind]
-    num_stages = ps.pp_size * ps.virtual_pipeline
-    chunks, ranges = [], equal_split(config.num_layers, num_stages).layer_ranges
-    for stage in ps.chunk_stages():
-        start, end = ranges[stage]
-        chunks.append(stage_cls(config, ps, start, end, pre_process=stage == 0, post_process=stage == num_stages - 1,
-                                seed=seed, sequence_parallel=sequence_parallel, device=device))
+    if layer_ranges is None:
+        config.validate(ps.tp_size, ps.pp_size, ps.virtual_pipeline)
+        layer_ranges = equal_split(config.num_layers, ps.virtual_stages).layer_ranges
+    else:
+        config.validate(ps.tp_size)  # stages need not hold equal numbers of layers
+    stage_cls, last = MODEL_KINDS[kind], len(layer_ranges) - 1
+    chunks = [stage_cls(config, ps, *layer_ranges[stage], pre_process=stage == 0, post_process=stage == last,
+                        seed=seed, sequence_parallel=sequence_parallel, device=device)
+              for stage in ps.chunk_stages()]
     return _compiled_if_asked(chunks, split_backward)
-
-
-def build_planned_stage(kind: str, config: ModelConfig, ps: ParallelState, layer_ranges: list[tuple[int, int]],
-                        seed: int = 1234, sequence_parallel: bool = False, device=None,
-                        split_backward: bool = False) -> list[LanguageModelStage]:
-    """The one chunk of this rank's stage when stage i holds layers ``layer_ranges[i]`` (a stage plan,
-    ``megapipe.layout.stage_plan``), whatever the split: stages need not hold equal numbers of layers."""
-    config.validate(ps.tp_size)
-    stage = ps.pipeline_stage
-    start, end = layer_ranges[stage]
-    return _compiled_if_asked([MODEL_KINDS[kind](config, ps, start, end, pre_process=stage == 0,
-                                                 post_process=stage == len(layer_ranges) - 1, seed=seed,
-                                                 sequence_parallel=sequence_parallel, device=device)],
-                              split_backward)
 
 
 def _compiled_if_asked(chunks: list[LanguageModelStage], split_backward: bool) -> list[LanguageModelStage]:

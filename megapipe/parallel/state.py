@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
-from megapipe.layout.context_comm import check_comm_type
-from megapipe.layout.plan import PlanLayout
 from megapipe.layout.ranks import RankLayout
+from megapipe.layout.run_layout import Layout, run_layout
 from megapipe.layout.stage_plan import StagePlan
 from megapipe.layout.placement import Placement, stages_of_rank
 from megapipe.layout.placement import stage_of_worker
@@ -73,7 +72,7 @@ class ParallelState:
     plain one-process run (all groups ``None``, every size 1), which needs no process group.
     """
 
-    layout: RankLayout
+    layout: Layout
     rank: int
     virtual_pipeline: int = 1
     groups: dict = field(default_factory=dict)
@@ -97,14 +96,16 @@ class ParallelState:
                    virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
                    placement: Placement = Placement.LOOPED, expert: int = 1,
                    expert_tensor: Optional[int] = None, context: int = 1, cp_comm_type: str = "p2p",
-                   hierarchical_context: Optional[tuple[int, ...]] = None) -> "ParallelState":
-        """Create every group; all ranks must call this in the same order (collective)."""
+                   hierarchical_context: Optional[tuple[int, ...]] = None,
+                   plan: Optional[StagePlan] = None) -> "ParallelState":
+        """Create every group of these degrees (with ``plan``, of its stages and replicas) over the whole world;
+        all ranks must call this in the same order (collective). A training run resolves its layout once
+        (``RunPlan.layout``) and calls ``build``; this is the shorthand for tests and tools."""
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
                               "first or launch with torchrun.")
-        check_comm_type(context, cp_comm_type, hierarchical_context)
-        layout = RankLayout.for_world(dist.get_world_size(), tensor, pipeline, data, expert, expert_tensor, context,
-                                      hierarchical_context)
+        layout = run_layout(dist.get_world_size(), tensor, pipeline, data, expert, expert_tensor, context,
+                            cp_comm_type, hierarchical_context, plan)
         if virtual_pipeline < 1:
             raise ConfigError(f"virtual pipeline size {virtual_pipeline} must be at least 1.")
         if virtual_pipeline > 1 and pipeline == 1:
@@ -113,13 +114,15 @@ class ParallelState:
                                    cp_comm_type=cp_comm_type)
 
     @staticmethod
-    def build(layout, virtual_pipeline: int = 1, stage_replicas: Optional[tuple[int, ...]] = None,
-              timeout: Optional[datetime.timedelta] = None,
+    def build(layout: Layout, virtual_pipeline: int = 1, timeout: Optional[datetime.timedelta] = None,
               placement: Placement = Placement.LOOPED, cp_comm_type: str = "p2p") -> "ParallelState":
-        """This process's state under ``layout`` (a ``RankLayout`` or a stage plan's ``PlanLayout``):
-        creates every group the layout lists, in the same order on all ranks (collective)."""
+        """This process's state under ``layout`` (``megapipe.layout.run_layout``): creates every group the
+        layout lists, in the same order on all ranks (collective)."""
+        if layout.world_size != dist.get_world_size():
+            raise ConfigError(f"the run was planned for {layout.world_size} processes but {dist.get_world_size()} "
+                              "started; launch as many as the parallel sizes multiply to.")
         rank = dist.get_rank()
-        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=stage_replicas,
+        state = ParallelState(layout, rank, virtual_pipeline, stage_replicas=layout.stage_replicas,
                               placement=Placement(placement), cp_comm_type=cp_comm_type)
         state.groups["embedding"], state.members["embedding"] = None, []  # middle stages hold no embedding
         all_groups = {
@@ -170,22 +173,21 @@ class ParallelState:
                 mine = group
         return mine
 
-    # ---- sizes and indices -----------------------------------------------------------------
+    # ---- sizes and indices: one axis table (``AXES``) gives every ``<axis>_size``, ``_rank`` and ``_group`` ------
     @property
     def world_size(self) -> int:
         return self.layout.world_size
 
-    @property
-    def tp_size(self) -> int:
-        return len(self.members["tensor"])
+    def axis_members(self, axis: "Axis") -> list[int]:
+        """The ranks of this rank's group along ``axis``; a state built by hand (offline, tests) without that
+        group reads its fallback axis's, or holds the axis alone."""
+        if axis.group in self.members:
+            return self.members[axis.group]
+        return self.members[axis.fallback] if axis.fallback else [self.rank]
 
-    @property
-    def pp_size(self) -> int:
-        return len(self.members["pipeline"])
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.members["data"])
+    def axis_group(self, axis: "Axis"):
+        """The process group of ``axis`` (None: a group of one rank, or none built)."""
+        return self.groups.get(axis.group, self.groups.get(axis.fallback) if axis.fallback else None)
 
     @property
     def batch_slice(self) -> tuple[int, int]:
@@ -197,37 +199,6 @@ class ParallelState:
         return (0, 1) if self.stage_replicas is not None else (self.dp_rank, self.dp_size)
 
     @property
-    def tp_rank(self) -> int:
-        return self.members["tensor"].index(self.rank)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.members["data"].index(self.rank)
-
-    @property
-    def pp_rank(self) -> int:
-        return self.members["pipeline"].index(self.rank)
-
-    def _expert_members(self, name: str) -> list[int]:
-        """An expert group's ranks; a state built without them (by hand, offline) holds every expert
-        and reuses its tensor and data groups."""
-        default = {"expert": [self.rank], "expert_tensor": self.members["tensor"], "expert_data": self.members["data"]}
-        return self.members.get(name, default[name])
-
-    # ---- context parallelism: a state built by hand (offline, tests) has none ----------------------
-    @property
-    def cp_size(self) -> int:
-        return len(self.members.get("context", [self.rank]))
-
-    @property
-    def cp_rank(self) -> int:
-        return self.members.get("context", [self.rank]).index(self.rank)
-
-    @property
-    def cp_group(self):
-        return self.groups.get("context")
-
-    @property
     def context_groups(self) -> ContextGroups:
         """What context-parallel attention receives: this rank's context group, and under a2a+p2p its
         all-to-all and ring sub-groups."""
@@ -235,68 +206,6 @@ class ParallelState:
                              self.cp_comm_type, self.groups.get("context_a2a"),
                              tuple(self.members.get("context_a2a", ())), self.groups.get("context_ring"),
                              tuple(self.members.get("context_ring", ())))
-
-    @property
-    def dp_cp_size(self) -> int:
-        """Ranks dense gradients are averaged, and optimizer state sharded, over: d x c."""
-        return len(self.members.get("data_context", self.members["data"]))
-
-    @property
-    def dp_cp_rank(self) -> int:
-        return self.members.get("data_context", self.members["data"]).index(self.rank)
-
-    @property
-    def dp_cp_group(self):
-        return self.groups.get("data_context", self.groups["data"])
-
-    @property
-    def ep_size(self) -> int:
-        return len(self._expert_members("expert"))
-
-    @property
-    def ep_rank(self) -> int:
-        return self._expert_members("expert").index(self.rank)
-
-    @property
-    def ep_group(self):
-        return self.groups.get("expert")
-
-    @property
-    def etp_size(self) -> int:
-        """Ranks each expert's ffn dimension is split over (``--expert-tensor-parallel-size``)."""
-        return len(self._expert_members("expert_tensor"))
-
-    @property
-    def etp_rank(self) -> int:
-        return self._expert_members("expert_tensor").index(self.rank)
-
-    @property
-    def etp_group(self):
-        return self.groups.get("expert_tensor", self.groups["tensor"])
-
-    @property
-    def expert_dp_size(self) -> int:
-        return len(self._expert_members("expert_data"))
-
-    @property
-    def expert_dp_rank(self) -> int:
-        return self._expert_members("expert_data").index(self.rank)
-
-    @property
-    def expert_dp_group(self):
-        return self.groups.get("expert_data", self.groups["data"])
-
-    @property
-    def tp_group(self):
-        return self.groups["tensor"]
-
-    @property
-    def pp_group(self):
-        return self.groups["pipeline"]
-
-    @property
-    def dp_group(self):
-        return self.groups["data"]
 
     @property
     def mp_group(self):
@@ -331,7 +240,10 @@ class ParallelState:
         return 0 if self.placement is Placement.V else -1
 
     def chunk_stages(self) -> list[int]:
-        """The virtual stages this rank's model chunks hold, in chunk order (unreplicated stages)."""
+        """The stages this rank's model chunks hold, in chunk order: its virtual stages, or its one stage of a
+        plan whose stages are replicated unequally."""
+        if self.stage_replicas is not None:
+            return [self.pipeline_stage]
         return stages_of_rank(self.placement, self.pp_size, self.virtual_pipeline, self.pp_rank)
 
     def stage_rank(self, pp_rank: int) -> int:
@@ -370,6 +282,11 @@ class ParallelState:
         return self.pp_size if self.stage_replicas is None else len(self.stage_replicas)
 
     @property
+    def virtual_stages(self) -> int:
+        """Model chunks over the whole pipeline: its stages times the chunks each rank holds."""
+        return self.num_stages * self.virtual_pipeline
+
+    @property
     def loss_rank(self) -> int:
         """The one global rank that holds, prints and records the losses (its layout's arithmetic)."""
         return self.layout.loss_rank(self.last_stage_pp_rank)
@@ -388,20 +305,37 @@ class ParallelState:
         return text if self.ep_size == 1 else f"{text}, expert {self.ep_rank}/{self.ep_size}"
 
 
-def initialize_plan_state(plan: StagePlan, tensor: int = 1, timeout: Optional[datetime.timedelta] = None,
-                          expert: int = 1, expert_tensor: Optional[int] = None, context: int = 1,
-                          cp_comm_type: str = "p2p",
-                          hierarchical_context: Optional[tuple[int, ...]] = None) -> ParallelState:
-    """The ParallelState of this process under ``plan``, each worker's sequences split over ``context`` ranks and
-    each stage's experts over ``expert`` of its ranks; all ranks must call it (collective)."""
-    if not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialized; call megapipe.parallel.launch.init_distributed() "
-                          "first or launch with torchrun.")
-    check_comm_type(context, cp_comm_type, hierarchical_context)
-    layout = PlanLayout(plan, tensor, expert, expert_tensor, context,
-                        None if hierarchical_context is None else tuple(hierarchical_context))
-    layout.folds()  # checks the experts' degrees
-    if layout.world_size != dist.get_world_size():
-        plan.validate(plan.stages[-1].layer_end, dist.get_world_size(), tensor, context)
-    return ParallelState.build(layout, stage_replicas=layout.stage_replicas, timeout=timeout,
-                               cp_comm_type=cp_comm_type)
+@dataclass(frozen=True)
+class Axis:
+    """One parallel dimension: its group's name in ``ParallelState.groups`` and ``members``, and the axis whose
+    group stands in where a state has none of its own (an expert group of a state without experts is the
+    dense one; None: the rank alone)."""
+
+    group: str
+    fallback: Optional[str] = None
+
+
+# prefix of ParallelState's <prefix>_size, <prefix>_rank and <prefix>_group -> the axis it reads
+AXES = {
+    "tp": Axis("tensor"),
+    "pp": Axis("pipeline"),
+    "dp": Axis("data"),
+    "cp": Axis("context"),
+    "dp_cp": Axis("data_context", "data"),  # dense gradients are averaged, optimizer state sharded, over d x c
+    "ep": Axis("expert"),
+    "etp": Axis("expert_tensor", "tensor"),  # each expert's ffn split over --expert-tensor-parallel-size ranks
+    "expert_dp": Axis("expert_data", "data"),
+}
+
+
+def _add_axis_queries() -> None:
+    for prefix, axis in AXES.items():
+        setattr(ParallelState, f"{prefix}_size", property(lambda self, a=axis: len(self.axis_members(a)),
+                                                          doc=f"Ranks in this rank's {axis.group} group."))
+        setattr(ParallelState, f"{prefix}_rank", property(lambda self, a=axis: self.axis_members(a).index(self.rank),
+                                                          doc=f"This rank's index in its {axis.group} group."))
+        setattr(ParallelState, f"{prefix}_group", property(lambda self, a=axis: self.axis_group(a),
+                                                           doc=f"This rank's {axis.group} process group."))
+
+
+_add_axis_queries()

@@ -27,7 +27,7 @@ import torch
 from megapipe.errors import ConfigError
 from megapipe.models.moe import main_loss_gradient_scale, set_aux_loss_scale, update_expert_biases
 from megapipe.optim import GradBuffers, OptimizerConfig, StepResult, build_optimizer, finalize_model_grads
-from megapipe.optim.grad_sync import GradSync, is_tied_embedding_copy
+from megapipe.optim.grad_sync import GradSync
 from megapipe.optim.non_finite import poisoning_non_finite
 from megapipe.optim.passes import SyncPasses
 from megapipe.optim.post_validation import PostValidation
@@ -37,13 +37,13 @@ from megapipe.pipeline.executor import BatchResult, PipelineExecutor
 from megapipe.pipeline.in_flight import InFlight
 from megapipe.pipeline.optimizer_group import OptimizerGroup
 from megapipe.schedules.program import FlushProgram, PeriodicProgram
-from megapipe.schedules.overlap import check_overlap_flags
 from megapipe.schedules.catalog import build_schedule, overlapped_schedule, schedule_descriptor
 from megapipe.schedules.catalog.forward_only import forward_only_schedule
 from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.schedules.weight_policy import WeightPolicy
 from megapipe.pipeline.weights import WeightVersionStore
 from megapipe.parallel.random import capture_rng, restore_rng
+from megapipe.config.schema import COLLECTIVE_TIMEOUT
 
 
 @dataclass
@@ -86,12 +86,14 @@ class PipelineEngine:
     microbatch's expert all-to-all beside the other's compute (``schedules/overlap.py``).
     ``gradient_accumulation_fusion``: the linears add their weight-gradient products into the main
     gradients themselves (``tensor_parallel/grad_accumulation.py``).
+
+    Its inputs are a checked run's (``megapipe.cli.resolve``: a ``RunPlan``); it checks none of them again.
     """
 
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, optimizer_config: OptimizerConfig,
                  schedule: Union[str, Schedule], num_microbatches: int, boundary_shape: tuple[int, ...],
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-                 scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+                 scatter_gather: bool = True, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
                  timeline: Optional[Timeline] = None, vertical_sync: bool = False,
                  versions_used: Optional[dict] = None, skip_non_finite_loss: bool = False,
                  overlap_moe_comm: bool = False, gradient_accumulation_fusion: bool = True):
@@ -100,19 +102,13 @@ class PipelineEngine:
         policy = schedule_descriptor(schedule).weight_policy if named else WeightPolicy.SINGLE  # a file flushes
         asynchronous = policy is not WeightPolicy.SINGLE
         sizes = (ps.pp_size, num_microbatches, ps.virtual_pipeline)
-        optimizer_config.check_pipeline_schedule(schedule if named else "from a file", asynchronous)
         if overlap_moe_comm:
-            check_overlap_flags(ps.ep_size)
-            if asynchronous:
-                raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward "
-                                  f"pairs; --pipeline-schedule {schedule} has none: use 1f1b or dualpipev.")
             built = schedule if isinstance(schedule, Schedule) else build_schedule(schedule, *sizes)
             schedule = overlapped_schedule(built)
         if isinstance(schedule, Schedule):
             self.program = FlushProgram(schedule)
             self._groups = [(chunks, ps)]
         elif asynchronous:
-            _check_asynchronous_training(schedule, chunks, ps, optimizer_config)
             self.program = periodic_program(schedule, *sizes, ps.stage_replicas, vertical_sync)
             stage_ps = ps.stage_view()
             self._groups = [([chunk], stage_ps) for chunk in chunks]
@@ -140,7 +136,6 @@ class PipelineEngine:
         self._settled: list[StepResult] = []
         self.validation = None  # with --enable-optimizer-post-validation (``optim/post_validation.py``)
         if optimizer_config.enable_optimizer_post_validation:
-            optimizer_config.check_post_validation(ps.pp_size, ps.stage_replicas is not None)
             self.validation = PostValidation(self.optimizer, ps, timeout)
         self._redo_iteration = False  # the previous step is being amended: this call's list runs again
         self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
@@ -291,21 +286,3 @@ def _all_whole(grads: list[GradBuffers]):
         for buffers in grads:
             stack.enter_context(buffers.whole_weights())
         yield
-
-
-def _check_asynchronous_training(name: str, chunks: list[torch.nn.Module], ps: ParallelState,
-                                 config: OptimizerConfig) -> None:
-    """What asynchronous schedules cannot do, as one-sentence errors."""
-    stages = ps.pp_size * ps.virtual_pipeline if ps.stage_replicas is None else len(ps.stage_replicas)
-    if stages > 1 and any(is_tied_embedding_copy(p) for chunk in chunks for p in chunk.parameters()):
-        raise ConfigError(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the tied word "
-                          "embedding lives on the first and last stage, which update at different times without "
-                          "flushes, so its two copies would need a flush to stay equal.")
-    if any(getattr(getattr(chunk, "config", None), "recompute_granularity", None) == "full" for chunk in chunks):
-        raise ConfigError(f"--pipeline-schedule {name} cannot use --recompute-granularity full: recomputing a layer "
-                          "would re-run it on the live weights instead of the version the microbatch used; use "
-                          "selective (it recomputes with the weights the forward ran on) or no recomputation.")
-    if config.fp16 and config.loss_scale is None:
-        raise ConfigError(f"--pipeline-schedule {name} with --fp16 needs a constant --loss-scale: every stage "
-                          "updates on its own, so dynamic scaling would change the scale on each stage at different "
-                          "times while the gradients between stages carry one scale.")

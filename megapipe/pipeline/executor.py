@@ -45,6 +45,7 @@ from megapipe.schedules.program import FlushProgram
 from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.pipeline.weights import VersionUse, WeightVersionStore
 from megapipe.parallel.random import capture_rng, restore_rng
+from megapipe.config.schema import COLLECTIVE_TIMEOUT
 
 
 @dataclass
@@ -87,7 +88,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list[torch.nn.Module], ps: ParallelState, program: Union[Schedule, object],
                  boundary_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  step: Callable[[], object], scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                 scatter_gather: bool = True, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+                 scatter_gather: bool = True, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
                  timeline: Optional[Timeline] = None, stores: Optional[list[WeightVersionStore]] = None,
                  update: Optional[Callable[[int], object]] = None, versions_used: Optional[dict] = None,
                  deallocate_sent_outputs: bool = True, passes=None, overlap_pairs: bool = False):

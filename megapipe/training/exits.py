@@ -30,11 +30,6 @@ EXIT_SECONDS = 2.0
 processes), kept free of the grace period when deciding whether the save fits (``time_for``)."""
 
 
-def distributed_timeout(config: Config) -> datetime.timedelta:
-    """``--distributed-timeout-minutes`` as the timeout of every collective."""
-    return datetime.timedelta(minutes=config.training.distributed_timeout_minutes)
-
-
 class ExitConditions:
     """Why training should stop before ``--train-iters``, or None: the same answer on every rank.
 
@@ -101,7 +96,7 @@ class ExitConditions:
 
     def _agreed(self) -> "LaggedAgreement":
         if self._agreement is None:
-            self._agreement = LaggedAgreement(distributed_timeout(self.config))
+            self._agreement = LaggedAgreement(self.config.training.collective_timeout)
         return self._agreement
 
     @property

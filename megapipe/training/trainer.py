@@ -1,7 +1,7 @@
 """The pretraining loop behind ``pretrain_gpt.py`` and ``pretrain_bert.py``.
 
-``pretrain(kind, argv)`` parses and checks the flags (before any process group), joins the
-process group, builds the parallel state, this rank's model chunks, the pipeline engine
+``pretrain(kind, argv)`` resolves the flags into a ``RunPlan`` (every check before any process group), and
+the ``Trainer`` of that plan joins the process group, builds the parallel state, this rank's model chunks, the pipeline engine
 (optimizer included), the LR schedule and the data, then trains, evaluates, logs and
 checkpoints. Every rank loads the same microbatches of its data-parallel slice; the losses
 live on the last pipeline stage, which logs.
@@ -20,31 +20,28 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megapipe import fusions
-from megapipe.cli.parse import parse_config
+from megapipe.cli.parse import parse_run
+from megapipe.cli.resolve import with_vocabulary
 from megapipe.checkpointing.run_state import RunState, TrainState
 from megapipe.config import Config
+from megapipe.config.run_plan import RunPlan
 from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenizer_flags
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.errors import CheckpointError
 from megapipe.fusions.fp8_mode import select_fp8
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
-from megapipe.models.families import family_of
 from megapipe.models.flops import device_peak_tflops
-from megapipe.models import build_model_chunks, build_planned_stage
+from megapipe.models import build_model_chunks
 from megapipe.models.moe import moe_layer_stats
-from megapipe.training.exits import ExitConditions, distributed_timeout
+from megapipe.training.exits import ExitConditions
 from megapipe.training.sigterm import SigtermNotice
 from megapipe.checkpointing.paths import read_latest
 from megapipe.optim import LRScheduler
 from megapipe.parallel.state import ParallelState
 from megapipe.schedules.analysis.schedule_search import comparison
-from megapipe.schedules.schedule_file import load_schedule, load_training_schedule
-from megapipe.schedules.catalog import schedule_descriptor
-from megapipe.cli.selection import AUTO, searched_schedule, stage_costs
+from megapipe.cli.selection import stage_costs
 from megapipe.pipeline.engine import PipelineEngine
-from megapipe.layout.placement import Placement
 from megapipe.training.counters import StepCounters, skip_reason
-from megapipe.parallel.state import initialize_plan_state
 from megapipe.training.logger import IterationStats, TrainLogger, amended_text
 from megapipe.training.non_finite import NonFiniteWatch
 from megapipe.training.startup import startup_line, where_losses_are_logged
@@ -55,10 +52,11 @@ from megapipe.schedules.analysis.timeline import Timeline
 class Trainer:
     """Owns one rank's engine, schedule, data iterators and logger for one run."""
 
-    def __init__(self, kind: str, config: Config, notice: Optional[SigtermNotice] = None):
-        self.kind, self.config = kind, config
+    def __init__(self, plan: RunPlan, notice: Optional[SigtermNotice] = None):
+        kind, config = plan.kind, plan.config
+        self.kind = kind
         self.exit_conditions = ExitConditions(config, notice=notice)  # --exit-duration-in-mins counts from here
-        self.timeout = timeout = distributed_timeout(config)  # of every collective, side groups' too
+        self.timeout = timeout = plan.timeout  # of every collective, side groups' too
         self.device = init_distributed(timeout)
         select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -66,46 +64,27 @@ class Trainer:
 
             self.exit_conditions.lease = ClusterLease(config.training.cluster_lease, self.exit_conditions.lag)
         par, t = config.parallel, config.training
-        plan = par.stage_plan()
-        if plan is None:
-            self.ps = ParallelState.initialize(par.tensor, par.pipeline, virtual_pipeline=par.virtual_pipeline,
-                                               timeout=timeout, placement=_placement(par), expert=par.expert,
-                                               expert_tensor=par.expert_tensor, context=par.context_parallel_size,
-                                               cp_comm_type=par.cp_comm_type,
-                                               hierarchical_context=par.hierarchical_context_parallel_sizes)
-        else:
-            self.ps = initialize_plan_state(plan, par.tensor, timeout=timeout, expert=par.expert,
-                                            expert_tensor=par.expert_tensor, context=par.context_parallel_size,
-                                            cp_comm_type=par.cp_comm_type,
-                                            hierarchical_context=par.hierarchical_context_parallel_sizes)
+        self.ps = ParallelState.build(plan.layout, plan.virtual_pipeline, timeout=timeout, placement=plan.placement,
+                                      cp_comm_type=par.cp_comm_type)
         eval_samples = t.eval_iters * t.global_batch_size
         self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
                                                              eval_samples, eval_samples))
         self.tokenizer = self.data.tokenizer
-        config.model.vocab_size = self.tokenizer.vocab_size
+        self.plan = plan = with_vocabulary(plan, self.tokenizer.vocab_size)
+        self.config = config = plan.config
+        self.search = plan.search  # with --pipeline-schedule auto: what the search found
         self.ps.seed(t.seed, self.device)
         self.fusion_backend = fusions.select_backend(t.fusion_backend, self.device)
-        self.m = t.num_microbatches(self.ps.batch_slice[1])
+        self.m = plan.microbatches
         # a stage boundary holds this rank's s/c tokens of each sequence, split over t with sequence parallelism
         seq = config.model.seq_length // self.ps.cp_size // (par.tensor if par.sequence_parallel else 1)
-        schedule = par.pipeline_schedule if par.schedule_file is None else \
-            load_training_schedule(par.schedule_file, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
-        self.search = None  # with --pipeline-schedule auto: what the search found
-        if par.pipeline_schedule == AUTO:
-            self.search = searched_schedule(kind, config, self.ps.pp_size, self.m, self.ps.virtual_pipeline)
-            schedule = self.search.schedule
-        split_backward = schedule_descriptor(schedule).split_backward if isinstance(schedule, str) else \
-            schedule.splits_backward
-        model_options = dict(seed=t.seed, sequence_parallel=par.sequence_parallel, device=self.device,
-                             split_backward=split_backward)
-        if plan is None:
-            self.chunks = build_model_chunks(kind, config.model, self.ps, **model_options)
-        else:
-            self.chunks = build_planned_stage(kind, config.model, self.ps, plan.layer_ranges, **model_options)
+        self.chunks = build_model_chunks(kind, config.model, self.ps, plan.layer_ranges, seed=t.seed,
+                                         sequence_parallel=par.sequence_parallel, device=self.device,
+                                         split_backward=plan.split_backward)
         # with --record-timeline: when each pipeline action ran, one row per pipeline rank
         self.timeline = Timeline(meta={"p": self.ps.pp_size, "v": self.ps.virtual_pipeline, "m": self.m}) \
             if t.record_timeline else None
-        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, schedule, self.m,
+        self.engine = PipelineEngine(self.chunks, self.ps, config.optimizer, plan.schedule, self.m,
                                      (seq, t.micro_batch_size, config.model.hidden_size),
                                      dtype=config.model.params_dtype, device=self.device,
                                      scatter_gather=par.scatter_gather_tensors_in_pipeline and not par.sequence_parallel,
@@ -131,7 +110,7 @@ class Trainer:
                                   self.tokenizer)  # what checkpoints save and load
         self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
                                    self.m)
-        self.flops = family_of(kind, config.model).flops(config.model, t.global_batch_size,
+        self.flops = plan.family.flops(config.model, t.global_batch_size,
                                                          recompute=config.model.recompute_granularity == "full")
         self.peak_tflops = t.device_peak_tflops or device_peak_tflops(device_name(self.device))
 
@@ -213,7 +192,7 @@ class Trainer:
         The iterations train the model from where the run stands; none of the counted ones may be
         a log, evaluation, save or exit iteration, whose host reads are meant::
 
-            trainer = Trainer("gpt", parse_config("gpt", flags))   # e.g. --log-interval 100
+            trainer = Trainer(parse_run("gpt", flags))   # e.g. --log-interval 100
             assert trainer.count_synchronisations(10) == 0
         """
         t = self.config.training
@@ -439,14 +418,6 @@ class _LogWindow:
     iterations: int = 0
 
 
-def _placement(par) -> Placement:
-    """Where the run's schedule puts the virtual stages: the registry's word (the search orders the stages
-    of the looped placement), or the schedule file's."""
-    if par.schedule_file is not None:
-        return load_schedule(par.schedule_file).placement
-    return schedule_descriptor(par.pipeline_schedule).placement
-
-
 def _plain_value(value):
     """A configuration value as plain data: a dtype by its name (``bfloat16``), anything else as it is."""
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
@@ -465,9 +436,8 @@ def _ranks_per_node():
 
 
 def pretrain(kind: str, argv: Optional[list[str]] = None, notice: Optional[SigtermNotice] = None) -> Trainer:
-    config = parse_config(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                          ranks_per_node=_ranks_per_node())
-    check_tokenizer_flags(config)
-    trainer = Trainer(kind, config, notice)
+    plan = parse_run(kind, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")), ranks_per_node=_ranks_per_node())
+    check_tokenizer_flags(plan.config)
+    trainer = Trainer(plan, notice)
     trainer.train()
     return trainer

@@ -1,0 +1,173 @@
+"""Flags to a ``RunPlan``: every check knowable before a process group exists, made once.
+
+``resolve_run`` checks the combination of flags against the world size (the layout, the model's split,
+the schedule and what it can run, the optimizer, context and expert parallelism, the kernels) and returns
+the run's plan; the Trainer and the engine read that plan and check nothing again. ``with_vocabulary``
+finishes it once the tokenizer has given the vocabulary: ``--pipeline-schedule auto`` with a profile
+searches then, since the profile must match the model it prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megapipe.cli.selection import AUTO, check_profile, check_search_flags, searched_schedule
+from megapipe.config.notes import tell
+from megapipe.config.operations import validate_operations
+from megapipe.config.run_plan import RunPlan
+from megapipe.config.schema import Config
+from megapipe.config.unread import check_unread_flags
+from megapipe.context_parallel import check_context_parallel
+from megapipe.errors import ConfigError
+from megapipe.fusions.fp8_mode import check_fp8_flags
+from megapipe.layout.nodes import check_nodes
+from megapipe.layout.run_layout import run_layout
+from megapipe.layout.stage_plan import equal_split
+from megapipe.models.compiled_layers import check_compiled_layers
+from megapipe.models.families import family_of
+from megapipe.models.flops import check_device_peak
+from megapipe.schedules.catalog import build_schedule, check_schedule, overlapped_schedule, schedule_descriptor
+from megapipe.schedules.overlap import check_overlap_flags
+from megapipe.schedules.schedule_file import load_training_schedule
+
+
+def resolve_run(kind: str, config: Config, world_size: int, ranks_per_node: Optional[int] = None) -> RunPlan:
+    """The plan of ``config`` run on ``world_size`` processes, every flag checked; one sentence per mistake.
+
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) adds the checks of how the layout sits on
+    nodes; a tensor-parallel group across nodes is warned about on stderr by rank 0."""
+    par, train, model = config.parallel, config.training, config.model
+    warning = check_nodes(world_size, ranks_per_node, par.tensor, par.pipeline, par.context_parallel_size)
+    if warning:
+        tell(warning)
+    stage_plan = par.stage_plan()
+    par.validate(world_size, model.num_layers)
+    layout = run_layout(world_size, par.tensor, par.pipeline, expert=par.expert, expert_tensor=par.expert_tensor,
+                        context=par.context_parallel_size, comm_type=par.cp_comm_type,
+                        hierarchical=par.hierarchical_context_parallel_sizes, plan=stage_plan)
+    if stage_plan is None:
+        model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
+        layer_ranges = equal_split(model.num_layers, par.pipeline * par.virtual_pipeline).layer_ranges
+        pipeline, data = par.pipeline, layout.data
+    else:
+        model.validate(par.tensor, expert_parallel=par.expert)  # stages need not hold equal numbers of layers
+        layer_ranges = stage_plan.layer_ranges
+        pipeline, data = layout.pipeline_size, layout.data_size
+    replicas = layout.stage_replicas
+    config.optimizer.validate()
+    config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)
+    _check_training_flags(kind, config)
+    m = train.num_microbatches(data)
+    check_search_flags(config, pipeline)
+    plan = RunPlan(kind, family_of(kind, model), config, layout, tuple(layer_ranges), m,
+                   _schedule(kind, config, pipeline, m, replicas), train.collective_timeout)
+    if par.pipeline_schedule == AUTO and par.schedule_search.profile is None:
+        search = searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
+        plan = dataclasses.replace(plan, schedule=search.schedule, search=search)
+    _check_asynchronous_training(plan)
+    return plan
+
+
+def with_vocabulary(plan: RunPlan, vocab_size: int) -> RunPlan:
+    """``plan`` for the tokenizer's ``vocab_size``; ``--pipeline-schedule auto`` with a profile searched now."""
+    plan = plan.with_vocabulary(vocab_size)
+    if plan.schedule != AUTO:
+        return plan
+    search = searched_schedule(plan.kind, plan.config, plan.layout.pipeline_size, plan.microbatches,
+                               plan.virtual_pipeline)
+    return dataclasses.replace(plan, schedule=search.schedule, search=search)
+
+
+def _schedule(kind: str, config: Config, p: int, m: int, replicas: Optional[tuple[int, ...]]):
+    """The run's schedule as far as the flags give it: a file's lists, a checked name, or ``auto``."""
+    par = config.parallel
+    if par.schedule_file is not None:
+        schedule = load_training_schedule(par.schedule_file, p, m, par.virtual_pipeline)  # a flush schedule
+        config.optimizer.check_pipeline_schedule("from a file", False)
+        if par.overlap_moe_expert_parallel_comm:
+            check_overlap_flags(par.expert, config.model.moe_token_dispatcher_type)
+        return schedule
+    if par.pipeline_schedule == AUTO:
+        if par.overlap_moe_expert_parallel_comm:
+            raise ConfigError("--overlap-moe-expert-parallel-comm needs a named flush schedule with forward/backward "
+                              "pairs, not --pipeline-schedule auto; use 1f1b or dualpipev.")
+        if par.schedule_search.profile is not None:
+            check_profile(kind, config)  # searched once the tokenizer has given the vocabulary (``with_vocabulary``)
+        config.optimizer.check_pipeline_schedule(AUTO, False)
+        return AUTO
+    # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
+    descriptor = check_schedule(par.pipeline_schedule, p, m, par.virtual_pipeline, replicas,
+                                par.pipedream_vertical_sync)
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
+    if par.overlap_moe_expert_parallel_comm:
+        check_overlap_moe_comm(config, descriptor.asynchronous, p, m)
+    return par.pipeline_schedule
+
+
+def _check_training_flags(kind: str, config: Config) -> None:
+    par, train = config.parallel, config.training
+    for flag, value in (("--micro-batch-size", train.micro_batch_size), ("--train-iters", train.train_iters),
+                        ("--log-interval", train.log_interval), ("--eval-interval", train.eval_interval)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1.")
+    check_context(config)
+    if par.sequence_parallel and config.model.seq_length % par.tensor:
+        raise ConfigError(f"--seq-length {config.model.seq_length} is not divisible by --tensor-model-parallel-size "
+                          f"{par.tensor}, which --sequence-parallel needs.")
+    if train.save_interval is not None and not train.save:
+        raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    check_device_peak(train.device_peak_tflops)
+    check_fp8_flags(train.fp8_format, config.optimizer.bf16, config.model.num_experts)
+    check_compiled_layers(train.fusion_backend, config.model.num_experts)
+    validate_operations(kind, config)
+    check_unread_flags(kind, config)
+
+
+def check_context(config: Config) -> None:
+    """The checks context parallelism adds: the attention's (``check_context_parallel``: the sequence
+    splits into 2c chunks, an all-to-all's heads divide, no attention dropout) and, with sequence
+    parallelism, each rank's s / c tokens split over t."""
+    par, model = config.parallel, config.model
+    c = par.context_parallel_size
+    check_context_parallel(context=c, comm_type=par.cp_comm_type, seq_length=model.seq_length,
+                           heads=model.num_attention_heads, query_groups=model.query_groups,
+                           tensor_parallel=par.tensor, hierarchical_sizes=par.hierarchical_context_parallel_sizes,
+                           attention_dropout=model.attention_dropout)
+    if c > 1 and par.sequence_parallel and (model.seq_length // c) % par.tensor:
+        raise ConfigError(f"--seq-length {model.seq_length} / --context-parallel-size {c} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tensor}, which --sequence-parallel needs; choose a "
+                          f"multiple of {2 * c * par.tensor}.")
+
+
+def check_overlap_moe_comm(config: Config, asynchronous: bool, pipeline: int, m: int) -> None:
+    """``--overlap-moe-expert-parallel-comm``: expert parallelism over all-to-alls, no recomputation (its
+    replay would draw random numbers beside the other pass), and a schedule with pairs it can overlap."""
+    par = config.parallel
+    check_overlap_flags(par.expert, config.model.moe_token_dispatcher_type)
+    if config.model.recompute_granularity is not None:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm cannot be combined with --recompute-granularity "
+                          f"{config.model.recompute_granularity} yet; drop one of them.")
+    if asynchronous:
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward pairs; "
+                          f"--pipeline-schedule {par.pipeline_schedule} has none: use 1f1b or dualpipev.")
+    overlapped_schedule(build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline))
+
+
+def _check_asynchronous_training(plan: RunPlan) -> None:
+    """What asynchronous schedules (weight updates without flushes) cannot run, as one-sentence errors."""
+    if not isinstance(plan.schedule, str) or plan.schedule == AUTO or not schedule_descriptor(plan.schedule).asynchronous:
+        return
+    name, model, optimizer = plan.schedule, plan.config.model, plan.config.optimizer
+    if len(plan.layer_ranges) > 1 and not model.untie_embeddings_and_output_weights:
+        raise ConfigError(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the tied word "
+                          "embedding lives on the first and last stage, which update at different times without "
+                          "flushes, so its two copies would need a flush to stay equal.")
+    if model.recompute_granularity == "full":
+        raise ConfigError(f"--pipeline-schedule {name} cannot use --recompute-granularity full: recomputing a layer "
+                          "would re-run it on the live weights instead of the version the microbatch used; use "
+                          "selective (it recomputes with the weights the forward ran on) or no recomputation.")
+    if optimizer.fp16 and optimizer.loss_scale is None:
+        raise ConfigError(f"--pipeline-schedule {name} with --fp16 needs a constant --loss-scale: every stage "
+                          "updates on its own, so dynamic scaling would change the scale on each stage at different "
+                          "times while the gradients between stages carry one scale.")
