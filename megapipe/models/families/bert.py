@@ -17,7 +17,7 @@ def bert_model_config(hf_config, **overrides) -> ModelConfig:
     return ModelConfig(**{**DEFAULTS, "bert_binary_head": True, **hf_mapping.bert_fields(hf_config), **overrides})
 
 
-BERT = HFArchitecture("bert", "BertForPreTraining", bert_model_config, hf_mapping.bert_from_hf, hf_mapping.bert_to_hf,
+BERT = HFArchitecture("bert", "BertForPreTraining", bert_model_config, hf_mapping.BERT_WEIGHTS,
                       hf_mapping.bert_hf_config, unsupported={"is_decoder": False, "add_cross_attention": False})
 
 FAMILY = Family(name="bert", kind="bert", stage=BERTStage, defaults=DEFAULTS, hf=(BERT,))

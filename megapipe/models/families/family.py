@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from megapipe.config import ModelConfig
 from megapipe.models.flops import flops_per_iteration
+from megapipe.models.hf_table import HFMapping
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,7 @@ class HFArchitecture:
     model_type: str  # transformers' ``model_type`` in config.json
     hf_class: str  # the transformers class whose state dict the mapping reads and writes
     model_config: Callable  # transformers config -> ModelConfig
-    from_hf: Callable  # (Hugging Face state dict, ModelConfig) -> canonical megapipe state dict
-    to_hf: Callable  # (canonical state dict, ModelConfig) -> Hugging Face state dict
+    weights: HFMapping  # the weight mapping table, walked by import and export alike
     # (ModelConfig, **special-token ids such as eos_token_id) -> transformers config (ValueError when it has no equal)
     hf_config: Callable
     # options whose other values change the maths in ways megapipe does not implement
