@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.models.loss_parts import with_parts
+from megapipe.models.loss_parts import LM_LOSS, with_parts
 from megapipe.models.common import build_norm, replicated_linear
 from megapipe.models.sequence_loss import first_rank_loss, sequence_mean
 from megapipe.models.stage import LanguageModelStage
@@ -17,6 +17,13 @@ from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
 from megapipe.tensor_parallel.utils import mark_tensor_parallel
+
+LOSSES = (LM_LOSS, "sop loss")  # masked LM, then the binary head's (sentence order or next sentence)
+
+
+def losses(config: ModelConfig) -> tuple[str, ...]:
+    """The losses a BERT logs: masked LM and, with its binary head, the binary head's."""
+    return LOSSES if config.bert_binary_head else LOSSES[:1]
 
 
 class BERTStage(LanguageModelStage):
@@ -76,4 +83,4 @@ class BERTStage(LanguageModelStage):
             return lm_loss
         # [CLS] is position 0: under context parallelism only context rank 0's first token
         sop_loss = first_rank_loss(F.cross_entropy(binary_logits.float(), batch["is_random"]), self.ps)
-        return with_parts(lm_loss + sop_loss, lm_loss=lm_loss, sop_loss=sop_loss)
+        return with_parts(lm_loss + sop_loss, dict(zip(LOSSES, (lm_loss, sop_loss))))
