@@ -81,18 +81,15 @@ def stacked_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=2).reshape(gate_up.shape).contiguous()
 
 
-def _split_gate_up(fc1: torch.Tensor) -> torch.Tensor:
-    e, width, h = fc1.shape
-    pairs = fc1.reshape(e, width // 2, 2, h)
-    return torch.cat((pairs[:, :, 0], pairs[:, :, 1]), dim=1).contiguous()
-
-
 def _to_stacked(config: ModelConfig, gate_up: torch.Tensor) -> tuple:
     return (stacked_gate_up(gate_up),)
 
 
 def _to_split(config: ModelConfig, fc1: torch.Tensor) -> tuple:
-    return (_split_gate_up(fc1),)
+    """megapipe's [E, (f, {gate, up}), h] -> transformers' [E, (gate f | up f), h]."""
+    e, width, h = fc1.shape
+    pairs = fc1.reshape(e, width // 2, 2, h)
+    return (torch.cat((pairs[:, :, 0], pairs[:, :, 1]), dim=1).contiguous(),)
 
 
 def _dense(config: ModelConfig, layer: int) -> bool:
@@ -111,6 +108,7 @@ def _qk_norm(config: ModelConfig, layer: int) -> bool:
     return config.qk_layernorm
 
 
+# a Llama layer whose MLP is dense, or a router with stacked experts (and maybe a gated shared expert)
 MOE_WEIGHTS = HFMapping(LAYER_PREFIX, before=GLOBAL, lm_head="lm_head.weight", layer=(
     *NORMS_AND_OUTPUT,
     rename("mlp.fc2.weight", "mlp.down_proj.weight", when=_dense),
