@@ -39,7 +39,7 @@ class Architecture:
     kind: str  # megapipe's model kind
     hf: HFArchitecture
 
-    def __getattr__(self, name):  # hf_class, model_config, from_hf, to_hf, hf_config, unsupported ...
+    def __getattr__(self, name):  # hf_class, model_config, weights, hf_config, unsupported ...
         return getattr(self.hf, name)
 
 
@@ -112,7 +112,8 @@ def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
         raise CheckpointError(f"{hf_dir}: {error}.") from None
     tokenizer = hf_dir_tokenizer(hf_dir)
     if arch.reads_safetensors and has_safetensors(hf_dir):
-        return Imported(arch.kind, model_type, config, arch.from_hf(SafetensorsFiles(hf_dir), config), tokenizer, [])
+        canonical = arch.weights.from_hf(SafetensorsFiles(hf_dir), config)
+        return Imported(arch.kind, model_type, config, canonical, tokenizer, [])
     try:
         model, info = getattr(transformers, arch.hf_class).from_pretrained(hf_dir, output_loading_info=True,
                                                                            dtype=torch.float32)
@@ -128,7 +129,7 @@ def import_hf(hf_dir: str, initialize_missing_heads: bool = False) -> Imported:
         raise CheckpointError(f"{hf_dir} lacks {len(missing)} weights a {arch.hf_class} needs (first: {missing[0]}); "
                               f"it was probably saved from a model without the pretraining heads: import a "
                               f"checkpoint that has them{hint}.")
-    return Imported(arch.kind, model_type, config, arch.from_hf(model.state_dict(), config), tokenizer, heads)
+    return Imported(arch.kind, model_type, config, arch.weights.from_hf(model.state_dict(), config), tokenizer, heads)
 
 
 def hf_model_type(kind: str, config: ModelConfig, remembered: str | None) -> str:
@@ -158,7 +159,7 @@ def export_hf(kind: str, config: ModelConfig, canonical: dict[str, torch.Tensor]
     arch = ARCHITECTURES[model_type]
     hf_config = hf_config_of(kind, config, model_type, **config_token_ids(tokenizer))
     model = getattr(transformers, arch.hf_class)(hf_config)
-    state = {key: value.float() for key, value in arch.to_hf(canonical, config).items()}
+    state = {key: value.float() for key, value in arch.weights.to_hf(canonical, config).items()}
     model.load_state_dict(state, strict=True)
     model.save_pretrained(hf_dir, max_shard_size=max_shard_size)
     if tokenizer is not None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megapipe.fusions.backend import active_backend
 from megapipe.fusions.bias_math import add_bias_fp32, bias_grad
-from megapipe.fusions.compiled import compiled
+from megapipe.fusions.compiled import elementwise_kernels
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -74,16 +74,6 @@ class _BiasGeLU(torch.autograd.Function):
         return grad_x, grad_bias, None, None
 
 
-def _kernels(family: str):
-    if family == "triton":
-        from megapipe.fusions import triton_elementwise
-
-        return triton_elementwise.bias_gelu_forward, triton_elementwise.bias_gelu_backward
-    if family == "compile":
-        return compiled(gelu_forward), compiled(gelu_backward)
-    return native_forward, native_backward
-
-
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none",
               fused: bool = True) -> torch.Tensor:
     """GeLU(x + bias); ``bias`` has x's last dimension (or is None).
@@ -95,5 +85,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
         raise ValueError(f"GeLU approximation {approximate!r} is unknown; use 'none' or 'tanh'.")
     if not fused:
         return native_forward(x, bias, approximate)
-    family = active_backend().family("bias_gelu", x)
-    return _BiasGeLU.apply(x.contiguous(), bias, approximate, _kernels(family))
+    kernels = elementwise_kernels(active_backend().family("bias_gelu", x), "bias_gelu", (gelu_forward, gelu_backward),
+                                  (native_forward, native_backward))
+    return _BiasGeLU.apply(x.contiguous(), bias, approximate, kernels)

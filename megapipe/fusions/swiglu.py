@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megapipe.fusions.backend import active_backend
 from megapipe.fusions.bias_math import add_bias_fp32, bias_grad
-from megapipe.fusions.compiled import compiled
+from megapipe.fusions.compiled import elementwise_kernels
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,16 +73,6 @@ class _SwiGLU(torch.autograd.Function):
         return grad_x, grad_bias, None
 
 
-def _kernels(family: str):
-    if family == "triton":
-        from megapipe.fusions import triton_elementwise
-
-        return triton_elementwise.swiglu_forward, triton_elementwise.swiglu_backward
-    if family == "compile":
-        return compiled(swiglu_forward), compiled(swiglu_backward)
-    return native_forward, native_backward
-
-
 def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
     """SiLU(gate) * up for ``x + bias = [..., (gate, up) x f]``; the result is ``[..., f]``. ``bias`` is
     the first projection's (interleaved like x; None without one).
@@ -96,7 +86,8 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None, fused: bool = True
                          f"last dimension.")
     if not fused or torch.compiler.is_compiling():  # a compiled layer derives and fuses the backward itself
         return native_forward(x, bias)
-    kernels = _kernels(active_backend().family("swiglu", x))
+    kernels = elementwise_kernels(active_backend().family("swiglu", x), "swiglu", (swiglu_forward, swiglu_backward),
+                                  (native_forward, native_backward))
     x = x.contiguous()  # Triton's kernels index x as [rows, 2f]
     needs_grad = x.requires_grad or (bias is not None and bias.requires_grad)
     if not (torch.is_grad_enabled() and needs_grad):  # inference: no graph, no autograd function

@@ -8,15 +8,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.models.loss_parts import with_parts
+from megapipe.models.loss_parts import LM_LOSS, with_parts
 from megapipe.models.common import build_norm, replicated_linear
 from megapipe.models.sequence_loss import first_rank_loss, sequence_mean
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
 from megapipe.tensor_parallel.utils import mark_tensor_parallel
+
+LOSSES = (LM_LOSS, "sop loss")  # masked LM, then the binary head's (sentence order or next sentence)
+
+
+def losses(config: ModelConfig) -> tuple[str, ...]:
+    """The losses a BERT logs: masked LM and, with its binary head, the binary head's."""
+    return LOSSES if config.bert_binary_head else LOSSES[:1]
 
 
 class BERTStage(LanguageModelStage):
@@ -31,19 +37,13 @@ class BERTStage(LanguageModelStage):
 
     causal = False
 
-    def __init__(self, config: ModelConfig, ps: ParallelState, layer_start: int, layer_end: int,
-                 pre_process: bool, post_process: bool, seed: int = 1234, sequence_parallel: bool = False,
-                 device=None):
-        super().__init__(config, ps, layer_start, layer_end, pre_process, post_process, seed, sequence_parallel,
-                         device)
-        if not post_process:
-            return
-        h = config.hidden_size
+    def build_head(self, seed: int, device) -> None:
+        config, h = self.config, self.config.hidden_size
         self.final_norm = None if config.post_layernorm else build_norm(config, device)
         self.pooler = replicated_linear(h, h, config, "pooler", seed, device)
         self.lm_transform = replicated_linear(h, h, config, "lm_head.dense", seed, device)
         self.lm_norm = build_norm(config, device)
-        self.lm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size(ps.tp_size) // ps.tp_size,
+        self.lm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size(self.ps.tp_size) // self.ps.tp_size,
                                                 dtype=config.params_dtype, device=device))
         mark_tensor_parallel(self.lm_bias, 0)
         self.binary_head = replicated_linear(h, 2, config, "binary_head", seed, device) \
@@ -76,4 +76,4 @@ class BERTStage(LanguageModelStage):
             return lm_loss
         # [CLS] is position 0: under context parallelism only context rank 0's first token
         sop_loss = first_rank_loss(F.cross_entropy(binary_logits.float(), batch["is_random"]), self.ps)
-        return with_parts(lm_loss + sop_loss, lm_loss=lm_loss, sop_loss=sop_loss)
+        return with_parts(lm_loss + sop_loss, dict(zip(LOSSES, (lm_loss, sop_loss))))

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megapipe.config import ModelConfig
 from megapipe.models.common import build_norm
 from megapipe.models.sequence_loss import sequence_mean
 from megapipe.models.stage import LanguageModelStage
-from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import parallel_lm_logits
 
@@ -24,12 +22,8 @@ class GPTStage(LanguageModelStage):
 
     causal = True
 
-    def __init__(self, config: ModelConfig, ps: ParallelState, layer_start: int, layer_end: int,
-                 pre_process: bool, post_process: bool, seed: int = 1234, sequence_parallel: bool = False,
-                 device=None):
-        super().__init__(config, ps, layer_start, layer_end, pre_process, post_process, seed, sequence_parallel,
-                         device)
-        self.final_norm = build_norm(config, device, sequence_parallel) if post_process else None
+    def build_head(self, seed: int, device) -> None:
+        self.final_norm = build_norm(self.config, device, self.sequence_parallel)
 
     def attention_mask(self, batch: dict) -> torch.Tensor | None:
         """Inference passes its own mask (padding and causality over the cached positions); training's

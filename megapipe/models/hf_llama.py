@@ -4,7 +4,8 @@ The three share one layout (``LlamaForCausalLM``'s): RMSNorm, rotary positions, 
 grouped-query attention, no biases except Qwen2's on q, k and v. megapipe fuses q, k and v
 into rows ordered (group, [its query heads, key, value], head_dim) and gate and up into
 (ffn, {gate, up}) pairs, so that contiguous tensor-parallel splits give whole query groups
-and matching gate/up rows; these functions reorder between the two.
+and matching gate/up rows; the table's transforms reorder between the two (the MoE table
+reuses its rules).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import ModelConfig
+from megapipe.models.hf_table import HFMapping, Rule, always, rename
 
 # model_type -> (transformers class, q/k/v bias)
 LLAMA_FAMILY = {"llama": ("LlamaForCausalLM", False), "mistral": ("MistralForCausalLM", False),
@@ -41,35 +43,48 @@ def gate_up_split(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
-def qkv_from_hf(hf_state, prefix: str, config: ModelConfig) -> dict:
-    """A layer's fused q/k/v weight (and Qwen's biases), by layer-relative megapipe name, from its
-    Hugging Face tensors under ``prefix`` (``model.layers.{i}.``)."""
-    return {f"attention.qkv.{kind}": qkv_from_grouped(*(hf_state[f"{prefix}self_attn.{name}_proj.{kind}"]
-                                                        for name in "qkv"), config.query_groups)
-            for kind in _qkv_kinds(config)}
+def _qkv_from_grouped(config: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (qkv_from_grouped(q, k, v, config.query_groups),)
 
 
-def qkv_to_hf(state: dict, layer: int, config: ModelConfig) -> dict:
-    """The inverse of :func:`qkv_from_hf`: layer-relative Hugging Face names of q, k and v."""
-    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
-    return {f"self_attn.{name}_proj.{kind}": tensor for kind in _qkv_kinds(config)
-            for name, tensor in zip("qkv", qkv_to_grouped(state[f"layers.{layer}.attention.qkv.{kind}"], heads,
-                                                         groups, d))}
+def _qkv_to_grouped(config: ModelConfig, qkv: torch.Tensor) -> tuple:
+    return qkv_to_grouped(qkv, config.num_attention_heads, config.query_groups, config.head_dim)
 
 
-def _qkv_kinds(config: ModelConfig) -> tuple[str, ...]:
-    return ("weight", "bias") if config.add_qkv_bias else ("weight",)
+def _has_qkv_bias(config: ModelConfig, layer: int) -> bool:
+    return config.add_qkv_bias
 
 
-# (megapipe, Hugging Face) names of a layer's norms and attention output, and of the model's ends
-NORMS_AND_OUTPUT = [
-    ("attention_norm.weight", "input_layernorm.weight"),
-    ("attention.dense.weight", "self_attn.o_proj.weight"),
-    ("mlp_norm.weight", "post_attention_layernorm.weight"),
-]
-_LAYER = NORMS_AND_OUTPUT + [("mlp.fc2.weight", "mlp.down_proj.weight")]
-GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-          ("final_norm.weight", "model.norm.weight")]
+def _gate_up_interleaved(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> tuple:
+    return (gate_up_interleaved(gate, up),)
+
+
+def _gate_up_split(config: ModelConfig, fc1: torch.Tensor) -> tuple:
+    return gate_up_split(fc1)
+
+
+def gate_up(ours: str, theirs: str, when=always) -> Rule:
+    """megapipe's interleaved fc1 ``ours`` <-> Hugging Face's ``{theirs}gate_proj`` and ``{theirs}up_proj``."""
+    return Rule((ours,), (theirs + "gate_proj.weight", theirs + "up_proj.weight"), _gate_up_interleaved,
+                _gate_up_split, when)
+
+
+LAYER_PREFIX = "model.layers.{i}."
+# a layer's fused q/k/v weight (and Qwen's biases), its norms and attention output, and the model's ends
+QKV = tuple(Rule((f"attention.qkv.{kind}",), tuple(f"self_attn.{name}_proj.{kind}" for name in "qkv"),
+                 _qkv_from_grouped, _qkv_to_grouped, when)
+            for kind, when in (("weight", always), ("bias", _has_qkv_bias)))
+NORMS_AND_OUTPUT = (rename("attention_norm.weight", "input_layernorm.weight"),
+                    rename("attention.dense.weight", "self_attn.o_proj.weight"),
+                    rename("mlp_norm.weight", "post_attention_layernorm.weight"))
+GLOBAL = (rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+          rename("final_norm.weight", "model.norm.weight"))
+
+
+LLAMA_WEIGHTS = HFMapping(LAYER_PREFIX, before=GLOBAL, lm_head="lm_head.weight",
+                          layer=(*NORMS_AND_OUTPUT, rename("mlp.fc2.weight", "mlp.down_proj.weight"), *QKV,
+                                 gate_up("mlp.fc1.weight", "mlp.")))
+llama_from_hf = LLAMA_WEIGHTS.from_hf
 
 
 def rope_settings(hf_config) -> tuple[float, float]:
@@ -112,35 +127,6 @@ def llama_fields(hf_config, qkv_bias: bool | None = None) -> dict:
                   init_method_std=hf_config.initializer_range,
                   untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings)
     return fields
-
-
-def llama_from_hf(hf_state, config: ModelConfig) -> dict:
-    """Canonical megapipe state dict from a Llama-family state dict (any mapping that loads on access)."""
-    out = {ours: hf_state[theirs] for ours, theirs in GLOBAL}
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _LAYER:
-            out[f"layers.{i}.{ours}"] = hf_state[prefix + theirs]
-        out.update({f"layers.{i}.{name}": tensor for name, tensor in qkv_from_hf(hf_state, prefix, config).items()})
-        out[f"layers.{i}.mlp.fc1.weight"] = gate_up_interleaved(hf_state[prefix + "mlp.gate_proj.weight"],
-                                                                hf_state[prefix + "mlp.up_proj.weight"])
-    if config.untie_embeddings_and_output_weights:
-        out["output_embedding.weight"] = hf_state["lm_head.weight"]
-    return {k: v.clone() for k, v in out.items()}
-
-
-def llama_to_hf(state: dict, config: ModelConfig) -> dict:
-    """Llama-family state dict from a canonical megapipe state dict."""
-    out = {theirs: state[ours] for ours, theirs in GLOBAL}
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _LAYER:
-            out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        out.update({prefix + name: tensor for name, tensor in qkv_to_hf(state, i, config).items()})
-        out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate_up_split(
-            state[f"layers.{i}.mlp.fc1.weight"])
-    out["lm_head.weight"] = state.get("output_embedding.weight", state["embedding.word_embeddings.weight"])
-    return {k: v.clone() for k, v in out.items()}
 
 
 def llama_hf_config(model_type: str, config: ModelConfig, **token_ids):

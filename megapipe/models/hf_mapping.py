@@ -1,7 +1,7 @@
 """Weight mapping between megapipe's canonical state dict and Hugging Face GPT-2 / BERT.
 
-Each table row pairs a megapipe key with a Hugging Face key (``{i}`` is the layer index) and
-the transform between them; QKV needs a reordering because Hugging Face keeps all queries,
+Each family's table (``hf_table.HFMapping``, walked by import and export alike) pairs megapipe
+keys with Hugging Face keys and the transform between them; QKV needs a reordering because Hugging Face keeps all queries,
 then all keys, then all values, while megapipe keeps (head, {q, k, v}, head_dim) rows so a
 contiguous tensor-parallel split gives whole heads. GPT-2's ``Conv1D`` stores weights as
 ``[in, out]``, hence the transposes.
@@ -9,19 +9,14 @@ contiguous tensor-parallel split gives whole heads. GPT-2's ``Conv1D`` stores we
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from megapipe.config import ModelConfig
+from megapipe.models.hf_table import HFMapping, Rule, rename
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _transpose(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
+def _transposed(config: ModelConfig, t: torch.Tensor) -> tuple:
+    return (t.t().contiguous(),)
 
 
 def qkv_from_separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -37,24 +32,37 @@ def qkv_to_separate(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.
 
 # ---- GPT-2 -------------------------------------------------------------------------------------
 
-_GPT2_LAYER: list[tuple[str, str, Callable, Callable]] = [
-    ("attention_norm.weight", "ln_1.weight", _identity, _identity),
-    ("attention_norm.bias", "ln_1.bias", _identity, _identity),
-    ("attention.dense.weight", "attn.c_proj.weight", _transpose, _transpose),
-    ("attention.dense.bias", "attn.c_proj.bias", _identity, _identity),
-    ("mlp_norm.weight", "ln_2.weight", _identity, _identity),
-    ("mlp_norm.bias", "ln_2.bias", _identity, _identity),
-    ("mlp.fc1.weight", "mlp.c_fc.weight", _transpose, _transpose),
-    ("mlp.fc1.bias", "mlp.c_fc.bias", _identity, _identity),
-    ("mlp.fc2.weight", "mlp.c_proj.weight", _transpose, _transpose),
-    ("mlp.fc2.bias", "mlp.c_proj.bias", _identity, _identity),
-]
-_GPT2_GLOBAL = [
-    ("embedding.word_embeddings.weight", "transformer.wte.weight"),
-    ("embedding.position_embeddings.weight", "transformer.wpe.weight"),
-    ("final_norm.weight", "transformer.ln_f.weight"),
-    ("final_norm.bias", "transformer.ln_f.bias"),
-]
+def _from_c_attn(config: ModelConfig, fused: torch.Tensor) -> tuple:
+    """``c_attn``'s weight ([h, 3h], Conv1D) or bias ([3h]), q | k | v -> megapipe's fused qkv."""
+    rows = fused.t() if fused.dim() == 2 else fused
+    return (qkv_from_separate(*rows.split(config.hidden_size, dim=0), config.num_attention_heads),)
+
+
+def _to_c_attn(config: ModelConfig, qkv: torch.Tensor) -> tuple:
+    rows = torch.cat(qkv_to_separate(qkv, config.num_attention_heads), dim=0)
+    return (rows.t().contiguous() if rows.dim() == 2 else rows,)
+
+
+GPT2_WEIGHTS = HFMapping(
+    layer_prefix="transformer.h.{i}.",
+    layer=(rename("attention_norm.weight", "ln_1.weight"),
+           rename("attention_norm.bias", "ln_1.bias"),
+           rename("attention.dense.weight", "attn.c_proj.weight", _transposed),
+           rename("attention.dense.bias", "attn.c_proj.bias"),
+           rename("mlp_norm.weight", "ln_2.weight"),
+           rename("mlp_norm.bias", "ln_2.bias"),
+           rename("mlp.fc1.weight", "mlp.c_fc.weight", _transposed),
+           rename("mlp.fc1.bias", "mlp.c_fc.bias"),
+           rename("mlp.fc2.weight", "mlp.c_proj.weight", _transposed),
+           rename("mlp.fc2.bias", "mlp.c_proj.bias"),
+           *(Rule((f"attention.qkv.{kind}",), (f"attn.c_attn.{kind}",), _from_c_attn, _to_c_attn)
+             for kind in ("weight", "bias"))),
+    before=(rename("embedding.word_embeddings.weight", "transformer.wte.weight"),
+           rename("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+           rename("final_norm.weight", "transformer.ln_f.weight"),
+           rename("final_norm.bias", "transformer.ln_f.bias")),
+    lm_head="lm_head.weight")
+gpt2_from_hf, gpt2_to_hf = GPT2_WEIGHTS.from_hf, GPT2_WEIGHTS.to_hf  # ``GPT2LMHeadModel``'s state dict
 
 
 def gpt2_model_config(hf_config, **overrides) -> ModelConfig:
@@ -74,68 +82,49 @@ def gpt2_model_config(hf_config, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def gpt2_from_hf(hf_state: dict, config: ModelConfig) -> dict:
-    """Canonical megapipe GPT state dict from a ``GPT2LMHeadModel`` state dict."""
-    out = {ours: hf_state[theirs] for ours, theirs in _GPT2_GLOBAL}
-    heads, h = config.num_attention_heads, config.hidden_size
-    for i in range(config.num_layers):
-        prefix = f"transformer.h.{i}."
-        for ours, theirs, to_ours, _ in _GPT2_LAYER:
-            out[f"layers.{i}.{ours}"] = to_ours(hf_state[prefix + theirs])
-        w = hf_state[prefix + "attn.c_attn.weight"].t()  # [3h, h]: q | k | v
-        b = hf_state[prefix + "attn.c_attn.bias"]
-        out[f"layers.{i}.attention.qkv.weight"] = qkv_from_separate(*w.split(h, dim=0), heads)
-        out[f"layers.{i}.attention.qkv.bias"] = qkv_from_separate(*b.split(h, dim=0), heads)
-    if config.untie_embeddings_and_output_weights:
-        out["output_embedding.weight"] = hf_state["lm_head.weight"]
-    return {k: v.clone() for k, v in out.items()}
-
-
-def gpt2_to_hf(state: dict, config: ModelConfig) -> dict:
-    """``GPT2LMHeadModel`` state dict from a canonical megapipe GPT state dict."""
-    out = {theirs: state[ours] for ours, theirs in _GPT2_GLOBAL}
-    heads = config.num_attention_heads
-    for i in range(config.num_layers):
-        prefix = f"transformer.h.{i}."
-        for ours, theirs, _, to_theirs in _GPT2_LAYER:
-            out[prefix + theirs] = to_theirs(state[f"layers.{i}.{ours}"])
-        q, k, v = qkv_to_separate(state[f"layers.{i}.attention.qkv.weight"], heads)
-        out[prefix + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t().contiguous()
-        out[prefix + "attn.c_attn.bias"] = torch.cat(qkv_to_separate(state[f"layers.{i}.attention.qkv.bias"], heads))
-    out["lm_head.weight"] = state.get("output_embedding.weight", state["embedding.word_embeddings.weight"])
-    return {k: v.clone() for k, v in out.items()}
-
-
 # ---- BERT --------------------------------------------------------------------------------------
 
-_BERT_LAYER = [
-    ("attention.dense.weight", "attention.output.dense.weight"),
-    ("attention.dense.bias", "attention.output.dense.bias"),
-    ("attention_norm.weight", "attention.output.LayerNorm.weight"),
-    ("attention_norm.bias", "attention.output.LayerNorm.bias"),
-    ("mlp.fc1.weight", "intermediate.dense.weight"),
-    ("mlp.fc1.bias", "intermediate.dense.bias"),
-    ("mlp.fc2.weight", "output.dense.weight"),
-    ("mlp.fc2.bias", "output.dense.bias"),
-    ("mlp_norm.weight", "output.LayerNorm.weight"),
-    ("mlp_norm.bias", "output.LayerNorm.bias"),
-]
-_BERT_GLOBAL = [
-    ("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
-    ("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
-    ("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
-    ("embedding.norm.weight", "bert.embeddings.LayerNorm.weight"),
-    ("embedding.norm.bias", "bert.embeddings.LayerNorm.bias"),
-    ("pooler.weight", "bert.pooler.dense.weight"),
-    ("pooler.bias", "bert.pooler.dense.bias"),
-    ("lm_transform.weight", "cls.predictions.transform.dense.weight"),
-    ("lm_transform.bias", "cls.predictions.transform.dense.bias"),
-    ("lm_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
-    ("lm_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
-    ("lm_bias", "cls.predictions.bias"),
-    ("binary_head.weight", "cls.seq_relationship.weight"),
-    ("binary_head.bias", "cls.seq_relationship.bias"),
-]
+def _qkv_from_separate(config: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (qkv_from_separate(q, k, v, config.num_attention_heads),)
+
+
+def _qkv_to_separate(config: ModelConfig, qkv: torch.Tensor) -> tuple:
+    return qkv_to_separate(qkv, config.num_attention_heads)
+
+
+BERT_WEIGHTS = HFMapping(
+    layer_prefix="bert.encoder.layer.{i}.",
+    layer=(rename("attention.dense.weight", "attention.output.dense.weight"),
+           rename("attention.dense.bias", "attention.output.dense.bias"),
+           rename("attention_norm.weight", "attention.output.LayerNorm.weight"),
+           rename("attention_norm.bias", "attention.output.LayerNorm.bias"),
+           rename("mlp.fc1.weight", "intermediate.dense.weight"),
+           rename("mlp.fc1.bias", "intermediate.dense.bias"),
+           rename("mlp.fc2.weight", "output.dense.weight"),
+           rename("mlp.fc2.bias", "output.dense.bias"),
+           rename("mlp_norm.weight", "output.LayerNorm.weight"),
+           rename("mlp_norm.bias", "output.LayerNorm.bias"),
+           *(Rule((f"attention.qkv.{kind}",),
+                  tuple(f"attention.self.{name}.{kind}" for name in ("query", "key", "value")),
+                  _qkv_from_separate, _qkv_to_separate) for kind in ("weight", "bias"))),
+    before=(rename("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+           rename("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+           rename("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
+           rename("embedding.norm.weight", "bert.embeddings.LayerNorm.weight"),
+           rename("embedding.norm.bias", "bert.embeddings.LayerNorm.bias"),
+           rename("pooler.weight", "bert.pooler.dense.weight"),
+           rename("pooler.bias", "bert.pooler.dense.bias"),
+           rename("lm_transform.weight", "cls.predictions.transform.dense.weight"),
+           rename("lm_transform.bias", "cls.predictions.transform.dense.bias"),
+           rename("lm_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+           rename("lm_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+           rename("lm_bias", "cls.predictions.bias"),
+           rename("binary_head.weight", "cls.seq_relationship.weight"),
+           rename("binary_head.bias", "cls.seq_relationship.bias")),
+    # the decoder Hugging Face ties to the word embedding: written, never read
+    after=(Rule(("embedding.word_embeddings.weight",), ("cls.predictions.decoder.weight",), to_ours=None),
+           Rule(("lm_bias",), ("cls.predictions.decoder.bias",), to_ours=None)))
+bert_from_hf, bert_to_hf = BERT_WEIGHTS.from_hf, BERT_WEIGHTS.to_hf  # ``BertForPreTraining``'s state dict
 
 
 def bert_fields(hf_config) -> dict:
@@ -152,37 +141,6 @@ def bert_fields(hf_config) -> dict:
                   attention_dropout=hf_config.attention_probs_dropout_prob,
                   init_method_std=hf_config.initializer_range, num_tokentypes=hf_config.type_vocab_size)
     return fields
-
-
-def bert_from_hf(hf_state: dict, config: ModelConfig) -> dict:
-    """Canonical megapipe BERT state dict from a ``BertForPreTraining`` state dict."""
-    out = {ours: hf_state[theirs] for ours, theirs in _BERT_GLOBAL}
-    heads = config.num_attention_heads
-    for i in range(config.num_layers):
-        prefix = f"bert.encoder.layer.{i}."
-        for ours, theirs in _BERT_LAYER:
-            out[f"layers.{i}.{ours}"] = hf_state[prefix + theirs]
-        for kind in ("weight", "bias"):
-            q, k, v = (hf_state[f"{prefix}attention.self.{name}.{kind}"] for name in ("query", "key", "value"))
-            out[f"layers.{i}.attention.qkv.{kind}"] = qkv_from_separate(q, k, v, heads)
-    return {k: v.clone() for k, v in out.items()}
-
-
-def bert_to_hf(state: dict, config: ModelConfig) -> dict:
-    """``BertForPreTraining`` state dict from a canonical megapipe BERT state dict."""
-    out = {theirs: state[ours] for ours, theirs in _BERT_GLOBAL}
-    heads = config.num_attention_heads
-    for i in range(config.num_layers):
-        prefix = f"bert.encoder.layer.{i}."
-        for ours, theirs in _BERT_LAYER:
-            out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        for kind in ("weight", "bias"):
-            for name, tensor in zip(("query", "key", "value"),
-                                    qkv_to_separate(state[f"layers.{i}.attention.qkv.{kind}"], heads)):
-                out[f"{prefix}attention.self.{name}.{kind}"] = tensor
-    out["cls.predictions.decoder.weight"] = state["embedding.word_embeddings.weight"]
-    out["cls.predictions.decoder.bias"] = state["lm_bias"]
-    return {k: v.clone() for k, v in out.items()}
 
 
 # ---- transformers configs of megapipe models ----------------------------------------------------

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 
 from megapipe.config import ModelConfig
-from megapipe.models.hf_llama import (GLOBAL, NORMS_AND_OUTPUT, gate_up_interleaved, gate_up_split, llama_fields,
-                                      qkv_from_hf, qkv_to_hf)
+from megapipe.models.hf_llama import GLOBAL, LAYER_PREFIX, NORMS_AND_OUTPUT, QKV, gate_up, llama_fields
+from megapipe.models.hf_table import HFMapping, Rule, rename
 
 
 class MoEArchitecture(NamedTuple):
@@ -81,73 +81,47 @@ def stacked_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=2).reshape(gate_up.shape).contiguous()
 
 
-def _split_gate_up(fc1: torch.Tensor) -> torch.Tensor:
+def _to_stacked(config: ModelConfig, gate_up: torch.Tensor) -> tuple:
+    return (stacked_gate_up(gate_up),)
+
+
+def _to_split(config: ModelConfig, fc1: torch.Tensor) -> tuple:
+    """megapipe's [E, (f, {gate, up}), h] -> transformers' [E, (gate f | up f), h]."""
     e, width, h = fc1.shape
     pairs = fc1.reshape(e, width // 2, 2, h)
-    return torch.cat((pairs[:, :, 0], pairs[:, :, 1]), dim=1).contiguous()
+    return (torch.cat((pairs[:, :, 0], pairs[:, :, 1]), dim=1).contiguous(),)
 
 
-def _mlp_pairs(config: ModelConfig, i: int) -> list[tuple[str, str]]:
-    """(megapipe, Hugging Face) names of layer ``i``'s MLP tensors that map one to one."""
-    if not config.is_moe_layer(i):
-        return [("mlp.fc2.weight", "mlp.down_proj.weight")]
-    pairs = [("mlp.router.weight", "mlp.gate.weight"), ("mlp.experts.fc2.weight", "mlp.experts.down_proj")]
-    if config.moe_shared_expert_intermediate_size is not None:
-        pairs += [("mlp.shared_experts.fc2.weight", "mlp.shared_expert.down_proj.weight"),
-                  ("mlp.shared_experts.gate.weight", "mlp.shared_expert_gate.weight")]
-    return pairs
+def _dense(config: ModelConfig, layer: int) -> bool:
+    return not config.is_moe_layer(layer)
 
 
-def _gate_up_names(config: ModelConfig, i: int) -> list[tuple[str, str]]:
-    """(megapipe fc1, Hugging Face prefix of gate_proj/up_proj) of layer ``i``'s dense MLPs."""
-    if not config.is_moe_layer(i):
-        return [("mlp.fc1.weight", "mlp.")]
-    if config.moe_shared_expert_intermediate_size is not None:
-        return [("mlp.shared_experts.fc1.weight", "mlp.shared_expert.")]
-    return []
+def _moe(config: ModelConfig, layer: int) -> bool:
+    return config.is_moe_layer(layer)
 
 
-def _layer_pairs(config: ModelConfig, i: int) -> list[tuple[str, str]]:
-    pairs = NORMS_AND_OUTPUT + _mlp_pairs(config, i)
-    if config.qk_layernorm:
-        pairs = pairs + [("attention.q_norm.weight", "self_attn.q_norm.weight"),
-                         ("attention.k_norm.weight", "self_attn.k_norm.weight")]
-    return pairs
+def _shared(config: ModelConfig, layer: int) -> bool:
+    return config.is_moe_layer(layer) and config.moe_shared_expert_intermediate_size is not None
 
 
-def moe_from_hf(hf_state, config: ModelConfig) -> dict:
-    """Canonical megapipe state dict from a Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE state dict."""
-    out = {ours: hf_state[theirs] for ours, theirs in GLOBAL}
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _layer_pairs(config, i):
-            out[f"layers.{i}.{ours}"] = hf_state[prefix + theirs]
-        out.update({f"layers.{i}.{name}": tensor for name, tensor in qkv_from_hf(hf_state, prefix, config).items()})
-        for ours, theirs in _gate_up_names(config, i):
-            out[f"layers.{i}.{ours}"] = gate_up_interleaved(hf_state[prefix + theirs + "gate_proj.weight"],
-                                                            hf_state[prefix + theirs + "up_proj.weight"])
-        if config.is_moe_layer(i):
-            out[f"layers.{i}.mlp.experts.fc1.weight"] = stacked_gate_up(hf_state[prefix + "mlp.experts.gate_up_proj"])
-    if config.untie_embeddings_and_output_weights:
-        out["output_embedding.weight"] = hf_state["lm_head.weight"]
-    return {k: v.clone() for k, v in out.items()}
+def _qk_norm(config: ModelConfig, layer: int) -> bool:
+    return config.qk_layernorm
 
 
-def moe_to_hf(state: dict, config: ModelConfig) -> dict:
-    """Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE state dict from a canonical megapipe state dict."""
-    out = {theirs: state[ours] for ours, theirs in GLOBAL}
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _layer_pairs(config, i):
-            out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        out.update({prefix + name: tensor for name, tensor in qkv_to_hf(state, i, config).items()})
-        for ours, theirs in _gate_up_names(config, i):
-            out[prefix + theirs + "gate_proj.weight"], out[prefix + theirs + "up_proj.weight"] = gate_up_split(
-                state[f"layers.{i}.{ours}"])
-        if config.is_moe_layer(i):
-            out[prefix + "mlp.experts.gate_up_proj"] = _split_gate_up(state[f"layers.{i}.mlp.experts.fc1.weight"])
-    out["lm_head.weight"] = state.get("output_embedding.weight", state["embedding.word_embeddings.weight"])
-    return {k: v.clone() for k, v in out.items()}
+# a Llama layer whose MLP is dense, or a router with stacked experts (and maybe a gated shared expert)
+MOE_WEIGHTS = HFMapping(LAYER_PREFIX, before=GLOBAL, lm_head="lm_head.weight", layer=(
+    *NORMS_AND_OUTPUT,
+    rename("mlp.fc2.weight", "mlp.down_proj.weight", when=_dense),
+    rename("mlp.router.weight", "mlp.gate.weight", when=_moe),
+    rename("mlp.experts.fc2.weight", "mlp.experts.down_proj", when=_moe),
+    rename("mlp.shared_experts.fc2.weight", "mlp.shared_expert.down_proj.weight", when=_shared),
+    rename("mlp.shared_experts.gate.weight", "mlp.shared_expert_gate.weight", when=_shared),
+    rename("attention.q_norm.weight", "self_attn.q_norm.weight", when=_qk_norm),
+    rename("attention.k_norm.weight", "self_attn.k_norm.weight", when=_qk_norm),
+    *QKV,
+    gate_up("mlp.fc1.weight", "mlp.", _dense),
+    gate_up("mlp.shared_experts.fc1.weight", "mlp.shared_expert.", _shared),
+    Rule(("mlp.experts.fc1.weight",), ("mlp.experts.gate_up_proj",), _to_stacked, _to_split, _moe)))
 
 
 def _check_exportable(model_type: str, config: ModelConfig) -> None:

@@ -72,6 +72,8 @@ class LanguageModelStage(nn.Module, abc.ABC):
         if pre_process and post_process and not config.untie_embeddings_and_output_weights:
             # the lookup and the output layer both use it: autograd sums their gradients, as without the fusion
             setattr(self.embedding.word_embeddings.weight, SUMMED_BY_AUTOGRAD, True)
+        if post_process:
+            self.build_head(seed, device)
 
     def output_weight(self) -> torch.Tensor:
         """The vocab-parallel weight that turns hidden states into logits."""
@@ -139,6 +141,10 @@ class LanguageModelStage(nn.Module, abc.ABC):
                 hidden = layer(hidden, mask, causal, rotary, layer_cache)
             return hidden
         return run
+
+    @abc.abstractmethod
+    def build_head(self, seed: int, device) -> None:
+        """Adds the last stage's head modules (after the layers, so parameters keep their order)."""
 
     @abc.abstractmethod
     def head(self, hidden: torch.Tensor, batch: dict):

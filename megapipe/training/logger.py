@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megapipe.config import TrainingConfig
+from megapipe.models.loss_parts import LM_LOSS
 from megapipe.models.moe import moe_stats_scalars, moe_stats_text
 from megapipe.optional import require
 
@@ -81,7 +82,7 @@ def amended_text(iterations: list[int]) -> str:
     return ", ".join(map(str, iterations)) or "none"
 
 
-def losses_in_log(text: str, name: str = "lm loss") -> dict[int, float]:
+def losses_in_log(text: str, name: str = LM_LOSS) -> dict[int, float]:
     """{iteration: loss} read back from the iteration lines of a training log (``IterationLog.line``)."""
     pattern = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?" + re.escape(name) + r": ([0-9.E+-]+)")
     return {int(i): float(value) for i, value in pattern.findall(text)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megapipe.config import ModelConfig
 from megapipe.models import hf_mapping
-from megapipe.models.bert import BERTStage
+from megapipe.models.bert import BERTStage, losses
 from megapipe.models.families.family import Family, HFArchitecture
 
 # what a BERT differs in from ModelConfig's defaults (Megatron's BERT: exact GeLU, epsilon 1e-12)
@@ -17,7 +17,7 @@ def bert_model_config(hf_config, **overrides) -> ModelConfig:
     return ModelConfig(**{**DEFAULTS, "bert_binary_head": True, **hf_mapping.bert_fields(hf_config), **overrides})
 
 
-BERT = HFArchitecture("bert", "BertForPreTraining", bert_model_config, hf_mapping.bert_from_hf, hf_mapping.bert_to_hf,
+BERT = HFArchitecture("bert", "BertForPreTraining", bert_model_config, hf_mapping.BERT_WEIGHTS,
                       hf_mapping.bert_hf_config, unsupported={"is_decoder": False, "add_cross_attention": False})
 
-FAMILY = Family(name="bert", kind="bert", stage=BERTStage, defaults=DEFAULTS, hf=(BERT,))
+FAMILY = Family(name="bert", kind="bert", stage=BERTStage, defaults=DEFAULTS, hf=(BERT,), losses=losses)

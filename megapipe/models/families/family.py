@@ -2,8 +2,8 @@
 
 A family is a kind of model users train and exchange: its defaults (the ``ModelConfig``
 fields that differ from the dataclass's), the stage class that builds it per pipeline stage,
-its Hugging Face architectures, its extra flags and ``--model-preset`` shapes, and its FLOPs
-formula. The command line, the builders, the Hugging Face import/export and the FLOPs counts
+its Hugging Face architectures, its extra flags and ``--model-preset`` shapes, its FLOPs
+formula and the names of the losses it logs. The command line, the builders, the Hugging Face import/export and the FLOPs counts
 all read the entry; none keeps a copy of it.
 """
 
@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 from megapipe.config import ModelConfig
 from megapipe.models.flops import flops_per_iteration
+from megapipe.models.hf_table import HFMapping
+from megapipe.models.loss_parts import lm_loss_only
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,7 @@ class HFArchitecture:
     model_type: str  # transformers' ``model_type`` in config.json
     hf_class: str  # the transformers class whose state dict the mapping reads and writes
     model_config: Callable  # transformers config -> ModelConfig
-    from_hf: Callable  # (Hugging Face state dict, ModelConfig) -> canonical megapipe state dict
-    to_hf: Callable  # (canonical state dict, ModelConfig) -> Hugging Face state dict
+    weights: HFMapping  # the weight mapping table, walked by import and export alike
     # (ModelConfig, **special-token ids such as eos_token_id) -> transformers config (ValueError when it has no equal)
     hf_config: Callable
     # options whose other values change the maths in ways megapipe does not implement
@@ -48,6 +49,7 @@ class Family:
     add_flags: Optional[Callable] = None  # adds the family's own flags to an argparse group
     model_options: Optional[Callable] = None  # (args, model fields) -> None: folds those flags into the fields
     flops: Callable = flops_per_iteration  # (ModelConfig, global batch, recompute) -> model FLOPs per iteration
+    losses: Callable[[ModelConfig], tuple] = lm_loss_only  # the names its losses are logged under, trained-on first
 
     def model_config(self, **fields) -> ModelConfig:
         """A ``ModelConfig`` of this family: its defaults, then ``fields``."""

@@ -74,7 +74,7 @@ def llama_model_config(hf_config, **overrides) -> ModelConfig:
 
 def _architecture(model_type: str) -> HFArchitecture:
     hf_class, _ = hf_llama.LLAMA_FAMILY[model_type]
-    return HFArchitecture(model_type, hf_class, llama_model_config, hf_llama.llama_from_hf, hf_llama.llama_to_hf,
+    return HFArchitecture(model_type, hf_class, llama_model_config, hf_llama.LLAMA_WEIGHTS,
                           lambda config, **token_ids: hf_llama.llama_hf_config(model_type, config, **token_ids),
                           unsupported={"attention_bias": False, "mlp_bias": False}, reads_safetensors=True)
 

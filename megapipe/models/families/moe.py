@@ -45,7 +45,7 @@ def moe_model_config(hf_config, **overrides) -> ModelConfig:
 
 def _architecture(model_type: str) -> HFArchitecture:
     arch = hf_moe.MOE_FAMILY[model_type]
-    return HFArchitecture(model_type, arch.hf_class, moe_model_config, hf_moe.moe_from_hf, hf_moe.moe_to_hf,
+    return HFArchitecture(model_type, arch.hf_class, moe_model_config, hf_moe.MOE_WEIGHTS,
                           lambda config, **token_ids: hf_moe.moe_hf_config(model_type, config, **token_ids),
                           unsupported=arch.unsupported)
 
