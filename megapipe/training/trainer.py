@@ -102,7 +102,7 @@ class Trainer:
         self.save_seconds: Optional[float] = None  # how long the last checkpoint save took (``_checkpoint``)
         self.amended: list[int] = []  # under post-validation: the iterations whose steps it redid
         # BERT with its binary head trains on the sum and logs each part, as Megatron does
-        self.loss_names = family_of(kind, config.model).losses(config.model)
+        self.loss_names = plan.family.losses(config.model)
         self.logs_loss = self.ps.rank == self.ps.loss_rank
         self.logger = TrainLogger(t, enabled=self.logs_loss, run_config=_plain(config))
         self.run_state = RunState(kind, config, self.ps, self.device, self.chunks, self.engine, self.scheduler,
