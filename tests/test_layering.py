@@ -22,7 +22,7 @@ PACKAGE = Path(megapipe.__file__).parent
 # units of one layer are independent of each other.
 LAYERS = (
     ("errors",),
-    ("optional", "json_requests", "atomic_files"),
+    ("optional", "json_http", "atomic_files"),
     ("launcher",),  # megapipe's side of torchrun: no torch until torchrun has imported it
     ("layout",),
     ("pipeline.ir",),
