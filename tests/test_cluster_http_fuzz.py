@@ -49,7 +49,7 @@ class Scheduler:
         rows = [(r.id, r.name, r.state, r.priority, tuple(r.command)) for r in self.service.journal.jobs()]
         with self.service.lock:
             return (rows, [j.job_id for j in self.service.source.pending], self.service.backend.nodes(),
-                    sorted(self.service.cancelled))
+                    sorted(job_id for job_id, record in self.service.jobs.items() if record.cancel_requested))
 
     def send(self, raw: bytes) -> tuple[int, bytes]:
         """Send ``raw`` (a whole HTTP request, however malformed) and read the answer to its end."""

@@ -22,7 +22,7 @@ PACKAGE = Path(megapipe.__file__).parent
 # units of lower layers, nothing else: two units of one layer are independent of each other.
 LAYERS = (
     ("errors",),
-    ("optional", "json_requests", "atomic_files"),
+    ("optional", "json_http", "atomic_files"),
     ("launcher",),  # megapipe's side of torchrun: no torch until torchrun has imported it
     ("layout",),  # ranks, stage plans, placements: arithmetic
     ("schedules",),  # schedules as data (actions, descriptors, lowering, validators) and their simulator

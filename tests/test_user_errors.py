@@ -52,7 +52,7 @@ def test_every_error_kind_a_user_fixes_is_a_user_error():
         "DistributedFailure",  # the test harness's report of a failed rank
         "GeneratorDeviceMismatch",  # a library bug the fake device exists to catch
         "ServiceStopped",  # control flow: leaves the scheduler's round loop at shutdown
-        "Refusal",  # an HTTP answer of a service to a client (json_requests.py), never an entry point's exit
+        "Refusal",  # an HTTP answer of a service to a client (json_http.py), never an entry point's exit
         "QueueFull",  # control flow: the text-generation server answers 503
     }
     found = {}

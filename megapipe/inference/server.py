@@ -28,11 +28,10 @@ all ranks run it together (the other ranks wait in ``follow``, ``commands.py``).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch.distributed as dist
 
@@ -45,7 +44,7 @@ from megapipe.inference.request_queue import Job, QueueFull, RequestQueue
 from megapipe.inference.sampling import SamplingParams, stop_tokens_or_end_of_text
 from megapipe.inference.scoring import check_pairs
 from megapipe.inference.server_limits import ServerLimits
-from megapipe.json_requests import Refusal, body_length, json_object, read_body
+from megapipe.json_http import JsonHandler, Refusal, json_object
 
 ENDPOINTS = ("/api", "/loglikelihood")
 EXAMPLE = '{"prompts": ["Hello"]}'  # a body a refusal shows
@@ -163,77 +162,55 @@ def work(loaded: LoadedModel, jobs: RequestQueue) -> None:
 
 def make_handler(loaded: LoadedModel, limits: ServerLimits = ServerLimits(), jobs: RequestQueue = None,
                  clock=time.monotonic):
-    class Handler(BaseHTTPRequestHandler):
-        timeout = limits.read_timeout_seconds  # the socket's: a client that stops sending cannot hold a thread
-        refusal = None  # the reason of the reply being sent, for its log line
-
-        def _reply(self, status: int, payload: dict, headers: tuple = ()) -> None:
-            data = json.dumps(payload).encode()
-            self.refusal = payload.get("error")
-            self.send_response(status)
-            for name, value in headers:
-                self.send_header(name, value)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> bytes:
-            length = body_length(self.headers, f"--max-request-bytes {limits.max_request_bytes}",
-                                 limits.max_request_bytes, required=True)
-            return read_body(self.rfile, length, f"--read-timeout-seconds {limits.read_timeout_seconds:g}")
+    class Handler(JsonHandler):
+        timeout = limits.read_timeout_seconds
+        max_body_bytes = limits.max_request_bytes
+        limit_text = f"--max-request-bytes {limits.max_request_bytes}"
+        waited_text = f"--read-timeout-seconds {limits.read_timeout_seconds:g}"
+        body_required = True
 
         def do_PUT(self):  # noqa: N802 (http.server's name)
             deadline = clock() + limits.request_timeout_seconds
             try:
-                body = self._body()  # read first, so that the client is not cut off while it still sends
+                body = self.read_json_body()  # read first, so that the client is not cut off while it still sends
                 if self.path not in ENDPOINTS:
                     raise Refusal(404, f"no endpoint {_shown(self.path)}; use PUT /api or PUT /loglikelihood.")
                 command = command_of(self.path, json_object(body, EXAMPLE), loaded, limits)
                 job = jobs.submit(Job(command, deadline))
             except Refusal as refusal:
-                return self._reply(refusal.status, {"error": str(refusal)}, refusal.headers)
+                return self.send_refusal(refusal)
             except GenerationError as error:
-                return self._reply(400, {"error": str(error)})
+                return self.send_json(400, {"error": str(error)})
             except QueueFull:
-                return self._reply(503, {"error": f"the server is busy: --max-queued-requests "
-                                                  f"{limits.max_queued_requests} requests already wait; retry "
-                                                  "later."}, (("Retry-After", "1"),))
+                return self.send_json(503, {"error": f"the server is busy: --max-queued-requests "
+                                                     f"{limits.max_queued_requests} requests already wait; retry "
+                                                     "later."}, (("Retry-After", "1"),))
             except Exception as error:  # a bug, answered rather than a dropped connection; the server goes on
                 traceback.print_exc()
-                return self._reply(500, {"error": f"the server failed on this request ({first_line(error)})."})
+                return self.send_json(500, {"error": f"the server failed on this request ({first_line(error)})."})
             if not job.wait(clock):
-                return self._reply(504, {"error": f"the request waited in the queue past its deadline "
-                                                  f"(--request-timeout-seconds {limits.request_timeout_seconds}); "
-                                                  "retry later."})
+                return self.send_json(504, {"error": f"the request waited in the queue past its deadline "
+                                                     f"(--request-timeout-seconds {limits.request_timeout_seconds}); "
+                                                     "retry later."})
             if job.error is not None:
-                return self._reply(500, {"error": f"the server failed on this request ({first_line(job.error)})."})
-            return self._reply(200, answer(command, job.result, loaded.tokenizer))
+                return self.send_json(500, {"error": f"the server failed on this request "
+                                                     f"({first_line(job.error)})."})
+            return self.send_json(200, answer(command, job.result, loaded.tokenizer))
 
-        def _not_put(self):
+        def refuse_method(self) -> None:
             if self.headers.get("Content-Length") is not None:
                 try:  # read a body within the limits, so that the client is not cut off while it still sends
-                    self._body()
+                    self.read_json_body()
                 except Refusal:
                     pass
-            self._reply(405, {"error": f"{self.command[:40]} is not served here; send PUT /api (generation) or "
-                                       "PUT /loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
+            self.send_json(405, {"error": f"{self.command[:40]} is not served here; send PUT /api (generation) or "
+                                          "PUT /loglikelihood (scoring) with a JSON body."}, (("Allow", "PUT"),))
 
-        do_GET = do_POST = do_DELETE = do_PATCH = _not_put  # noqa: N815 (http.server's names)
+        do_GET = do_POST = do_DELETE = do_PATCH = refuse_method  # noqa: N815 (http.server's names)
 
-        def send_error(self, code, message=None, explain=None):
-            """http.server's own refusals (a malformed request line or header, another method) in JSON."""
-            if code == 501:  # a method without a do_ method
-                return self._not_put()
-            self._reply(code, {"error": f"the request is malformed ({message or code}); send PUT /api or PUT "
-                                        "/loglikelihood with a JSON body."})
-
-        def log_request(self, code="-", size="-"):  # one line per request, a refusal with its reason
-            reason = f" {self.refusal}" if self.refusal else ""
-            self.log_message('"%s" %s %s%s', self.requestline, str(getattr(code, "value", code)), size, reason)
-
-        def log_message(self, fmt, *args):
-            print(f"{self.address_string()} {fmt % args}", flush=True)
+        def malformed(self, code: int, message) -> str:
+            return (f"the request is malformed ({message or code}); send PUT /api or PUT /loglikelihood with a "
+                    "JSON body.")
 
     return Handler
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megapipe.json_requests import Refusal
+from megapipe.json_http import Refusal
 
 
 @dataclass(frozen=True)

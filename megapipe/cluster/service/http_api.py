@@ -30,12 +30,11 @@ it now is answered with why in ``unplaceable`` (null when one can): what ``statu
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from megapipe.lease.auth import ReplayGuard
@@ -43,7 +42,7 @@ from megapipe.cluster.service.placeable import Unplaceable
 from megapipe.cluster.service.service import ClusterService
 from megapipe.cluster.service.status_page import render_status_page
 from megapipe.errors import ConfigError
-from megapipe.json_requests import Refusal, body_length, json_object, read_body
+from megapipe.json_http import JsonHandler, Refusal, json_object
 
 MAX_BODY_BYTES = 1 << 20
 READ_SECONDS = 10.0  # a client that stops sending mid-request is dropped after this long
@@ -76,13 +75,13 @@ def _string_map(value: dict, route: str, key: str, kinds: tuple, what: str) -> d
     return value
 
 
-
 def _handler_for(service: ClusterService, guard: ReplayGuard):
-    class Handler(BaseHTTPRequestHandler):
-        timeout = READ_SECONDS  # the connection's socket timeout: a stalled client is not waited for
-
-        def log_message(self, *args):  # one line per request would drown the service's own messages
-            pass
+    class Handler(JsonHandler):
+        timeout = READ_SECONDS
+        max_body_bytes = MAX_BODY_BYTES
+        limit_text = f"the scheduler's limit of {MAX_BODY_BYTES} bytes"
+        waited_text = f"{READ_SECONDS:g} s"
+        logs_requests = False  # one line per request would drown the service's own messages
 
         def do_GET(self):
             self._answer()
@@ -90,26 +89,22 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
         def do_POST(self):
             self._answer()
 
-        def send_error(self, code, message=None, explain=None):
-            """http.server's own refusals (a malformed request line or header, another method) as JSON too."""
-            self.close_connection = True
-            if code == 501:
-                code, message = 405, f"{self.command} is not a method of this scheduler; use GET or POST."
-            else:  # a malformed request line or headers, an HTTP version of 2 and above (505): the client's fault
-                code = code if code < 500 else 400
-                message = f"{message or 'the request is malformed'}; send HTTP/1.1 as tools/cluster.py does."
-            self._json(code, {"error": message})
+        def refuse_method(self) -> None:
+            self.send_json(405, {"error": f"{self.command} is not a method of this scheduler; use GET or POST."})
+
+        def malformed(self, code: int, message) -> str:
+            return f"{message or 'the request is malformed'}; send HTTP/1.1 as tools/cluster.py does."
 
         def _answer(self) -> None:
             try:
-                body = self._body()
+                body = self.read_json_body()
                 refusal = guard.refusal(self.command, self.path, self.headers, body)
                 if refusal is not None:
                     raise Refusal(*refusal)
                 route = urlsplit(self.path).path
                 code, value = self._get(route) if self.command == "GET" else self._post(route, json_object(body, EXAMPLE) if body.strip() else {})
             except Refusal as refusal:
-                code, value = refusal.status, {"error": str(refusal)}
+                return self.send_refusal(refusal)
             except Unplaceable as error:
                 code, value = 409, {"error": str(error)}
             except ConfigError as error:
@@ -118,19 +113,9 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                 traceback.print_exc(file=sys.stderr)
                 code, value = 500, {"error": f"the scheduler failed on {self.command} {self.path}; see its log."}
             if code == 200 and self.command == "GET" and urlsplit(self.path).path == "/":
-                self._send(200, value["page"].encode(), "text/html; charset=utf-8")
+                self.send_bytes(200, value["page"].encode(), "text/html; charset=utf-8")
             else:
-                self._json(code, value)
-
-        def _body(self) -> bytes:
-            """The request's body: at most ``MAX_BODY_BYTES``, all of its Content-Length, within READ_SECONDS."""
-            try:
-                length = body_length(self.headers, f"the scheduler's limit of {MAX_BODY_BYTES} bytes", MAX_BODY_BYTES,
-                                     required=False)
-                return read_body(self.rfile, length, f"{READ_SECONDS:g} s")
-            except Refusal:
-                self.close_connection = True  # what is left of the body would be read as the next request
-                raise
+                self.send_json(code, value)
 
         def _get(self, route: str) -> tuple[int, dict]:
             if route == "/":
@@ -179,20 +164,5 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                 answer = service.lease_report(int(match[1]), int(match[2]), body)
                 return (404 if "error" in answer else 200), answer
             return 404, {"error": f"{route} is not a route of this scheduler; use tools/cluster.py."}
-
-        def _json(self, code: int, value: dict) -> None:
-            self._send(code, json.dumps(value).encode(), "application/json")
-
-        def _send(self, code: int, data: bytes, content_type: str) -> None:
-            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # an answer to HTTP/0.9 or a broken line
-                self.request_version = "HTTP/1.0"  # has a status line and headers too
-            try:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            except OSError:  # the client left before its answer
-                self.close_connection = True
 
     return Handler

@@ -36,6 +36,22 @@ class Policy(ABC):
         """With space sharing, a group per job within which pairs are chosen (POP's parts); None: one group."""
         return None
 
+    def seen(self, problem: Problem) -> Problem:
+        """The problem as this policy sees it: its measured throughputs when heterogeneity-aware, else
+        every runnable entry as 1."""
+        return problem if self.heterogeneity_aware else problem.agnostic()
+
+
+class AwareOrAgnostic(Policy):
+    """A policy with two forms: heterogeneity-aware (``family`` + "_perf", the default) and agnostic
+    (``family`` alone)."""
+
+    family = ""
+
+    def __init__(self, heterogeneity_aware: bool = True):
+        self.heterogeneity_aware = heterogeneity_aware
+        self.name = self.family + ("_perf" if heterogeneity_aware else "")
+
 
 def variable(problem: Problem) -> cp.Variable:
     return cp.Variable(len(problem.combos) * len(problem.columns))

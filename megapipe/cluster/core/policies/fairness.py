@@ -21,10 +21,10 @@ class MaxMinFairness(Policy):
         self.name = "max_min_fairness" + ("_packed" if space_sharing else "_perf" if heterogeneity_aware else "")
 
     def allocate(self, problem):
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         return solve_by_class(seen, throughput_signature, lambda p: max_ratio(p, fair_share(p)))
 
     def objective(self, problem, x) -> float:
         """The least normalised throughput, which this policy maximises."""
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         return float((seen.throughput(x) / fair_share(seen)).min())

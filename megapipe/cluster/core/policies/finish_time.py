@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapipe.cluster.core.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.core.policies.base import AwareOrAgnostic, shape_of, solve, variable
 from megapipe.cluster.core.lp import cp
 
 
-class FinishTimeFairness(Policy):
+class FinishTimeFairness(AwareOrAgnostic):
     reads_progress = True
-
-    def __init__(self, heterogeneity_aware: bool = True):
-        self.heterogeneity_aware = heterogeneity_aware
-        self.name = "finish_time_fairness" + ("_perf" if heterogeneity_aware else "")
+    family = "finish_time_fairness"
 
     def allocate(self, problem):
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         x = variable(seen)
         throughput = seen.throughput_matrix() @ x
         denominator = isolated_finish(seen)
@@ -32,7 +29,7 @@ class FinishTimeFairness(Policy):
 
     def objective(self, problem, x) -> float:
         """The largest finish-time fairness rho, which this policy minimises."""
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         finish = seen.elapsed + seen.steps_remaining / np.maximum(seen.throughput(x), 1e-12)
         return float((finish / isolated_finish(seen)).max())
 

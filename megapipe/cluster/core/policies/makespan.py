@@ -6,22 +6,19 @@ exact where the original system bisected on the makespan.
 
 from __future__ import annotations
 
-from megapipe.cluster.core.policies.base import Policy
+from megapipe.cluster.core.policies.base import AwareOrAgnostic
 from megapipe.cluster.core.ratio_lp import max_ratio
 
 
-class MinTotalDuration(Policy):
+class MinTotalDuration(AwareOrAgnostic):
     reads_progress = True
-
-    def __init__(self, heterogeneity_aware: bool = True):
-        self.heterogeneity_aware = heterogeneity_aware
-        self.name = "min_total_duration" + ("_perf" if heterogeneity_aware else "")
+    family = "min_total_duration"
 
     def allocate(self, problem):
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         return max_ratio(seen, seen.steps_remaining)
 
     def objective(self, problem, x) -> float:
         """The makespan in seconds, which this policy minimises."""
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         return float((seen.steps_remaining / seen.throughput(x)).max())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapipe.cluster.core.policies.base import Policy, shape_of, solve, variable
+from megapipe.cluster.core.policies.base import AwareOrAgnostic, Policy, shape_of, solve, variable
 from megapipe.cluster.core.lp import cp
 
 
@@ -38,21 +38,18 @@ class Fifo(Policy):
         self.name = "fifo" + ("_packed" if space_sharing else "_perf" if heterogeneity_aware else "")
 
     def allocate(self, problem):
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         order = np.array(sorted(range(len(seen.jobs)), key=lambda m: (seen.jobs[m].arrival_time, seen.jobs[m].job_id)))
         return ranked_allocation(seen, order)
 
 
-class ShortestJobFirst(Policy):
+class ShortestJobFirst(AwareOrAgnostic):
     unpartitionable = "it ranks every job against every other, which parts would split"
     reads_progress = True
     skip_zero_priority = True
-
-    def __init__(self, heterogeneity_aware: bool = True):
-        self.heterogeneity_aware = heterogeneity_aware
-        self.name = "shortest_job_first" + ("_perf" if heterogeneity_aware else "")
+    family = "shortest_job_first"
 
     def allocate(self, problem):
-        seen = problem if self.heterogeneity_aware else problem.agnostic()
+        seen = self.seen(problem)
         durations = seen.steps_remaining / _fastest(seen)
         return ranked_allocation(seen, np.argsort(durations, kind="stable"))
