@@ -29,7 +29,7 @@ from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
 from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
@@ -67,7 +67,7 @@ def planned_peak(shape, granularity: str | None) -> float:
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
                                    dtype="bfloat16", selective=granularity == "selective")
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
-    return costs.estimate(Layout(1, 1, 1, shape.micro_batch, "1f1b", recompute=granularity == "full")).memory
+    return costs.estimate(Candidate(1, 1, 1, shape.micro_batch, "1f1b", recompute=granularity == "full")).memory
 
 
 def main() -> None:

@@ -76,20 +76,20 @@ def big_gpt_plans() -> None:
             best = result.best
             print(f"  {model_name} ({parameter_count(shape) / 1e9:.2f}B, {shape.num_layers} layers) [{seconds:.1f} s, "
                   f"{result.evaluated} layouts, {len(result.ranked)} fit]")
-            print(f"    best:        {best.layout.describe():<52} {best.samples_per_second:7.1f} samples/s "
+            print(f"    best:        {best.candidate.describe():<52} {best.samples_per_second:7.1f} samples/s "
                   f"{best.flops_per_gpu / 1e12:5.1f} TFLOP/s {human_bytes(best.memory):>9}")
-            two_bw = [e for e in result.ranked if e.layout.schedule == "2bw" and e.layout.tensor == 1]
+            two_bw = [e for e in result.ranked if e.candidate.schedule == "2bw" and e.candidate.tensor == 1]
             by_depth = {}
             for e in two_bw:
-                by_depth.setdefault(e.layout.pipeline, e)
+                by_depth.setdefault(e.candidate.pipeline, e)
             depths = ", ".join(f"p={p}: {e.samples_per_second:.1f}" for p, e in sorted(by_depth.items()))
             if two_bw:
-                print(f"    2BW, t = 1:  {two_bw[0].layout.describe():<52} {two_bw[0].samples_per_second:7.1f} "
+                print(f"    2BW, t = 1:  {two_bw[0].candidate.describe():<52} {two_bw[0].samples_per_second:7.1f} "
                       f"samples/s {human_bytes(two_bw[0].memory):>26}   by depth: {depths}")
             for schedule in ("1f1b", "gpipe", "interleaved", "pipedream"):
-                mine = [e for e in result.ranked if e.layout.schedule == schedule]
+                mine = [e for e in result.ranked if e.candidate.schedule == schedule]
                 if mine:
-                    print(f"    best {schedule:<11} {mine[0].layout.describe():<52} "
+                    print(f"    best {schedule:<11} {mine[0].candidate.describe():<52} "
                           f"{mine[0].samples_per_second:7.1f} samples/s")
 
 

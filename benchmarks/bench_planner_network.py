@@ -51,7 +51,7 @@ from bench_planner_vs_measured import (GLOBAL_BATCH, describe_machine, machine_s
                                        train_layouts)
 from megapipe.config import ModelConfig
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile_partition import partition_profile
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.units import human_bytes
@@ -206,10 +206,10 @@ def main() -> None:
             print(f"\n== {rate:g} Mbit/s between the hosts")
             cluster = two_level(flat, rate, fit_host_links(hosts))
             model = PlanCostModel(profile, cluster, Training(GLOBAL_BATCH))
-            estimates = [model.estimate(Layout(t, p, d, MICRO_BATCH, "1f1b")) for t, p, d in LAYOUTS]
+            estimates = [model.estimate(Candidate(t, p, d, MICRO_BATCH, "1f1b")) for t, p, d in LAYOUTS]
             predicted = [estimate.samples_per_second for estimate in estimates]
             print(f"the planner's cluster: {json.dumps(cluster.to_dict())}")
-            best = plan(profile, cluster, request).best.layout
+            best = plan(profile, cluster, request).best.candidate
             chosen = (best.tensor, best.pipeline, best.data)
             partitioner = partitioner_choice(profile, cluster)
             start = time.perf_counter()
@@ -222,7 +222,7 @@ def main() -> None:
         speed, cores_worth = machine_speed(probe_time(profile), per_rank[0][1], per_rank[0][2])
         during = replace(cluster, compute_speed=speed, shared_cores=cores_worth)
         again = [PlanCostModel(profile, during, Training(GLOBAL_BATCH)).estimate(
-            Layout(t, p, d, MICRO_BATCH, "1f1b")).samples_per_second for t, p, d in LAYOUTS]
+            Candidate(t, p, d, MICRO_BATCH, "1f1b")).samples_per_second for t, p, d in LAYOUTS]
         print(f"during the rounds the block probe gave speed {speed:.2f} and {cores_worth:.2f} devices' worth of cores "
               f"(calibrated before: {cluster.compute_speed:.2f} and {cluster.shared_cores:.2f}); Spearman with the "
               f"machine as probed during the rounds: {spearman(again, measured):.2f}")

@@ -45,7 +45,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.engine import PipelineEngine
 from megapipe.schedules.catalog import schedule_descriptor
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.plan import PlanRequest, plan
 from megapipe.planner.profiler import profile_model, synthetic_batch
 from megapipe.planner.units import GIB, human_bytes
@@ -194,7 +194,7 @@ def machine_speed(block_time: float, alone: list[float], together: list[float]) 
 
 
 def describe(layout) -> str:
-    return Layout(*layout[:5], virtual=layout[5], recompute=layout[6]).describe()
+    return Candidate(*layout[:5], virtual=layout[5], recompute=layout[6]).describe()
 
 
 def profile_once(config: ModelConfig, cores: int):
@@ -240,7 +240,7 @@ def probe_time(profile) -> float:
 
 def predict(profile, cluster: Cluster, layouts) -> list[float]:
     model = PlanCostModel(profile, cluster, Training(GLOBAL_BATCH))
-    return [model.estimate(Layout(*layout[:5], virtual=layout[5], recompute=layout[6])).samples_per_second
+    return [model.estimate(Candidate(*layout[:5], virtual=layout[5], recompute=layout[6])).samples_per_second
             for layout in layouts]
 
 
@@ -273,7 +273,7 @@ def main() -> None:
 
     profile = profile_once(ModelConfig(**MODEL), cores)
     cluster = describe_machine(profile, cores)
-    first = plan(profile, cluster, PlanRequest(GLOBAL_BATCH, max_micro_batch_size=8)).best.layout
+    first = plan(profile, cluster, PlanRequest(GLOBAL_BATCH, max_micro_batch_size=8)).best.candidate
     chosen = (first.tensor, first.pipeline, first.data, first.micro_batch_size, first.schedule, first.virtual,
               first.recompute)
     print(f"planner's first choice: {first.describe()}")

@@ -26,7 +26,7 @@ from harness import cli
 from megapipe.cli.parse import parse_run
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import FRAME_OVERHEAD, wire_bytes
 from megapipe.testing.worlds import run_distributed
@@ -84,7 +84,7 @@ def predict(t: int, p: int, d: int, sharding: str, extra: list[str]):
     cluster = Cluster(nodes=HOSTS, gpus_per_node=PER_HOST, memory_per_gpu=1e10, intra_node_bandwidth=1e9,
                       inter_node_bandwidth=1e8, backend="gloo")
     training = Training(GLOBAL_BATCH, scatter_gather="--no-scatter-gather-tensors-in-pipeline" not in extra)
-    return PlanCostModel(profile, cluster, training).traffic(Layout(t, p, d, MICRO_BATCH, "1f1b", sharding=sharding))
+    return PlanCostModel(profile, cluster, training).traffic(Candidate(t, p, d, MICRO_BATCH, "1f1b", sharding=sharding))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""megapipe's imports run downward only (DESIGN idea 8), and its pure arithmetic imports no torch.
+"""megapipe's imports run downward only, folder by folder (docs/layout.md), and its pure arithmetic imports no torch.
 
 The import graph is read from the source (every ``import`` statement, the ones inside functions
 included: an import deferred into a function is still a dependency, and deferring was how cycles

@@ -9,7 +9,7 @@ import pytest
 from test_planner_plan import SMALL, small_cluster, small_profile, valid_by_the_rules
 
 from megapipe.planner.context_costs import activation_bytes_per_rank, exchanges
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
+from megapipe.planner.cost_model import Candidate, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, enumerate_layouts, plan
 
@@ -20,12 +20,12 @@ FLUSHING = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "interleaved-zb", 
 
 
 def with_context(layouts, c: int, comm_type: str = "p2p") -> set:
-    """Each layout of devices / c ranks at context size c: sharded levels wherever c x d > 1."""
+    """Each candidate of devices / c ranks at context size c: sharded levels wherever c x d > 1."""
     found = set()
-    for layout in layouts:
-        levels = ["no_shard"] if c * layout.data == 1 else ["no_shard", "optim", "optim_grads"] + (
-            ["optim_grads_params"] if layout.schedule in FLUSHING else [])
-        found |= {dataclasses.replace(layout, context=c, cp_comm_type=comm_type, sharding=level) for level in levels}
+    for candidate in layouts:
+        levels = ["no_shard"] if c * candidate.data == 1 else ["no_shard", "optim", "optim_grads"] + (
+            ["optim_grads_params"] if candidate.schedule in FLUSHING else [])
+        found |= {dataclasses.replace(candidate, context=c, cp_comm_type=comm_type, sharding=level) for level in levels}
     return found
 
 
@@ -53,16 +53,16 @@ def test_the_plan_is_the_fastest_layout_that_fits_over_every_context_size():
     result = plan(profile, cluster, request)
     assert result.evaluated == len(estimates) and len(result.ranked) == len(fitting)
     assert result.best.samples_per_second == max(e.samples_per_second for e in fitting)
-    assert {e.layout.context for e in estimates} == {1, 2, 4}
+    assert {e.candidate.context for e in estimates} == {1, 2, 4}
 
 
 def test_a_context_rank_computes_and_keeps_one_cth_of_the_sequence():
     profile, cluster = small_profile(), small_cluster()
     model = PlanCostModel(profile, cluster, Training(8))
-    whole = model._rank_loads(Layout(1, 1, 4, 2, "1f1b"))
-    split = model._rank_loads(Layout(1, 1, 2, 2, "1f1b", context=2))
+    whole = model._rank_loads(Candidate(1, 1, 4, 2, "1f1b"))
+    split = model._rank_loads(Candidate(1, 1, 2, 2, "1f1b", context=2))
     assert split.stash == pytest.approx(whole.stash / 2, rel=1e-12)
-    assert split.compute == pytest.approx(model._rank_loads(Layout(1, 1, 4, 1, "1f1b")).compute, rel=1e-12)
+    assert split.compute == pytest.approx(model._rank_loads(Candidate(1, 1, 4, 1, "1f1b")).compute, rel=1e-12)
     for c in (2, 4, 8):  # the README's table: activations per rank at 1/c, exactly, for a 16K sequence
         assert activation_bytes_per_rank(SMALL, 16384, c) * c == pytest.approx(
             activation_bytes_per_rank(SMALL, 16384, 1), rel=1e-12)
@@ -83,26 +83,26 @@ def test_the_key_value_exchange_is_its_closed_form_per_block_and_pass(comm_type)
         "a2a": (all_to_all_time(2 * kv, c, link), all_to_all_time(2 * kv, c, link)),
     }[comm_type]
     for recompute, again in ((False, 0), (True, 1)):
-        layout = Layout(1, 1, 2, b, "1f1b", recompute=recompute, context=c, cp_comm_type=comm_type)
-        loads = model._rank_loads(layout)
+        candidate = Candidate(1, 1, 2, b, "1f1b", recompute=recompute, context=c, cp_comm_type=comm_type)
+        loads = model._rank_loads(candidate)
         assert loads.context[0] == pytest.approx(SMALL.num_layers * (forward + backward + again * forward), rel=1e-12)
-        estimate = model.estimate(layout)
+        estimate = model.estimate(candidate)
         assert estimate.context_comm_time == pytest.approx(estimate.microbatches * loads.context[0], rel=1e-12)
 
 
 def test_gradients_are_reduced_and_sharded_over_data_and_context_ranks():
     profile, cluster = small_profile(), small_cluster()
     model = PlanCostModel(profile, cluster, Training(8))
-    layout = Layout(1, 1, 2, 2, "1f1b", sharding="optim", context=2)
-    loads = model._rank_loads(layout)
+    candidate = Candidate(1, 1, 2, 2, "1f1b", sharding="optim", context=2)
+    loads = model._rank_loads(candidate)
     link = model.links(1, 1, 2, 2)[1]
     assert link == cluster.link([0, 1, 2, 3])
     grads = loads.params[0] * 4.0
-    assert model._data_parallel_times(layout, loads, 2)[0] == pytest.approx(
+    assert model._data_parallel_times(candidate, loads, 2)[0] == pytest.approx(
         collective_time("reduce_scatter", grads, 4, link) + collective_time("all_gather", loads.params[0] * 2, 4, link),
         rel=1e-12)
     params = loads.params[0]
-    assert model._state_bytes(layout, params, 0) == pytest.approx(
+    assert model._state_bytes(candidate, params, 0) == pytest.approx(
         2 * (params + params / 4) + 4 * (params + params / 4) + model.optimizer_bytes * params / 4, rel=1e-12)
 
 
@@ -112,20 +112,20 @@ def test_cross_node_traffic_counts_the_ring_between_nodes():
     each way backward."""
     profile, cluster = small_profile(), small_cluster()
     model, b = PlanCostModel(profile, cluster, Training(8)), 2
-    layout = Layout(4, 1, 1, b, "1f1b", context=2)
+    candidate = Candidate(4, 1, 1, b, "1f1b", context=2)
     m = 8 // b
     tokens = b * SMALL.seq_length / 2
     kv = 2 * tokens * SMALL.hidden_size / 4 * profile.element_bytes
     assert [e.nbytes for e in exchanges("p2p", 2, tokens, SMALL.hidden_size / 4, profile.element_bytes)] == [kv, 2 * kv]
-    traffic = model.traffic(layout)
+    traffic = model.traffic(candidate)
     assert traffic.context == pytest.approx(4 * m * SMALL.num_layers * 2 * (kv + 2 * kv), rel=1e-12)
-    assert model.traffic(Layout(4, 1, 2, b, "1f1b")).context == 0.0
+    assert model.traffic(Candidate(4, 1, 2, b, "1f1b")).context == 0.0
 
 
 def test_the_launch_command_carries_c():
     profile, cluster = small_profile(), small_cluster()
-    estimate = PlanCostModel(profile, cluster, Training(8)).estimate(Layout(2, 1, 2, 2, "1f1b", context=2,
+    estimate = PlanCostModel(profile, cluster, Training(8)).estimate(Candidate(2, 1, 2, 2, "1f1b", context=2,
                                                                             cp_comm_type="all_gather"))
     command = torchrun_command(estimate, SMALL, cluster, 8)
     assert "--context-parallel-size 2 --cp-comm-type all_gather --attention-dropout 0" in command
-    assert "c=2 (all_gather)" in estimate.layout.describe()
+    assert "c=2 (all_gather)" in estimate.candidate.describe()

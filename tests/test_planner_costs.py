@@ -11,7 +11,7 @@ from megapipe.schedules.actions import ActionKind
 from megapipe.schedules.catalog import build_schedule
 from megapipe.schedules.analysis.simulate import CostModel as SimulatorCosts, simulate
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile import LayerProfile, ModelProfile, ModelShape
 
 pytestmark = pytest.mark.unit
@@ -58,7 +58,7 @@ def estimate(layout, profile=None, machines=None, batch=32):
 def test_2bw_memory_is_the_seeds_footprint():
     # 2|W|/p + p |A_total|/p (no recomputation), plus gradients and optimizer state once.
     p = 4
-    result = estimate(Layout(1, p, 2, 2, "2bw"), batch=32)
+    result = estimate(Candidate(1, p, 2, 2, "2bw"), batch=32)
     weights = L * PARAMS / p
     a_total = L * STASH * 2  # b = 2
     assert result.memory == 2 * weights * E + weights * (GRAD + OPTIMIZER) + p * a_total / p
@@ -73,7 +73,7 @@ def test_2bw_memory_with_recomputation_is_the_seeds_footprint():
     weights = L * PARAMS / p
     fixed = 2 * weights * E + weights * (GRAD + OPTIMIZER)
     for stash in (200.0, STASH):
-        result = estimate(Layout(1, p, 2, b, "2bw", recompute=True), synthetic_profile(stash=stash), batch=32)
+        result = estimate(Candidate(1, p, 2, b, "2bw", recompute=True), synthetic_profile(stash=stash), batch=32)
         by_segment = {k: p * (blocks // k) * a_input + k * stash * b for k in (1, 2)}
         assert result.memory == fixed + min(by_segment.values())
         assert result.recompute_layers == min(by_segment, key=by_segment.get)
@@ -85,7 +85,7 @@ def test_2bw_memory_with_recomputation_is_the_seeds_footprint():
 def test_gpipe_memory_with_recomputation_is_the_seeds_footprint():
     # |W|/p + |A_total|/p + m |A_input| (seed 002 section 3.2.3).
     p, b, batch = 2, 1, 16
-    result = estimate(Layout(1, p, 1, b, "gpipe", recompute=True), batch=batch)
+    result = estimate(Candidate(1, p, 1, b, "gpipe", recompute=True), batch=batch)
     m = batch // b
     weights = L * PARAMS / p
     blocks = L // p
@@ -96,7 +96,7 @@ def test_gpipe_memory_with_recomputation_is_the_seeds_footprint():
 def test_tensor_parallelism_splits_weights_and_activations_and_all_reduces_8bsh_per_layer():
     t, b, batch = 4, 2, 8
     bandwidth = 1e9
-    result = estimate(Layout(t, 1, 2, b, "1f1b"), machines=cluster(intra=bandwidth), batch=batch)
+    result = estimate(Candidate(t, 1, 2, b, "1f1b"), machines=cluster(intra=bandwidth), batch=batch)
     weights = PARAMS - SPLIT + SPLIT / t
     stash = STASH * b - SPLIT_STASH * b + SPLIT_STASH * b / t
     assert result.memory == L * weights * (E + GRAD + OPTIMIZER) + stash * L
@@ -110,7 +110,7 @@ def test_tensor_parallelism_splits_weights_and_activations_and_all_reduces_8bsh_
 def test_data_parallel_ring_all_reduce_uses_the_hierarchical_link(per_node, expected):
     d = 4
     machines = cluster(nodes=4 // per_node, per_node=per_node, intra=1e9, inter=1e7)
-    result = estimate(Layout(1, 1, d, 1, "1f1b"), machines=machines, batch=8)
+    result = estimate(Candidate(1, 1, d, 1, "1f1b"), machines=machines, batch=8)
     gradient_bytes = L * PARAMS * GRAD
     bandwidth = 1e9 if expected == "intra" else 1e7
     assert result.data_comm_time == pytest.approx(2 * (d - 1) / d * gradient_bytes / bandwidth)
@@ -122,8 +122,8 @@ def test_2bw_overlaps_the_all_reduce_and_flush_schedules_do_not():
     # everything else under it, 1F1B pays it after (m + p - 1) steps of its equal ranks.
     p, d, m = 2, 2, 4
     machines = cluster(nodes=2, per_node=2, intra=1e5, inter=1e5)
-    flush = estimate(Layout(1, p, d, 1, "1f1b"), machines=machines, batch=d * m)
-    double = estimate(Layout(1, p, d, 1, "2bw"), machines=machines, batch=d * m)
+    flush = estimate(Candidate(1, p, d, 1, "1f1b"), machines=machines, batch=d * m)
+    double = estimate(Candidate(1, p, d, 1, "2bw"), machines=machines, batch=d * m)
     assert flush.data_comm_time == double.data_comm_time == pytest.approx(2 * (d - 1) / d * L * PARAMS / p * GRAD / 1e5)
     assert double.batch_time == double.data_comm_time > double.compute_time + double.pipeline_comm_time
     step = (flush.compute_time + flush.pipeline_comm_time) / m
@@ -134,13 +134,13 @@ def test_pipeline_boundaries_send_bsh_over_t_each_way_on_the_link_they_cross():
     # t = 2, p = 2, d = 1 on nodes of 2 devices: the boundary crosses nodes; scatter/gather sends bsh/t.
     t, p, b, batch, inter = 2, 2, 2, 4, 1e6
     machines = cluster(nodes=2, per_node=2, intra=1e12, inter=inter)
-    result = estimate(Layout(t, p, 1, b, "1f1b"), machines=machines, batch=batch)
+    result = estimate(Candidate(t, p, 1, b, "1f1b"), machines=machines, batch=batch)
     m = batch // b
     hop = E * S * H * b / t / inter
     # Sends overlap compute; each rank waits for what it receives: rank 1 the activation, rank 0 the gradient.
     assert result.pipeline_comm_time == pytest.approx(m * hop)
     # On gloo a receive's notice queues behind the tensor just sent the other way on the same connection.
-    gloo = estimate(Layout(t, p, 1, b, "1f1b"), machines=replace(machines, backend="gloo"), batch=batch)
+    gloo = estimate(Candidate(t, p, 1, b, "1f1b"), machines=replace(machines, backend="gloo"), batch=batch)
     assert gloo.pipeline_comm_time == pytest.approx(m * 2 * hop)
 
 
@@ -150,7 +150,7 @@ def test_batch_time_equals_the_simulated_makespan(schedule, v):
     # fed with each virtual stage's forward and backward time from the profile.
     p, b, batch = 4, 1, 8
     machines = cluster(intra=1e30, inter=1e30)
-    result = estimate(Layout(1, p, 1, b, schedule, v), machines=machines, batch=batch)
+    result = estimate(Candidate(1, p, 1, b, schedule, v), machines=machines, batch=batch)
     m = batch // b
     blocks = L // (p * v)
     costs = SimulatorCosts(forward=Fraction(blocks) * Fraction(FORWARD), backward=2 * blocks * Fraction(FORWARD))
@@ -162,7 +162,7 @@ def test_batch_time_equals_the_simulated_makespan(schedule, v):
 def test_v_batch_time_equals_the_simulated_makespan(schedule):
     # the V placement: each rank's two chunks' costs, DualPipeV's pairs run one pass after the other
     p, b, batch = 4, 1, 8
-    result = estimate(Layout(1, p, 1, b, schedule, 2), machines=cluster(intra=1e30, inter=1e30), batch=batch)
+    result = estimate(Candidate(1, p, 1, b, schedule, 2), machines=cluster(intra=1e30, inter=1e30), batch=batch)
     blocks = L // (p * 2)
     forward = Fraction(blocks) * Fraction(FORWARD)
     costs = SimulatorCosts(forward=forward, backward=2 * forward, input_backward=forward, weight_backward=forward,
@@ -175,8 +175,8 @@ def test_the_v_sends_nothing_at_its_turn_and_keeps_both_embedding_copies_on_the_
     vocab_params, p, batch, inter = 5000, 2, 8, 1e6
     profile = synthetic_profile(embedding_params=vocab_params)
     machines = cluster(nodes=2, per_node=1, intra=1e30, inter=inter)
-    v_shape = estimate(Layout(1, p, 1, 1, "zbv", 2), profile, machines, batch=batch)
-    looped = estimate(Layout(1, p, 1, 1, "interleaved", 2), profile, machines, batch=batch)
+    v_shape = estimate(Candidate(1, p, 1, 1, "zbv", 2), profile, machines, batch=batch)
+    looped = estimate(Candidate(1, p, 1, 1, "interleaved", 2), profile, machines, batch=batch)
     hop = E * S * H / inter
     # a rank waits for each tensor it receives across a boundary: under the V 0-1 and 2-3 cross, 1-2 not, so
     # rank 1 receives stage 1's input and stage 2's gradient; looped, 0-1, 1-2 and 2-3 all cross
@@ -191,7 +191,7 @@ def test_the_v_sends_nothing_at_its_turn_and_keeps_both_embedding_copies_on_the_
 def test_heavy_head_batch_time_equals_the_simulated_makespan():
     p, b, batch, head = 4, 1, 12, 5e-3
     profile = synthetic_profile(head_forward=head)
-    result = estimate(Layout(1, p, 1, b, "1f1b"), profile, machines=cluster(intra=1e30, inter=1e30), batch=batch)
+    result = estimate(Candidate(1, p, 1, b, "1f1b"), profile, machines=cluster(intra=1e30, inter=1e30), batch=batch)
     blocks = L // p
     forward = [blocks * FORWARD] * p
     backward = [2 * blocks * FORWARD] * p
@@ -205,8 +205,8 @@ def test_heavy_head_batch_time_equals_the_simulated_makespan():
 def test_the_last_stage_holds_a_copy_of_the_tied_embedding():
     vocab_params = 5000
     profile = synthetic_profile(embedding_params=vocab_params)
-    one = estimate(Layout(1, 1, 1, 1, "1f1b"), profile, batch=4)
-    two = estimate(Layout(1, 2, 1, 1, "1f1b"), profile, batch=4)
+    one = estimate(Candidate(1, 1, 1, 1, "1f1b"), profile, batch=4)
+    two = estimate(Candidate(1, 2, 1, 1, "1f1b"), profile, batch=4)
     per_param = E + GRAD + OPTIMIZER
     assert one.memory == (L * PARAMS + vocab_params) * per_param + L * STASH
     last_rank = (L // 2 * PARAMS + vocab_params) * per_param + 1 * (L // 2) * STASH  # one microbatch in flight
@@ -218,8 +218,8 @@ def test_asynchronous_schedules_untie_the_embedding_instead_of_summing_its_copie
     vocab_params, p, d = 5000, 2, 2
     profile = synthetic_profile(embedding_params=vocab_params)
     machines = cluster(nodes=2, per_node=2, intra=1e9, inter=1e7)
-    flush = estimate(Layout(1, p, d, 1, "1f1b"), profile, machines, batch=8)
-    double = estimate(Layout(1, p, d, 1, "2bw"), profile, machines, batch=8)
+    flush = estimate(Candidate(1, p, d, 1, "1f1b"), profile, machines, batch=8)
+    double = estimate(Candidate(1, p, d, 1, "2bw"), profile, machines, batch=8)
     grads = (L // p * PARAMS + vocab_params) * GRAD  # first and last rank: half the blocks and a vocabulary
     data = 2 * (d - 1) / d * grads / 1e9  # the data-parallel group shares a node
     tied = 2 * (2 - 1) / 2 * vocab_params * GRAD / 1e7  # first and last stage are on different nodes
@@ -229,7 +229,7 @@ def test_asynchronous_schedules_untie_the_embedding_instead_of_summing_its_copie
 
 def test_all_reduces_use_the_reduce_bandwidth_and_latency_per_step():
     d, reduce, latency = 4, 2e8, 1e-3
-    result = estimate(Layout(1, 1, d, 1, "1f1b"), machines=cluster(intra=1e9, reduce=reduce, latency=latency), batch=8)
+    result = estimate(Candidate(1, 1, d, 1, "1f1b"), machines=cluster(intra=1e9, reduce=reduce, latency=latency), batch=8)
     assert result.data_comm_time == pytest.approx(2 * (d - 1) / d * L * PARAMS * GRAD / reduce + 2 * (d - 1) * latency)
 
 
@@ -237,10 +237,10 @@ def test_the_optimizer_step_follows_the_flush_or_runs_in_the_stream_of_backwards
     per_param, p, m = 1e-6, 2, 4
     profile = synthetic_profile(optimizer=per_param)
     free = cluster(intra=1e30, inter=1e30)
-    plain = estimate(Layout(1, 1, 1, 1, "1f1b"), profile, free, batch=m)
+    plain = estimate(Candidate(1, 1, 1, 1, "1f1b"), profile, free, batch=m)
     assert plain.batch_time == pytest.approx(m * 3 * FORWARD * L + L * PARAMS * per_param)
     assert plain.optimizer_time == pytest.approx(L * PARAMS * per_param)
-    double = estimate(Layout(1, p, 1, 1, "2bw"), profile, free, batch=m)
+    double = estimate(Candidate(1, p, 1, 1, "2bw"), profile, free, batch=m)
     step = 3 * FORWARD * L / p + L * PARAMS / p * per_param / m  # each microbatch carries 1/m of an update
     assert double.batch_time == pytest.approx(m * step)
 
@@ -252,8 +252,8 @@ def test_processes_sharing_cores_take_at_least_their_total_work_over_the_cores()
                      inter_node_bandwidth=1e30, shared_cores=2.0)
     batch = 16
     work = batch * 3 * FORWARD * L  # every sample through every block, forward and backward
-    data = estimate(Layout(1, 1, 4, 2, "1f1b"), machines=shared, batch=batch)
-    pipe = estimate(Layout(1, 4, 1, 2, "1f1b"), machines=shared, batch=batch)
+    data = estimate(Candidate(1, 1, 4, 2, "1f1b"), machines=shared, batch=batch)
+    pipe = estimate(Candidate(1, 4, 1, 2, "1f1b"), machines=shared, batch=batch)
     assert data.batch_time == pytest.approx(work / 2)
     assert pipe.batch_time == pytest.approx(max(work / 2, (8 + 3) * 3 * FORWARD * 2 * 2))
 
@@ -276,7 +276,7 @@ def simulated_makespan(schedule, p, m, per_node, transfer_time):
 def predicted_makespan(schedule, p, m, per_node, transfer_time):
     inter = E * S * H / transfer_time  # one boundary tensor at b = 1 takes transfer_time between nodes
     machines = cluster(nodes=p // per_node, per_node=per_node, intra=1e30, inter=inter)
-    return estimate(Layout(1, p, 1, 1, schedule), machines=machines, batch=m).batch_time
+    return estimate(Candidate(1, p, 1, 1, schedule), machines=machines, batch=m).batch_time
 
 
 @pytest.mark.parametrize("p,per_node", [(2, 1), (4, 1), (4, 2)])
@@ -315,7 +315,7 @@ def test_data_parallel_pipelines_take_turns_on_a_shared_uplink():
     # uplink needs to carry both replicas' tensors, each direction once per microbatch.
     uplink, m = 1e3, 8  # a transfer takes about 10 steps of a stage
     machines = replace(cluster(nodes=2, per_node=2, intra=1e30, inter=1e30), node_uplink_bandwidth=uplink)
-    result = estimate(Layout(1, 2, 2, 1, "1f1b"), machines=machines, batch=2 * m)
+    result = estimate(Candidate(1, 2, 2, 1, "1f1b"), machines=machines, batch=2 * m)
     message = E * S * H / uplink
     assert result.pipeline_comm_time == pytest.approx(m * message)
     assert result.batch_time == pytest.approx(m * 2 * message)  # the shared uplink bounds the batch

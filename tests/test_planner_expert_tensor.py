@@ -12,13 +12,13 @@ from test_planner_plan import small_cluster
 
 from megapipe.cli.parse import parse_config
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
+from megapipe.planner.cost_model import Candidate, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command
 
 pytestmark = pytest.mark.unit
 
 B = 2
-WHOLE = Layout(2, 1, 2, B, "1f1b", expert=2)  # etp = t = 2: expert groups {0, 2}, {1, 3}
+WHOLE = Candidate(2, 1, 2, B, "1f1b", expert=2)  # etp = t = 2: expert groups {0, 2}, {1, 3}
 SPLIT = dataclasses.replace(WHOLE, expert_tensor=1)  # etp = 1: expert groups {0, 1}, {2, 3}, expert-data {0, 2}, {1, 3}
 
 
@@ -57,7 +57,7 @@ def test_the_command_carries_the_expert_tensor_size():
     words = shlex.split(command)
     parallel = parse_config("gpt", words[words.index("pretrain_gpt.py") + 1:], world_size=4).parallel
     assert (parallel.tensor, parallel.expert, parallel.expert_tensor) == (2, 2, 1)
-    assert "--expert-tensor-parallel-size" not in torchrun_command(dataclasses.replace(estimate, layout=WHOLE), MOE,
+    assert "--expert-tensor-parallel-size" not in torchrun_command(dataclasses.replace(estimate, candidate=WHOLE), MOE,
                                                                    small_cluster(nodes=1), 8)
 
 
@@ -67,7 +67,7 @@ def test_below_t_without_expert_parallelism_each_tensor_share_holds_whole_expert
     more collective's latency)."""
     profile, cluster, training = moe_profile(), small_cluster(), Training(8)
     model = PlanCostModel(profile, cluster, training)
-    dense_like = Layout(2, 1, 2, B, "1f1b")
+    dense_like = Candidate(2, 1, 2, B, "1f1b")
     whole, split = model.estimate(dense_like), model.estimate(dataclasses.replace(dense_like, expert_tensor=1))
     assert whole.expert_comm_time == split.expert_comm_time == 0
     experts = MOE.expert_params_per_block * MOE.num_layers

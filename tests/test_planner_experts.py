@@ -16,7 +16,7 @@ from megapipe.schedules.analysis.simulate import CostModel, simulate
 from megapipe.schedules.catalog import build_schedule, overlapped_schedule
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, collective_time
+from megapipe.planner.cost_model import Candidate, PlanCostModel, Training, all_to_all_time, collective_time
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, enumerate_layouts, plan
 from megapipe.planner.profile import ModelProfile
@@ -31,13 +31,13 @@ def moe_profile(shape=MOE):
     return analytic_gpt_profile(shape, 1e12, micro_batch_sizes=(1, 2, 4))
 
 
-def overlap_accepted(layout: Layout, batch: int) -> bool:
-    """Whether --overlap-moe-expert-parallel-comm runs ``layout``: e > 1, no recomputation, a flush schedule
+def overlap_accepted(candidate: Candidate, batch: int) -> bool:
+    """Whether --overlap-moe-expert-parallel-comm runs ``candidate``: e > 1, no recomputation, a flush schedule
     whose overlapped lists the flag accepts."""
-    if layout.expert == 1 or layout.recompute or layout.schedule in ("2bw", "pipedream"):
+    if candidate.expert == 1 or candidate.recompute or candidate.schedule in ("2bw", "pipedream"):
         return False
-    return pairs_accepted(layout.schedule, layout.pipeline, batch // (layout.data * layout.micro_batch_size),
-                          layout.virtual)
+    return pairs_accepted(candidate.schedule, candidate.pipeline, batch // (candidate.data * candidate.micro_batch_size),
+                          candidate.virtual)
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,9 +91,9 @@ def test_the_token_exchange_is_two_all_to_alls_per_moe_block_and_pass(freq):
     link = cluster.link([0, 1])  # e = 2 over the two data-parallel replicas of one node
     one = all_to_all_time(b * MOE.seq_length * MOE.moe_router_topk * MOE.hidden_size * profile.element_bytes, 2, link)
     for recompute, per_block in ((False, 4), (True, 6)):
-        layout = Layout(1, 1, 2, b, "1f1b", recompute=recompute, expert=2)
-        assert model.estimate(layout).expert_comm_time == pytest.approx(m * len(shape.moe_layers) * per_block * one)
-        assert model.estimate(dataclasses.replace(layout, expert=1)).expert_comm_time == 0.0
+        candidate = Candidate(1, 1, 2, b, "1f1b", recompute=recompute, expert=2)
+        assert model.estimate(candidate).expert_comm_time == pytest.approx(m * len(shape.moe_layers) * per_block * one)
+        assert model.estimate(dataclasses.replace(candidate, expert=1)).expert_comm_time == 0.0
     assert one == pytest.approx(b * 32 * 2 * 64 * 2 / 2 / link.bandwidth + link.latency)
 
 
@@ -104,10 +104,10 @@ def test_each_rank_holds_one_eth_of_the_experts_and_their_state(sharding, data, 
     profile = moe_profile(shape)
     training = Training(8)
     model = PlanCostModel(profile, small_cluster(), training)
-    layout = Layout(1, 1, data, 1, "1f1b", sharding=sharding, expert=2)
+    candidate = Candidate(1, 1, data, 1, "1f1b", sharding=sharding, expert=2)
     element, grads, optimizer = profile.element_bytes, training.grad_bytes_per_param, training.optimizer_bytes(2)
     experts = MOE.expert_params_per_block * len(shape.moe_layers)
-    saved = model.estimate(dataclasses.replace(layout, expert=1)).memory - model.estimate(layout).memory
+    saved = model.estimate(dataclasses.replace(candidate, expert=1)).memory - model.estimate(candidate).memory
     held = experts / 2  # by each of the e = 2 expert ranks
     if sharding == "no_shard":
         expected = (experts - held) * (element + grads + optimizer)
@@ -124,13 +124,13 @@ def test_an_moe_model_too_big_for_one_expert_rank_gets_e_above_1():
     profile, request = moe_profile(big), PlanRequest(16, schedules=SCHEDULES, max_micro_batch_size=4)
     model = PlanCostModel(profile, small_cluster(), Training(16))
     estimates = [model.estimate(layout) for layout in enumerate_layouts(big, 8, request)]
-    smallest_at_one = min(e.memory for e in estimates if e.layout.expert == 1)
+    smallest_at_one = min(e.memory for e in estimates if e.candidate.expert == 1)
     assert any(e.memory < smallest_at_one for e in estimates)
     result = plan(profile, small_cluster(memory=smallest_at_one * 0.99), request)
-    assert result.best.layout.expert > 1
-    assert all(e.layout.expert > 1 for e in result.ranked)
+    assert result.best.candidate.expert > 1
+    assert all(e.candidate.expert > 1 for e in result.ranked)
     command = torchrun_command(result.best, big, small_cluster(), 16)
-    assert f"--expert-model-parallel-size {result.best.layout.expert}" in command
+    assert f"--expert-model-parallel-size {result.best.candidate.expert}" in command
     assert "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024" in command
 
 
@@ -147,12 +147,12 @@ def test_expert_gradients_are_reduced_over_the_expert_data_ranks_only(freq):
     profile, cluster = moe_profile(shape), small_cluster()
     model, training = PlanCostModel(profile, cluster, Training(8)), Training(8)
     link, grads = cluster.link([0, 1]), training.grad_bytes_per_param
-    dense = model.estimate(Layout(1, 1, 2, 1, "1f1b")).data_comm_time
+    dense = model.estimate(Candidate(1, 1, 2, 1, "1f1b")).data_comm_time
     everything = sum(layer.params for layer in profile.layers)  # one stage: no second copy of the embedding
     assert dense == pytest.approx(collective_time("all_reduce", everything * grads, 2, link))
     experts = MOE.expert_params_per_block * len(shape.moe_layers)  # at e = d = 2 each expert lives on one rank
     expected = collective_time("all_reduce", (everything - experts) * grads, 2, link)
-    assert model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
+    assert model.estimate(Candidate(1, 1, 2, 1, "1f1b", expert=2)).data_comm_time == pytest.approx(expected)
 
 
 def pair_by_slots(forward: float, backward: float, exchange: float, layers: int) -> float:
@@ -173,8 +173,8 @@ def slow_expert_cluster(nodes: int = 4):
 def test_1f1b_pairs_hide_the_all_to_alls_as_the_slots_say():
     profile = moe_profile()
     model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
-    off = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2))
-    on = model.estimate(Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
+    off = model.estimate(Candidate(1, 1, 2, 1, "1f1b", expert=2))
+    on = model.estimate(Candidate(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
     m, x = on.microbatches, on.expert_comm_total / (2 * on.microbatches)  # one pass's all-to-alls
     (forward,), (backward,) = on.rank_times
     pair = pair_by_slots(forward - x, backward - x, x, MOE.num_layers)
@@ -187,15 +187,15 @@ def test_1f1b_pairs_hide_the_all_to_alls_as_the_slots_say():
     assert off.batch_time - on.batch_time == pytest.approx((m - 1) * (forward + backward - pair))
     assert on.batch_time < off.batch_time and on.rank_times == off.rank_times
     stash = on.memory - off.memory  # one microbatch more in flight, as Megatron's combined 1F1B holds
-    assert stash == pytest.approx(model.estimate(Layout(1, 1, 2, 2, "1f1b", expert=2)).memory - off.memory)
+    assert stash == pytest.approx(model.estimate(Candidate(1, 1, 2, 2, "1f1b", expert=2)).memory - off.memory)
     assert stash > 0
 
 
 def test_dualpipev_pairs_cost_what_the_simulator_charges():
     profile = moe_profile()
     model = PlanCostModel(profile, slow_expert_cluster(), Training(8))
-    layout = Layout(1, 2, 2, 1, "dualpipev", virtual=2, expert=2, overlap_moe_comm=True)
-    on, off = model.estimate(layout), model.estimate(dataclasses.replace(layout, overlap_moe_comm=False))
+    candidate = Candidate(1, 2, 2, 1, "dualpipev", virtual=2, expert=2, overlap_moe_comm=True)
+    on, off = model.estimate(candidate), model.estimate(dataclasses.replace(candidate, overlap_moe_comm=False))
     forwards, backs = on.stage_times
     assert on.rank_times == (tuple(forwards[s] + forwards[3 - s] for s in range(2)),  # stage s on rank s (down
                              tuple(backs[s] + backs[3 - s] for s in range(2)))      # the V) or 2p - 1 - s
@@ -214,9 +214,9 @@ def test_the_plan_overlaps_the_all_to_alls_when_it_pays_and_the_command_says_so(
     profile = moe_profile()
     request = PlanRequest(8, schedules=("1f1b",), micro_batch_sizes=(1,), recompute=(False,), shardings=("no_shard",))
     result = plan(profile, slow_expert_cluster(nodes=2), request)  # e = 2 only at d = 2, p = 1
-    fastest = next(e for e in result.ranked if e.layout.expert > 1)
-    assert fastest.layout.overlap_moe_comm
-    twin = next(e for e in result.ranked if e.layout == dataclasses.replace(fastest.layout, overlap_moe_comm=False))
+    fastest = next(e for e in result.ranked if e.candidate.expert > 1)
+    assert fastest.candidate.overlap_moe_comm
+    twin = next(e for e in result.ranked if e.candidate == dataclasses.replace(fastest.candidate, overlap_moe_comm=False))
     assert twin.samples_per_second < fastest.samples_per_second
     assert "--overlap-moe-expert-parallel-comm" in torchrun_command(fastest, MOE, slow_expert_cluster(), 8)
     assert "--overlap-moe-expert-parallel-comm" not in torchrun_command(twin, MOE, slow_expert_cluster(), 8)
@@ -235,7 +235,7 @@ def test_the_table_shows_the_all_to_alls_and_the_share_no_pair_hides(tmp_path, c
     assert shares["1"] == "-" and shares["2"] == "100%"
     assert 0 < int(shares["2&"].rstrip("%")) < 100
     on = PlanCostModel(moe_profile(), slow_expert_cluster(), Training(8)).estimate(
-        Layout(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
+        Candidate(1, 1, 2, 1, "1f1b", expert=2, overlap_moe_comm=True))
     share = f"{on.expert_comm_time / on.expert_comm_total:.0%}"
     assert TOOL.expert_comm_line(on) == (f"expert all-to-alls: {on.expert_comm_total:.4g} s per batch on the slowest "
                                          f"rank, {on.expert_comm_time:.4g} s of it exposed ({share}; pairs hide the "

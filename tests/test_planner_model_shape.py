@@ -20,7 +20,7 @@ from megapipe.models.shape import ModelShape
 from megapipe.planner import analytic
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, model_flops_per_sample
+from megapipe.planner.cost_model import Candidate, PlanCostModel, Training, model_flops_per_sample
 from megapipe.planner.profile import ModelProfile
 
 pytestmark = pytest.mark.unit
@@ -78,9 +78,9 @@ def test_a_llama_and_a_gpt_of_the_same_size_cost_differently():
     assert analytic.block_stash_bytes(llama, 1, e, 0)[1] == e * s * (h + 2 * h_kv + h) + e * s * 3 * f + core
     cluster = Cluster(nodes=1, gpus_per_node=2, memory_per_gpu=2 ** 34, intra_node_bandwidth=1e10,
                       inter_node_bandwidth=1e9)
-    layout = Layout(1, 2, 1, 2, "1f1b")
+    candidate = Candidate(1, 2, 1, 2, "1f1b")
     llama_estimate, gpt_estimate = (PlanCostModel(analytic_gpt_profile(shape, 1e12, micro_batch_sizes=(1, 2, 4)),
-                                                  cluster, Training(8)).estimate(layout) for shape in (llama, gpt))
+                                                  cluster, Training(8)).estimate(candidate) for shape in (llama, gpt))
     assert llama_estimate.samples_per_second < gpt_estimate.samples_per_second
     assert llama_estimate.memory > gpt_estimate.memory  # the third ffn matrix and its wider activation
 

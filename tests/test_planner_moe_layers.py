@@ -15,7 +15,7 @@ from megapipe.models import build_model_chunks
 from megapipe.models.flops import moe_flops_per_iteration
 from megapipe.parallel.state import ParallelState
 from megapipe.planner.analytic import analytic_gpt_profile
-from megapipe.planner.cost_model import Layout, PlanCostModel, Training, all_to_all_time, model_flops_per_sample
+from megapipe.planner.cost_model import Candidate, PlanCostModel, Training, all_to_all_time, model_flops_per_sample
 from megapipe.planner.profile import ModelProfile
 
 pytestmark = pytest.mark.unit
@@ -52,18 +52,18 @@ def test_a_ranks_time_and_all_to_alls_follow_the_blocks_it_holds():
     cluster, b = small_cluster(), 2
     front, back = (PlanCostModel(analytic_gpt_profile(moe(freq), 1e12, micro_batch_sizes=(1, 2, 4)), cluster,
                                  Training(8)) for freq in (FRONT, BACK))
-    layout = Layout(1, 2, 2, b, "1f1b", expert=2)
+    candidate = Candidate(1, 2, 2, b, "1f1b", expert=2)
     one = all_to_all_time(b * SMALL.seq_length * 2 * SMALL.hidden_size * 2, 2, cluster.link([0, 1]))
     block = front.profile.layers
     moe_forward, dense_forward = block[1].forward_s[1], block[8].forward_s[1]  # at b = 2
     extra = 4 * (moe_forward - dense_forward) / cluster.compute_speed + 4 * 2 * one  # four blocks, two exchanges
-    (forward_f, backward_f), (forward_b, backward_b) = (model.estimate(layout).rank_times for model in (front, back))
+    (forward_f, backward_f), (forward_b, backward_b) = (model.estimate(candidate).rank_times for model in (front, back))
     assert forward_f[0] - forward_b[0] == pytest.approx(extra) and forward_b[1] - forward_f[1] == pytest.approx(extra)
     backward_extra = 2 * extra - 4 * 2 * one  # compute twice the forward's, the two exchanges once more
     assert backward_f[0] - backward_b[0] == pytest.approx(backward_extra)
     m = 8 // (2 * b)
-    assert front.estimate(dataclasses.replace(layout, expert=1)).expert_comm_time == 0.0
-    estimate = front.estimate(layout)
+    assert front.estimate(dataclasses.replace(candidate, expert=1)).expert_comm_time == 0.0
+    estimate = front.estimate(candidate)
     forward, backward = estimate.rank_times
     slowest = max(range(2), key=lambda r: forward[r] + backward[r])
     assert estimate.expert_comm_time == pytest.approx(m * 4 * 4 * one if slowest == 0 else 0.0)  # the slowest rank's

@@ -11,7 +11,7 @@ import pytest
 from megapipe.errors import ConfigError
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile_partition import fold_ends, partition_profile
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, algorithm1, enumerate_layouts, model_splits, plan, searched_layouts
@@ -75,7 +75,7 @@ def valid_by_the_rules(shape, devices, batch, max_b, max_v):
                 levels = ["no_shard"] if d == 1 else ["no_shard", "optim", "optim_grads"] + (
                     ["optim_grads_params"] if schedule in flushing else [])
                 if ok:
-                    found |= {Layout(t, p, d, b, schedule, v, r, level) for r in (False, True) for level in levels}
+                    found |= {Candidate(t, p, d, b, schedule, v, r, level) for r in (False, True) for level in levels}
     return found
 
 
@@ -102,7 +102,7 @@ def test_the_plan_is_the_fastest_layout_that_fits():
     assert speeds == sorted(speeds, reverse=True)
     for (d, p), chosen in result.best_by_data_pipeline.items():
         assert chosen.samples_per_second == max(e.samples_per_second for e in fitting
-                                                if (e.layout.data, e.layout.pipeline) == (d, p))
+                                                if (e.candidate.data, e.candidate.pipeline) == (d, p))
 
 
 @pytest.mark.system
@@ -110,11 +110,11 @@ def test_the_searched_schedule_is_planned_on_the_fastest_layouts_and_never_slowe
     profile = small_profile()
     cluster = small_cluster()
     result = plan(profile, cluster, PlanRequest(32, max_micro_batch_size=8))
-    searched = [e for e in result.ranked if e.layout.schedule == "auto"]
+    searched = [e for e in result.ranked if e.candidate.schedule == "auto"]
     assert 0 < len(searched) <= 8
-    by_layout = {e.layout: e for e in result.ranked}
+    by_layout = {e.candidate: e for e in result.ranked}
     for e in searched:
-        zb_h1 = by_layout.get(dataclasses.replace(e.layout, schedule="zb-h1"))
+        zb_h1 = by_layout.get(dataclasses.replace(e.candidate, schedule="zb-h1"))
         if zb_h1 is not None:  # the search starts from ZB-H1 within its memory
             assert e.batch_time <= zb_h1.batch_time * (1 + 1e-9) and e.memory <= zb_h1.memory * (1 + 1e-9)
     command = torchrun_command(searched[0], profile.shape, cluster, 32)
@@ -129,10 +129,10 @@ def test_no_configuration_fits_names_the_smallest_requirement():
     model = PlanCostModel(profile, small_cluster(), Training(32))
     estimates = [model.estimate(layout) for layout in valid_by_the_rules(SMALL, 8, 32, 8, 8)]
     # of the layouts needing the least memory (1F1B and ZB-H1 tie) the fastest is named, then by name
-    smallest = min(estimates, key=lambda e: (e.memory, -e.samples_per_second, e.layout.describe()))
+    smallest = min(estimates, key=lambda e: (e.memory, -e.samples_per_second, e.candidate.describe()))
     cluster = small_cluster(memory=0.9 * smallest.memory)
     expected = (f"no configuration fits in {human_bytes(cluster.usable_memory)} per device: the smallest needs "
-                f"{human_bytes(smallest.memory)} at {smallest.layout.describe()}; ")
+                f"{human_bytes(smallest.memory)} at {smallest.candidate.describe()}; ")
     assert "MiB" in expected
     with pytest.raises(ConfigError, match=re.escape(expected)):
         plan(profile, cluster, PlanRequest(32, max_micro_batch_size=8))
@@ -166,12 +166,12 @@ def test_big_gpts_on_64_v100s_get_sensible_plans(name):
     # 8 (2.2B) and 16 (3.8B) stages on these machines, since whole replicas do not fit in 16 GB.
     cluster = CLUSTERS["v100-16gb-8x8"]
     result = plan(analytic_gpt_profile(MODELS[name], cluster.achieved_flops), cluster, PlanRequest(512))
-    assert result.best.layout.tensor <= cluster.gpus_per_node
+    assert result.best.candidate.tensor <= cluster.gpus_per_node
     assert result.best.memory <= cluster.usable_memory
-    two_bw = [e for e in result.ranked if e.layout.schedule == "2bw" and e.layout.tensor == 1]
-    assert two_bw[0].layout.pipeline >= 8
+    two_bw = [e for e in result.ranked if e.candidate.schedule == "2bw" and e.candidate.tensor == 1]
+    assert two_bw[0].candidate.pipeline >= 8
     assert two_bw[0].samples_per_second > max(e.samples_per_second for e in result.ranked
-                                              if e.layout.schedule == "gpipe")  # seed: 2BW up to 3.2x GPipe
+                                              if e.candidate.schedule == "gpipe")  # seed: 2BW up to 3.2x GPipe
 
 
 @pytest.mark.unit

@@ -4,7 +4,7 @@ overlap, and a plan that needs a sharded optimizer to fit."""
 
 import pytest
 
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.launch import torchrun_command
 from megapipe.planner.plan import PlanRequest, plan
 from test_planner_costs import E, GRAD, L, OPTIMIZER, PARAMS, cluster, synthetic_profile
@@ -15,7 +15,7 @@ W = L * PARAMS  # parameters of the whole model (embedding and head hold none he
 
 def estimate(sharding: str, overlap: bool = False, machines=None, m: int = 2):
     model = PlanCostModel(synthetic_profile(stash=0.0), machines or cluster(), Training(D * m, overlap=overlap))
-    return model.estimate(Layout(1, 1, D, 1, "1f1b", sharding=sharding))
+    return model.estimate(Candidate(1, 1, D, 1, "1f1b", sharding=sharding))
 
 
 @pytest.mark.unit
@@ -56,10 +56,10 @@ def test_plan_chooses_a_sharded_optimizer_when_replicas_do_not_fit_and_prints_it
     machines = cluster(memory=0.8 * no_shard / 0.9)  # usable memory (90 %) below a replica's bytes
     request = PlanRequest(8, schedules=("1f1b",), recompute=(False,))
     result = plan(profile, machines, request)
-    replicas = [e.layout.sharding for e in result.ranked if e.layout.pipeline == 1 and e.layout.tensor == 1]
+    replicas = [e.candidate.sharding for e in result.ranked if e.candidate.pipeline == 1 and e.candidate.tensor == 1]
     assert replicas and "no_shard" not in replicas  # d = 8 replicas fit only with a sharded optimizer
     best = result.best
     command = torchrun_command(best, profile.shape, machines, 8, overlap=True)
-    assert f"--data-parallel-sharding-strategy {best.layout.sharding}" in command
+    assert f"--data-parallel-sharding-strategy {best.candidate.sharding}" in command
     assert "--overlap-grad-reduce" in command
-    assert ("--overlap-param-gather" in command) == (best.layout.sharding != "no_shard")
+    assert ("--overlap-param-gather" in command) == (best.candidate.sharding != "no_shard")

@@ -9,7 +9,7 @@ import pytest
 
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.traffic import TrafficInputs, crossing_links, cross_node_traffic, link_bytes
 
@@ -77,10 +77,10 @@ def test_the_cost_model_reports_what_its_layout_sends():
                       inter_node_bandwidth=1e8, backend="gloo")
     model = PlanCostModel(profile, cluster, Training(8))
     boundary = 2 * 32 * 64 * 4
-    estimate = model.estimate(Layout(2, 2, 1, 2, "1f1b"))
+    estimate = model.estimate(Candidate(2, 2, 1, 2, "1f1b"))
     assert estimate.traffic.pipeline == 4 * 2 * boundary  # m = 4, scatter/gather: one tensor per direction
     assert estimate.traffic.embedding == 2 * 2 * (512 * 64 // 2) * 4  # 2 tensor ranks, each V/t x h both ways
-    assert model.estimate(Layout(2, 2, 1, 2, "pipedream")).traffic.embedding == 0  # PipeDream unties it
+    assert model.estimate(Candidate(2, 2, 1, 2, "pipedream")).traffic.embedding == 0  # PipeDream unties it
 
 
 def test_a_shared_node_uplink_is_split_between_the_flows_leaving_a_node():

@@ -39,7 +39,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.engine import PipelineEngine
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.schedule_costs import weight_versions
 from megapipe.testing.worlds import run_distributed
@@ -91,7 +91,7 @@ def planned_weight_bytes(name: str) -> list[tuple[int, int]]:
     profile = analytic_gpt_profile(shape, achieved_flops=1e12, micro_batch_sizes=(MICRO,), dtype="float32")
     cluster = Cluster(nodes=1, gpus_per_node=P, memory_per_gpu=1e12, intra_node_bandwidth=1e10,
                       inter_node_bandwidth=1e10)
-    loads = PlanCostModel(profile, cluster, Training(M * MICRO))._rank_loads(Layout(1, P, 1, MICRO, name))
+    loads = PlanCostModel(profile, cluster, Training(M * MICRO))._rank_loads(Candidate(1, P, 1, MICRO, name))
     result = []
     for r in range(P):
         per_version = loads.params[r] * profile.element_bytes

@@ -148,13 +148,13 @@ def format_table(result, top: int, moe: bool = False, context: bool = False) -> 
               + (f"{'ep comm':>8} {'exposed':>7} " if moe else "") + f"{'pp comm':>8} {'dp comm':>8} {'optim':>8}")
     rows = [header, "-" * len(header)]
     for rank, e in enumerate(result.ranked[:top], 1):
-        layout = e.layout
-        recompute = f"k={e.recompute_layers}" if layout.recompute else "no"
-        expert = f" {str(layout.expert) + ('&' if layout.overlap_moe_comm else ''):>4} {layout.etp:>3}" if moe else ""
-        cp = f" {layout.context:>3}" if context else ""
-        rows.append(f"{rank:>3} {layout.tensor:>3}{cp} {layout.pipeline:>3} {layout.data:>3}{expert} {layout.virtual:>2} "
-                    f"{layout.micro_batch_size:>4} {e.microbatches:>5} {layout.schedule:<12} {recompute:<9} "
-                    f"{layout.sharding:<18} "
+        candidate = e.candidate
+        recompute = f"k={e.recompute_layers}" if candidate.recompute else "no"
+        expert = f" {str(candidate.expert) + ('&' if candidate.overlap_moe_comm else ''):>4} {candidate.etp:>3}" if moe else ""
+        cp = f" {candidate.context:>3}" if context else ""
+        rows.append(f"{rank:>3} {candidate.tensor:>3}{cp} {candidate.pipeline:>3} {candidate.data:>3}{expert} {candidate.virtual:>2} "
+                    f"{candidate.micro_batch_size:>4} {e.microbatches:>5} {candidate.schedule:<12} {recompute:<9} "
+                    f"{candidate.sharding:<18} "
                     f"{e.samples_per_second:>10.4g} {e.flops_per_gpu / 1e12:>11.3g} {human_bytes(e.memory):>10} "
                     f"{e.bubble:>7.3f} {e.compute_time:>8.3g} {e.tensor_comm_time:>8.3g} "
                     + (f"{e.context_comm_time:>8.3g} " if context else "")
@@ -170,7 +170,7 @@ def _share(part: float, whole: float) -> str:
 def expert_comm_line(estimate) -> str:
     """The best layout's expert all-to-alls: their time on the slowest rank and how much of it stays exposed."""
     total, exposed = estimate.expert_comm_total, estimate.expert_comm_time
-    hidden = "; pairs hide the rest behind the other microbatch's compute" if estimate.layout.overlap_moe_comm else ""
+    hidden = "; pairs hide the rest behind the other microbatch's compute" if estimate.candidate.overlap_moe_comm else ""
     return (f"expert all-to-alls: {total:.4g} s per batch on the slowest rank, {exposed:.4g} s of it exposed "
             f"({_share(exposed, total)}{hidden})")
 
@@ -216,14 +216,14 @@ def _context_sizes(text: str) -> tuple[int, ...]:
 def stale_weights_note(result) -> str:
     """For an asynchronous best plan: that it trains with stale weights, and the best synchronous plan beside it."""
     best = result.best
-    note = (f"note: {best.layout.schedule} is asynchronous: 2BW and PipeDream never flush the pipeline, so "
+    note = (f"note: {best.candidate.schedule} is asynchronous: 2BW and PipeDream never flush the pipeline, so "
             "gradients are computed on weights one or more updates old (stale weights), which can change "
             "convergence compared with a synchronous schedule")
-    synchronous = next((e for e in result.ranked if flushes(e.layout.schedule)), None)
+    synchronous = next((e for e in result.ranked if flushes(e.candidate.schedule)), None)
     if synchronous is None:
         return f"{note}; no synchronous layout was searched (add one of {', '.join(FLUSHING)} to --schedules)."
     slower = 1 - synchronous.samples_per_second / best.samples_per_second
-    return (f"{note}.\nbest synchronous: {synchronous.layout.describe()}: {synchronous.samples_per_second:.4g} "
+    return (f"{note}.\nbest synchronous: {synchronous.candidate.describe()}: {synchronous.samples_per_second:.4g} "
             f"samples/s ({slower:.1%} slower), {human_bytes(synchronous.memory)} per device "
             f"(--schedules {','.join(FLUSHING)} plans only synchronous schedules)")
 
@@ -245,11 +245,11 @@ def run_planner(args, profile: ModelProfile, cluster: Cluster) -> None:
           f"{len(result.ranked)} of {result.evaluated} layouts fit")
     print(format_table(result, args.top, profile.shape.is_moe, request.context_sizes != (1,)))
     best = result.best
-    print(f"\nbest: {best.layout.describe()}: {best.samples_per_second:.4g} samples/s, "
+    print(f"\nbest: {best.candidate.describe()}: {best.samples_per_second:.4g} samples/s, "
           f"{human_bytes(best.memory)} per device")
     if best.expert_comm_total:
         print(expert_comm_line(best))
-    if not flushes(best.layout.schedule):
+    if not flushes(best.candidate.schedule):
         print(stale_weights_note(result))
     print(torchrun_command(best, shape, cluster, args.global_batch_size, args.overlap_grad_reduce))
     if args.plan_out:

@@ -1,4 +1,4 @@
-"""One model chunk's gradients and weights across data-parallel replicas (DESIGN.md, idea 5).
+"""One model chunk's gradients and weights across data-parallel replicas: their one owner of communication.
 
 ``GradSync`` owns the chunk's contiguous main-gradient buffer, its buckets, and every
 data-parallel collective on the chunk's gradients and weights; no other module calls one.

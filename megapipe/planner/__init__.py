@@ -7,10 +7,10 @@ MEMORY), ``plan`` (Algorithm 1), ``launch`` (plan files and torchrun commands), 
 """
 
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Estimate, Candidate, Training
 from megapipe.planner.partition import Level, Partition, PartitionProblem, StageMemory, partition
 from megapipe.planner.plan import PlanRequest, PlanResult, plan
 from megapipe.planner.profile import ModelProfile, ModelShape
 
-__all__ = ["Cluster", "PlanCostModel", "Estimate", "Layout", "Level", "ModelProfile", "ModelShape", "Partition",
+__all__ = ["Cluster", "PlanCostModel", "Estimate", "Candidate", "Level", "ModelProfile", "ModelShape", "Partition",
            "PartitionProblem", "PlanRequest", "PlanResult", "StageMemory", "Training", "partition", "plan"]

@@ -24,7 +24,7 @@ rank's time (it is on the critical path):
   data parallelism: a ring all-reduce of each rank's gradients, 2 (d-1)/d |W| bytes, once per
     batch, after the flush for flushing schedules and overlapped with compute for 2BW and
     PipeDream (max(pipeline, all-reduce), THROUGHPUT(.)'s max(T_comp, T_comm / m)). A sharded
-    optimizer (``Layout.sharding``) reduce-scatters the gradients and all-gathers the updated
+    optimizer (``Candidate.sharding``) reduce-scatters the gradients and all-gathers the updated
     weights instead ((d-1)/d of each); optim_grads_params all-gathers a chunk's weights before
     every forward and backward instead, 2 m (d-1)/d |W| per batch, on the critical path (the
     volumes are ``traffic.link_bytes``: gloo's reduce-scatter moves an all-reduce's bytes). With
@@ -32,7 +32,7 @@ rank's time (it is on the critical path):
     the weight gather behind the rank's wait for its first input (none on rank 0); the tied
     word embedding is also summed between the first and the last stage (2BW and PipeDream
     untie it instead: the last stage holds its own output embedding of the same size).
-  expert parallelism (MoE models, ``Layout.expert`` e, expert-tensor size ``Layout.etp``): per MoE block
+  expert parallelism (MoE models, ``Candidate.expert`` e, expert-tensor size ``Candidate.etp``): per MoE block
     (``--moe-layer-freq`` says which; dense blocks have no exchange) two all-to-alls forward (dispatch,
     combine) and two backward (two more when recomputing), each sending b s k h element bytes x etp/t (at
     etp below t each of the t/etp shares of a tensor group dispatches its share of the tokens) x (e-1)/e
@@ -41,11 +41,11 @@ rank's time (it is on the critical path):
     the partial outputs are summed over the tensor group as a dense MLP's. Each rank holds 1/(etp e) of the
     experts, whose gradients are reduced (and, at sharding levels, whose gradients, weights and optimizer
     state are sharded) over the t c d / (etp e) expert-data ranks.
-    With ``--overlap-moe-expert-parallel-comm`` (``Layout.overlap_moe_comm``) the batch is the simulator's
+    With ``--overlap-moe-expert-parallel-comm`` (``Candidate.overlap_moe_comm``) the batch is the simulator's
     replay of the schedule's overlapped lists (``schedule_costs.overlapped_time``): each forward/backward
     pair hides its all-to-alls behind the other pass's compute as ``simulate.overlapped_pair_time``
     charges it, and the lists' peak in-flight microbatches set the activations' memory.
-  context parallelism (``Layout.context`` c): a rank holds s / c tokens of every sample, so its
+  context parallelism (``Candidate.context`` c): a rank holds s / c tokens of every sample, so its
     compute is the layers' at b / (t c) and its activations and messages those of b / c samples;
     each block adds its key/value exchanges over the context group (``context_costs.py``), on the
     critical path like the tensor-parallel all-reduces (the ring's overlap with the blocks'
@@ -89,7 +89,7 @@ from megapipe.layout.stage_plan import equal_split
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
     """One point of the search: parallel degrees, micro-batch size, schedule, chunks, recomputation."""
 
     tensor: int
@@ -144,7 +144,7 @@ class Training:
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    candidate: Candidate
     microbatches: int  # per pipeline and batch: m = B / (d b)
     batch_time: float  # seconds
     samples_per_second: float
@@ -290,38 +290,38 @@ class PlanCostModel:
         layout = RankLayout(t, p, d, context=c)
         return tuple(self.cluster.group_link(_boundary_pairs(layout, range(d), r)) for r in range(p))
 
-    def _rank_loads(self, layout: Layout) -> "_RankLoads":
+    def _rank_loads(self, candidate: Candidate) -> "_RankLoads":
         """Per pipeline rank and microbatch: seconds of compute and communication, parameters and stashes."""
         shape = self.profile.shape
-        t, p, v, b, c = layout.tensor, layout.pipeline, layout.virtual, layout.micro_batch_size, layout.context
+        t, p, v, b, c = candidate.tensor, candidate.pipeline, candidate.virtual, candidate.micro_batch_size, candidate.context
         stages, n_layers = p * v, shape.num_layers
-        placement = placement_of(layout.schedule)
+        placement = placement_of(candidate.schedule)
         # a context rank holds s / c tokens of each sample: the work and bytes of b / c whole samples
         timing, sizes = self.costs(b / (t * c)), self.costs(b / c)
-        tensor_link, _, boundary_links, _ = self.links(t, p, layout.data, c)
+        tensor_link, _, boundary_links, _ = self.links(t, p, candidate.data, c)
         speed = self.cluster.compute_speed
-        backward = timing.recompute_backward if layout.recompute else timing.backward
+        backward = timing.recompute_backward if candidate.recompute else timing.backward
         activation = b * shape.seq_length / c * shape.hidden_size * self.element_bytes
         context = [0.0, 0.0]  # per block: seconds of the key/value exchanges forward, backward
         if c > 1:
-            for exchange in exchanges(layout.cp_comm_type, c, b * shape.seq_length / c, shape.hidden_size / t,
+            for exchange in exchanges(candidate.cp_comm_type, c, b * shape.seq_length / c, shape.hidden_size / t,
                                       self.element_bytes):
-                context[exchange.backward] += exchange_time(exchange, c, self.context_link(t, p, layout.data, c),
+                context[exchange.backward] += exchange_time(exchange, c, self.context_link(t, p, candidate.data, c),
                                                             self.cluster.backend)
-        if layout.recompute:
+        if candidate.recompute:
             context[1] += context[0]
         allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
         stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, stages, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
-        e = layout.expert
+        e = candidate.expert
         # per MoE block: one all-to-all; the experts' parameters held, and as the profile splits them (1/t)
         exchange, expert_params, experts_at_t = 0.0, 0.0, 0.0
         if e > 1:  # at e = 1 no exchange: each rank's tokens stay with its own copy of every expert
-            exchange = all_to_all_time(self.routed_token_bytes(layout),
-                                       e, self.expert_links(t, p, layout.data, e, c, layout.expert_tensor)[0])
-        if e > 1 or layout.etp < t:  # experts held otherwise than the dense layers
-            expert_params = shape.expert_params_per_block / layout.etp / e
+            exchange = all_to_all_time(self.routed_token_bytes(candidate),
+                                       e, self.expert_links(t, p, candidate.data, e, c, candidate.expert_tensor)[0])
+        if e > 1 or candidate.etp < t:  # experts held otherwise than the dense layers
+            expert_params = shape.expert_params_per_block / candidate.etp / e
             experts_at_t = shape.expert_params_per_block / t
         message_split = t if self.training.scatter_gather else 1
         for s in range(stages):
@@ -332,11 +332,11 @@ class PlanCostModel:
             forward = timing.forward[layers].sum() / speed
             back = backward[layers].sum() / speed
             tp_forward = (2 * len(blocks) + (s == 0)) * allreduce
-            tp_backward = ((4 if layout.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
+            tp_backward = ((4 if candidate.recompute else 2) * len(blocks) + (s == stages - 1)) * allreduce
             ep_forward = 2 * moe_blocks * exchange  # dispatch and combine; backward both again, and the
-            ep_backward = (4 if layout.recompute else 2) * moe_blocks * exchange  # recomputed forward's
+            ep_backward = (4 if candidate.recompute else 2) * moe_blocks * exchange  # recomputed forward's
             message = sizes.output_bytes[blocks[-1]] / message_split
-            waits = exposed_transfers(layout.schedule, self.cluster.backend)
+            waits = exposed_transfers(candidate.schedule, self.cluster.backend)
             receive_forward, receive_backward = (
                 waits * _transfer(message, _boundary(boundary_links, placement, p, s, neighbour))
                 if 0 <= neighbour < stages else 0.0 for neighbour in (s - 1, s + 1))
@@ -364,51 +364,51 @@ class PlanCostModel:
             # head's own output embedding (under the V, a copy on the first rank summed there)
         return loads
 
-    def _data_parallel_times(self, layout: Layout, loads: "_RankLoads", m: int) -> np.ndarray:
+    def _data_parallel_times(self, candidate: Candidate, loads: "_RankLoads", m: int) -> np.ndarray:
         """Per rank, the data-parallel time the batch waits for: the gradient reduction (all-reduce, or
         reduce-scatter and weight all-gather when sharded, minus what overlap hides), optim_grads_params'
         gathers before every pass, and the tied embedding's sum."""
-        t, p, d, c = layout.tensor, layout.pipeline, layout.data, layout.context
+        t, p, d, c = candidate.tensor, candidate.pipeline, candidate.data, candidate.context
         _, data_link, _, embedding_link = self.links(t, p, d, c)
         grad_bytes, params = self.training.grad_bytes_per_param, loads.params
-        overlap = self.training.overlap and flushes(layout.schedule)
+        overlap = self.training.overlap and flushes(candidate.schedule)
         backend = self.cluster.backend
         # the dense parameters over the data-x-context group, the experts' over their expert-data group
         groups = [(params - loads.expert_params, d * c, data_link)]
-        if layout.expert > 1 or layout.etp < t:  # one after the other
-            groups.append((loads.expert_params, layout.expert_data,
-                           self.expert_links(t, p, d, layout.expert, c, layout.expert_tensor)[1]))
+        if candidate.expert > 1 or candidate.etp < t:  # one after the other
+            groups.append((loads.expert_params, candidate.expert_data,
+                           self.expert_links(t, p, d, candidate.expert, c, candidate.expert_tensor)[1]))
 
         def over_groups(collective: str, element_bytes: float) -> np.ndarray:
             return np.array([sum(collective_time(collective, counts[r] * element_bytes, members, link, backend)
                                  for counts, members, link in groups) for r in range(p)])
 
-        if layout.sharding == "no_shard":
+        if candidate.sharding == "no_shard":
             reduce, gather = over_groups("all_reduce", grad_bytes), np.zeros(p)
         else:
             reduce, gather = over_groups("reduce_scatter", grad_bytes), over_groups("all_gather", self.element_bytes)
         passes = 0.0
-        if layout.sharding == "optim_grads_params":  # gathers before every F and B, none after the step
+        if candidate.sharding == "optim_grads_params":  # gathers before every F and B, none after the step
             passes, gather = 2 * m * gather, np.zeros(p)
         if overlap:
             reduce = np.maximum(reduce - loads.backward, 0.0)  # behind the last microbatch's backward
             gather = np.maximum(gather - np.arange(p) * loads.forward, 0.0)  # behind the wait for the first input
         times = reduce + gather + passes
         tied = self.profile.output_weight_params
-        last = rank_of_stage(placement_of(layout.schedule), p, p * layout.virtual - 1)
-        if p * layout.virtual > 1 and tied and not unties_embeddings(layout.schedule, p) and last != 0:
+        last = rank_of_stage(placement_of(candidate.schedule), p, p * candidate.virtual - 1)
+        if p * candidate.virtual > 1 and tied and not unties_embeddings(candidate.schedule, p) and last != 0:
             for r in {0, p - 1}:
                 times[r] += collective_time("all_reduce", tied / t * grad_bytes, 2, embedding_link, backend)
         return times
 
-    def _memory(self, layout: Layout, loads: "_RankLoads", m: int,
+    def _memory(self, candidate: Candidate, loads: "_RankLoads", m: int,
                 search: Optional[Searched] = None) -> tuple[float, Optional[int]]:
         """Peak bytes over ranks, and the blocks per recomputation segment that minimise it."""
-        p, v = layout.pipeline, layout.virtual
-        weights = np.array([self._state_bytes(layout, loads.params[r], r, loads.expert_params[r]) for r in range(p)])
-        counts = np.array([float(search.in_flight[r] if search else in_flight(layout.schedule, p, m, v, r))
+        p, v = candidate.pipeline, candidate.virtual
+        weights = np.array([self._state_bytes(candidate, loads.params[r], r, loads.expert_params[r]) for r in range(p)])
+        counts = np.array([float(search.in_flight[r] if search else in_flight(candidate.schedule, p, m, v, r))
                            for r in range(p)])
-        if not layout.recompute:
+        if not candidate.recompute:
             return float((weights + counts * loads.stash).max()), None
         per_chunk = self.profile.shape.num_layers // (p * v)
 
@@ -419,95 +419,95 @@ class PlanCostModel:
         best = min((k for k in range(1, per_chunk + 1) if per_chunk % k == 0), key=peak)
         return peak(best), best
 
-    def _state_bytes(self, layout: Layout, params: float, rank: int, expert_params: float = 0.0) -> float:
-        """Weights (all versions), gradients and optimizer state of ``params`` parameters at the layout's sharding;
+    def _state_bytes(self, candidate: Candidate, params: float, rank: int, expert_params: float = 0.0) -> float:
+        """Weights (all versions), gradients and optimizer state of ``params`` parameters at the candidate's sharding;
         ``expert_params`` of them (this rank's 1/e of the experts) are sharded over the d / e expert-data ranks."""
-        d, grads = layout.data * layout.context, self.training.grad_bytes_per_param  # sharded over d x c
-        versions = weight_versions(layout.schedule, layout.pipeline, rank)
-        if layout.sharding == "no_shard":
+        d, grads = candidate.data * candidate.context, self.training.grad_bytes_per_param  # sharded over d x c
+        versions = weight_versions(candidate.schedule, candidate.pipeline, rank)
+        if candidate.sharding == "no_shard":
             return params * (self.element_bytes * versions + grads + self.optimizer_bytes)
-        shard = (params - expert_params) / d + expert_params / layout.expert_data
+        shard = (params - expert_params) / d + expert_params / candidate.expert_data
         weights = self.element_bytes * (versions * params + shard)
-        if layout.sharding == "optim_grads_params":
-            weights = self.element_bytes * (shard + params / layout.virtual)  # one chunk gathered for its pass
+        if candidate.sharding == "optim_grads_params":
+            weights = self.element_bytes * (shard + params / candidate.virtual)  # one chunk gathered for its pass
         return weights + grads * (params + shard) + self.optimizer_bytes * shard
 
-    def estimate(self, layout: Layout) -> Estimate:
-        t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.virtual
+    def estimate(self, candidate: Candidate) -> Estimate:
+        t, p, d, v = candidate.tensor, candidate.pipeline, candidate.data, candidate.virtual
         batch = self.training.global_batch_size
-        m = batch // (d * layout.micro_batch_size)
-        loads = self._rank_loads(layout)
+        m = batch // (d * candidate.micro_batch_size)
+        loads = self._rank_loads(candidate)
         steps = loads.params * self.profile.optimizer_step_s_per_param / self.cluster.compute_speed  # per batch
-        data = float(self._data_parallel_times(layout, loads, m).max())
-        search = self._simulated(layout, loads, m)
+        data = float(self._data_parallel_times(candidate, loads, m).max())
+        search = self._simulated(candidate, loads, m)
         if search is not None:
             batch_time = search.batch_time + data + float(steps.max())
-        elif flushes(layout.schedule):  # all-reduce and step after the flush
-            pipe = pipeline_time(layout.schedule, loads.forward, loads.backward, m, v)
+        elif flushes(candidate.schedule):  # all-reduce and step after the flush
+            pipe = pipeline_time(candidate.schedule, loads.forward, loads.backward, m, v)
             batch_time = pipe + data + float(steps.max())
         else:  # each stage steps in its stream of backwards (2BW once per batch, PipeDream per microbatch, m = 1)
-            pipe = pipeline_time(layout.schedule, loads.forward, loads.backward + steps / m, m, v)
+            pipe = pipeline_time(candidate.schedule, loads.forward, loads.backward + steps / m, m, v)
             batch_time = max(pipe, data)
-        batch_time = max(batch_time, m * self._busiest_link(layout, loads))
+        batch_time = max(batch_time, m * self._busiest_link(candidate, loads))
         if self.cluster.shared_cores is not None:  # processes on fewer cores: idle ranks lend theirs
-            work = t * layout.context * d * float(m * loads.compute.sum() + steps.sum())
+            work = t * candidate.context * d * float(m * loads.compute.sum() + steps.sum())
             batch_time = max(batch_time, work / self.cluster.shared_cores)
-        memory, recompute_layers = self._memory(layout, loads, m, search)
+        memory, recompute_layers = self._memory(candidate, loads, m, search)
         slowest = int(np.argmax(loads.forward + loads.backward))
-        exposed = search.exposed_expert_comm[slowest] if layout.overlap_moe_comm else m * float(loads.expert[slowest])
+        exposed = search.exposed_expert_comm[slowest] if candidate.overlap_moe_comm else m * float(loads.expert[slowest])
         samples = batch / batch_time
-        flops = model_flops_per_sample(self.profile, layout.recompute) * samples / (t * layout.context * p * d)
-        return Estimate(layout, m, batch_time, samples, memory, float(bubble_fraction(layout.schedule, p, m, v)),
+        flops = model_flops_per_sample(self.profile, candidate.recompute) * samples / (t * candidate.context * p * d)
+        return Estimate(candidate, m, batch_time, samples, memory, float(bubble_fraction(candidate.schedule, p, m, v)),
                         recompute_layers, m * float(loads.compute[slowest]), m * float(loads.tensor[slowest]),
-                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(layout, loads),
+                        m * float(loads.pipe[slowest]), data, float(steps.max()), flops, self.traffic(candidate, loads),
                         (tuple(map(float, loads.forward)), tuple(map(float, loads.backward))),
                         (tuple(map(float, loads.stage_forward)), tuple(map(float, loads.stage_backward))),
                         exposed, m * float(loads.context[slowest]), m * float(loads.expert[slowest]))
 
-    def _simulated(self, layout: Layout, loads: "_RankLoads", m: int) -> Optional[Searched]:
-        """What the simulator predicts for a layout without closed forms: the searched schedule's, or the
+    def _simulated(self, candidate: Candidate, loads: "_RankLoads", m: int) -> Optional[Searched]:
+        """What the simulator predicts for a candidate without closed forms: the searched schedule's, or the
         overlapped pairs' (whose passes, never recomputed, each run half a rank's all-to-alls); else None."""
-        if layout.schedule == SEARCHED:
-            return searched(loads.forward, loads.backward, m, layout.virtual)
-        if layout.overlap_moe_comm:
-            return overlapped_time(layout.schedule, layout.pipeline, loads.stage_forward, loads.stage_backward,
-                                   loads.stage_expert, loads.stage_moe_layers, m, layout.virtual)
+        if candidate.schedule == SEARCHED:
+            return searched(loads.forward, loads.backward, m, candidate.virtual)
+        if candidate.overlap_moe_comm:
+            return overlapped_time(candidate.schedule, candidate.pipeline, loads.stage_forward, loads.stage_backward,
+                                   loads.stage_expert, loads.stage_moe_layers, m, candidate.virtual)
         return None
 
-    def routed_token_bytes(self, layout: Layout) -> float:
+    def routed_token_bytes(self, candidate: Candidate) -> float:
         """What one rank dispatches in one all-to-all, b s k h element bytes on a context rank: at etp below t
         each of the t / etp shares of the tensor group dispatches its t / etp-th of the tokens."""
         shape = self.profile.shape
-        tokens = layout.micro_batch_size * shape.seq_length / layout.context * layout.etp / layout.tensor
+        tokens = candidate.micro_batch_size * shape.seq_length / candidate.context * candidate.etp / candidate.tensor
         return tokens * shape.moe_router_topk * shape.hidden_size * self.element_bytes
 
-    def _busiest_link(self, layout: Layout, loads: "_RankLoads") -> float:
+    def _busiest_link(self, candidate: Candidate, loads: "_RankLoads") -> float:
         """Seconds per microbatch that the busiest pipeline link takes, in one direction, to carry what all
         data-parallel replicas and tensor ranks send across it (full duplex: the other direction is as busy)."""
-        uplinks = self.boundary_uplinks(layout.tensor, layout.pipeline, layout.data, layout.context)
+        uplinks = self.boundary_uplinks(candidate.tensor, candidate.pipeline, candidate.data, candidate.context)
         return max((loads.link_bytes[r] / link.bandwidth + loads.link_messages[r] * link.latency
                     for r, link in enumerate(uplinks)), default=0.0)
 
-    def traffic(self, layout: Layout, loads: Optional["_RankLoads"] = None) -> Traffic:
-        """Payload bytes per batch that ``layout`` sends between the cluster's nodes."""
-        loads = loads or self._rank_loads(layout)
-        shape, t, p, v = self.profile.shape, layout.tensor, layout.pipeline, layout.virtual
-        b = layout.micro_batch_size
-        placement = placement_of(layout.schedule)
-        tied = 0.0 if unties_embeddings(layout.schedule, p) else self.profile.output_weight_params / t
+    def traffic(self, candidate: Candidate, loads: Optional["_RankLoads"] = None) -> Traffic:
+        """Payload bytes per batch that ``candidate`` sends between the cluster's nodes."""
+        loads = loads or self._rank_loads(candidate)
+        shape, t, p, v = self.profile.shape, candidate.tensor, candidate.pipeline, candidate.virtual
+        b = candidate.micro_batch_size
+        placement = placement_of(candidate.schedule)
+        tied = 0.0 if unties_embeddings(candidate.schedule, p) else self.profile.output_weight_params / t
         blocks = [sum(len([l for l in stage_layers(shape.num_layers, p * v, s) if 1 <= l <= shape.num_layers])
                       for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
         moe_blocks = [sum(loads.stage_moe_layers[s] for s in stages_of_rank(placement, p, v, r)) for r in range(p)]
-        c, tokens = layout.context, b * shape.seq_length / layout.context  # per context rank
-        inputs = TrafficInputs(t, p, layout.data, v, self.training.global_batch_size // (layout.data * b),
+        c, tokens = candidate.context, b * shape.seq_length / candidate.context  # per context rank
+        inputs = TrafficInputs(t, p, candidate.data, v, self.training.global_batch_size // (candidate.data * b),
                                tokens * shape.hidden_size * self.element_bytes, list(loads.params),
-                               tied, self.element_bytes, self.training.grad_bytes_per_param, layout.sharding,
-                               self.training.scatter_gather, layout.recompute, blocks_per_rank=blocks,
+                               tied, self.element_bytes, self.training.grad_bytes_per_param, candidate.sharding,
+                               self.training.scatter_gather, candidate.recompute, blocks_per_rank=blocks,
                                logit_values=tokens, placement=placement, context=c,
-                               context_exchanges=exchanges(layout.cp_comm_type, c, tokens, shape.hidden_size / t,
+                               context_exchanges=exchanges(candidate.cp_comm_type, c, tokens, shape.hidden_size / t,
                                                            self.element_bytes),
-                               expert=layout.expert, expert_tensor=layout.expert_tensor, moe_blocks_per_rank=moe_blocks,
-                               rank_expert_params=list(loads.expert_params), routed_token_bytes=self.routed_token_bytes(layout))
+                               expert=candidate.expert, expert_tensor=candidate.expert_tensor, moe_blocks_per_rank=moe_blocks,
+                               rank_expert_params=list(loads.expert_params), routed_token_bytes=self.routed_token_bytes(candidate))
         return cross_node_traffic(inputs, self.cluster.node_of, self.cluster.backend)
 
 

@@ -79,64 +79,64 @@ def _script(shape: ModelShape) -> str:
 
 def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int,
                      overlap: bool = False) -> str:
-    """The training command of ``estimate``'s layout; ``overlap``: it was planned with overlapped reductions."""
-    layout = estimate.layout
-    untie = unties_embeddings(layout.schedule, layout.pipeline)
+    """The training command of ``estimate``'s candidate; ``overlap``: it was planned with overlapped reductions."""
+    candidate = estimate.candidate
+    untie = unties_embeddings(candidate.schedule, candidate.pipeline)
     words = torchrun_prefix(cluster) + [_script(shape)] + model_flags(shape, untie) + [
-        "--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline),
-        "--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(global_batch_size),
-        "--pipeline-schedule", layout.schedule, "--data-parallel-sharding-strategy", layout.sharding]
-    if layout.expert > 1:
-        words += ["--expert-model-parallel-size", str(layout.expert)]
-    if layout.expert_tensor is not None:
-        words += ["--expert-tensor-parallel-size", str(layout.expert_tensor)]
-    if layout.overlap_moe_comm:
+        "--tensor-model-parallel-size", str(candidate.tensor), "--pipeline-model-parallel-size", str(candidate.pipeline),
+        "--micro-batch-size", str(candidate.micro_batch_size), "--global-batch-size", str(global_batch_size),
+        "--pipeline-schedule", candidate.schedule, "--data-parallel-sharding-strategy", candidate.sharding]
+    if candidate.expert > 1:
+        words += ["--expert-model-parallel-size", str(candidate.expert)]
+    if candidate.expert_tensor is not None:
+        words += ["--expert-tensor-parallel-size", str(candidate.expert_tensor)]
+    if candidate.overlap_moe_comm:
         words += ["--overlap-moe-expert-parallel-comm"]
-    if layout.context > 1:  # attention dropout cannot be split over key blocks
-        words += ["--context-parallel-size", str(layout.context), "--cp-comm-type", layout.cp_comm_type,
+    if candidate.context > 1:  # attention dropout cannot be split over key blocks
+        words += ["--context-parallel-size", str(candidate.context), "--cp-comm-type", candidate.cp_comm_type,
                   "--attention-dropout", "0"]
-    if layout.virtual > 1:
-        words += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual))]
-    if layout.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
+    if candidate.virtual > 1:
+        words += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage(shape.num_layers, candidate.pipeline * candidate.virtual))]
+    if candidate.schedule == SEARCHED:  # the search on the training side, for the times the plan predicted
         forward, backward = estimate.rank_times
         halves = _seconds([b / 2 for b in backward])
         words += ["--schedule-forward-time", _seconds(forward), "--schedule-input-backward-time", halves,
                   "--schedule-weight-backward-time", halves]
-    if layout.recompute:
+    if candidate.recompute:
         words += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", str(estimate.recompute_layers)]
     if overlap:
-        words += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if layout.sharding != "no_shard" else [])
+        words += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if candidate.sharding != "no_shard" else [])
     return _join(words)
 
 
 def uniform_stages(estimate: Estimate, shape: ModelShape) -> list[tuple[int, int, int]]:
-    layout = estimate.layout
-    plan = equal_split(shape.num_layers, layout.pipeline * layout.virtual, layout.data)
-    return [(start, end, layout.data) for start, end in plan.layer_ranges]
+    candidate = estimate.candidate
+    plan = equal_split(shape.num_layers, candidate.pipeline * candidate.virtual, candidate.data)
+    return [(start, end, candidate.data) for start, end in plan.layer_ranges]
 
 
 def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global_batch_size: int,
                  overlap: bool = False) -> dict:
-    layout = estimate.layout
+    candidate = estimate.candidate
     stages = uniform_stages(estimate, shape)
     listed = [{"layers": [a, b], "replicas": r} for a, b, r in stages]
     document = {
-        "schedule": layout.schedule,
-        "micro_batch_size": layout.micro_batch_size,
+        "schedule": candidate.schedule,
+        "micro_batch_size": candidate.micro_batch_size,
         "global_batch_size": global_batch_size,
-        "tensor_model_parallel_size": layout.tensor,
-        "pipeline_model_parallel_size": layout.pipeline,
-        "data_parallel_size": layout.data,
-        "data_parallel_sharding_strategy": layout.sharding,
-        "expert_model_parallel_size": layout.expert,
-        "expert_tensor_parallel_size": layout.etp,
-        "overlap_moe_expert_parallel_comm": layout.overlap_moe_comm,
-        "context_parallel_size": layout.context,
-        "cp_comm_type": layout.cp_comm_type,
+        "tensor_model_parallel_size": candidate.tensor,
+        "pipeline_model_parallel_size": candidate.pipeline,
+        "data_parallel_size": candidate.data,
+        "data_parallel_sharding_strategy": candidate.sharding,
+        "expert_model_parallel_size": candidate.expert,
+        "expert_tensor_parallel_size": candidate.etp,
+        "overlap_moe_expert_parallel_comm": candidate.overlap_moe_comm,
+        "context_parallel_size": candidate.context,
+        "cp_comm_type": candidate.cp_comm_type,
         "microbatches_per_pipeline": estimate.microbatches,
         "recompute": ({"granularity": "full", "method": "uniform", "num_layers": estimate.recompute_layers}
-                      if layout.recompute else None),
+                      if candidate.recompute else None),
         "predicted": {"samples_per_second": estimate.samples_per_second, "batch_time_s": estimate.batch_time,
                       "memory_bytes_per_device": estimate.memory, "bubble": estimate.bubble,
                       "model_flops_per_device": estimate.flops_per_gpu},
@@ -144,9 +144,9 @@ def uniform_plan(estimate: Estimate, shape: ModelShape, cluster: Cluster, global
         "cluster": cluster.to_dict(),
         "command": torchrun_command(estimate, shape, cluster, global_batch_size, overlap),
     }
-    if layout.virtual > 1:
-        document["model_chunks"] = [dict(chunk, rank=k % layout.pipeline) for k, chunk in enumerate(listed)]
-        document["num_layers_per_virtual_pipeline_stage"] = layers_per_stage(shape.num_layers, layout.pipeline * layout.virtual)
+    if candidate.virtual > 1:
+        document["model_chunks"] = [dict(chunk, rank=k % candidate.pipeline) for k, chunk in enumerate(listed)]
+        document["num_layers_per_virtual_pipeline_stage"] = layers_per_stage(shape.num_layers, candidate.pipeline * candidate.virtual)
     else:
         document["stages"] = listed
         document["pipeline_stages"] = pipeline_stages_flag(stages)

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from megapipe.errors import ConfigError
 from megapipe.planner.cluster import Cluster
-from megapipe.planner.cost_model import PlanCostModel, Estimate, Layout, Training
+from megapipe.planner.cost_model import PlanCostModel, Estimate, Candidate, Training
 from megapipe.planner.profile import ModelProfile, ModelShape
 from megapipe.config.sharding import SHARDING_STRATEGIES
 from megapipe.schedules.catalog import default_schedule
@@ -107,7 +107,7 @@ def context_allowed(shape: ModelShape, tensor: int, context: int, comm_type: str
         comm_type == "a2a" and (shape.num_attention_heads // tensor) % context)
 
 
-def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> Iterator[Layout]:
+def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> Iterator[Candidate]:
     batch = request.global_batch_size
     splits = [(t, c, p, d) for c in request.context_sizes for t, p, d in model_splits(shape, devices, c)
               if context_allowed(shape, t, c, request.cp_comm_type)]
@@ -130,23 +130,23 @@ def enumerate_layouts(shape: ModelShape, devices: int, request: PlanRequest) -> 
                         for recompute in request.recompute:
                             for sharding in _shardings(request, c * d, schedule):
                                 for e, etp in expert_sizes(shape, t, c * d):
-                                    layout = Layout(t, p, d, b, schedule, v, recompute, sharding, e, c,
+                                    candidate = Candidate(t, p, d, b, schedule, v, recompute, sharding, e, c,
                                                     request.cp_comm_type, expert_tensor=etp)
-                                    yield layout
+                                    yield candidate
                                     if e > 1 and not recompute and overlapped(schedule, p, m, v) is not None:
-                                        yield replace(layout, overlap_moe_comm=True)
+                                        yield replace(candidate, overlap_moe_comm=True)
 
 
-def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Layout]:
+def searched_layouts(estimates: list[Estimate], cluster: Cluster) -> list[Candidate]:
     """The searched schedule (``auto``) on the pipelined one-chunk layouts of the ``SEARCHED_LAYOUTS``
-    fastest fitting estimates: one search per layout costs about a second, too much for all of them,
-    and it is never slower than ZB-H1 on the same layout (a seed of the search within its memory)."""
+    fastest fitting estimates: one search per candidate costs about a second, too much for all of them,
+    and it is never slower than ZB-H1 on the same candidate (a seed of the search within its memory)."""
     layouts = []
     for e in sorted(estimates, key=lambda e: -e.samples_per_second):
-        layout = replace(e.layout, schedule=SEARCHED, overlap_moe_comm=False)
-        if (e.memory <= cluster.usable_memory and layout.pipeline > 1 and layout.virtual == 1
-                and microbatch_problem(SEARCHED, layout.pipeline, e.microbatches, 1) is None and layout not in layouts):
-            layouts.append(layout)
+        candidate = replace(e.candidate, schedule=SEARCHED, overlap_moe_comm=False)
+        if (e.memory <= cluster.usable_memory and candidate.pipeline > 1 and candidate.virtual == 1
+                and microbatch_problem(SEARCHED, candidate.pipeline, e.microbatches, 1) is None and candidate not in layouts):
+            layouts.append(candidate)
         if len(layouts) == SEARCHED_LAYOUTS:
             break
     return layouts
@@ -178,12 +178,12 @@ def _no_layout_error(shape: ModelShape, devices: int, request: PlanRequest) -> C
 
 def smallest_first(e: Estimate) -> tuple[float, float, str]:
     """Order of the layouts a memory error may name: least memory, then fastest, then by name (deterministic)."""
-    return e.memory, -e.samples_per_second, e.layout.describe()
+    return e.memory, -e.samples_per_second, e.candidate.describe()
 
 
 def _memory_error(smallest: Estimate, cluster: Cluster) -> ConfigError:
     return ConfigError(f"no configuration fits in {human_bytes(cluster.usable_memory)} per device: the smallest "
-                       f"needs {human_bytes(smallest.memory)} at {smallest.layout.describe()}; add devices or "
+                       f"needs {human_bytes(smallest.memory)} at {smallest.candidate.describe()}; add devices or "
                        "memory, or lower the micro-batch size.")
 
 
@@ -209,7 +209,7 @@ def plan(profile: ModelProfile, cluster: Cluster, request: PlanRequest) -> PlanR
 
     best_by_data_pipeline: dict = {}
     for e in fitting:
-        key = (e.layout.data, e.layout.pipeline)
+        key = (e.candidate.data, e.candidate.pipeline)
         if key not in best_by_data_pipeline or order(e) < order(best_by_data_pipeline[key]):
             best_by_data_pipeline[key] = e
     ranked = sorted(fitting, key=order)

@@ -15,7 +15,7 @@ from megapipe.planner.plan import PlanResult  # noqa: E402
 
 
 def plot_throughput(result: PlanResult, path: str | Path, title: str = "") -> None:
-    """Heat map of samples/s over (d, p), each cell the best fitting layout there (t = N / (d p))."""
+    """Heat map of samples/s over (d, p), each cell the best fitting candidate there (t = N / (d p))."""
     cells = result.best_by_data_pipeline
     ds = sorted({d for d, _ in cells})
     ps = sorted({p for _, p in cells})
@@ -26,11 +26,11 @@ def plot_throughput(result: PlanResult, path: str | Path, title: str = "") -> No
     image = axes.imshow(np.ma.masked_invalid(grid), cmap="viridis", origin="lower", aspect="auto")
     brightest = np.nanmax(grid)
     for (d, p), estimate in cells.items():
-        layout = estimate.layout
-        label = f"{estimate.samples_per_second:.3g}\nt={layout.tensor} b={layout.micro_batch_size}\n{layout.schedule}"
+        candidate = estimate.candidate
+        label = f"{estimate.samples_per_second:.3g}\nt={candidate.tensor} b={candidate.micro_batch_size}\n{candidate.schedule}"
         color = "black" if estimate.samples_per_second > 0.6 * brightest else "white"
         axes.text(ds.index(d), ps.index(p), label, ha="center", va="center", fontsize=7, color=color)
-    best = result.best.layout
+    best = result.best.candidate
     axes.add_patch(plt.Rectangle((ds.index(best.data) - 0.5, ps.index(best.pipeline) - 0.5), 1, 1, fill=False,
                                  edgecolor="red", linewidth=2))
     axes.set_xticks(range(len(ds)), [str(d) for d in ds])

@@ -63,17 +63,17 @@ def best_layout(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float):
 
 
 def layout_command(spec: JobSpec, hosts: tuple[HostSlots, ...], speed: float) -> list[str]:
-    """The submitted command with the planner's layout for ``hosts``; the submitted layout if none fits."""
+    """The submitted command with the planner's candidate for ``hosts``; the submitted candidate if none fits."""
     try:
-        layout = best_layout(spec, hosts, speed).layout
+        candidate = best_layout(spec, hosts, speed).candidate
     except ConfigError:
         return list(spec.command)
     flags = _without(spec.command[1:], LAYOUT_FLAGS)
-    flags += ["--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size",
-              str(layout.pipeline), "--pipeline-schedule", layout.schedule]
-    if layout.virtual > 1:
+    flags += ["--tensor-model-parallel-size", str(candidate.tensor), "--pipeline-model-parallel-size",
+              str(candidate.pipeline), "--pipeline-schedule", candidate.schedule]
+    if candidate.virtual > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage",
-                  str(layers_per_stage(spec.config.model.num_layers, layout.pipeline * layout.virtual))]
+                  str(layers_per_stage(spec.config.model.num_layers, candidate.pipeline * candidate.virtual))]
     return [spec.command[0]] + flags
 
 
