@@ -23,11 +23,12 @@ from megapipe.errors import ConfigError
 from megapipe.fusions.fp8_mode import check_fp8_flags
 from megapipe.layout.nodes import check_nodes
 from megapipe.layout.run_layout import run_layout
-from megapipe.layout.stage_plan import equal_split
 from megapipe.models.compiled_layers import check_compiled_layers
 from megapipe.models.families import family_of
 from megapipe.models.flops import check_device_peak
-from megapipe.schedules.catalog import build_schedule, check_schedule, overlapped_schedule, schedule_descriptor
+from megapipe.parallel.launch import default_device
+from megapipe.schedules.actions import Schedule
+from megapipe.schedules.catalog import build_schedule, overlapped_schedule, schedule_descriptor
 from megapipe.schedules.overlap import check_overlap_flags
 from megapipe.schedules.schedule_file import load_training_schedule
 
@@ -46,22 +47,18 @@ def resolve_run(kind: str, config: Config, world_size: int, ranks_per_node: Opti
     layout = run_layout(world_size, par.tensor, par.pipeline, expert=par.expert, expert_tensor=par.expert_tensor,
                         context=par.context_parallel_size, comm_type=par.cp_comm_type,
                         hierarchical=par.hierarchical_context_parallel_sizes, plan=stage_plan)
-    if stage_plan is None:
+    if stage_plan is None:  # an equal split needs the layers to divide evenly over p x v stages
         model.validate(par.tensor, par.pipeline, par.virtual_pipeline, par.expert)
-        layer_ranges = equal_split(model.num_layers, par.pipeline * par.virtual_pipeline).layer_ranges
-        pipeline, data = par.pipeline, layout.data
-    else:
-        model.validate(par.tensor, expert_parallel=par.expert)  # stages need not hold equal numbers of layers
-        layer_ranges = stage_plan.layer_ranges
-        pipeline, data = layout.pipeline_size, layout.data_size
-    replicas = layout.stage_replicas
+    else:  # a plan's stages need not hold equal numbers of layers
+        model.validate(par.tensor, expert_parallel=par.expert)
+    pipeline, data, replicas = layout.pipeline_size, layout.data_size, layout.stage_replicas
     config.optimizer.validate()
     config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)
     _check_training_flags(kind, config)
     m = train.num_microbatches(data)
     check_search_flags(config, pipeline)
-    plan = RunPlan(kind, family_of(kind, model), config, layout, tuple(layer_ranges), m,
-                   _schedule(kind, config, pipeline, m, replicas), train.collective_timeout)
+    plan = RunPlan(kind, family_of(kind, model), config, layout, par.layer_ranges(model.num_layers), m,
+                   _schedule(kind, config, pipeline, m, replicas), train.collective_timeout, default_device())
     if par.pipeline_schedule == AUTO and par.schedule_search.profile is None:
         search = searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
         plan = dataclasses.replace(plan, schedule=search.schedule, search=search)
@@ -96,13 +93,15 @@ def _schedule(kind: str, config: Config, p: int, m: int, replicas: Optional[tupl
             check_profile(kind, config)  # searched once the tokenizer has given the vocabulary (``with_vocabulary``)
         config.optimizer.check_pipeline_schedule(AUTO, False)
         return AUTO
-    # m vs p rules, unknown names, replicas that only an asynchronous schedule can run
-    descriptor = check_schedule(par.pipeline_schedule, p, m, par.virtual_pipeline, replicas,
-                                par.pipedream_vertical_sync)
-    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, descriptor.asynchronous)
+    # built once, which checks m against p, the name, replicas that only an asynchronous schedule can run
+    lists = build_schedule(par.pipeline_schedule, p, m, par.virtual_pipeline, replicas=replicas,
+                           vertical_sync=par.pipedream_vertical_sync)
+    asynchronous = schedule_descriptor(par.pipeline_schedule).asynchronous
+    config.optimizer.check_pipeline_schedule(par.pipeline_schedule, asynchronous)
     if par.overlap_moe_expert_parallel_comm:
-        check_overlap_moe_comm(config, descriptor.asynchronous, p, m)
-    return par.pipeline_schedule
+        check_overlap_moe_comm(config, None if asynchronous else lists)
+    # an asynchronous schedule runs as a periodic program, which the engine builds from its name
+    return par.pipeline_schedule if asynchronous else lists
 
 
 def _check_training_flags(kind: str, config: Config) -> None:
@@ -140,24 +139,25 @@ def check_context(config: Config) -> None:
                           f"multiple of {2 * c * par.tensor}.")
 
 
-def check_overlap_moe_comm(config: Config, asynchronous: bool, pipeline: int, m: int) -> None:
+def check_overlap_moe_comm(config: Config, lists: Optional[Schedule]) -> None:
     """``--overlap-moe-expert-parallel-comm``: expert parallelism over all-to-alls, no recomputation (its
-    replay would draw random numbers beside the other pass), and a schedule with pairs it can overlap."""
+    replay would draw random numbers beside the other pass), and a flush schedule (``lists``; None: an
+    asynchronous one) with pairs it can overlap."""
     par = config.parallel
     check_overlap_flags(par.expert, config.model.moe_token_dispatcher_type)
     if config.model.recompute_granularity is not None:
         raise ConfigError(f"--overlap-moe-expert-parallel-comm cannot be combined with --recompute-granularity "
                           f"{config.model.recompute_granularity} yet; drop one of them.")
-    if asynchronous:
+    if lists is None:
         raise ConfigError(f"--overlap-moe-expert-parallel-comm needs a flush schedule's forward/backward pairs; "
                           f"--pipeline-schedule {par.pipeline_schedule} has none: use 1f1b or dualpipev.")
-    overlapped_schedule(build_schedule(par.pipeline_schedule, pipeline, m, par.virtual_pipeline))
+    overlapped_schedule(lists)
 
 
 def _check_asynchronous_training(plan: RunPlan) -> None:
     """What asynchronous schedules (weight updates without flushes) cannot run, as one-sentence errors."""
-    if not isinstance(plan.schedule, str) or plan.schedule == AUTO or not schedule_descriptor(plan.schedule).asynchronous:
-        return
+    if not isinstance(plan.schedule, str) or plan.schedule == AUTO:
+        return  # lists: a flush schedule's (named, from a file or searched)
     name, model, optimizer = plan.schedule, plan.config.model, plan.config.optimizer
     if len(plan.layer_ranges) > 1 and not model.untie_embeddings_and_output_weights:
         raise ConfigError(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the tied word "

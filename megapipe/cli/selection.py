@@ -90,22 +90,17 @@ def _search(p: int, m: int, v: int, costs: CostModel, limit: Fraction) -> Search
 
 
 def _profiled_times(kind: str, config: Config, p: int, v: int) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...]]:
-    from megapipe.planner.cost_model import stage_layers
+    from megapipe.planner.cost_model import profile_layers
     from megapipe.planner.profile import ModelProfile, ModelShape
 
     model, par = config.model, config.parallel
     profile = ModelProfile.load(par.schedule_search.profile, ModelShape.from_config(kind, model))
     costs = profile.costs(config.training.micro_batch_size / par.tensor)
     backward = costs.recompute_backward if model.recompute_granularity == "full" else costs.backward
-    plan, stages = par.stage_plan(), p * v
+    ranges = par.layer_ranges(model.num_layers)
     forward_times, backward_times = [], []
-    for stage in range(stages):
-        if plan is None:
-            layers = stage_layers(model.num_layers, stages, stage)
-        else:
-            start, end = plan.layer_ranges[stage]
-            layers = ([0] if stage == 0 else []) + list(range(start + 1, end + 1)) + (
-                [model.num_layers + 1] if stage == stages - 1 else [])
+    for stage in range(p * v):
+        layers = profile_layers(ranges, stage)
         forward_times.append(_exact(float(costs.forward[layers].sum())))
         backward_times.append(_exact(float(backward[layers].sum())))
     return tuple(forward_times), tuple(backward_times)

@@ -14,6 +14,8 @@ import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
+import torch
+
 from megapipe.config.schema import Config
 from megapipe.layout.placement import Placement
 from megapipe.layout.run_layout import Layout
@@ -29,9 +31,10 @@ if TYPE_CHECKING:
 class RunPlan:
     """One run: its model family, layout, stages, schedule, microbatches and collective timeout.
 
-    ``schedule`` is a registered name, a schedule file's lists, or what ``--pipeline-schedule auto`` found
-    (``search``); it is ``auto`` itself only until the vocabulary is known when the search prices a
-    profile (``megapipe.cli.resolve.with_vocabulary``)."""
+    ``schedule``: a flush schedule's lists, built once (named, read from a file, or what ``--pipeline-schedule
+    auto`` found: ``search``), or an asynchronous schedule's name, whose periodic program the engine builds;
+    ``auto`` itself only until the vocabulary is known when the search prices a profile
+    (``megapipe.cli.resolve.with_vocabulary``). ``device``: where this process computes."""
 
     kind: str
     family: "Family"
@@ -41,6 +44,7 @@ class RunPlan:
     microbatches: int
     schedule: Union[str, Schedule]
     timeout: datetime.timedelta
+    device: torch.device
     search: Optional[SearchResult] = None
 
     @property

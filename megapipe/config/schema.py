@@ -24,7 +24,7 @@ from megapipe.config.flag import flag
 from megapipe.config.moe import LayerFreq, layer_freq, moe_layer_pattern, validate_moe
 from megapipe.config.optimizer import OptimizerConfig
 from megapipe.layout.context_comm import COMM_TYPES, check_comm_type
-from megapipe.layout.stage_plan import StagePlan, read_stage_plan
+from megapipe.layout.stage_plan import StagePlan, equal_split, read_stage_plan
 from megapipe.schedules.catalog import (default_schedule, names_where, pipeline_schedule_help, schedule_descriptor,
                                          schedule_names)
 
@@ -350,6 +350,11 @@ class ParallelConfig:
     def stage_plan(self) -> Optional["StagePlan"]:
         """The plan ``pipeline_stages`` names, or None."""
         return None if self.pipeline_stages is None else read_stage_plan(self.pipeline_stages)
+
+    def layer_ranges(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """Every (virtual) stage's layers, in stage order: the plan's, or an equal split over p x v stages."""
+        plan = self.stage_plan() or equal_split(num_layers, self.pipeline * self.virtual_pipeline)
+        return tuple(plan.layer_ranges)
 
 
 @dataclass

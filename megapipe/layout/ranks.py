@@ -77,6 +77,16 @@ class RankLayout:
         return ExpertFold.checked(self.expert, self.expert_tensor or self.tensor, self.tensor, self.data, self.context)
 
     @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline group (the name ``PlanLayout`` answers too)."""
+        return self.pipeline
+
+    @property
+    def data_size(self) -> int:
+        """Slices a global batch is cut into: one per parallel pipeline."""
+        return self.data
+
+    @property
     def stage_replicas(self) -> None:
         """Every stage has ``data`` replicas in parallel pipelines (a stage plan's ``PlanLayout`` may say otherwise)."""
         return None

@@ -233,10 +233,17 @@ def _transfer(nbytes: float, link: Optional[Link]) -> float:
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
-    """Profile layer indices of virtual stage ``stage``: its blocks, the embedding first, the head last."""
-    start, end = equal_split(num_layers, num_stages).layer_ranges[stage]
-    layers = list(range(1 + start, 1 + end))
-    return ([0] if stage == 0 else []) + layers + ([num_layers + 1] if stage == num_stages - 1 else [])
+    """Profile layer indices of virtual stage ``stage`` of an equal split (``profile_layers``)."""
+    return profile_layers(equal_split(num_layers, num_stages).layer_ranges, stage)
+
+
+def profile_layers(layer_ranges, stage: int) -> list[int]:
+    """Profile layer indices of stage ``stage`` when stage s holds blocks ``layer_ranges[s]``: its blocks, the
+    embedding (index 0) on the first stage, the head (one past the last block) on the last."""
+    start, end = layer_ranges[stage]
+    num_layers = layer_ranges[-1][1]
+    return ([0] if stage == 0 else []) + list(range(1 + start, 1 + end)) + (
+        [num_layers + 1] if stage == len(layer_ranges) - 1 else [])
 
 
 def model_flops_per_sample(profile: ModelProfile, recompute: bool) -> float:

@@ -57,7 +57,7 @@ class Trainer:
         self.kind = kind
         self.exit_conditions = ExitConditions(config, notice=notice)  # --exit-duration-in-mins counts from here
         self.timeout = timeout = plan.timeout  # of every collective, side groups' too
-        self.device = init_distributed(timeout)
+        self.device = init_distributed(timeout, plan.device)
         select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.lease.client import ClusterLease

@@ -177,14 +177,6 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, batches: Optional[i
     return build_segmented(name, p, m, v, batches or UNROLLED_BATCHES, replicas, vertical_sync).schedule
 
 
-def check_schedule(name: str, p: int, m: int, v: int, replicas: Optional[tuple[int, ...]] = None,
-                   vertical_sync: bool = False) -> ScheduleDescriptor:
-    """The command line's check of a named schedule: one sentence for an unknown name, sizes it does not
-    run or options it does not take (by building it); returns its descriptor."""
-    build_schedule(name, p, m, v, replicas=replicas, vertical_sync=vertical_sync)
-    return schedule_descriptor(name)
-
-
 def build_segmented(name: str, p: int, m: int, v: int, batches: int, replicas: Optional[tuple[int, ...]] = None,
                     vertical_sync: bool = False) -> SegmentedSchedule:
     """An asynchronous schedule over ``batches`` batches, lowered, validated and cut into segments."""
