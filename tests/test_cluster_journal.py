@@ -72,8 +72,8 @@ def test_an_allocation_gets_the_planners_layout_and_keeps_every_other_flag():
                      + SMALL)
     for hosts in [(HostSlots("a", "fast", 2),), (HostSlots("a", "slow", 1), HostSlots("b", "slow", 1))]:
         command = layout_command(spec, hosts, speed=0.5)
-        layout = best_layout(spec, hosts, speed=0.5).layout
-        assert layout_key(command, 2) == (layout.tensor, layout.pipeline, layout.data, layout.schedule, 4)
+        candidate = best_layout(spec, hosts, speed=0.5).candidate
+        assert layout_key(command, 2) == (candidate.tensor, candidate.pipeline, candidate.data, candidate.schedule, 4)
         assert command[command.index("--seed") + 1] == "5" and command[command.index("--train-iters") + 1] == "7"
         assert parse_job(command).target_iters == 7
     # 3 layers, 3 heads of an odd width, one microbatch: no t, p or d of 2 exists, the submitted layout stays

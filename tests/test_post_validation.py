@@ -117,7 +117,7 @@ def lagged_exit_reasons(rank):
     no_limits = SimpleNamespace(training=SimpleNamespace(exit_interval=None, exit_duration_in_mins=None,
                                                          exit_on_sigterm=True, cluster_lease=None,
                                                          exit_signal_grace_seconds=None,
-                                                         distributed_timeout_minutes=1))
+                                                         collective_timeout=datetime.timedelta(minutes=1)))
     conditions = ExitConditions(no_limits)
     reasons = []
     for iteration in (1, 2, 3):
