@@ -77,7 +77,8 @@ def with_vocabulary(plan: RunPlan, vocab_size: int) -> RunPlan:
 
 
 def _schedule(kind: str, config: Config, p: int, m: int, replicas: Optional[tuple[int, ...]]):
-    """The run's schedule as far as the flags give it: a file's lists, a checked name, or ``auto``."""
+    """The run's schedule as far as the flags give it: a flush schedule's lists (a file's, or a named one built),
+    an asynchronous schedule's checked name, or ``auto``."""
     par = config.parallel
     if par.schedule_file is not None:
         schedule = load_training_schedule(par.schedule_file, p, m, par.virtual_pipeline)  # a flush schedule
