@@ -11,6 +11,7 @@ the JSON answer, http.server's own refusals as JSON too, and one log line per re
 
 from __future__ import annotations
 
+import abc
 import json
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
@@ -82,7 +83,7 @@ def json_object(data: bytes, example: str) -> dict:
     return value
 
 
-class JsonHandler(BaseHTTPRequestHandler):
+class JsonHandler(BaseHTTPRequestHandler, abc.ABC):
     """A handler that reads bounded JSON bodies and answers JSON; a service's handler subclasses it and
     sets its bounds, how its refusals name them, and its sentences for a malformed request."""
 
@@ -133,13 +134,13 @@ class JsonHandler(BaseHTTPRequestHandler):
             return self.refuse_method()
         self.send_json(code if code < 500 else 400, {"error": self.malformed(code, message)})
 
+    @abc.abstractmethod
     def refuse_method(self) -> None:
         """The answer to a method this service does not serve."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def malformed(self, code: int, message: Optional[str]) -> str:
         """The sentence for a request http.server could not parse (``code`` and ``message``: its own)."""
-        raise NotImplementedError
 
     def log_request(self, code="-", size="-"):
         reason = f" {self.refusal}" if self.refusal else ""
