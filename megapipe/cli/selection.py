@@ -7,7 +7,9 @@ from a profile written by ``tools/profile_model.py`` (``--schedule-profile``): t
 stage of this run's split (equal layers, or the ``--pipeline-stages`` plan) at its micro-batch
 size and tensor-parallel size, with full recomputation's backward when it recomputes. The
 profile times the whole backward; BI and BW get half of it each (the split backward defers the
-linear layers' weight-gradient products, about half its work), as the planner assumes. The
+linear layers' weight-gradient products, about half its work), as the planner assumes. With
+neither, each stage's costs are its model FLOPs (``flop_costs``): what a user who gives nothing
+gets, right wherever a device runs matrix products at one rate. The
 search (``schedules/analysis/schedule_search.py``) is deterministic, so every process finds the
 same lists without talking to the others.
 """
@@ -21,6 +23,8 @@ from typing import Optional
 
 from megapipe.config import Config
 from megapipe.errors import ConfigError
+from megapipe.layout.stage_plan import equal_split
+from megapipe.models.flops import head_forward_flops, layer_forward_flops
 from megapipe.schedules.analysis.schedule_search import MEMORY_FLAG, SearchResult, check_memory_limit, search_schedule
 from megapipe.schedules.analysis.simulate import CostModel
 from megapipe.schedules.catalog import SEARCHED
@@ -38,9 +42,6 @@ def check_search_flags(config: Config, p: int) -> None:
         return
     if par.schedule_file is not None:
         raise ConfigError("--schedule-file and --pipeline-schedule auto both choose the schedule; keep one.")
-    if search.profile is None and search.forward_time is None:
-        raise ConfigError("--pipeline-schedule auto needs the stage costs: give --schedule-profile PROFILE.json "
-                          "(tools/profile_model.py) or --schedule-forward-time (and the backward parts).")
     if search.profile is not None and search.forward_time is not None:
         raise ConfigError("--schedule-profile and --schedule-forward-time both give the stage costs; keep one.")
     for flag, times in (("--schedule-forward-time", search.forward_time),
@@ -69,6 +70,8 @@ def check_profile(kind: str, config: Config) -> None:
 def stage_costs(kind: str, config: Config, p: int, v: int) -> CostModel:
     """Per-rank F, BI and BW times of this run, split over its v chunks (module docstring)."""
     search = config.parallel.schedule_search
+    if search.profile is None and search.forward_time is None:
+        return flop_costs(config, p, v, _exact(search.latency))
     if search.profile is None:
         forward = search.forward_time
         return CostModel.per_rank(p, v, forward, search.input_backward_time or forward,
@@ -76,6 +79,30 @@ def stage_costs(kind: str, config: Config, p: int, v: int) -> CostModel:
     forward, backward = _profiled_times(kind, config, p, v)
     return CostModel(forward=forward, backward=backward, input_backward=tuple(b / 2 for b in backward),
                      weight_backward=tuple(b / 2 for b in backward), latency=_exact(search.latency))
+
+
+def flop_costs(config: Config, p: int, v: int, latency: Fraction) -> CostModel:
+    """Every stage's F, BI and BW of one microbatch in model GFLOPs (its layers, and the logit layer on the
+    last). A layer's weight-gradient products (BW) cost its forward less the attention scores and values,
+    which have no weights; BI computes the linears' input gradients (as many) and the attention's backward
+    (twice its forward): the forward plus the attention. The logit layer costs its forward in each."""
+    model, par = config.model, config.parallel
+    tokens = config.training.micro_batch_size * model.seq_length / par.tensor
+    attention = 4 * tokens * model.seq_length * model.hidden_size  # scores and values, no weights
+    forward, input_backward, weight_backward = [], [], []
+    ranges = par.layer_ranges(model.num_layers) if p * v == par.pipeline * par.virtual_pipeline \
+        else equal_split(model.num_layers, p * v).layer_ranges  # another v, compared with the run's
+    for stage, (first, last) in enumerate(ranges):
+        layers = range(first, last)
+        flops = sum(layer_forward_flops(tokens, model, layer) for layer in layers)
+        head = head_forward_flops(tokens, model.hidden_size, model.padded_vocab_size(par.tensor)) \
+            if stage == p * v - 1 else 0.0
+        forward.append(_exact((flops + head) / 1e9))
+        input_backward.append(_exact((flops + len(layers) * attention + head) / 1e9))
+        weight_backward.append(_exact((flops - len(layers) * attention + head) / 1e9))
+    return CostModel(forward=tuple(forward), input_backward=tuple(input_backward),
+                     weight_backward=tuple(weight_backward),
+                     backward=tuple(a + b for a, b in zip(input_backward, weight_backward)), latency=latency)
 
 
 def searched_schedule(kind: str, config: Config, p: int, m: int, v: int) -> SearchResult:

@@ -8,5 +8,5 @@ from __future__ import annotations
 from megapipe.schedules.catalog.descriptor import ScheduleDescriptor, Sizes, search_marker, zero_bubble_bubble
 
 DESCRIPTOR = ScheduleDescriptor(
-    "auto", None, "searched for the ranks' stage costs (--schedule-* flags or a profile)",
+    "auto", None, "searched for the ranks' stage costs (--schedule-* flags, a profile, or else the stages' FLOPs)",
     sizes=Sizes(most_chunks=None), split_backward=True, costs=search_marker(zero_bubble_bubble))
