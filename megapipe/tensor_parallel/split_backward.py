@@ -49,8 +49,10 @@ def apply_weight_gradients(deferred: Deferred) -> None:
     """Compute the recorded products: into the main gradients of the weights that take them, then tell
     each such weight's owner once; the others accumulated through autograd, which runs the weights' hooks."""
     weights, grads, targets = [], [], {}
+    deferred.reverse()
     with torch.no_grad():  # the recorded tensors belong to a graph; these products need none of their own
-        for weight, gradient in deferred:
+        while deferred:  # in recorded order, each product's operands freed once it is done, as B frees them
+            weight, gradient = deferred.pop()
             target = main_grad_target(weight)
             if target is None:
                 weights.append(weight)
@@ -58,7 +60,7 @@ def apply_weight_gradients(deferred: Deferred) -> None:
             else:
                 gradient.accumulate_into(target.open())
                 targets[id(target)] = target
-    deferred.clear()
+            del gradient
     for target in targets.values():
         target.close()
     if weights:
