@@ -7,12 +7,21 @@ service's limit before a byte is read, and a body that stops short is refused on
 socket timeout passes, so a client can neither make the service read without end nor hold it by
 sending nothing. ``JsonHandler`` is the plumbing both services' handlers share: the bounded body,
 the JSON answer, http.server's own refusals as JSON too, and one log line per request.
+
+A refused request may leave body bytes unread, still arriving. Closing a socket with unread bytes
+makes the kernel reset the connection, and a client still sending can then lose the answer it
+was about to read. So the connection closes in stages instead (RFC 9112, section 9.6): the answer
+is sent, the write side shut, what the client still sends read and dropped up to a bound
+(``drain_bytes``, within ``drain_seconds``), and only then the socket closed; every refused client
+reads its sentence.
 """
 
 from __future__ import annotations
 
 import abc
 import json
+import socket
+import time
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
@@ -94,6 +103,9 @@ class JsonHandler(BaseHTTPRequestHandler, abc.ABC):
     body_required = False  # a request without Content-Length is refused (411) rather than read as empty
     logs_requests = True  # one line per request on stdout, a refusal with its reason
     refusal = None  # the reason of the answer being sent, for its log line
+    drain_bytes = 64 << 20  # at most this much of a refused body is read and dropped before closing
+    drain_seconds = 10.0  # for at most this long
+    body_left = False  # a refusal left body bytes unread: close in stages (``finish``)
 
     def read_json_body(self) -> bytes:
         """The request's body: at most ``max_body_bytes``, all of its Content-Length, within ``timeout``."""
@@ -102,6 +114,7 @@ class JsonHandler(BaseHTTPRequestHandler, abc.ABC):
             return read_body(self.rfile, length, self.waited_text)
         except Refusal:
             self.close_connection = True  # what is left of the body would be read as the next request
+            self.body_left = True
             raise
 
     def send_json(self, status: int, payload: dict, headers: tuple = ()) -> None:
@@ -129,10 +142,34 @@ class JsonHandler(BaseHTTPRequestHandler, abc.ABC):
         """http.server's own refusals in JSON: a method without a ``do_`` method (501) is the service's
         ``refuse_method``; a malformed request line or header, or an HTTP version of 2 and above (505),
         is the client's fault: 400 with the service's ``malformed`` sentence."""
-        self.close_connection = True
+        self.close_connection = self.body_left = True
         if code == 501:
             return self.refuse_method()
         self.send_json(code if code < 500 else 400, {"error": self.malformed(code, message)})
+
+    def finish(self):
+        if self.body_left:
+            self._drain()
+        super().finish()
+
+    def _drain(self) -> None:
+        """After a refusal's answer: shut the write side, then read and drop what the client still sends
+        until it closes, ``drain_bytes`` are dropped or ``drain_seconds`` pass (module docstring)."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline, left = time.monotonic() + self.drain_seconds, self.drain_bytes
+            while left > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.connection.settimeout(remaining)
+                dropped = self.rfile.read1(min(left, 1 << 16))
+                if not dropped:
+                    return
+                left -= len(dropped)
+        except OSError:  # the client reset or stopped sending: nothing more to wait for
+            return
 
     @abc.abstractmethod
     def refuse_method(self) -> None:

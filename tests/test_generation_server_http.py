@@ -26,7 +26,7 @@ class Connection:
     """One client's bytes as the handler reads them, and what it writes back."""
 
     def __init__(self, request: bytes):
-        self.request, self.sent = request, b""
+        self.request, self.sent, self.shut = request, b"", None
 
     def makefile(self, mode, *args, **kwargs):
         return io.BytesIO(self.request)
@@ -36,6 +36,9 @@ class Connection:
 
     def sendall(self, data):
         self.sent += data
+
+    def shutdown(self, how):
+        self.shut = how
 
 
 LIMITS = ServerLimits(max_request_bytes=200, max_prompts=2, max_prompt_tokens=8, max_tokens_to_generate=5,
