@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.parallel.host_memory import keep_freed_host_memory
 
 logger = logging.getLogger("megapipe")
 
@@ -69,11 +70,14 @@ def init_distributed(timeout: datetime.timedelta | None = None, device: torch.de
     NCCL communicator is created at once for this process's device (``device_id``), and every
     later NCCL group is split from it instead of being created lazily at its first collective.
     Gloo's interface is chosen whatever the default backend: NCCL runs have gloo side groups too
-    (lagged agreements, asynchronous saves).
+    (lagged agreements, asynchronous saves). On the CPU the C library's heap is asked to keep freed
+    memory for the next pass (``host_memory.py``).
     """
     device, timeout = device or default_device(), timeout or default_timeout()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if device.type == "cpu":  # passes reuse freed memory instead of faulting it back in (``host_memory.py``)
+        keep_freed_host_memory()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
