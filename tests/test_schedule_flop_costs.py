@@ -8,6 +8,7 @@ import functools
 import pytest
 
 from megapipe.cli.parse import parse_run
+from megapipe.cli.resolve import with_vocabulary
 from megapipe.cli.selection import flop_costs, stage_costs
 from megapipe.models.flops import head_forward_flops, layer_forward_flops
 from megapipe.schedules.actions import ActionKind
@@ -22,8 +23,16 @@ FLAGS = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "
 
 
 def plan(p: int, v: int = 1):
+    """The run's plan once the tokenizer gave its vocabulary (the mock data's ids and its end-of-document id),
+    which the last stage's costs need: the search runs then."""
     chunks = [] if v == 1 else ["--num-layers-per-virtual-pipeline-stage", str(8 // (p * v))]
-    return parse_run("gpt", FLAGS + ["--pipeline-model-parallel-size", str(p), *chunks], world_size=p)
+    return with_vocabulary(parse_run("gpt", FLAGS + ["--pipeline-model-parallel-size", str(p), *chunks],
+                                     world_size=p), 1001)
+
+
+def test_the_search_waits_for_the_vocabulary():
+    run = parse_run("gpt", FLAGS + ["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert run.search is None and run.schedule == "auto"
 
 
 def test_each_stage_costs_its_layers_and_the_last_its_head_too():

@@ -59,7 +59,7 @@ def resolve_run(kind: str, config: Config, world_size: int, ranks_per_node: Opti
     check_search_flags(config, pipeline)
     plan = RunPlan(kind, family_of(kind, model), config, layout, par.layer_ranges(model.num_layers), m,
                    _schedule(kind, config, pipeline, m, replicas), train.collective_timeout, default_device())
-    if par.pipeline_schedule == AUTO and par.schedule_search.profile is None:
+    if par.pipeline_schedule == AUTO and par.schedule_search.forward_time is not None:  # given times: search now
         search = searched_schedule(kind, config, pipeline, m, par.virtual_pipeline)
         plan = dataclasses.replace(plan, schedule=search.schedule, search=search)
     _check_asynchronous_training(plan)
@@ -67,7 +67,8 @@ def resolve_run(kind: str, config: Config, world_size: int, ranks_per_node: Opti
 
 
 def with_vocabulary(plan: RunPlan, vocab_size: int) -> RunPlan:
-    """``plan`` for the tokenizer's ``vocab_size``; ``--pipeline-schedule auto`` with a profile searched now."""
+    """``plan`` for the tokenizer's ``vocab_size``; ``--pipeline-schedule auto`` priced by a profile or by the
+    stages' FLOPs (the logit layer's among them) searched now."""
     plan = plan.with_vocabulary(vocab_size)
     if plan.schedule != AUTO:
         return plan
@@ -117,6 +118,11 @@ def _check_training_flags(kind: str, config: Config) -> None:
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    watchdog, timeout = train.hang_watchdog_seconds, train.collective_timeout.total_seconds()
+    if watchdog is not None and (watchdog < 0 or watchdog >= timeout):
+        raise ConfigError(f"--hang-watchdog-seconds {watchdog:g} must be below --distributed-timeout-minutes "
+                          f"({timeout:g} s), so that it reports before the collectives fail, and not negative "
+                          "(0 turns it off).")
     check_device_peak(train.device_peak_tflops)
     check_fp8_flags(train.fp8_format, config.optimizer.bf16, config.model.num_experts)
     check_compiled_layers(train.fusion_backend, config.model.num_experts)

@@ -447,6 +447,12 @@ class TrainingConfig:
         "with --fp8-format: one scale per tensor, or one per row of the input and per output row of the weight"))
     # operations (megapipe/training/exits.py)
     distributed_timeout_minutes: float = flag(COLLECTIVE_TIMEOUT.total_seconds() / 60, help="how long a collective waits for a peer before failing")
+    hang_watchdog_seconds: Optional[float] = flag(None, help=(
+        "a rank that waits this long in one collective or for one pipeline message writes where every rank is "
+        "to --hang-report and exits (status 3) with one sentence naming the collective and the rank it waits "
+        "for; default half of --distributed-timeout-minutes, 0 turns the watchdog off"))
+    hang_report: str = flag("hang_report.json", metavar="PATH", help=(
+        "where the hang watchdog writes every rank's state: its collective, group, pipeline action and stack"))
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
     exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
                                                              "this long")
@@ -471,6 +477,13 @@ class TrainingConfig:
     def __post_init__(self):
         if self.log_interval is None:  # a few lines in any run: 4 iterations log each, long runs every 100
             self.log_interval = min(100, max(1, self.train_iters // 10))
+
+    @property
+    def hang_watchdog(self) -> Optional[float]:
+        """Seconds a rank may wait in one collective before the hang watchdog reports; None when off."""
+        if self.hang_watchdog_seconds is None:
+            return self.collective_timeout.total_seconds() / 2
+        return self.hang_watchdog_seconds or None
 
     @property
     def collective_timeout(self) -> datetime.timedelta:

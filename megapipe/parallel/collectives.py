@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megapipe.parallel import progress
+
 
 def group_size(group) -> int:
     """Members of ``group``; ``None`` (what ``ParallelState.single()`` holds) counts as one."""
@@ -28,16 +30,27 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _tracked(name: str, run, group, async_op: bool):
+    """``run(async_op)``, noted in this rank's progress (``progress.py``): a blocking collective while it
+    runs, an asynchronous one as issued."""
+    if async_op:
+        progress.issued(group)
+        return run(True)
+    with progress.collective(name, group):
+        return run(False)
+
+
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """Sum ``input`` over ``group`` and keep this rank's slice (``output``: 1/size of it, along
     dimension 0); returns the work handle when ``async_op``."""
-    return _reduce_scatter(output, input, group=group, async_op=async_op)
+    return _tracked("reduce_scatter", lambda a: _reduce_scatter(output, input, group=group, async_op=a), group,
+                    async_op)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's ``input`` along dimension 0 into ``output``, in rank order;
     returns the work handle when ``async_op``."""
-    return _all_gather(output, input, group=group, async_op=async_op)
+    return _tracked("all_gather", lambda a: _all_gather(output, input, group=group, async_op=a), group, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group, size: Optional[int] = None, op=dist.ReduceOp.SUM,
@@ -46,7 +59,7 @@ def all_reduce(tensor: torch.Tensor, group, size: Optional[int] = None, op=dist.
     returns the work handle when ``async_op``."""
     if (group_size(group) if size is None else size) == 1:
         return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _tracked("all_reduce", lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), group, async_op)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group, group_size: int) -> None:
@@ -54,6 +67,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group, group_size: int) ->
     if group_size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    with progress.collective("all_reduce", group):
+        dist.all_reduce(flat, group=group)
     for tensor, reduced in zip(tensors, flat.split([t.numel() for t in tensors])):
         tensor.copy_(reduced.view_as(tensor))

@@ -61,6 +61,14 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def job_store(timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> dist.TCPStore:
+    """A connection of its own to the job's key-value store (the TCP store at MASTER_ADDR:MASTER_PORT that
+    torchrun's rendezvous serves): it answers while every communicator is stuck, and no other thread's
+    blocking wait holds it (``training/hang_watchdog.py``)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timeout)
+
+
 def init_distributed(timeout: datetime.timedelta | None = None, device: torch.device | None = None) -> torch.device:
     """Join the process group described by torchrun's environment (or a world of one).
 

@@ -33,6 +33,7 @@ from megapipe.layout.stage_plan import StagePlan
 from megapipe.layout.placement import Placement, stages_of_rank
 from megapipe.layout.placement import stage_of_worker
 from megapipe.parallel.context import ContextGroups
+from megapipe.parallel.progress import name_group
 from megapipe.parallel.random import RNGTracker, seed_parallel_rng
 
 # Process groups already created in this process, by (world group, role, ranks, timeout). Every
@@ -48,6 +49,7 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     key = (dist.group.WORLD, role, tuple(ranks), timeout)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
+        name_group(_GROUPS[key], f"the {role.replace('_', '-')} group (ranks {', '.join(map(str, ranks))})")
     return _GROUPS[key]
 
 

@@ -46,6 +46,7 @@ from megapipe.schedules.analysis.timeline import Timeline
 from megapipe.pipeline.weights import VersionUse, WeightVersionStore
 from megapipe.parallel.random import capture_rng, restore_rng
 from megapipe.config.schema import COLLECTIVE_TIMEOUT
+from megapipe.parallel import progress
 
 
 @dataclass
@@ -217,6 +218,7 @@ class PipelineExecutor:
             if i in pairs or actions[i].overlapped and self.overlap_pairs:  # a backward runs with its forward
                 i += 1
                 continue
+            progress.action(f"{actions[i]} of pipeline call {call}")
             self._wait_for_inputs(actions[i], state)
             start = self.clock.mark() if self.timeline is not None else None
             self._compute(actions[i], call, i, data, state)
@@ -235,6 +237,7 @@ class PipelineExecutor:
                   state: "_State") -> list:
         """Run the forward at ``forward`` and the overlapped backward at ``backward`` together; returns their
         timeline marks (the expert all-to-alls go to the timeline as phases of their actions)."""
+        progress.action(f"{actions[forward]} with {actions[backward]} of pipeline call {call}")
         for index in (forward, backward):
             self._wait_for_inputs(actions[index], state)
         marks = {}

@@ -38,6 +38,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.schedules.actions import Action
 from megapipe.schedules.transport import Transport
 from megapipe.tensor_parallel.mappings import _gather_first
+from megapipe.parallel import progress
 
 
 @dataclass
@@ -163,10 +164,11 @@ class StageP2P:
         if transfer.done:
             return
         action = transfer.action
-        for work in transfer.works:
-            wait_for_peer(work, self.transport, self.timeout, self.ps, f"{action}",
-                          f"global rank {self.ps.stage_rank(action.peer)} (pipeline stage {action.peer})",
-                          "--distributed-timeout-minutes")
+        peer = f"global rank {self.ps.stage_rank(action.peer)} (pipeline stage {action.peer})"
+        with progress.collective(f"{action} with {peer}", self.ps.pp_group, counted=False):
+            for work in transfer.works:
+                wait_for_peer(work, self.transport, self.timeout, self.ps, f"{action}", peer,
+                              "--distributed-timeout-minutes")
         transfer.done = True
 
     def received(self, transfer: Transfer) -> torch.Tensor:

@@ -34,6 +34,7 @@ from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks
 from megapipe.models.moe import moe_layer_stats
 from megapipe.training.exits import ExitConditions
+from megapipe.training.hang_watchdog import HangWatchdog
 from megapipe.training.sigterm import SigtermNotice
 from megapipe.checkpointing.paths import read_latest
 from megapipe.optim import LRScheduler
@@ -66,6 +67,8 @@ class Trainer:
         par, t = config.parallel, config.training
         self.ps = ParallelState.build(plan.layout, plan.virtual_pipeline, timeout=timeout, placement=plan.placement,
                                       cp_comm_type=par.cp_comm_type)
+        self.watchdog = (HangWatchdog(self.ps.rank, dist.get_world_size(), t.hang_watchdog, t.hang_report).start()
+                         if t.hang_watchdog and dist.is_initialized() and dist.get_world_size() > 1 else None)
         eval_samples = t.eval_iters * t.global_batch_size
         self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
                                                              eval_samples, eval_samples))
@@ -247,9 +250,11 @@ class Trainer:
         self._close()
 
     def _close(self) -> None:
-        """Complete the exit agreement and the weight gathers in flight, save the timeline, close the
-        logger and give the cluster lease back."""
+        """Complete the exit agreement, stop the hang watchdog, complete the weight gathers in flight, save the
+        timeline, close the logger and give the cluster lease back."""
         self.exit_conditions.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.engine.complete_communication()
         if self.timeline is not None:
             self.timeline.meta["schedule"] = self.engine.schedule.name

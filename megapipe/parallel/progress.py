@@ -1,0 +1,94 @@
+"""Where this rank is: the collective it is in, the pipeline action it runs, when either last changed.
+
+The hang watchdog (``training/hang_watchdog.py``) reads it from its own thread; the code it describes
+writes it, cheaply, as it goes: ``collective(name, group)`` around every blocking collective of
+``collectives.py`` and every wait for a pipeline message, ``action(text)`` for each schedule action.
+Each group's collectives are numbered in the order this rank enters them, the same on every member,
+so a rank stuck in collective n of a group can tell which members never reached n. ``name_group``
+gives a group the name its axis has (``ParallelState``), for reports a user reads.
+
+Assignments of whole tuples only: the watchdog's thread reads a consistent value without a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A blocking collective or message wait this rank is in."""
+
+    name: str  # "all_reduce", "RECV_F 3.1 from rank 2", ...
+    group: str  # the group's axis name, or its ranks
+    ranks: tuple[int, ...]  # the group's global ranks
+    number: int  # of this group's collectives, counted from 1 on this rank
+    since: float  # time.monotonic() at entry
+
+
+@dataclass
+class Progress:
+    waiting: Optional[Waiting] = None
+    action: str = "starting"
+    changed: float = field(default_factory=time.monotonic)
+    entered: dict = field(default_factory=dict)  # group ranks -> collectives entered so far
+
+    def snapshot(self) -> dict:
+        """A JSON-ready copy for a hang report."""
+        waiting = self.waiting
+        return {"action": self.action, "idle_seconds": round(time.monotonic() - self.changed, 1),
+                "waiting": None if waiting is None else {
+                    "name": waiting.name, "group": waiting.group, "ranks": list(waiting.ranks),
+                    "number": waiting.number, "seconds": round(time.monotonic() - waiting.since, 1)},
+                "entered": {",".join(map(str, ranks)): count for ranks, count in self.entered.items()}}
+
+
+PROGRESS = Progress()
+_GROUP_NAMES: dict[int, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Name ``group`` (a process group of ``ParallelState``) for reports."""
+    if group is not None:
+        _GROUP_NAMES[id(group)] = name
+
+
+def group_ranks(group) -> tuple[int, ...]:
+    if not dist.is_initialized():
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def issued(group) -> tuple[tuple[int, ...], int]:
+    """Count a collective over ``group`` as entered (an asynchronous one when it is issued): its ranks and number."""
+    ranks = group_ranks(group)
+    number = PROGRESS.entered.get(ranks, 0) + 1
+    PROGRESS.entered[ranks] = number
+    return ranks, number
+
+
+@contextlib.contextmanager
+def collective(name: str, group, counted: bool = True):
+    """This rank is in ``name`` over ``group`` while the block runs (``counted``: a collective every
+    member enters, numbered; a message wait between two ranks is not)."""
+    ranks, number = issued(group) if counted else (group_ranks(group), 0)
+    label = _GROUP_NAMES.get(id(group), "the world" if group is None else f"ranks {','.join(map(str, ranks))}")
+    now = time.monotonic()
+    PROGRESS.waiting, PROGRESS.changed = Waiting(name, label, ranks, number, now), now
+    try:
+        yield
+    finally:
+        PROGRESS.waiting, PROGRESS.changed = None, time.monotonic()
+
+
+def action(text: str) -> None:
+    """This rank starts ``text`` (a schedule action, an iteration's phase)."""
+    PROGRESS.action, PROGRESS.changed = text, time.monotonic()
+
