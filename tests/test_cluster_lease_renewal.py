@@ -63,3 +63,22 @@ def test_a_job_slower_than_half_a_round_is_answered_at_the_next_round(tmp_path):
     service.lease_changed.wait = next_round
     answer = service.lease_report(job, 1, {"iteration": 3, "seconds_per_iteration": 20.0, "renew": True})
     assert waits and answer["expires_in"] > 5.0, answer
+
+
+def test_the_stragglers_a_run_reports_show_in_its_status(tmp_path):
+    """Rank 0's lease carries the ranks the straggler check names (``training/stragglers.py``); the job's status
+    shows the latest, and a report without the field keeps them."""
+    service = ClusterService(Journal(str(tmp_path / "journal.db")), "max_min_fairness_perf", 10.0,
+                             str(tmp_path / "work"))
+    service.register_worker("host-a", "127.0.0.1", {"fast": 1}, {})
+    service.before_round()
+    job = service.submit("slowed", 1.0, SMALL)
+    service.launch(job, (HostSlots("host-a", "fast", 1),), lease_end=service.clock.now() + 100.0)
+    straggler = {"rank": 3, "host": "b", "phase": "forward and backward passes", "seconds": 1.3,
+                 "peers_seconds": 1.0, "slower": 0.3}
+    service.lease_report(job, 1, {"iteration": 20, "stragglers": [straggler]})
+    service.lease_report(job, 1, {"iteration": 21})
+    row = next(j for j in service.status()["jobs"] if j["id"] == job)
+    assert row["stragglers"] == [straggler]
+    service.lease_report(job, 1, {"iteration": 30, "stragglers": []})  # recovered
+    assert next(j for j in service.status()["jobs"] if j["id"] == job)["stragglers"] == []

@@ -40,7 +40,7 @@ def stuck_world(rank: int, world_size: int, report: str) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-def test_a_collective_one_rank_never_enters_is_named_with_the_missing_rank(tmp_path, capfd):
+def test_a_collective_one_rank_never_enters_is_named_with_the_missing_rank(tmp_path):
     report = tmp_path / "hang_report.json"
     started = time.monotonic()
     with pytest.raises(DistributedFailure, match=f"exit code {HANG_EXIT_STATUS}"):
@@ -58,8 +58,6 @@ def test_a_collective_one_rank_never_enters_is_named_with_the_missing_rank(tmp_p
     assert sentence.startswith("rank ") and " in all_reduce number 2 over the world: rank 2 never entered it " \
         "(rank 2 is at a computation that never ends); where every rank is: " in sentence
     assert sentence.endswith(f"{report}.")
-    printed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert printed == [f"error: {sentence}"]  # once, by the rank that wrote the report
 
 
 def state(action: str, entered: dict, waiting=None) -> dict:

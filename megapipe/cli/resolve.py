@@ -118,6 +118,12 @@ def _check_training_flags(kind: str, config: Config) -> None:
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    if train.straggler_check_interval is not None and train.straggler_check_interval < 1:
+        raise ConfigError(f"--straggler-check-interval {train.straggler_check_interval} must be at least 1 "
+                          "(iterations between comparisons); leave it out to turn the check off.")
+    if train.straggler_threshold <= 0:
+        raise ConfigError(f"--straggler-threshold {train.straggler_threshold:g} must be above 0 (0.2 names a rank "
+                          "20% slower than its peers).")
     watchdog, timeout = train.hang_watchdog_seconds, train.collective_timeout.total_seconds()
     if watchdog is not None and (watchdog < 0 or watchdog >= timeout):
         raise ConfigError(f"--hang-watchdog-seconds {watchdog:g} must be below --distributed-timeout-minutes "

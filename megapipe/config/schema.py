@@ -453,6 +453,12 @@ class TrainingConfig:
         "for; default half of --distributed-timeout-minutes, 0 turns the watchdog off"))
     hang_report: str = flag("hang_report.json", metavar="PATH", help=(
         "where the hang watchdog writes every rank's state: its collective, group, pipeline action and stack"))
+    straggler_check_interval: Optional[int] = flag(None, metavar="K", help=(
+        "every K iterations compare each rank's compute and communication time per step with the other ranks "
+        "of its pipeline stage and name one slower by more than --straggler-threshold (rank, host, phase) in "
+        "the log and the cluster scheduler's status; default off"))
+    straggler_threshold: float = flag(0.2, help="with --straggler-check-interval: how much slower than its "
+                                                "peers' median a rank must be to be named (0.2: 20%%)")
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
     exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
                                                              "this long")

@@ -65,6 +65,7 @@ class ClusterLease:
         self.last_iteration_time: Optional[float] = None
         self.seconds_per_iteration = 0.0
         self.stopped: Optional[str] = None
+        self.stragglers: list[dict] = []  # the ranks slower than their peers now (``training/stragglers.py``)
 
     def start(self, iteration: int) -> None:
         """The first report (after loading the checkpoint) takes the lease."""
@@ -99,7 +100,8 @@ class ClusterLease:
             pass  # a scheduler that is down learns the end from the worker agent instead
 
     def _report(self, iteration: int, renew: bool) -> None:
-        body = {"iteration": iteration, "seconds_per_iteration": self.seconds_per_iteration, "renew": renew}
+        body = {"iteration": iteration, "seconds_per_iteration": self.seconds_per_iteration, "renew": renew,
+                "stragglers": self.stragglers}
         while True:
             try:
                 answer = post_json(self.address, body, timeout=ANSWER_SECONDS, key=self.key)

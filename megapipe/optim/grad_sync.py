@@ -47,6 +47,7 @@ from megapipe.config.sharding import ShardingLevel
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.grad_accumulation import SUMMED_BY_AUTOGRAD, TARGET, MainGradTarget
 from megapipe.tensor_parallel.utils import is_expert_parallel
+from megapipe.parallel import progress
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements per data-parallel reduction, Megatron's --ddp-bucket-size
 
@@ -337,7 +338,9 @@ class GradSync:
         self.start_grad_sync()
         for index, work in self._works.items():
             if work is not None:
-                work.wait()
+                with progress.collective(f"the wait for gradient bucket {index}'s reduction", self._over(
+                        self.buckets[index])[0], counted=False):
+                    work.wait()
             if self.reductions is not None:
                 record = next(r for r in reversed(self.reductions) if r.bucket == index)
                 record.finished = record.finished or time.time()

@@ -1,10 +1,14 @@
-"""Where this rank is: the collective it is in, the pipeline action it runs, when either last changed.
+"""Where this rank is: the collective it is in, the pipeline action it runs, when either last changed, and how
+long it has waited on communication in all.
 
 The hang watchdog (``training/hang_watchdog.py``) reads it from its own thread; the code it describes
 writes it, cheaply, as it goes: ``collective(name, group)`` around every blocking collective of
 ``collectives.py`` and every wait for a pipeline message, ``action(text)`` for each schedule action.
 Each group's collectives are numbered in the order this rank enters them, the same on every member,
-so a rank stuck in collective n of a group can tell which members never reached n. ``name_group``
+so a rank stuck in collective n of a group can tell which members never reached n. The straggler check
+(``training/stragglers.py``) reads the main thread's CPU seconds per phase (passes, optimizer step,
+the loop), which ``action`` attributes as the rank moves from one to the next.
+``name_group``
 gives a group the name its axis has (``ParallelState``), for reports a user reads.
 
 Assignments of whole tuples only: the watchdog's thread reads a consistent value without a lock.
@@ -37,6 +41,10 @@ class Progress:
     action: str = "starting"
     changed: float = field(default_factory=time.monotonic)
     entered: dict = field(default_factory=dict)  # group ranks -> collectives entered so far
+    waited: float = 0.0  # seconds spent in collectives and message waits since the process started
+    phase: str = "the loop"  # what the main thread's CPU time counts towards now
+    cpu: dict = field(default_factory=dict)  # phase -> the main thread's CPU seconds in it so far
+    cpu_mark: float = field(default_factory=time.thread_time)
 
     def snapshot(self) -> dict:
         """A JSON-ready copy for a hang report."""
@@ -85,10 +93,14 @@ def collective(name: str, group, counted: bool = True):
     try:
         yield
     finally:
-        PROGRESS.waiting, PROGRESS.changed = None, time.monotonic()
+        end = time.monotonic()
+        PROGRESS.waiting, PROGRESS.changed, PROGRESS.waited = None, end, PROGRESS.waited + end - now
 
 
-def action(text: str) -> None:
-    """This rank starts ``text`` (a schedule action, an iteration's phase)."""
-    PROGRESS.action, PROGRESS.changed = text, time.monotonic()
+def action(text: str, phase: str = "the loop") -> None:
+    """This rank starts ``text`` (a schedule action, an iteration's phase), whose CPU time counts towards
+    ``phase``; the CPU time since the previous call goes to that call's phase. Called on the main thread."""
+    cpu = time.thread_time()
+    PROGRESS.cpu[PROGRESS.phase] = PROGRESS.cpu.get(PROGRESS.phase, 0.0) + cpu - PROGRESS.cpu_mark
+    PROGRESS.action, PROGRESS.changed, PROGRESS.phase, PROGRESS.cpu_mark = text, time.monotonic(), phase, cpu
 

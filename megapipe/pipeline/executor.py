@@ -218,7 +218,7 @@ class PipelineExecutor:
             if i in pairs or actions[i].overlapped and self.overlap_pairs:  # a backward runs with its forward
                 i += 1
                 continue
-            progress.action(f"{actions[i]} of pipeline call {call}")
+            progress.action(f"{actions[i]} of pipeline call {call}", _phase(actions[i]))
             self._wait_for_inputs(actions[i], state)
             start = self.clock.mark() if self.timeline is not None else None
             self._compute(actions[i], call, i, data, state)
@@ -237,7 +237,7 @@ class PipelineExecutor:
                   state: "_State") -> list:
         """Run the forward at ``forward`` and the overlapped backward at ``backward`` together; returns their
         timeline marks (the expert all-to-alls go to the timeline as phases of their actions)."""
-        progress.action(f"{actions[forward]} with {actions[backward]} of pipeline call {call}")
+        progress.action(f"{actions[forward]} with {actions[backward]} of pipeline call {call}", PASSES)
         for index in (forward, backward):
             self._wait_for_inputs(actions[index], state)
         marks = {}
@@ -420,6 +420,14 @@ class PipelineExecutor:
     def _record(self, kind: ActionKind, stage: int, microbatch: int, version: int) -> None:
         if self.versions_used is not None:
             self.versions_used[(kind.value, stage, microbatch)] = version
+
+
+PASSES, OPTIMIZER = "forward and backward passes", "the optimizer step"
+
+
+def _phase(action: Action) -> str:
+    """What a straggler check counts an action's CPU time towards (``parallel/progress.py``)."""
+    return OPTIMIZER if action.kind in (ActionKind.STEP, ActionKind.UPDATE) else PASSES
 
 
 def _deallocate(output: torch.Tensor) -> None:

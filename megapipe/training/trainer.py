@@ -36,6 +36,7 @@ from megapipe.models.moe import moe_layer_stats
 from megapipe.training.exits import ExitConditions
 from megapipe.training.hang_watchdog import HangWatchdog
 from megapipe.training.sigterm import SigtermNotice
+from megapipe.training.stragglers import StragglerCheck
 from megapipe.checkpointing.paths import read_latest
 from megapipe.optim import LRScheduler
 from megapipe.parallel.state import ParallelState
@@ -69,6 +70,9 @@ class Trainer:
                                       cp_comm_type=par.cp_comm_type)
         self.watchdog = (HangWatchdog(self.ps.rank, dist.get_world_size(), t.hang_watchdog, t.hang_report).start()
                          if t.hang_watchdog and dist.is_initialized() and dist.get_world_size() > 1 else None)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.stragglers = (StragglerCheck(self.ps.pp_rank, t.straggler_check_interval, t.straggler_threshold)
+                           if t.straggler_check_interval and distributed else None)
         eval_samples = t.eval_iters * t.global_batch_size
         self.data = build_rank_data(kind, config, self.ps, (0 if t.skip_train else t.train_iters * t.global_batch_size,
                                                              eval_samples, eval_samples))
@@ -166,8 +170,12 @@ class Trainer:
         unless the run stops here, evaluate and save where their intervals say. The reason to stop
         after this iteration (the same on every rank; ``_finish`` then saves), or None."""
         t = self.config.training
+        if self.stragglers is not None:
+            self.stragglers.begin()
         result = self.engine.train_batch(next(batches))
         self.state.iteration += 1
+        if self.stragglers is not None:
+            self._check_stragglers()
         self.state.consumed_samples += t.global_batch_size
         self.scheduler.step()
         if self.watch is not None:
@@ -186,6 +194,15 @@ class Trainer:
         if self._saves_after(self.state.iteration):
             self._checkpoint(t.save)
         return None
+
+    def _check_stragglers(self) -> None:
+        """Note this step and, at the check's interval, name the ranks slower than their peers (``stragglers.py``)."""
+        self.stragglers.end()
+        for sentence in self.stragglers.check(self.state.iteration):
+            self.logger.print(f"straggler: {sentence}")
+        lease = self.exit_conditions.lease
+        if lease is not None:
+            lease.stragglers = [straggler.to_json() for straggler in self.stragglers.current]
 
     def count_synchronisations(self, iterations: int, warmup: int = 1) -> int:
         """How often the host waits for the device in ``iterations`` training iterations (everything

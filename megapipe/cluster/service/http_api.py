@@ -14,7 +14,7 @@ Routes::
     POST /jobs/<id>/cancel                                              -> {"ok"}
     POST /workers                  {"host", "address", "devices", "throttle"} -> {"ok"}
     POST /workers/<host>/heartbeat {"running": {job id: exit code or null}} -> {"messages"}
-    POST /leases/<job>/<lease>     {"iteration", "seconds_per_iteration", "renew", "exiting"}
+    POST /leases/<job>/<lease>     {"iteration", "seconds_per_iteration", "renew", "exiting", "stragglers"}
                                    -> {"expires_in"} | {"stop"} | {"error"}
 
 Every request is signed with the cluster's secret (``megapipe/lease/auth.py``; a lease's
@@ -161,6 +161,14 @@ def _handler_for(service: ClusterService, guard: ReplayGuard):
                                          ("exiting", (bool,), "true or false")):
                     if key in body:
                         field(body, route, key, kinds, what)
+                if "stragglers" in body and not all(
+                        type(s) is dict and type(s.get("rank")) is int and type(s.get("host")) is str
+                        and s.get("phase") in ("compute", "communication")
+                        and all(type(s.get(k)) in NUMBER for k in ("seconds", "peers_seconds", "slower"))
+                        for s in field(body, route, "stragglers", (list,), "a list")):
+                    raise ConfigError(f"POST {route} needs 'stragglers' as objects with an integer rank, a host, a "
+                                      "phase (compute or communication) and seconds, peers_seconds and slower as "
+                                      "numbers; megapipe's lease client sends them.")
                 answer = service.lease_report(int(match[1]), int(match[2]), body)
                 return (404 if "error" in answer else 200), answer
             return 404, {"error": f"{route} is not a route of this scheduler; use tools/cluster.py."}

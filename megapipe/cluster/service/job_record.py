@@ -30,6 +30,7 @@ class Run:
     first_progress: Optional[tuple] = None  # (time, iteration) of the first iteration done
     stop_requested: Optional[float] = None
     seconds_per_iteration: float = 0.0
+    stragglers: list = field(default_factory=list)  # the ranks its rank 0 last reported slower than their peers
 
 
 @dataclass

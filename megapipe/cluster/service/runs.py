@@ -89,6 +89,7 @@ class Runs:
         run = record.run
         iteration = int(report.get("iteration", run.iteration))
         run.seconds_per_iteration = float(report.get("seconds_per_iteration") or 0.0)
+        run.stragglers = list(report.get("stragglers", run.stragglers))
         if run.first_progress is None:
             if iteration > run.start_iteration:
                 run.first_progress = (now, iteration)

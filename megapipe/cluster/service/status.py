@@ -34,7 +34,7 @@ def service_status(service: "ClusterService") -> dict:
     jobs = []
     now = time.time()
     for row in service.journal.jobs():
-        iteration, rates, costs = known.get(row.id, (None, {}, None))
+        iteration, rates, costs, stragglers = known.get(row.id, (None, {}, None, []))
         waiting = unplaceable_reason(row.scale_factor, by_type) if row.state == "queued" else None
         jobs.append({
             "id": row.id, "name": row.name, "state": row.state, "priority": row.priority,
@@ -43,7 +43,7 @@ def service_status(service: "ClusterService") -> dict:
             "jct": row.jct, "elapsed": (row.finished or now) - row.submitted, "error": row.error,
             "throughput": rates or row.throughputs,
             "overhead_seconds": row.overhead, "fixed_seconds": row.fixed, "leases": row.lease,
-            "relayouts": row.relayouts, "costs": costs, "waiting": waiting})
+            "relayouts": row.relayouts, "costs": costs, "waiting": waiting, "stragglers": stragglers})
     done = [j["jct"] for j in jobs if j["state"] == "done"]
     return {"units": STATUS_UNITS, "jobs": jobs, "round": round_info,
             "average_jct": sum(done) / len(done) if done else None,
@@ -54,8 +54,11 @@ def service_status(service: "ClusterService") -> dict:
 
 
 def _in_memory(record) -> tuple:
-    """A copy of what status shows of a record: its run's iteration (None when not running), rates and costs."""
+    """A copy of what status shows of a record: its run's iteration (None when not running), rates, costs and the
+    ranks its run last reported as stragglers."""
     costs = record.costs
     if costs is not None:
         costs = dict(costs, restarts=list(costs["restarts"]), stops=list(costs["stops"]))
-    return (None if record.run is None else record.run.iteration), dict(record.rates), costs
+    run = record.run
+    return (None if run is None else run.iteration), dict(record.rates), costs, ([] if run is None else
+                                                                                  list(run.stragglers))
