@@ -35,6 +35,7 @@ done
 TESTS=(
     tests/test_parallel_state.py tests/test_tensor_parallel.py tests/test_pipeline_p2p.py  # process groups, collectives
     tests/test_collectives.py tests/test_peer_messages.py tests/test_device_choice.py
+    tests/test_hang_watchdog.py tests/test_host_memory.py                                 # the job store, the heap
     tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels
     tests/test_optim_precision.py
     tests/test_pipeline_training.py tests/test_weight_versions.py tests/test_split_backward.py  # pipeline runtime
