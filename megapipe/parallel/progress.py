@@ -1,5 +1,5 @@
-"""Where this rank is: the collective it is in, the pipeline action it runs, when either last changed, and how
-long it has waited on communication in all.
+"""Where this rank is: the collective it is in, the pipeline action it runs, when either last changed, and the
+main thread's CPU time by phase.
 
 The hang watchdog (``training/hang_watchdog.py``) reads it from its own thread; the code it describes
 writes it, cheaply, as it goes: ``collective(name, group)`` around every blocking collective of
@@ -7,11 +7,10 @@ writes it, cheaply, as it goes: ``collective(name, group)`` around every blockin
 Each group's collectives are numbered in the order this rank enters them, the same on every member,
 so a rank stuck in collective n of a group can tell which members never reached n. The straggler check
 (``training/stragglers.py``) reads the main thread's CPU seconds per phase (passes, optimizer step,
-the loop), which ``action`` attributes as the rank moves from one to the next.
-``name_group``
-gives a group the name its axis has (``ParallelState``), for reports a user reads.
+the loop), which ``action`` attributes as the rank moves from one to the next. ``name_group`` gives a
+group the name its role has (``ParallelState``), for reports a user reads.
 
-Assignments of whole tuples only: the watchdog's thread reads a consistent value without a lock.
+The watchdog's thread reads single attributes, each assigned whole (a frozen ``Waiting``): no lock.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class Progress:
     action: str = "starting"
     changed: float = field(default_factory=time.monotonic)
     entered: dict = field(default_factory=dict)  # group ranks -> collectives entered so far
-    waited: float = 0.0  # seconds spent in collectives and message waits since the process started
     phase: str = "the loop"  # what the main thread's CPU time counts towards now
     cpu: dict = field(default_factory=dict)  # phase -> the main thread's CPU seconds in it so far
     cpu_mark: float = field(default_factory=time.thread_time)
@@ -93,8 +91,7 @@ def collective(name: str, group, counted: bool = True):
     try:
         yield
     finally:
-        end = time.monotonic()
-        PROGRESS.waiting, PROGRESS.changed, PROGRESS.waited = None, end, PROGRESS.waited + end - now
+        PROGRESS.waiting, PROGRESS.changed = None, time.monotonic()
 
 
 def action(text: str, phase: str = "the loop") -> None:
