@@ -68,9 +68,9 @@ class Trainer:
         par, t = config.parallel, config.training
         self.ps = ParallelState.build(plan.layout, plan.virtual_pipeline, timeout=timeout, placement=plan.placement,
                                       cp_comm_type=par.cp_comm_type)
-        self.watchdog = (HangWatchdog(self.ps.rank, dist.get_world_size(), t.hang_watchdog, t.hang_report).start()
-                         if t.hang_watchdog and dist.is_initialized() and dist.get_world_size() > 1 else None)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.watchdog = (HangWatchdog(self.ps.rank, dist.get_world_size(), t.hang_watchdog, t.hang_report).start()
+                         if t.hang_watchdog and distributed else None)
         self.stragglers = (StragglerCheck(self.ps.pp_rank, t.straggler_check_interval, t.straggler_threshold)
                            if t.straggler_check_interval and distributed else None)
         eval_samples = t.eval_iters * t.global_batch_size
