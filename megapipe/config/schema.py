@@ -450,7 +450,7 @@ class TrainingConfig:
     hang_watchdog_seconds: Optional[float] = flag(None, help=(
         "a rank that waits this long in one collective or for one pipeline message writes where every rank is "
         "to --hang-report and exits (status 3) with one sentence naming the collective and the rank it waits "
-        "for; default half of --distributed-timeout-minutes, 0 turns the watchdog off"))
+        "for; must be below --distributed-timeout-minutes; default off (0 too)"))
     hang_report: str = flag("hang_report.json", metavar="PATH", help=(
         "where the hang watchdog writes every rank's state: its collective, group, pipeline action and stack"))
     straggler_check_interval: Optional[int] = flag(None, metavar="K", help=(
@@ -487,8 +487,6 @@ class TrainingConfig:
     @property
     def hang_watchdog(self) -> Optional[float]:
         """Seconds a rank may wait in one collective before the hang watchdog reports; None when off."""
-        if self.hang_watchdog_seconds is None:
-            return self.collective_timeout.total_seconds() / 2
         return self.hang_watchdog_seconds or None
 
     @property
