@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -64,12 +65,19 @@ def name_group(group, name: str) -> None:
         _GROUP_NAMES[id(group)] = name
 
 
+_RANKS: dict[int, tuple] = {}  # id(group) -> (a weak reference to it, its ranks): asked once per group, not per
+# message; weak, so that a group the state forgets is freed (its gloo threads with it)
+
+
 def group_ranks(group) -> tuple[int, ...]:
     if not dist.is_initialized():
         return (0,)
     if group is None:
         return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
+    known = _RANKS.get(id(group))
+    if known is None or known[0]() is not group:
+        known = _RANKS[id(group)] = (weakref.ref(group), tuple(dist.get_process_group_ranks(group)))
+    return known[1]
 
 
 def issued(group) -> tuple[tuple[int, ...], int]:
