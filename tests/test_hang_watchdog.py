@@ -43,7 +43,9 @@ def stuck_world(rank: int, world_size: int, report: str) -> str:
 def test_a_collective_one_rank_never_enters_is_named_with_the_missing_rank(tmp_path):
     report = tmp_path / "hang_report.json"
     started = time.monotonic()
-    with pytest.raises(DistributedFailure, match=f"exit code {HANG_EXIT_STATUS}"):
+    # the stalled ranks exit with status 3; one whose peer exited first may see its blocked all-reduce fail on the
+    # closed connection before its own exit: the report and the sentence are out either way
+    with pytest.raises(DistributedFailure, match=f"exit code {HANG_EXIT_STATUS}|Connection closed by peer"):
         run_distributed(3, stuck_world, str(report), timeout=150, collective_timeout=COLLECTIVE_TIMEOUT)
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT / 2
     written = json.loads(report.read_text())
