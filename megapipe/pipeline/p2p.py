@@ -86,10 +86,20 @@ def wait_for_peer(work, transport: Transport, timeout, ps: ParallelState, what: 
     try:
         work.wait(timeout)
     except RuntimeError as error:
+        where = f"rank {ps.rank} (pipeline stage {ps.pp_rank})"
+        if connection_lost(error):
+            raise PipelineTimeout(
+                f"{where} lost its connection to {peer} during {what}: that rank stopped first; its log names "
+                f"the cause. ({error})") from error
         raise PipelineTimeout(
-            f"rank {ps.rank} (pipeline stage {ps.pp_rank}) waited more than {timeout.total_seconds():.0f} s on "
-            f"{what} with {peer}, which never answered; check that rank's log for an error or raise "
-            f"{more_time}. ({error})") from error
+            f"{where} waited more than {timeout.total_seconds():.0f} s on {what} with {peer}, which never "
+            f"answered; check that rank's log for an error or raise {more_time}. ({error})") from error
+
+
+def connection_lost(error: Exception) -> bool:
+    """True when gloo reports the peer's socket closed (the peer exited or crashed), not a timeout."""
+    text = str(error)
+    return any(sign in text for sign in ("Connection reset by peer", "Connection closed by peer", "Broken pipe"))
 
 
 def check_on_device(tensor: torch.Tensor, device: torch.device, what: str) -> None:

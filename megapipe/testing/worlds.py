@@ -58,6 +58,10 @@ def _worker(rank: int, world_size: int, environ: dict, address: str, port: int, 
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from argparse
         results.put((rank, "error", traceback.format_exc()))
+        # in the pipe before this rank's connections close: a peer that then fails on the closed
+        # connection reports after it, so the parent names this rank's error, the cause
+        results.close()
+        results.join_thread()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -127,7 +131,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
                                              "without reporting a result.")
                 continue
             if status == "error":
-                raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
+                raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}{_crashed(procs, rank)}")
             values[rank] = pickle.loads(value)
         grace = time.monotonic() + 5.0  # results are in; a teardown stuck on a closed connection is killed
         for p in procs:
@@ -140,3 +144,14 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
             p.join(timeout=5)
         results.close()
     return [values[r] for r in range(world_size)]
+
+
+def _crashed(procs: list, reporting: int) -> str:
+    """A line naming another rank that died without reporting (a crash or a kill, the likely cause of
+    the reporting rank's lost connection), once each has had up to two seconds to end."""
+    for rank, p in enumerate(procs):
+        if rank != reporting:
+            p.join(timeout=2)
+            if p.exitcode not in (None, 0):
+                return f"\n(rank {rank} died with exit code {p.exitcode} without reporting, probably the cause of the error above)"
+    return ""

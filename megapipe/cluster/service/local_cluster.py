@@ -139,7 +139,14 @@ class LocalCluster:
             except OSError:
                 pass  # the scheduler is restarting
             time.sleep(0.5)
-        raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        raise TimeoutError(f"waited {timeout:.0f} s for {what}; the jobs then: {self._jobs_summary()}")
+
+    def _jobs_summary(self) -> str:
+        """Each job's name, state and iterations, or why the status could not be read."""
+        try:
+            return ", ".join(f"{j['name']} {j['state']} at {j['iterations']}" for j in self.status()["jobs"])
+        except (OSError, RuntimeError) as error:
+            return f"unknown ({error})"
 
     def __enter__(self):
         try:
