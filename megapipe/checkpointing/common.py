@@ -131,11 +131,15 @@ class Common:
             raise CheckpointError(f"{directory} is not a checkpoint: it has no {COMMON}.") from None
         except json.JSONDecodeError as error:
             raise CheckpointError(f"{path} is damaged ({error.msg} at character {error.pos}).") from None
+        return Common.from_fields(fields, directory)
+
+    @staticmethod
+    def from_fields(fields: dict, where: str) -> "Common":
+        """The value of ``dataclasses.asdict(common)``, checked to be one this megapipe reads (``where`` names it)."""
         if fields.get("format") != FORMAT:
-            raise CheckpointError(f"{directory} is not a megapipe checkpoint ({COMMON} has format "
+            raise CheckpointError(f"{where} is not a megapipe checkpoint ({COMMON} has format "
                                   f"{fields.get('format')!r}).")
         if fields.get("version", 0) > VERSION:
-            raise CheckpointError(f"{directory} was written by a newer megapipe (format version {fields['version']}, "
+            raise CheckpointError(f"{where} was written by a newer megapipe (format version {fields['version']}, "
                                   f"this one reads up to {VERSION}); upgrade megapipe to load it.")
-        fields["layout"] = SavedLayout(**fields["layout"])
-        return Common(**fields)
+        return Common(**{**fields, "layout": SavedLayout(**fields["layout"])})

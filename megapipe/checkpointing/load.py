@@ -9,7 +9,8 @@ into the model, the optimizer, the schedule and the random generators.
 from __future__ import annotations
 
 import os
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,11 @@ def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
     return path, common, saved_tensors(read_metadata(path))
 
 
-def _targets(path: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
+def _targets(source: str, common: Common, saved: dict, entries, ps: ParallelState, config: ModelConfig,
              with_optimizer: bool, with_rng: bool, with_in_flight: bool = False) -> LoadTargets:
     """This rank's buffers to read into, once every rank agreed that the checkpoint fits (collective)."""
     targets = load_targets(entries, saved, ps, config, with_optimizer, with_rng, with_in_flight)
-    agree_on_fit(path, targets.shards, [entry.key(ps, config) for entry in entries], saved, common.model_config,
+    agree_on_fit(source, targets.shards, [entry.key(ps, config) for entry in entries], saved, common.model_config,
                  config)
     return targets
 
@@ -53,7 +54,7 @@ def _targets(path: str, common: Common, saved: dict, entries, ps: ParallelState,
 def load_weights(directory: str, kind: str, chunks, ps: ParallelState, config: ModelConfig) -> Common:
     """Load only the weights of a checkpoint into ``chunks`` (any layout; collective over all ranks)."""
     path, common, saved = _open(directory, kind)
-    targets = _targets(path, common, saved, param_entries(chunks), ps, config, False, False)
+    targets = _targets(f"checkpoint {path}", common, saved, param_entries(chunks), ps, config, False, False)
     read_shards(targets.shards, path)
     apply_weights(targets)
     return common
@@ -71,12 +72,22 @@ def load_checkpoint(directory: str, run: RunState) -> None:
                                                                or find_checkpoint(directory) is None):
         run.log(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
+    started = time.perf_counter()
     path, common, saved = _open(directory, run.kind)
+    load_state(f"checkpoint {path}", common, saved, run, lambda shards: read_shards(shards, path), started)
+
+
+def load_state(source: str, common: Common, saved: dict, run: RunState, read: Callable[[dict], None],
+               started: float) -> None:
+    """Load a training state into ``run`` (collective): ``common`` and ``saved`` (key -> the tensor's
+    metadata) describe it, ``read(shards)`` fills this rank's blocks; ``source`` names it in messages
+    (``checkpoint <path>``, or ``peer_memory``'s copies)."""
     with run.engine.whole_weights():  # optim_grads_params releases them between passes
-        _load(path, common, saved, run)
+        _load(source, common, saved, run, read, started)
 
 
-def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
+def _load(source: str, common: Common, saved: dict, run: RunState, read: Callable[[dict], None],
+          started: float) -> None:
     t = run.config.training
     with_optimizer = not (t.finetune or t.no_load_optim)
     layout = SavedLayout.of_run(run)
@@ -84,11 +95,11 @@ def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
     has_in_flight = any(key.startswith("inflight/") for key in saved)
     drop_reason = _in_flight_mismatch(common, run, layout) if has_in_flight else None
     entries = param_entries(run.chunks, run.engine.optimizer)
-    targets = _targets(path, common, saved, entries, run.ps, run.config.model, with_optimizer, restore_rng,
+    targets = _targets(source, common, saved, entries, run.ps, run.config.model, with_optimizer, restore_rng,
                        with_in_flight=has_in_flight and drop_reason is None)
     if with_optimizer:
-        _check_optimizer_fits(path, common, run)
-    read_shards(targets.shards, path)
+        _check_optimizer_fits(source, common, run)
+    read(targets.shards)
 
     apply_weights(targets, run.engine.optimizer)
     if with_optimizer:
@@ -116,8 +127,8 @@ def _load(path: str, common: Common, saved: dict, run: RunState) -> None:
                              "starts empty, without their updates")
     _restore_or_reseed_rng(run, targets.rng, common, layout, restore_rng)
     what = "weights and optimizer state" if with_optimizer else "weights only"
-    run.log(f"> loaded checkpoint {path} ({what}, written with {common.layout}) at iteration "
-                         f"{common.iteration}; continuing at iteration {run.progress.iteration} with {layout}")
+    run.log(f"> loaded {source} ({what}, written with {common.layout}) at iteration {common.iteration} in "
+            f"{time.perf_counter() - started:.2f} s; continuing at iteration {run.progress.iteration} with {layout}")
 
 
 def _in_flight_mismatch(common: Common, run: RunState, layout: SavedLayout) -> Optional[str]:
@@ -135,18 +146,18 @@ def _in_flight_mismatch(common: Common, run: RunState, layout: SavedLayout) -> O
     return None
 
 
-def _check_optimizer_fits(path: str, common: Common, run: RunState) -> None:
+def _check_optimizer_fits(source: str, common: Common, run: RunState) -> None:
     """Optimizer state, loss scaling and learning-rate schedule of the checkpoint suit this run."""
     fix = "load weights only with --no-load-optim (or --finetune)"
     if not common.has_optimizer:
-        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim or imported); "
+        raise CheckpointError(f"{source} has no optimizer state (saved with --no-save-optim or imported); "
                               f"{fix}.")
     ours = optimizer_family(run.config.optimizer.optimizer)
     if common.optimizer_family != ours:
-        raise CheckpointError(f"checkpoint {path} holds {common.optimizer_family} optimizer state but this run uses "
+        raise CheckpointError(f"{source} holds {common.optimizer_family} optimizer state but this run uses "
                               f"{ours}; {fix}.")
     if (common.loss_scaler is None) != (precision_optimizers(run.engine.optimizer)[0].loss_scaler is None):
-        raise CheckpointError(f"checkpoint {path} was written {'with' if common.loss_scaler else 'without'} fp16 "
+        raise CheckpointError(f"{source} was written {'with' if common.loss_scaler else 'without'} fp16 "
                               f"loss scaling and this run is the other way; resume with the same --fp16/--bf16 "
                               f"setting or {fix}.")
     if _schedule_source(run.config.training) == "match":  # raises, naming the flags that differ

@@ -59,11 +59,7 @@ class Checkpointer:
     def _save(self, directory: str, started: float) -> None:
         run = self.run
         t = run.config.training
-        in_flight = run.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
-        entries = param_entries(run.chunks, run.engine.optimizer)
-        shards = save_shards(entries, run.ps, run.config.model, run.device, with_optimizer=not t.no_save_optim,
-                             in_flight=None if in_flight is None else in_flight.to_tensors())
-        common = _common(run, with_optimizer=not t.no_save_optim)
+        shards, common = training_state(run, with_optimizer=not t.no_save_optim)
         iteration = run.progress.iteration
         staging = staging_dir(directory, iteration)
         if run.ps.rank == 0:
@@ -97,6 +93,16 @@ class Checkpointer:
             return
         written = shards
         write(None)
+
+
+def training_state(run: RunState, with_optimizer: bool) -> tuple[dict[str, Shard], Common]:
+    """This rank's pieces of the run's state and its JSON part (collective under a sharded optimizer, which
+    gathers whole optimizer states). The pieces are views of the live tensors: copy before training goes on."""
+    in_flight = run.engine.in_flight()  # PipeDream / 2BW between batches: kept, not drained
+    entries = param_entries(run.chunks, run.engine.optimizer)
+    shards = save_shards(entries, run.ps, run.config.model, run.device, with_optimizer=with_optimizer,
+                         in_flight=None if in_flight is None else in_flight.to_tensors())
+    return shards, _common(run, with_optimizer)
 
 
 def _failure(error: BaseException, room: Room, iteration: int, staging: str) -> str:

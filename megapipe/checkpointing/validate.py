@@ -55,7 +55,7 @@ def shape_differences(saved: ModelConfig, current: ModelConfig) -> str:
     return f" (checkpoint vs this run: {diffs}); {' and '.join(fixes)}"
 
 
-def agree_on_fit(directory: str, wanted: dict[str, Shard], param_names: list[str], saved: dict,
+def agree_on_fit(source: str, wanted: dict[str, Shard], param_names: list[str], saved: dict,
                  saved_config: ModelConfig, config: ModelConfig) -> None:
     """Raise the same CheckpointError on every rank if any rank's blocks do not fit.
 
@@ -72,5 +72,5 @@ def agree_on_fit(directory: str, wanted: dict[str, Shard], param_names: list[str
         if extra is not None:
             problem = f"it holds tensor {extra!r}, which this model does not have"
     if problem is not None:
-        raise CheckpointError(f"checkpoint {directory} does not fit this model: {problem}"
+        raise CheckpointError(f"{source} does not fit this model: {problem}"
                               f"{shape_differences(saved_config, config)}.")

@@ -118,6 +118,9 @@ def _check_training_flags(kind: str, config: Config) -> None:
                           f"{par.tensor}, which --sequence-parallel needs.")
     if train.save_interval is not None and not train.save:
         raise ConfigError("--save-interval needs --save DIR to know where to write checkpoints.")
+    if train.local_checkpoint_interval is not None and train.local_checkpoint_interval < 1:
+        raise ConfigError(f"--local-checkpoint-interval {train.local_checkpoint_interval} must be at least 1 "
+                          "(iterations between copies in peer memory); leave it out to keep none.")
     if train.straggler_check_interval is not None and train.straggler_check_interval < 1:
         raise ConfigError(f"--straggler-check-interval {train.straggler_check_interval} must be at least 1 "
                           "(iterations between comparisons); leave it out to turn the check off.")

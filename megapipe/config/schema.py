@@ -413,6 +413,14 @@ class TrainingConfig:
         "take the model's shape from the --load checkpoint (a megapipe one: import a Megatron-LM checkpoint "
         "first); a shape flag given that differs is refused"))
     save_interval: Optional[int] = None
+    local_checkpoint_interval: Optional[int] = flag(None, metavar="N", help=(
+        "every N iterations keep each rank's training state in this host's memory (--local-checkpoint-dir) and "
+        "a copy in the memory of a rank on the next host, written in the background; a run with --load resumes "
+        "from these copies when they are newer than the disk checkpoint, without reading the disk; independent "
+        "of --save-interval; default off"))
+    local_checkpoint_dir: str = flag("/dev/shm/megapipe-local-checkpoints", metavar="DIR", help=(
+        "with --local-checkpoint-interval: where this host keeps its own and its peer's copies (a memory-backed "
+        "file system by default); one directory per job"))
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False

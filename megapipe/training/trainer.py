@@ -124,7 +124,8 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def train(self) -> None:
         t = self.config.training
-        if t.load:
+        if t.load and not (self.peer_checkpoints is not None and
+                           self.peer_checkpoints.restore(read_latest(t.load) if os.path.isdir(t.load) else None)):
             self.checkpointer.load(t.load)
         lease = self.exit_conditions.lease
         if lease is not None:
@@ -193,6 +194,10 @@ class Trainer:
             self.evaluate("validation")
         if self._saves_after(self.state.iteration):
             self._checkpoint(t.save)
+        if t.local_checkpoint_interval and self.state.iteration % t.local_checkpoint_interval == 0:
+            self._count(self.engine.settle())  # as for a disk checkpoint (``save``)
+            self._count_steps()
+            self.peer_checkpoints.save()
         return None
 
     def _check_stragglers(self) -> None:
@@ -264,6 +269,8 @@ class Trainer:
         self._report_amended()
         if t.save:
             self.checkpointer.wait()
+        if self.peer_checkpoints is not None:
+            self.peer_checkpoints.wait()
         self._close()
 
     def _close(self) -> None:
@@ -287,6 +294,16 @@ class Trainer:
         from megapipe.checkpointing.save import Checkpointer
 
         return Checkpointer(self.run_state)
+
+    @functools.cached_property
+    def peer_checkpoints(self):
+        """This rank's peer-memory checkpoints (``--local-checkpoint-interval``), or None."""
+        t = self.config.training
+        if not t.local_checkpoint_interval:
+            return None
+        from megapipe.checkpointing.peer_memory import PeerCheckpoints
+
+        return PeerCheckpoints(self.run_state, t.local_checkpoint_dir, _ranks_per_node() or 1)
 
     def _checkpoint(self, directory: str, last: bool = False) -> None:
         """``save``, timed, unless a rank has less time left before SIGKILL (``--exit-signal-grace-seconds``
