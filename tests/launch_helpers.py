@@ -152,6 +152,7 @@ class Job:
                 if not name.endswith(".tmp"):  # a pid being written (atomic_files' temporary names)
                     kill_tree(self.worker_pid(int(name)))
             shutil.rmtree(self._worker_pids, ignore_errors=True)
+            self._worker_pids = None  # closed: a second close has nothing to do
 
 
 def losses(lines: list[str]) -> dict[int, str]:

@@ -35,7 +35,8 @@ LAYERS = (
     ("optim",),
     ("pipeline",),  # the executor, transports, weight stores, the engine
     ("checkpointing",),
-    ("inference", "planner", "lease"),  # lease: a training job's side of the cluster service, and the signing
+    ("inference", "planner", "lease", "replicas"),  # lease: a training job's side of the cluster service, and the
+    # signing; replicas: fault-tolerant replicas' lighthouse, quorum and cross-replica groups
     ("cli",),  # flags, every cross-flag check, schedule selection: reads models, schedules and the planner
     ("training",),
     ("cluster",),  # Gavel: core, simulator, worker agents, the scheduler service

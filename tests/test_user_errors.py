@@ -54,6 +54,7 @@ def test_every_error_kind_a_user_fixes_is_a_user_error():
         "ServiceStopped",  # control flow: leaves the scheduler's round loop at shutdown
         "Refusal",  # an HTTP answer of a service to a client (json_http.py), never an entry point's exit
         "QueueFull",  # control flow: the text-generation server answers 503
+        "ReplicaLost",  # control flow: a fault-tolerant replica discards the step and asks for a new quorum
     }
     found = {}
     for module in pkgutil.walk_packages(megapipe.__path__, "megapipe."):

@@ -261,25 +261,26 @@ class PeerCheckpoints:
                          f"at iteration {iteration} arrived damaged (its checksum differs): the disk checkpoint loads")
             return False
         shards, common = decode(payload, f"the peer-memory copy of rank {ps.rank} at iteration {iteration}")
-        saved = {key: _metadata(shard) for key, shard in shards.items()}
+        saved = {key: metadata_of(shard) for key, shard in shards.items()}
         load_state(f"the peer-memory checkpoint of iteration {iteration}", common, saved, self.run,
-                   lambda wanted: _fill(wanted, shards), started)
+                   lambda wanted: fill_from(wanted, shards), started)
         self.saved = [iteration]
         return True
 
 
-def _metadata(shard: Shard):
+def metadata_of(shard: Shard):
     """What a DCP index says of the tensor ``shard`` belongs to (its global size and dtype)."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     return TensorStorageMetadata(TensorProperties(dtype=shard.local.dtype), torch.Size(shard.global_shape), [])
 
 
-def _fill(wanted: dict[str, Shard], held: dict[str, Shard]) -> None:
-    """Copy the held pieces into the blocks the load asks for: the same layout, so the same keys and offsets."""
+def fill_from(wanted: dict[str, Shard], held: dict[str, Shard]) -> None:
+    """Copy the held pieces (a rank's whole state, ``decode``) into the blocks a load asks for: the same layout,
+    so the same keys and offsets."""
     for key, target in wanted.items():
         piece = held.get(key)
         if piece is None or piece.offsets != target.offsets or piece.local.shape != target.local.shape:
-            raise CheckpointError(f"the peer-memory copy lacks {key} at offsets {target.offsets}; relaunch to load "
-                                  "the disk checkpoint.")
+            raise CheckpointError(f"the state copied from a peer lacks {key} at offsets {target.offsets}: it was "
+                                  "written with another layout; relaunch to load the disk checkpoint.")
         target.local.copy_(piece.local)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megapipe.cli.fault_tolerance import check_fault_tolerant_replicas
 from megapipe.cli.selection import AUTO, check_profile, check_search_flags, searched_schedule
 from megapipe.config.notes import tell
 from megapipe.config.operations import validate_operations
@@ -55,7 +56,8 @@ def resolve_run(kind: str, config: Config, world_size: int, ranks_per_node: Opti
     config.optimizer.validate()
     config.optimizer.check_post_validation(pipeline, replicas is not None and max(replicas) > 1)
     _check_training_flags(kind, config)
-    m = train.num_microbatches(data)
+    check_fault_tolerant_replicas(config, pipeline, data)
+    m = train.num_microbatches(data * (train.fault_tolerant_replicas or 1))  # every replica alive
     check_search_flags(config, pipeline)
     plan = RunPlan(kind, family_of(kind, model), config, layout, par.layer_ranges(model.num_layers), m,
                    _schedule(kind, config, pipeline, m, replicas), train.collective_timeout, default_device())

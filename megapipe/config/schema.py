@@ -467,6 +467,20 @@ class TrainingConfig:
         "the log and the cluster scheduler's status; default off"))
     straggler_threshold: float = flag(0.2, help="with --straggler-check-interval: how much slower than its "
                                                 "peers' median a rank must be to be named (0.2: 20%%)")
+    # fault-tolerant replicas (megapipe/replicas/)
+    fault_tolerant_replicas: Optional[int] = flag(None, metavar="N", help=(
+        "train as one of N data-parallel replicas, each its own torchrun job (t x c x p x e x d ranks), that agree "
+        "on a quorum with --lighthouse before every step: a lost replica's step is discarded and the survivors go "
+        "on at the same global batch without a restart; a replica started later (the same command) receives the "
+        "state from a live one and joins; default off"))
+    replica_id: Optional[int] = flag(None, metavar="K", help="with --fault-tolerant-replicas: this replica's number, "
+                                                             "0 to N-1")
+    lighthouse: Optional[str] = flag(None, metavar="HOST:PORT", help=(
+        "with --fault-tolerant-replicas: the lighthouse that decides each step's quorum "
+        "(python -m megapipe.replicas.lighthouse)"))
+    replica_timeout_seconds: float = flag(60.0, help=(
+        "with --fault-tolerant-replicas: how long a collective between replicas waits for a peer before the step "
+        "is discarded"))
     exit_interval: Optional[int] = flag(None, help="save (with --save) and exit every N iterations")
     exit_duration_in_mins: Optional[float] = flag(None, help="save (with --save) and exit once training has run "
                                                              "this long")

@@ -224,19 +224,25 @@ class BatchSource:
         self.data, self.ps, self.device = data, ps, device
         self.seq_length = seq_length
         self.shape = (num_microbatches, micro_batch_size, seq_length // ps.cp_size)
+        self.batch_slice = ps.batch_slice  # which equal slice of each global batch this rank reads
         roles = stage_roles(ps)
         fields = data.fields
         self.fields = sorted({key for role in roles for key in fields[role]})
         self.tensor_fields = self.fields if ps.tp_size > 1 and roles & {"first", "last"} else []
         self.middle_fields = list(fields["middle"]) if _has_middle_only_ranks(ps) else []
 
+    def share(self, num_microbatches: int, batch_slice: tuple[int, int]) -> None:
+        """Read ``num_microbatches`` per batch of slice ``batch_slice`` (index, count) from the next ``batches``
+        on: fault-tolerant replicas after their number changed (``replicas/``)."""
+        self.shape = (num_microbatches,) + self.shape[1:]
+        self.batch_slice = batch_slice
+
     def batches(self, split: str, consumed_samples: int = 0) -> Iterator[list[dict]]:
         """Endless iterator of global batches of ``split`` from ``consumed_samples`` on."""
         loader = None
         if self.data.reads:
             dataset = self.data.datasets[SPLIT_NAMES.index(split)]
-            loader = iter(build_pretraining_data_loader(dataset, consumed_samples, self.shape[1],
-                                                        *self.ps.batch_slice))
+            loader = iter(build_pretraining_data_loader(dataset, consumed_samples, self.shape[1], *self.batch_slice))
         while True:
             yield self._next(loader)
 

@@ -349,6 +349,16 @@ class GradSync:
             self.buffer.untyped_storage().resize_(0)
             self._grad_released = True
 
+    def reduce_across_replicas(self, group, replicas: int):
+        """Start the average, over ``replicas`` fault-tolerant replicas, of the reduced gradients this rank
+        steps (its shard under a sharded optimizer, else the whole buffer), on ``group``: a process group of
+        this rank's counterparts in the other replicas (``replicas/group.py``). Divided before the sum as
+        in ``_start``, so that one rank per replica reduces exactly as the data-parallel group of a run
+        without replicas; the work to wait for."""
+        grads = self.grad_shard if self.level.shards_optimizer else self.buffer
+        grads.mul_(1.0 / replicas)
+        return group.allreduce([grads])
+
     def zero(self) -> None:
         """Clear the gradients before the next step's first microbatch."""
         if any(work is not None for work in self._works.values()):

@@ -20,7 +20,7 @@ import contextlib
 import datetime
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -138,19 +138,45 @@ class PipelineEngine:
         if optimizer_config.enable_optimizer_post_validation:
             self.validation = PostValidation(self.optimizer, ps, timeout)
         self._redo_iteration = False  # the previous step is being amended: this call's list runs again
-        self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
+        # with --fault-tolerant-replicas: averages the gradients with the other replicas before each step, or
+        # raises when one is lost (``replicas/group.py``)
+        self.replica_sync: Optional[Callable[[GradBuffers], None]] = None
         scale_loss = self.optimizer.scale_loss
         if skip_non_finite_loss:
             scale_loss = poisoning_non_finite(scale_loss)
-        self.executor = PipelineExecutor(chunks, ps, self.program, boundary_shape, dtype, device, step=self._step,
-                                         update=self._update, scale_loss=scale_loss,
-                                         scatter_gather=scatter_gather, timeout=timeout, timeline=timeline,
-                                         stores=self.stores, versions_used=versions_used, passes=self.passes,
-                                         overlap_pairs=overlap_moe_comm)
-        self.eval_executor = PipelineExecutor(chunks, ps, forward_only_schedule(*sizes, replicas=ps.stage_replicas,
-                                                                                placement=ps.placement),
-                                              boundary_shape, dtype, device, step=lambda: None,
-                                              scatter_gather=scatter_gather, timeout=timeout, passes=self.passes)
+        self._executor_args = dict(boundary_shape=boundary_shape, dtype=dtype, device=device,
+                                   scatter_gather=scatter_gather, timeout=timeout)
+        self._train_args = dict(step=self._step, update=self._update, scale_loss=scale_loss, timeline=timeline,
+                                stores=self.stores, versions_used=versions_used, overlap_pairs=overlap_moe_comm)
+        self._build_executors(num_microbatches)
+
+    def _build_executors(self, m: int) -> None:
+        """The training and evaluation executors of ``self.program`` for batches of ``m`` microbatches."""
+        ps, chunks = self.ps, self.chunks
+        self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
+        self.executor = PipelineExecutor(chunks, ps, self.program, **self._executor_args, **self._train_args,
+                                         passes=self.passes)
+        evaluation = forward_only_schedule(ps.pp_size, m, ps.virtual_pipeline, replicas=ps.stage_replicas,
+                                           placement=ps.placement)
+        self.eval_executor = PipelineExecutor(chunks, ps, evaluation, **self._executor_args, step=lambda: None,
+                                              passes=self.passes)
+
+    def use_microbatches(self, m: int) -> None:
+        """Run batches of ``m`` microbatches from now on, or start the current size afresh after a discarded
+        step (``discard_step``): the flush schedule rebuilt for m; model, gradients and optimizer kept.
+        Fault-tolerant replicas call it when their number changes (``replicas/``)."""
+        schedule = build_schedule(self.schedule.name, self.ps.pp_size, m,
+                                  self.ps.virtual_pipeline)
+        self.program = FlushProgram(overlapped_schedule(schedule) if self._train_args["overlap_pairs"] else schedule)
+        self.schedule = self.program.schedule
+        self._build_executors(m)
+
+    def discard_step(self) -> None:
+        """Forget the step that was running when ``replica_sync`` raised: its gradients are cleared and the
+        optimizer did not step; ``use_microbatches`` must follow before the next batch."""
+        self._steps = []
+        self.optimizer.zero_grad()
+        self.passes.updated(list(range(len(self.chunks))))
 
     def complete_communication(self) -> None:
         """Wait for the data-parallel weight gathers still in flight (``--overlap-param-gather`` leaves
@@ -188,6 +214,8 @@ class PipelineEngine:
         """Finalise the gradients of one optimizer's chunks (all of them for a flush) and step it."""
         chunks, group_ps = self._groups[group]
         finalize_model_grads(chunks, group_ps, self.grads[group])
+        if self.replica_sync is not None:
+            self.replica_sync(self.grads[group])
         result = self.optimizers[group].step()
         self._after_step(group, result)
         return result

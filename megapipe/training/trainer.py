@@ -34,7 +34,9 @@ from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks
 from megapipe.models.moe import moe_layer_stats
 from megapipe.training.exits import ExitConditions
+from megapipe.replicas.group import ReplicaLost
 from megapipe.training.hang_watchdog import HangWatchdog
+from megapipe.training.replica_steps import ReplicaSteps
 from megapipe.training.sigterm import SigtermNotice
 from megapipe.training.stragglers import StragglerCheck
 from megapipe.checkpointing.paths import read_latest
@@ -117,6 +119,8 @@ class Trainer:
                                   self.tokenizer)  # what checkpoints save and load
         self.batches = BatchSource(self.data, self.ps, self.device, t.micro_batch_size, config.model.seq_length,
                                    self.m)
+        # with --fault-tolerant-replicas: the quorum before each step, the gradients averaged across replicas
+        self.replica_steps = ReplicaSteps(self) if t.fault_tolerant_replicas else None
         self.flops = plan.family.flops(config.model, t.global_batch_size,
                                                          recompute=config.model.recompute_granularity == "full")
         self.peak_tflops = t.device_peak_tflops or device_peak_tflops(device_name(self.device))
@@ -157,6 +161,8 @@ class Trainer:
             return
         batches = self.train_batches()
         while reason is None and self.state.iteration < t.train_iters:
+            if self.replica_steps is not None:
+                batches = self.replica_steps.before_step(batches)
             reason = self.train_iteration(batches)
         self._finish(reason)
 
@@ -173,7 +179,11 @@ class Trainer:
         t = self.config.training
         if self.stragglers is not None:
             self.stragglers.begin()
-        result = self.engine.train_batch(next(batches))
+        try:
+            result = self.engine.train_batch(next(batches))
+        except ReplicaLost as lost:  # only with --fault-tolerant-replicas: the step runs again (``replica_steps``)
+            self.replica_steps.discard(lost)
+            return None
         self.state.iteration += 1
         if self.stragglers is not None:
             self._check_stragglers()
@@ -239,7 +249,12 @@ class Trainer:
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save-interval`` saves a checkpoint after ``iteration``."""
         t = self.config.training
-        return bool(t.save and t.save_interval and iteration % t.save_interval == 0)
+        return bool(t.save and t.save_interval and iteration % t.save_interval == 0) and self._writes_checkpoints
+
+    @property
+    def _writes_checkpoints(self) -> bool:
+        """Whether this run writes its disk checkpoints: of fault-tolerant replicas, only the quorum's first."""
+        return self.replica_steps is None or self.replica_steps.saves
 
     def _finish(self, reason: Optional[str]) -> None:
         """End the run, at --train-iters (``reason`` None) or early on an exit condition.
@@ -257,7 +272,7 @@ class Trainer:
         if reason is None:
             self._count(self.engine.drain())
             self._count_steps()
-        if t.save and self.saved_iteration != self.state.iteration:
+        if t.save and self.saved_iteration != self.state.iteration and self._writes_checkpoints:
             self._checkpoint(t.save, last=True)
         if reason is None:
             if self.state.iteration % t.eval_interval:
@@ -271,6 +286,8 @@ class Trainer:
             self.checkpointer.wait()
         if self.peer_checkpoints is not None:
             self.peer_checkpoints.wait()
+        if self.replica_steps is not None:
+            self.replica_steps.close()
         self._close()
 
     def _close(self) -> None:
@@ -366,6 +383,9 @@ class Trainer:
                               for total, count in named.values()])
         if self.ps.is_last_stage and self.ps.dp_size > 1:
             dist.all_reduce(totals, group=self.ps.dp_group)
+        if self.replica_steps is not None and self.logs_loss and not self.replica_steps.sum_(totals):
+            self.logger.print("> replicas: a replica was lost after the step: the next line's losses are this "
+                              "replica's share of the batch only")
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
         return dict(zip(named, means.tolist()))
 
