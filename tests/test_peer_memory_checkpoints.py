@@ -44,6 +44,9 @@ def test_damaged_stale_and_foreign_copies_are_passed_over_and_named():
     assert notes == ["the copy of rank 1's state at iteration 6 held by rank 0 (host-0) fails its checksum: not used",
                      "iteration 6 is incomplete: no good copy of the state of rank(s) 1"]
     assert choose(damaged, 2, LAYOUT, disk_iteration=4)[0] is None  # 3 is older than the disk's 4
+    iteration, sources, notes = choose(damaged, 2, LAYOUT, disk_iteration=6)  # the disk holds 6 too
+    assert iteration == 6 and list(sources) == [0] and notes[-1] == (
+        "no good copy of the state of rank(s) 1 at iteration 6: read from the disk checkpoint of that iteration")
     foreign = [_held(0, 6, 0, layout="(t, p, d) = (2, 1, 1)"), _held(1, 6, 0)]
     iteration, _, notes = choose(foreign, 2, LAYOUT, disk_iteration=None)
     assert iteration is None and "was written with (t, p, d) = (2, 1, 1), not this run's (t, p, d) = (1, 1, 2)" in notes[0]
@@ -87,7 +90,9 @@ def _lose_host_and_relaunch(rank, world_size, root, cache):
     """Run A stops after iteration 7 with copies at 3 and 6 and disk checkpoints at 4 (its exit checkpoint at 7 is
     removed: the disk holds 4, as after a crash). Relaunch B1 finds rank 1's copy at rank 0 damaged and loads the
     disk; relaunch B2, with rank 1's host memory gone and the disk's shard files emptied, restores iteration 6
-    from rank 0's copy. Each must train on exactly as the uninterrupted run."""
+    from rank 0's copy. Then, with disk checkpoints at 3 and 6 as well and both copies of rank 1's state lost,
+    rank 0 restores its copy of 6 and rank 1 reads its state from the disk's 6. Each must train on exactly as the
+    uninterrupted run."""
     disk, local = os.path.join(root, "ckpt"), os.path.join(root, "local")
     keep = ["--save", disk, "--load", disk, "--save-interval", "4", "--local-checkpoint-interval", "3",
             "--local-checkpoint-dir", local]
@@ -122,11 +127,28 @@ def _lose_host_and_relaunch(rank, world_size, root, cache):
                 open(os.path.join(paths.iteration_dir(disk, 4), name), "w").close()  # a read would fail
     dist.barrier()
     _, from_peer = train(FLAGS + keep, cache)
-    return from_disk == reference[4:], from_peer == reference[6:]
+    dist.barrier()
+    if rank == 0:  # disk checkpoints at 3 and 6 as well: rank 1's state, of which no copy is left, comes from there
+        shutil.rmtree(root)
+        shutil.copytree(root + ".pristine", root)
+        shutil.rmtree(local)  # a fresh run
+        shutil.rmtree(disk)
+    dist.barrier()
+    _, second = train(FLAGS + keep + ["--save-interval", "3", "--exit-interval", "7"], cache)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(paths.iteration_dir(disk, 7))
+        with open(os.path.join(disk, paths.LATEST), "w") as f:
+            f.write("6")
+        shutil.rmtree(os.path.join(local, "local_rank_1"))  # host 1's memory is gone,
+        os.remove(held_for_rank_1)  # and so is the copy host 0 held of it
+    dist.barrier()
+    _, mixed = train(FLAGS + keep + ["--save-interval", "3"], cache)
+    return from_disk == reference[4:], from_peer == reference[6:], second == reference[:7] and mixed == reference[6:]
 
 
 @pytest.mark.distributed
 def test_a_relaunch_after_a_host_loss_resumes_from_the_peers_copy_without_the_disk(tmp_path, tmp_path_factory):
     results = run_distributed(2, _lose_host_and_relaunch, str(tmp_path / "run"), session_cache(tmp_path_factory),
                               timeout=300)
-    assert results == [(True, True), (True, True)]
+    assert results == [(True, True, True), (True, True, True)]

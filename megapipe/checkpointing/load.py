@@ -30,7 +30,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.in_flight import InFlight
 
 
-def _open(directory: str, kind: str) -> tuple[str, Common, dict]:
+def open_checkpoint(directory: str, kind: str) -> tuple[str, Common, dict]:
     """(checkpoint directory, its JSON part, its tensor index), or CheckpointError."""
     path = find_checkpoint(directory)
     if path is None:
@@ -53,7 +53,7 @@ def _targets(source: str, common: Common, saved: dict, entries, ps: ParallelStat
 
 def load_weights(directory: str, kind: str, chunks, ps: ParallelState, config: ModelConfig) -> Common:
     """Load only the weights of a checkpoint into ``chunks`` (any layout; collective over all ranks)."""
-    path, common, saved = _open(directory, kind)
+    path, common, saved = open_checkpoint(directory, kind)
     targets = _targets(f"checkpoint {path}", common, saved, param_entries(chunks), ps, config, False, False)
     read_shards(targets.shards, path)
     apply_weights(targets)
@@ -73,7 +73,7 @@ def load_checkpoint(directory: str, run: RunState) -> None:
         run.log(f"> no checkpoint in {directory} yet: starting from iteration 0")
         return
     started = time.perf_counter()
-    path, common, saved = _open(directory, run.kind)
+    path, common, saved = open_checkpoint(directory, run.kind)
     load_state(f"checkpoint {path}", common, saved, run, lambda shards: read_shards(shards, path), started)
 
 

@@ -32,10 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megapipe.checkpointing.common import Common, SavedLayout
-from megapipe.checkpointing.load import load_state
+from megapipe.checkpointing.load import load_state, open_checkpoint
+from megapipe.checkpointing.paths import read_latest
 from megapipe.checkpointing.run_state import RunState
 from megapipe.checkpointing.save import training_state
 from megapipe.checkpointing.shards import Shard
+from megapipe.checkpointing.storage import read_shards
 from megapipe.errors import CheckpointError
 
 NAME = re.compile(r"iter_(\d{7})_rank_(\d{5})\.bin")
@@ -59,7 +61,8 @@ class Held:
 def choose(held: list[Held], world_size: int, layout: str,
            disk_iteration: Optional[int]) -> tuple[Optional[int], dict[int, Held], list[str]]:
     """The iteration to restore (None: load the disk checkpoint), the copy each rank takes (its own where
-    good), and one sentence per copy or iteration passed over."""
+    good; a rank without one at the disk checkpoint's iteration reads that), and one sentence per copy or
+    iteration passed over."""
     notes, usable = [], []
     for copy in held:
         problem = copy.problem or (None if copy.layout == layout else
@@ -79,8 +82,11 @@ def choose(held: list[Held], world_size: int, layout: str,
         missing = [rank for rank in range(world_size) if rank not in copies]
         if not missing:
             return iteration, copies, notes
-        notes.append(f"iteration {iteration} is incomplete: no good copy of the state of rank(s) "
-                     f"{', '.join(map(str, missing))}")
+        ranks = ", ".join(map(str, missing))
+        if iteration == disk_iteration and copies:  # what no peer holds comes from the disk, the rest from memory
+            return iteration, copies, notes + [f"no good copy of the state of rank(s) {ranks} at iteration "
+                                               f"{iteration}: read from the disk checkpoint of that iteration"]
+        notes.append(f"iteration {iteration} is incomplete: no good copy of the state of rank(s) {ranks}")
     return None, {}, notes
 
 
@@ -218,12 +224,13 @@ class PeerCheckpoints:
         if error is not None:
             raise CheckpointError(f"keeping the peer-memory checkpoint in {self.directory} failed: {error}") from error
 
-    def restore(self, disk_iteration: Optional[int]) -> bool:
-        """Load the newest complete set of copies not older than the disk checkpoint (``disk_iteration``,
-        None without one) and return True, or return False, having said why, for the disk to load
-        (collective)."""
+    def restore(self, directory: str) -> bool:
+        """Load the newest complete set of copies not older than the disk checkpoint in ``directory`` (``--load``;
+        at that checkpoint's iteration, a rank no copy is left of reads its own state from it) and return True,
+        or return False, having said why, for the disk to load (collective)."""
         started = time.perf_counter()
         ps = self.run.ps
+        disk_iteration = read_latest(directory) if os.path.isdir(directory) else None
         held, payloads = read_copies(self.directory, ps.rank)
         everyone: list = [None] * ps.world_size
         dist.all_gather_object(everyone, held)
@@ -239,24 +246,27 @@ class PeerCheckpoints:
             return False
         from_peers = [f"rank {owner}'s from rank {copy.holder} ({copy.host})" for owner, copy in sorted(sources.items())
                       if copy.holder != owner]
+        from_peers += [f"rank {rank}'s from the disk" for rank in range(ps.world_size) if rank not in sources]
         self.run.log(f"> restoring iteration {iteration} from peer memory (the disk checkpoint holds "
                      f"{'none' if disk_iteration is None else disk_iteration}): every rank's state from its own host"
                      + (f" but {', '.join(from_peers)}" if from_peers else ""))
-        mine = sources[ps.rank]
+        mine = sources.get(ps.rank)
         works, incoming = [], None
         for owner, copy in sources.items():
             if copy.holder == ps.rank and owner != ps.rank:
                 works.append(dist.isend(torch.frombuffer(bytearray(payloads[(owner, iteration)]), dtype=torch.uint8),
                                         owner))
-        if mine.holder != ps.rank:
+        if mine is not None and mine.holder != ps.rank:
             incoming = torch.empty(mine.size, dtype=torch.uint8)
             works.append(dist.irecv(incoming, mine.holder))
         for work in works:
             work.wait()
+        if mine is None:
+            return self._read_own_from_disk(directory, started)
         payload = payloads[(ps.rank, iteration)] if incoming is None else incoming.numpy().tobytes()
         damaged: list = [None] * ps.world_size
         dist.all_gather_object(damaged, digest(payload) != mine.digest)
-        if any(damaged):  # on the way: every rank falls back together
+        if any(damaged):  # on the way: every rank falls back together (disk readers see it in the same gather)
             self.run.log(f"> peer-memory checkpoint: the state of rank(s) {[r for r, bad in enumerate(damaged) if bad]} "
                          f"at iteration {iteration} arrived damaged (its checksum differs): the disk checkpoint loads")
             return False
@@ -265,6 +275,18 @@ class PeerCheckpoints:
         load_state(f"the peer-memory checkpoint of iteration {iteration}", common, saved, self.run,
                    lambda wanted: fill_from(wanted, shards), started)
         self.saved = [iteration]
+        return True
+
+    def _read_own_from_disk(self, directory: str, started: float) -> bool:
+        """This rank's state from the disk checkpoint, read without the other ranks (which load their copies)."""
+        damaged: list = [None] * self.run.ps.world_size
+        dist.all_gather_object(damaged, False)
+        if any(damaged):
+            return False
+        path, common, saved = open_checkpoint(directory, self.run.kind)
+        load_state(f"the peer-memory checkpoint of iteration {common.iteration} (this rank's state from {path})",
+                   common, saved, self.run, lambda wanted: read_shards(wanted, path, no_dist=True), started)
+        self.saved = [common.iteration]
         return True
 
 

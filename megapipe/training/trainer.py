@@ -128,8 +128,7 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def train(self) -> None:
         t = self.config.training
-        if t.load and not (self.peer_checkpoints is not None and
-                           self.peer_checkpoints.restore(read_latest(t.load) if os.path.isdir(t.load) else None)):
+        if t.load and not (self.peer_checkpoints is not None and self.peer_checkpoints.restore(t.load)):
             self.checkpointer.load(t.load)
         lease = self.exit_conditions.lease
         if lease is not None:
