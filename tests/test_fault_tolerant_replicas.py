@@ -131,6 +131,7 @@ def _run(make_test_hosts, tmp_path, tmp_path_factory, nproc: int, extra: list[st
     print(f"kills and rejoins (first iteration alone, first together again): {history}; seconds from each kill to "
           f"the survivor's next step: {[round(p, 1) for p in pauses]}; steps discarded: {discarded}")
     assert max(pauses) < RESUME_SECONDS, pauses
+    assert discarded <= cycles  # at most the step under way at each kill
     survivor = {i: v for i, v in logged(replicas.jobs[0].lines).items() if i <= last}
     assert sorted(survivor) == list(range(1, last + 1))  # each iteration once: only the step under way was lost
     switches = [(0, 2 * nproc)] + [(edge - 1, n) for alone, together in history
