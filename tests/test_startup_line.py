@@ -34,7 +34,8 @@ def test_the_line_names_every_degree_the_schedule_sharding_precision_and_backend
     ps = state_of(layout, layout.loss_rank())
     assert line_of(ps) == ("> GPT training on 8 ranks: t 2, c 1, e 1, p 2, v 1, d 2 | logged by rank 4: tensor 0/2, "
                            "stage 1/2, data 0/2 | schedule 1f1b with 8 microbatches of 2 | data-parallel sharding "
-                           "optim | precision bfloat16 | fusion backend eager (why) | vocabulary 261 | mock data")
+                           "optim | precision bfloat16 | fusion backend eager (why) | vocabulary 261 | mock data | "
+                           "1 communicator per rank")  # the state of this test builds no groups
 
 
 def test_a_two_stage_plan_counts_two_stages_not_its_three_workers():

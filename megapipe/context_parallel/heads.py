@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapipe.parallel import progress
+
 
 def _to_heads(x: torch.Tensor, group, size: int) -> torch.Tensor:
     b, heads, n, d = x.shape
     send = x.reshape(b, size, heads // size, n, d).transpose(0, 1).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)  # received[r]: rank r's tokens, my heads
+    with progress.collective("the heads' all_to_all", group):
+        dist.all_to_all_single(received, send, group=group)  # received[r]: rank r's tokens, my heads
     return received.permute(1, 2, 0, 3, 4).reshape(b, heads // size, size * n, d)
 
 
@@ -24,7 +27,8 @@ def _to_sequence(y: torch.Tensor, group, size: int) -> torch.Tensor:
     n = sn // size
     send = y.reshape(b, heads, size, n, d).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)  # received[r]: my tokens, rank r's heads
+    with progress.collective("the heads' all_to_all", group):
+        dist.all_to_all_single(received, send, group=group)  # received[r]: my tokens, rank r's heads
     return received.transpose(0, 1).reshape(b, size * heads, n, d)
 
 

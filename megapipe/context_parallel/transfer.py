@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.context_parallel.timeline import Timeline
+from megapipe.parallel import progress
 
 
 class Ring:
@@ -53,8 +54,10 @@ class Transfer:
         self.timeline, self.phase, self.step, self.start = timeline, phase, step, start
 
     def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            work.wait()
+        with progress.collective(f"the context ring's {self.phase} step {self.step}", self.ops[0].group,
+                                 counted=False):
+            for work in self.works:
+                work.wait()
         if self.timeline is not None:
             self.timeline.add(self.phase, self.step, "transfer", self.start)
         return self.received

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from megapipe.parallel import exposure
 from megapipe.schedules.overlap import PairPlan, Segment
 
 _running: dict[bool, Optional["PairGate"]] = {False: None, True: None}  # per direction (backward?): its pair's gate
@@ -41,7 +42,7 @@ class PairGate:
         return min(wanted, default=0)
 
     def _wait_turn(self, backward: bool) -> None:
-        with self._cond:
+        with exposure.idle(), self._cond:
             self._cond.wait_for(lambda: self._failed or self._slot() == self.plan.slot_of(backward,
                                                                                           self._segment[backward]))
             if self._failed:

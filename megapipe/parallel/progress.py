@@ -3,7 +3,9 @@ main thread's CPU time by phase.
 
 The hang watchdog (``training/hang_watchdog.py``) reads it from its own thread; the code it describes
 writes it, cheaply, as it goes: ``collective(name, group)`` around every blocking collective of
-``collectives.py`` and every wait for a pipeline message, ``action(text)`` for each schedule action.
+``collectives.py`` and every wait for an asynchronous one or a pipeline message, ``action(text)`` for each
+schedule action. Each such wait is also a span of exposed communication (``exposure.py``), of the kind
+``name_group`` gave the group.
 Each group's collectives are numbered in the order this rank enters them, the same on every member,
 so a rank stuck in collective n of a group can tell which members never reached n. The straggler check
 (``training/stragglers.py``) reads the main thread's CPU seconds per phase (passes, optimizer step,
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
+
+from megapipe.parallel import exposure
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,15 @@ class Progress:
 
 PROGRESS = Progress()
 _GROUP_NAMES: dict[int, str] = {}
+_GROUP_KINDS: dict[int, str] = {}
 
 
-def name_group(group, name: str) -> None:
-    """Name ``group`` (a process group of ``ParallelState``) for reports."""
+def name_group(group, name: str, kind: str = "other") -> None:
+    """Name ``group`` (a process group of ``ParallelState``) for reports, and say what its communication is
+    (tensor, context, expert, pipeline, data, other) for the exposed-communication counts."""
     if group is not None:
         _GROUP_NAMES[id(group)] = name
+        _GROUP_KINDS[id(group)] = kind
 
 
 _RANKS: dict[int, tuple] = {}  # id(group) -> (a weak reference to it, its ranks): asked once per group, not per
@@ -97,7 +104,8 @@ def collective(name: str, group, counted: bool = True):
     now = time.monotonic()
     PROGRESS.waiting, PROGRESS.changed = Waiting(name, label, ranks, number, now), now
     try:
-        yield
+        with exposure.waiting(_GROUP_KINDS.get(id(group), "other")):
+            yield
     finally:
         PROGRESS.waiting, PROGRESS.changed = None, time.monotonic()
 

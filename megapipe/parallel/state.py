@@ -49,13 +49,17 @@ def _group(role: str, ranks: list[int], timeout: Optional[datetime.timedelta]):
     key = (dist.group.WORLD, role, tuple(ranks), timeout)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
-        name_group(_GROUPS[key], f"the {role.replace('_', '-')} group (ranks {', '.join(map(str, ranks))})")
+        name_group(_GROUPS[key], f"the {role.replace('_', '-')} group (ranks {', '.join(map(str, ranks))})",
+                   _KINDS.get(role, "other"))
     return _GROUPS[key]
 
 
 # a group with the ranks of a dense group is that group: an expert group when e = 1 or etp = t, the
 # data-x-context group when c = 1 (the experts' data group is one of the two)
 _SHARED_ROLES = {"expert_tensor": "tensor", "expert_data": "data", "data_context": "data"}
+# what the communication of each role's group is, in the exposed-communication counts (``exposure.py``)
+_KINDS = {"tensor": "tensor", "context": "context", "context_a2a": "context", "context_ring": "context",
+          "data": "data", "expert": "expert", "pipeline": "pipeline"}
 # groups of one rank among these are None: nothing to communicate, no communicator made
 _OPTIONAL = ("expert", "expert_tensor", "expert_data", "context", "context_a2a", "context_ring")
 
@@ -151,6 +155,12 @@ class ParallelState:
                     state.groups[name] = group
                     state.members[name] = list(ranks)
         return state
+
+    def communicators(self) -> int:
+        """The process groups this rank belongs to, the world's included: each holds a communicator (on NCCL,
+        device memory too). Roles with the same ranks share one (``_SHARED_ROLES``); a role of one rank
+        that needs no communication has none (``_OPTIONAL``)."""
+        return 1 + len({id(group) for group in self.groups.values() if group is not None})
 
     def stage_view(self) -> "ParallelState":
         """This rank's stage seen as a whole model: the same tensor and data groups, no pipeline.

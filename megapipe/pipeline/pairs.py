@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megapipe.parallel import exposure
 from megapipe.parallel.comm_overlap import PairGate
 from megapipe.parallel.launch import side_stream
 from megapipe.schedules.overlap import PAIR, Segment
@@ -33,12 +34,16 @@ def run_pair(forward: Callable[[], object], backward: Callable[[], object], devi
                 gate.run(True, backward)
         except BaseException as error:  # handed to the caller's thread
             failures.append(error)
+        finally:
+            exposure.thread_ends()
 
     thread = threading.Thread(target=run_backward, name="overlapped backward", daemon=True)
+    exposure.thread_starts(thread)
     thread.start()
     try:
         gate.run(False, forward)
     finally:
-        thread.join()
+        with exposure.idle():
+            thread.join()
     if failures:
         raise failures[0]

@@ -17,12 +17,14 @@ from megapipe.parallel.state import ParallelState
 def startup_line(kind: str, ps: ParallelState, schedule: str, microbatches: int, micro_batch_size: int,
                  sharding: str, precision: str, fusion_backend: str, vocabulary: int, data: str) -> str:
     """``> GPT training on 4 ranks: t 1, c 1, e 1, p 2, v 1, d 2 | logged by rank 1: ... | schedule ...``:
-    every parallel degree, the schedule, the data-parallel sharding level, the precision and the
-    fused-kernel backend."""
+    every parallel degree, the schedule, the data-parallel sharding level, the precision, the
+    fused-kernel backend, the data, and how many communicators (process groups) the rank holds."""
     ranks = f"{ps.world_size} rank{'' if ps.world_size == 1 else 's'}"
+    communicators = ps.communicators()
     return (f"> {kind.upper()} training on {ranks}: {ps.degrees.text()} | logged by {ps.describe()} | "
             f"schedule {schedule} with {microbatches} microbatches of {micro_batch_size} | data-parallel sharding "
-            f"{sharding} | precision {precision} | fusion backend {fusion_backend} | vocabulary {vocabulary} | {data}")
+            f"{sharding} | precision {precision} | fusion backend {fusion_backend} | vocabulary {vocabulary} | {data} | "
+            f"{communicators} communicator{'' if communicators == 1 else 's'} per rank")
 
 
 def where_losses_are_logged(ps: ParallelState, local_rank: int, ranks_per_node: Optional[int]) -> Optional[str]:
