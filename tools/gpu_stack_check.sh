@@ -34,6 +34,7 @@ done
 # minutes on 2 cores; the whole suite passes on this stack too (python -m pytest -q in VENV_DIR).
 TESTS=(
     tests/test_parallel_state.py tests/test_tensor_parallel.py tests/test_pipeline_p2p.py  # process groups, collectives
+    tests/test_tensor_parallel_overlap.py tests/test_exposure.py  # asynchronous collectives behind products
     tests/test_collectives.py tests/test_peer_messages.py tests/test_device_choice.py
     tests/test_hang_watchdog.py tests/test_host_memory.py                                 # the job store, the heap
     tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels

@@ -276,6 +276,10 @@ class ParallelConfig:
         "ranks each expert's ffn dimension is split over: --tensor-model-parallel-size (the default) or a divisor of "
         "it, each group of that many tensor ranks dispatching its share of the tokens (docs/moe.md)"))
     sequence_parallel: bool = False
+    async_tensor_model_parallel_allreduce: bool = flag(True, name="--no-async-tensor-model-parallel-allreduce",
+                                                       negate=True, help=(
+        "reduce the column-parallel linears' input gradients after their backward instead of behind its "
+        "weight-gradient product (the same numbers; for comparisons, docs/parallelism.md)"))
     # context parallelism: each sequence split over c ranks of a replica (layout/context.py, layout/context_comm.py)
     context_parallel_size: int = flag(1, help=(
         "ranks each sequence is split over (2c chunks, rank i holding chunks i and 2c-1-i); they sit between the "

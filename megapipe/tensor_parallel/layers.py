@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megapipe.parallel.state import ParallelState
+from megapipe.tensor_parallel.column_input import ColumnInput
 from megapipe.tensor_parallel.fp8_linear import parallel_linear
 from megapipe.tensor_parallel.split_backward import linear
 from megapipe.tensor_parallel import mappings
@@ -34,7 +35,7 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: each rank computes its slice of the outputs.
 
     The input enters through f (or, with sequence parallelism, an all-gather along the
-    sequence). ``gather_output`` all-gathers the result; ``skip_bias_add`` returns the bias
+    sequence), whose backward collectives run behind the products (``column_input.py``). ``gather_output`` all-gathers the result; ``skip_bias_add`` returns the bias
     separately so the caller can fuse it into the next element-wise op.
     """
 
@@ -44,6 +45,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.ps, self.gather_output, self.skip_bias_add = ps, gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
+        self.column_input = ColumnInput(ps.tp_group, sequence_parallel)
         local_out = divide(out_features, ps.tp_size)
         self.weight = _init_weight((out_features, in_features), init_std, seed, f"{name}.weight", ps, 0, dtype, device)
         mark_tensor_parallel(self.weight, 0)
@@ -54,12 +56,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.ps.tp_group)
-        else:
-            x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = parallel_linear(x, self.weight, bias)  # FP8 under --fp8-format
+        y = parallel_linear(x, self.weight, bias, self.column_input)  # FP8 under --fp8-format
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.ps.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -138,11 +136,7 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, ps: 
     Rows past the real ``vocab_size`` (padding for divisibility) get -inf, so the padding
     never takes probability mass and the model computes the same function for every t.
     """
-    if sequence_parallel:
-        hidden = mappings.gather_from_sequence_parallel_region(hidden, ps.tp_group)
-    else:
-        hidden = mappings.copy_to_tensor_parallel_region(hidden, ps.tp_group)
-    logits = linear(hidden, word_embeddings, bias)
+    logits = linear(hidden, word_embeddings, bias, ColumnInput(ps.tp_group, sequence_parallel))
     per_rank = word_embeddings.shape[0]
     first_padded = vocab_size - ps.tp_rank * per_rank
     if first_padded < per_rank:  # in place: the matmul's backward does not need its output

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from megapipe.parallel.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce_copy(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` in a new tensor: for a gradient, which autograd may have handed to
+    another function too (an addition's backward passes one tensor to both operands)."""
     if group_size(group) == 1:
         return x
     out = x.clone()
@@ -73,13 +75,18 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce_copy(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
+    """g: the partial results are summed where they are (a product's output, which no backward reads), no copy."""
+
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if group_size(group) > 1:
+            all_reduce(x, group)
+            ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

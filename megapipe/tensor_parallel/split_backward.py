@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megapipe.tensor_parallel.column_input import ColumnInput, backward_products
 from megapipe.tensor_parallel.grad_accumulation import WeightGradient, accumulate_product, main_grad_target
 
 Deferred = list[tuple[torch.Tensor, WeightGradient]]
@@ -83,38 +84,49 @@ def weight_gradient(weight: torch.Tensor, gradient: WeightGradient) -> Optional[
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` over 2-d inputs whose weight gradient can be deferred to BW (module docstring)."""
+    """``F.linear`` over 2-d inputs whose weight gradient can be deferred to BW (module docstring), and
+    whose input may enter the tensor-parallel region inside it (``column_input.py``)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias):
-        ctx.save_for_backward(inp, weight)
+    def forward(ctx, inp, weight, bias, column_input: Optional[ColumnInput]):
+        ctx.save_for_backward(inp, weight)  # with sequence parallelism, this rank's rows only
         ctx.weight = weight  # whose gradient it is: under saved-tensor hooks the saved one comes back a copy
-        ctx.has_bias = bias is not None
-        return F.linear(inp, weight, bias)
+        ctx.has_bias, ctx.column_input = bias is not None, column_input
+        return F.linear(inp if column_input is None else column_input.gather(inp), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         inp, weight = ctx.saved_tensors
-        needs_inp, needs_weight, needs_bias = ctx.needs_input_grad
-        grad_inp = grad_output.mm(weight) if needs_inp else None
+        needs_inp, needs_weight, needs_bias, _ = ctx.needs_input_grad
+
+        def weight_grad(full_input):
+            if not needs_weight:
+                return None
+            return weight_gradient(ctx.weight, WeightGradient(
+                lambda: grad_output.t().mm(full_input),
+                lambda main_grad: accumulate_product(main_grad, grad_output.t(), full_input)))
+
+        grad_inp, grad_weight = backward_products(ctx.column_input, inp,
+                                                  (lambda: grad_output.mm(weight)) if needs_inp else None,
+                                                  weight_grad)
         grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
-        grad_weight = None
-        if needs_weight:
-            grad_weight = weight_gradient(ctx.weight, WeightGradient(
-                lambda: grad_output.t().mm(inp),
-                lambda main_grad: accumulate_product(main_grad, grad_output.t(), inp)))
-        return grad_inp, grad_weight, grad_bias
+        return grad_inp, grad_weight, grad_bias, None
 
 
-def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           column_input: Optional[ColumnInput] = None) -> torch.Tensor:
     """``F.linear(inp, weight, bias)``; inside ``deferring_weight_gradients`` its weight gradient waits for BW.
+    With ``column_input`` the input first enters the tensor-parallel region, its collectives fused into the
+    backward where that applies (``column_input.py``).
 
     The function itself works on the rows ``[tokens, features]`` and the view back to the input's
     leading dimensions is taken outside it, so the output may be modified in place like F.linear's.
     """
+    if column_input is not None and not column_input.fused():
+        inp, column_input = column_input.enter(inp), None
     # evaluation and generation have no backward to split, and a compiled layer's backward computes every
     # gradient at once (``models/compiled_layers.py``)
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return F.linear(inp, weight, bias)
-    rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias)
-    return rows.view(*inp.shape[:-1], weight.shape[0])
+    rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias, column_input)
+    return rows.view(-1, *inp.shape[1:-1], weight.shape[0])

@@ -29,6 +29,8 @@ from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenize
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.errors import CheckpointError
 from megapipe.fusions.fp8_mode import select_fp8
+from megapipe.tensor_parallel.column_input import overlap_tensor_parallel_communication
+from megapipe.parallel import exposure
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
 from megapipe.models.flops import device_peak_tflops
 from megapipe.models import build_model_chunks
@@ -63,6 +65,7 @@ class Trainer:
         self.timeout = timeout = plan.timeout  # of every collective, side groups' too
         self.device = init_distributed(timeout, plan.device)
         select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
+        overlap_tensor_parallel_communication(config.parallel.async_tensor_model_parallel_allreduce)
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.lease.client import ClusterLease
 
@@ -244,6 +247,19 @@ class Trainer:
         for _ in range(warmup):
             self.train_iteration(batches)
         return count_synchronisations(lambda: self.train_iteration(batches), iterations, self.device)
+
+    def exposed_communication(self, iterations: int, warmup: int = 1) -> dict[str, float]:
+        """Seconds per iteration in which this rank computed nothing while it waited on communication, per
+        kind (tensor, context, expert, pipeline, data, other; ``parallel/exposure.py``), over ``iterations``
+        training iterations after ``warmup`` ones; they train the model from where the run stands."""
+        batches = self.train_batches()
+        for _ in range(warmup):
+            self.train_iteration(batches)
+        before = exposure.totals()
+        for _ in range(iterations):
+            self.train_iteration(batches)
+        after = exposure.totals()
+        return {kind: (seconds - before.get(kind, 0.0)) / iterations for kind, seconds in after.items()}
 
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save-interval`` saves a checkpoint after ``iteration``."""
