@@ -196,7 +196,33 @@ def check_memory(rank, world_size):
 
 
 def two_replicas(rank, world_size):
-    return check_memory(rank, world_size), check_overlap_timeline(rank, world_size)
+    return check_memory(rank, world_size), check_overlap_timeline(rank, world_size), check_forward_waits(rank,
+                                                                                                        world_size)
+
+
+def check_forward_waits(rank, world_size):
+    """ZeRO-1 with --overlap-param-gather at d = 2: after a step, the order the weight gathers were issued in
+    and, through the next forward, each unit's start and each bucket wait (with the buckets still in flight)."""
+    initial = initial_weights()
+    config, ps, chunks, engine = build((1, 1, world_size, "1f1b", 1, 2), "optim", True, initial)
+    batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=i) for i in range(2)]
+    engine.train_batch(batches)  # the first forward learns the units; the step starts the gathers
+    sync, units = engine.syncs[0], engine.passes.forward_waits[0].units
+    issued = list(sync._weight_works)
+    unit_buckets = [sorted(sync.bucket_indices(unit.parameters())) for unit in units]
+    events, wait = [], sync.wait_for_buckets
+
+    def recording_wait(indices):
+        events.append(("wait", sorted(i for i in indices if i in sync._weight_works)))
+        wait(indices)
+        events.append(("in flight", sorted(sync._weight_works)))
+
+    sync.wait_for_buckets = recording_wait
+    for index, unit in enumerate(units):
+        unit.register_forward_pre_hook(lambda module, args, index=index: events.append(("run", index)))
+    engine.train_batch(batches)
+    first_use = [next(i for i, unit in enumerate(unit_buckets) if bucket in unit) for bucket in issued]
+    return issued, first_use, unit_buckets, events
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +267,30 @@ def check_overlap_timeline(rank, world_size):
 
 @pytest.mark.distributed
 def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_runs):
-    for _, (reductions, (b_start, b_end), buckets) in two_replica_runs:
+    for _, (reductions, (b_start, b_end), buckets), _ in two_replica_runs:
         assert buckets > 2 and len(reductions) == buckets
         during = [r for r in reductions if b_start <= r[1] < b_end]
         # every bucket but the late one (tied embedding) starts inside the last backward
         assert len(during) >= buckets - 1, (reductions, b_start, b_end)
         assert all(r[2] is not None for r in reductions)
+
+
+@pytest.mark.distributed
+def test_overlapped_weight_gathers_are_issued_in_forward_order_and_waited_per_unit(two_replica_runs):
+    for _, _, (issued, first_use, unit_buckets, events) in two_replica_runs:
+        assert len(issued) > 2 and first_use == sorted(first_use)  # the forward's first bucket first
+        waited, runs = set(), 0
+        for kind, value in events:
+            if kind == "wait":
+                waited.update(value)
+            elif kind == "run":
+                assert set(unit_buckets[value]) <= waited, (value, events)  # its weights are whole
+                runs += 1
+        assert runs == 2 * len(unit_buckets)  # two forwards, every unit in each
+        # the first unit started while later buckets were still in flight
+        first_run = events.index(("run", 0))
+        in_flight = [value for kind, value in events[:first_run] if kind == "in flight"]
+        assert in_flight and in_flight[-1], events
 
 
 @pytest.mark.unit

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -197,7 +198,8 @@ class GradSync:
         self._final_backward = False
         self._ready: dict[int, set] = {}
         self._works: dict[int, Optional[dist.Work]] = {}
-        self._weight_works: list = []
+        self._weight_works: dict[int, tuple] = {}  # bucket index -> (its gather's work, group), in flight
+        self._weight_lock = threading.Lock()
         self._all_started = False
         self.reductions: Optional[list[ReductionRecord]] = None  # set to [] to record reduction times
         self.pieces: list[ParamPiece] = []
@@ -392,16 +394,47 @@ class GradSync:
             self.wait_for_weights()
 
     def _start_weight_gather(self) -> None:
+        """Start every bucket's all-gather, in the order the forward first uses the buckets (the buckets are
+        laid out in backward order): the first bucket a forward waits for is the first to arrive."""
         if self._weights_released:
             self.weights.untyped_storage().resize_(self.weights.numel() * self.weights.element_size())
             self._weights_released = False
-        for bucket, shard in zip(self.buckets, self._weight_shards):
-            full = self.weights[bucket.start:bucket.end]
+        for bucket in self._forward_order:
+            full, shard = self.weights[bucket.start:bucket.end], self._weight_shards[bucket.index]
             group, size, _ = self._over(bucket)
             if size == 1:
                 full.copy_(shard)
             else:
-                self._weight_works.append(all_gather_into(full, shard, group, async_op=True))
+                self._weight_works[bucket.index] = (all_gather_into(full, shard, group, async_op=True), group)
+
+    @functools.cached_property
+    def _forward_order(self) -> list[Bucket]:
+        registered = {id(param): i for i, param in enumerate(self.params)}
+        return sorted(self.buckets, key=lambda bucket: min(registered[id(param)] for param in bucket.params))
+
+    @functools.cached_property
+    def _forward_position(self) -> dict[int, int]:
+        return {bucket.index: position for position, bucket in enumerate(self._forward_order)}
+
+    @property
+    def waits_per_bucket(self) -> bool:
+        """Whether a forward may wait for each bucket where it needs it (``forward_waits.py``): the gathers
+        started after the step are still in flight when it begins (ZeRO-1/2 with ``overlap_param_gather``)."""
+        return self.overlap_param_gather and self.level.shards_optimizer and not self.level.shards_params
+
+    def bucket_indices(self, params) -> set[int]:
+        """The buckets ``params`` (some of this chunk's) sit in."""
+        return {self._bucket_of[id(param)].index for param in params if id(param) in self._bucket_of}
+
+    def wait_for_buckets(self, indices) -> None:
+        """Block until the listed buckets' weights are whole (per module, ``forward_waits.py``)."""
+        with self._weight_lock:  # a pass on another thread waiting for the same bucket waits for its end too
+            for index in sorted(indices, key=self._forward_position.__getitem__):
+                pending = self._weight_works.pop(index, None)
+                if pending is not None:
+                    work, group = pending
+                    with progress.collective(f"the wait for weight bucket {index}'s gather", group, counted=False):
+                        work.wait()
 
     def renew_weights(self) -> None:
         """Move the parameters to a fresh copy of the weight buffer, leaving the old storage to a
@@ -415,9 +448,7 @@ class GradSync:
 
     def wait_for_weights(self) -> None:
         """Block until the weights of this chunk are whole (a no-op when they already are)."""
-        for work in self._weight_works:
-            work.wait()
-        self._weight_works = []
+        self.wait_for_buckets(list(self._weight_works))
 
     def gather_weights(self) -> None:
         """Make the chunk's weights whole before a pass (``optim_grads_params``; otherwise only waits)."""

@@ -2,7 +2,8 @@
 
 Before a pass the chunk's weights are made whole (gathered at ``optim_grads_params``, or the
 all-gather started after the last step awaited with ``--overlap-param-gather``) and released
-after it. Before a backward the chunk's sync learns whether it is the last one before the
+after it; under ZeRO-1/2 with ``--overlap-param-gather`` a forward waits for each bucket where its
+first user starts instead (``forward_waits.py``). Before a backward the chunk's sync learns whether it is the last one before the
 chunk's next update, so that with ``--overlap-grad-reduce`` each bucket's reduction starts from
 the hook of its last gradient.
 """
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Optional
+from typing import Optional, Sequence
 
+from torch import nn
+
+from megapipe.optim.forward_waits import ForwardWaits
 from megapipe.optim.grad_sync import GradSync
 from megapipe.schedules.actions import ActionKind
 
@@ -23,8 +27,11 @@ class SyncPasses:
     """Pass hooks for the executor over one rank's chunks; ``syncs[c]`` is chunk c's sync (None: no
     trainable weights), ``backwards_per_update`` how many backwards each update applies."""
 
-    def __init__(self, syncs: list[Optional[GradSync]], backwards_per_update: int):
+    def __init__(self, syncs: list[Optional[GradSync]], backwards_per_update: int, chunks: Sequence[nn.Module] = ()):
         self.syncs, self.backwards_per_update = syncs, backwards_per_update
+        # with --overlap-param-gather under ZeRO-1/2: a forward waits for each bucket where it first needs it
+        self.forward_waits = [ForwardWaits(sync, chunk) if sync is not None and sync.waits_per_bucket else None
+                              for sync, chunk in zip(syncs, chunks)] + [None] * (len(syncs) - len(chunks))
         self._backwards = [Counter() for _ in syncs]  # per chunk: passes of each part since the update
         self._running = Counter()  # per chunk: passes using its weights now
         self._lock = threading.Lock()
@@ -44,11 +51,16 @@ class SyncPasses:
             sync.begin_backward(final=all(counts[p] == self.backwards_per_update for p in parts))
         with self._lock:
             self._running[chunk] += 1
-        sync.gather_weights()
+        waits = self.forward_waits[chunk]
+        if backward or waits is None or not waits.ready:
+            sync.gather_weights()
 
     def after_pass(self, backward: bool, chunk: int) -> None:
         if self.syncs[chunk] is None:
             return
+        waits = self.forward_waits[chunk]
+        if not backward and waits is not None:
+            waits.first_forward_done()
         with self._lock:
             self._running[chunk] -= 1
             last = self._running[chunk] == 0

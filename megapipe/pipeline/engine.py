@@ -153,7 +153,7 @@ class PipelineEngine:
     def _build_executors(self, m: int) -> None:
         """The training and evaluation executors of ``self.program`` for batches of ``m`` microbatches."""
         ps, chunks = self.ps, self.chunks
-        self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor)
+        self.passes = SyncPasses([self._sync_of(chunk) for chunk in chunks], self.program.loss_divisor, chunks)
         self.executor = PipelineExecutor(chunks, ps, self.program, **self._executor_args, **self._train_args,
                                          passes=self.passes)
         evaluation = forward_only_schedule(ps.pp_size, m, ps.virtual_pipeline, replicas=ps.stage_replicas,
