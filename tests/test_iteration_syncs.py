@@ -7,7 +7,8 @@ clipping (and fp16 loss scaling), the learning-rate schedule, the loss and skip 
 the exit check. Outside log, evaluation and save iterations that must be none, for m = 2 and
 m = 8, for a flush schedule (1F1B) and PipeDream-2BW, in one process and in a 2-stage gloo
 pipeline (one world for every check). The one read that remains by design, optimizer
-post-validation's verdict (one per iteration), is counted exactly.
+post-validation's verdict (one per iteration), is counted exactly. Experts split over the two ranks
+(e = 2), each padded to its capacity, read nothing either, with the all-to-all overlapped or not.
 
 Exits: with nothing to agree on a boundary makes no collective; SIGTERM, ``--exit-duration-in-mins``
 and the lease are agreed on one boundary late (``tests/test_post_validation.py`` checks a SIGTERM
@@ -110,10 +111,24 @@ def test_one_process_iterations_read_nothing_from_the_device():
     assert log_reads > 0  # and the count sees the trainer's reads where it makes them
 
 
+# experts over both ranks (e = 2 at p = 1), each padded to its capacity: the all-to-all's splits are fixed
+EXPERTS = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+           "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+
+
+def expert_syncs(extra=()) -> int:
+    flags = FLAGS + ["--pipeline-schedule", "1f1b", "--global-batch-size", "4", *EXPERTS, *extra]
+    run_trainer = Trainer(parse_run("gpt", flags, world_size=2))
+    count = run_trainer.count_synchronisations(COUNTED)
+    run_trainer.exit_conditions.close()
+    return count
+
+
 def pipeline_checks(rank, world_size):
     counts = {(schedule, m): syncs_of(2, schedule, m) for schedule, m, _ in CASES}
     verdicts = syncs_of(2, "zb-h2", 2, ("--enable-optimizer-post-validation",))
-    return counts, verdicts, exits_without_agreement()
+    experts = [expert_syncs(), expert_syncs(("--overlap-moe-expert-parallel-comm",))]
+    return counts, verdicts, exits_without_agreement(), experts
 
 
 def exits_without_agreement():
@@ -138,8 +153,9 @@ def exits_without_agreement():
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_two_stage_pipeline_iterations_read_nothing_from_the_device():
-    for counts, verdicts, exits in run_distributed(2, pipeline_checks, timeout=540):
+    for counts, verdicts, exits, experts in run_distributed(2, pipeline_checks, timeout=540):
         assert counts == {(schedule, m): 0 for schedule, m, _ in CASES}
+        assert experts == [0, 0]  # the expert all-to-all too, alone and overlapped with the other microbatch
         assert verdicts == COUNTED  # post-validation reads its verdict once per iteration, on every rank
         assert exits == (0, [None, "--exit-interval 2 at iteration 2"])
 

@@ -7,7 +7,9 @@ give the one-rank layer's results:
   order), exchanges the per-expert counts, then the tokens, with one variable-split all-to-all, runs
   its experts on what it received (re-sorted from source order into expert order) and sends the
   outputs back by the reverse all-to-all; the routing weights are applied on the token's own rank.
-  The splits are read on the host: one synchronisation per layer and microbatch.
+  The splits are read on the host: one synchronisation per layer and microbatch; none with
+  ``--moe-pad-expert-input-to-capacity``, where every expert gets exactly its capacity from every rank,
+  so the splits and the re-sorting are fixed and no counts are exchanged.
 * ``allgather``: every rank gathers all ranks' tokens and routing, runs its experts on the tokens
   routed to them, and a reduce-scatter sums the weighted outputs back to the tokens' ranks (the
   number of routed pairs is read on the host).
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.models.moe.router import Routing
+from megapipe.parallel import progress
 from megapipe.parallel.comm_overlap import communicating
 from megapipe.parallel.state import ParallelState
 from megapipe.schedules.overlap import Segment
@@ -58,20 +61,26 @@ class _Exchange(torch.autograd.Function):
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, segment: Segment,
                 backward: bool) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    with communicating(segment, backward):
+    with communicating(segment, backward), progress.collective("the tokens' all_to_all", group, counted=False):
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True).wait()
     return out
 
 
-def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: ParallelState) -> torch.Tensor:
-    """Rows sorted by global expert (``counts`` [E] each) through their experts, wherever those live."""
+def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: ParallelState,
+                     padded: int | None) -> torch.Tensor:
+    """Rows sorted by global expert (``counts`` [E] each) through their experts, wherever those live.
+    ``padded``: every expert has exactly that many rows of every rank (padded to its capacity), so the
+    splits are known on the host and nothing is read from the device."""
     e = ps.ep_size
     if e == 1:
-        return experts(permuted, counts)
+        return experts(permuted, counts if padded is None else padded)
     local = counts.numel() // e
+    if padded is not None:
+        return _on_expert_ranks_padded(permuted, experts, ps, local, padded)
     received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
     with communicating(Segment.DISPATCH, backward=False):  # the counts' exchange and the tokens' are one segment
-        dist.all_to_all_single(received, counts, group=ps.ep_group)
+        with progress.collective("the token counts' all_to_all", ps.ep_group, counted=False):
+            dist.all_to_all_single(received, counts, group=ps.ep_group)
         send, recv = torch.stack([counts.view(e, local).sum(1), received.view(e, local).sum(1)]).tolist()
         x = _Exchange.apply(permuted, send, recv, ps.ep_group, Segment.DISPATCH)
     # the rows came source-major; the experts want them expert-major (stable: sources stay in order)
@@ -81,6 +90,21 @@ def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: 
     out = experts(x[order], received.view(e, local).sum(0))
     back = torch.zeros_like(out).index_copy(0, order, out)
     return _Exchange.apply(back, recv, send, ps.ep_group, Segment.COMBINE)
+
+
+def _on_expert_ranks_padded(permuted: torch.Tensor, experts, ps: ParallelState, local: int,
+                            padded: int) -> torch.Tensor:
+    """``_on_expert_ranks`` when each of the E experts has ``padded`` rows from every rank: each rank sends
+    each other ``local x padded`` rows, and the rows a rank receives, source-major, are re-sorted by a fixed
+    permutation into expert-major order."""
+    e = ps.ep_size
+    splits = [local * padded] * e
+    x = _Exchange.apply(permuted, splits, splits, ps.ep_group, Segment.DISPATCH)
+    expert_of_row = torch.arange(e * local * padded, device=permuted.device) // padded % local
+    order = torch.sort(expert_of_row, stable=True).indices
+    out = experts(x[order], e * padded)
+    back = torch.zeros_like(out).index_copy(0, order, out)
+    return _Exchange.apply(back, splits, splits, ps.ep_group, Segment.COMBINE)
 
 
 def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, count: int | None, run,
@@ -100,10 +124,12 @@ def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     return torch.zeros_like(tokens).index_add_(0, token_ids, (out * weights).to(tokens.dtype))
 
 
-def alltoall(tokens: torch.Tensor, routing: Routing, count: int | None, experts, ps: ParallelState) -> torch.Tensor:
-    """This rank's tokens [T, h] through their experts on every expert rank, weighted and summed: [T, h]."""
+def alltoall(tokens: torch.Tensor, routing: Routing, count: int | None, experts, ps: ParallelState,
+             padded: int | None = None) -> torch.Tensor:
+    """This rank's tokens [T, h] through their experts on every expert rank, weighted and summed: [T, h].
+    ``padded``: the routing gives every expert exactly that many tokens (padded to its capacity)."""
     def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return _on_expert_ranks(rows, counts, experts, ps)
+        return _on_expert_ranks(rows, counts, experts, ps, padded)
 
     return _combine(tokens, routing.routing_map, routing.probs, count, run, ps)
 

@@ -10,7 +10,8 @@ dim 2 of fc2) as the dense MLP does.
 
 The product runs as one grouped matrix product (``torch._grouped_mm``) where this build has it for
 the tensors' device and dtype, else as a loop over the experts, each on its contiguous run of the
-already permuted tokens (the loop needs the per-expert counts on the host: one synchronisation);
+already permuted tokens (the loop needs the per-expert counts on the host: one synchronisation, none
+when the dispatch padded every expert to its capacity);
 its weight gradients wait for BW under zero-bubble schedules (``grouped_linear.py``).
 """
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from megapipe import fusions
 from megapipe.config import ModelConfig
-from megapipe.models.moe.grouped_linear import grouped_linear
+from megapipe.models.moe.grouped_linear import Counts, grouped_linear
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.utils import divide, init_normal_, mark_expert_parallel, mark_tensor_parallel
 
@@ -65,9 +66,9 @@ class GroupedExperts(nn.Module):
         self.fc2 = _Stacked(_expert_weight((e, h, f), output_std, f"{name}.fc2.weight", 2, **common))
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, h] sorted by expert, ``counts`` [E/e] tokens per local expert -> [N, h] (a partial sum under
-        t > 1)."""
+    def forward(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """``x`` [N, h] sorted by expert, ``counts`` [E/e] tokens per local expert (one int: the same for each)
+        -> [N, h] (a partial sum under t > 1)."""
         grouped = self.config.moe_grouped_gemm
         h = grouped_linear(x, self.fc1.weight, counts, grouped)
         if self.config.swiglu:

@@ -4,7 +4,7 @@
 another, ``weight`` [E, out, in] is stacked by expert; row i gets ``x[i] @ weight[e(i)].T``. It runs
 as one ``torch._grouped_mm`` where this build has it for the tensors' device and dtype (and their
 widths are multiples of 16 bytes), else as a loop over the experts' runs, which reads the counts on
-the host once. The backward computes the input gradient at once and the weight gradients (one
+the host once (unless they are one int: every expert padded to its capacity). The backward computes the input gradient at once and the weight gradients (one
 product per expert, ``x_e^T``-shaped) through ``split_backward.weight_gradient``: under a zero-bubble
 schedule's BI they wait for its BW, like a dense linear's, and with gradient-accumulation fusion
 (``tensor_parallel/grad_accumulation.py``) they go into the stacked weight's main gradient. The loop
@@ -15,12 +15,16 @@ accumulating form, so the grouped product is computed in the weights' dtype and 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from megapipe.tensor_parallel.grad_accumulation import WeightGradient, accumulate_product
 from megapipe.tensor_parallel.split_backward import weight_gradient
+
+Counts = Union[torch.Tensor, int]
+"""Rows per expert: a tensor of one count per expert, or one int when every expert has that many (the dispatch
+padded each to its capacity), which the host knows without reading the device."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +52,14 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 class _Products:
     """The three per-expert products of one grouped linear, grouped or looped."""
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool):
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, counts: Counts, grouped: bool):
         self.grouped = grouped and grouped_mm_works(x.device, x.dtype) and _aligned(x, weight.transpose(1, 2))
+        experts = weight.shape[0]
         if self.grouped:
-            self.offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-        else:
-            self.splits = counts.tolist()  # the loop's one read of the device
+            self.offsets = (torch.cumsum(counts, dim=0).to(torch.int32) if isinstance(counts, torch.Tensor) else
+                            torch.arange(1, experts + 1, device=x.device, dtype=torch.int32) * counts)
+        else:  # the loop's one read of the device, unless every expert has the same number of rows
+            self.splits = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * experts
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """[N, out]: each row times its expert's weight transposed."""
@@ -120,9 +126,10 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each) times their expert's ``weight``
-    [E, out, in] transposed: [N, out]; ``grouped`` asks for one ``torch._grouped_mm`` where it runs."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Counts, grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` [N, in] sorted by expert (``counts`` [E] rows each, or as an int the same number for every
+    expert) times their expert's ``weight`` [E, out, in] transposed: [N, out]; ``grouped`` asks for one
+    ``torch._grouped_mm`` where it runs."""
     products = _Products(x, weight, counts, grouped)
     if not torch.is_grad_enabled():
         return products.output(x, weight)

@@ -113,7 +113,9 @@ class MoELayer(nn.Module):
         if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
             combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
         else:
-            combined = dispatch.alltoall(tokens, routing, count, self.experts, self.ps)
+            padded = count // self.config.num_experts if self.config.moe_pad_expert_input_to_capacity and \
+                shares == 1 else None  # each expert's capacity, the same on every rank (``_assignment_count``)
+            combined = dispatch.alltoall(tokens, routing, count, self.experts, self.ps, padded)
         out = combined.view(s, b, h)
         if shares > 1:  # every share's outputs, summed over the tensor group (and this rank's slice kept)
             out = (mappings.reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else
