@@ -6,7 +6,8 @@ loss and the same gradients (``torch.equal``) with the overlap on and off, also 
 deferred to a zero-bubble BW and with FP8 products (emulated, both recipes): every product and every sum is
 the same operation on the same operands, only issued earlier. With sequence parallelism the backward keeps
 this rank's rows of each column-parallel input (QKV, fc1 and the output layer), no longer the gathered
-input: the bytes kept fall by exactly that difference (``_kept_less``).
+input: the bytes kept fall by exactly that difference (``_kept_less``), and each layer's QKV and fc1
+inputs start to be gathered again as soon as the gradients of the dense projection's and fc2's outputs arrive.
 """
 
 import pytest
@@ -19,7 +20,7 @@ from megapipe.fusions.fp8_mode import activate
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.parallel.state import ParallelState
-from megapipe.tensor_parallel.column_input import overlap_tensor_parallel_communication
+from megapipe.tensor_parallel.column_input import ColumnInput, overlap_tensor_parallel_communication
 from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients
 from megapipe.testing.worlds import run_distributed
 from model_families import MODEL_KIND
@@ -29,8 +30,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _step(kind, config, ps, canonical, sequence_parallel, overlap, defer=False):
-    """(loss, gradients by name, bytes of the distinct storages the backward keeps) of one step."""
+    """(loss, gradients by name, bytes of the distinct storages the backward keeps, re-gathers started early)
+    of one step."""
     overlap_tensor_parallel_communication(overlap)
+    early, prefetch = [], ColumnInput._prefetch
+    ColumnInput._prefetch = lambda self, node: (early.append(node), prefetch(self, node))
     try:
         model = build_model_chunks(MODEL_KIND[kind], config, ps, sequence_parallel=sequence_parallel)[0]
         model.load_state_dict(local_state_dict(canonical, model, ps, config))
@@ -49,9 +53,11 @@ def _step(kind, config, ps, canonical, sequence_parallel, overlap, defer=False):
             apply_weight_gradients(deferred)
         else:
             loss.backward()
-        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, sum(kept.values())
+        return (loss.detach(), {name: p.grad for name, p in model.named_parameters()}, sum(kept.values()),
+                len(early))
     finally:
         overlap_tensor_parallel_communication(True)
+        ColumnInput._prefetch = prefetch
 
 
 def _kept_less(config, recipe, sequence_parallel, batch_size=3, t=2):
@@ -87,7 +93,8 @@ def _checks(rank, world_size):
         same = torch.equal(before[0], after[0]) and before[1].keys() == after[1].keys() and all(
             torch.equal(before[1][name], after[1][name]) for name in before[1])
         out.append({"case": (kind, sp, str(recipe), defer), "same": same, "kept": (before[2], after[2]),
-                    "kept less": _kept_less(config, str(recipe) if recipe else None, sp)})
+                    "kept less": _kept_less(config, str(recipe) if recipe else None, sp),
+                    "early": (before[3], after[3]), "layers": config.num_layers})
     dist.barrier()
     return out
 
@@ -99,3 +106,6 @@ def test_overlapped_column_linears_equal_the_separate_collectives_bit_for_bit_an
             assert case["same"], case["case"]
             before, after = case["kept"]
             assert before - after == case["kept less"], case["case"]
+            # with sequence parallelism QKV's and fc1's inputs are gathered again from the dense projection's
+            # and fc2's output gradients on, in every layer; never without it or without the overlap
+            assert case["early"] == (0, 2 * case["layers"] if sp else 0), case["case"]

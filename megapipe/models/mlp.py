@@ -29,7 +29,7 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(config.hidden_size, width, ps, name=f"{name}.fc1",
                                         init_std=config.init_method_std, skip_bias_add=True, **common)
         self.fc2 = RowParallelLinear(ffn, config.hidden_size, ps, name=f"{name}.fc2",
-                                     init_std=output_std(config), skip_bias_add=True, **common)
+                                     init_std=output_std(config), skip_bias_add=True, regathers=self.fc1, **common)
 
     def forward(self, x: torch.Tensor):
         h, bias = self.fc1(x)

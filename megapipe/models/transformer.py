@@ -54,7 +54,7 @@ class SelfAttention(nn.Module):
                                         bias=config.add_bias_linear or config.add_qkv_bias, **common)
         self.dense = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, ps,
                                        name=f"{name}.dense", init_std=output_std(config), skip_bias_add=True,
-                                       bias=config.add_bias_linear, **common)
+                                       bias=config.add_bias_linear, regathers=self.qkv, **common)
         self.q_norm = self.k_norm = None
         if config.qk_layernorm:  # weights replicated, gradients partial per tensor rank (its heads): summed
             whole = config.qk_layernorm_scope == "projection"

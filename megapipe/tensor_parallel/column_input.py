@@ -8,7 +8,10 @@ reduction waits until the linear's backward has computed its weight gradient too
 input is kept for that weight gradient, so sequence parallelism saves no memory on the QKV and fc1
 inputs. Fused into the linear's backward (Megatron-LM's asynchronous all-reduce), the order becomes:
 
-1. with sequence parallelism, start re-gathering the input (only this rank's slice was kept);
+1. with sequence parallelism, start re-gathering the input (only this rank's slice was kept), unless
+   it started earlier: when the gradient of the layer's next row-parallel product's output arrived
+   (``regather_early``: fc1's input behind fc2's backward, QKV's behind the dense projection's and the
+   attention's), so that it travels behind much more compute;
 2. compute the input gradient; wait for the gather;
 3. start reducing the input gradient (all-reduce, or reduce-scatter along the sequence), in place;
 4. compute the weight gradient (or record it for a zero-bubble BW) while the reduction travels;
@@ -42,11 +45,12 @@ def overlap_tensor_parallel_communication(on: bool) -> None:
     _overlap = on
 
 
-def backward_products(column_input: Optional["ColumnInput"], rows, input_gradient, weight_gradient):
-    """A linear's (input gradient, weight gradient) from its backward's two products: with a column
+def backward_products(ctx, rows, input_gradient, weight_gradient):
+    """A linear's (input gradient, weight gradient) from its backward's two products: with its column
     input's collectives behind them (``ColumnInput.backward``), or, without one, one after the other."""
-    if column_input is not None:
-        return column_input.backward(rows, input_gradient, weight_gradient)
+    if ctx.column_input is not None:
+        regathered, ctx.regathered = getattr(ctx, "regathered", None), None  # freed with the backward, not the graph
+        return ctx.column_input.backward(rows, input_gradient, weight_gradient, regathered)
     return (input_gradient() if input_gradient is not None else None), weight_gradient(rows)
 
 
@@ -57,6 +61,28 @@ class ColumnInput:
     def __init__(self, group, sequence_parallel: bool):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.size = group_size(group)
+        self._last = None  # the autograd node of this product's latest fused forward under sequence parallelism
+
+    def remember(self, node) -> None:
+        """``node``: the fused product just run (its saved rows are what ``regather_early`` gathers)."""
+        if self.sequence_parallel:
+            self._last = node
+
+    def regather_early(self, y: torch.Tensor) -> None:
+        """When the gradient of ``y`` (the output of the layer's row-parallel product that follows this one in
+        the forward) arrives, start re-gathering the input of this product's latest forward: the gather then
+        travels behind the row-parallel product's backward and everything between the two, not only behind
+        the input-gradient product (module docstring)."""
+        node, self._last = self._last, None
+        if node is not None and y.requires_grad:
+            def start(grad: torch.Tensor) -> None:  # the gradient itself passes unchanged
+                self._prefetch(node)
+
+            y.register_hook(start)
+
+    def _prefetch(self, node) -> None:
+        if getattr(node, "regathered", None) is None:
+            node.regathered = self._start_gather(node.saved_tensors[0])
 
     def fused(self) -> bool:
         """Whether the product runs the communication inside its backward (module docstring)."""
@@ -77,11 +103,12 @@ class ColumnInput:
         return full
 
     def backward(self, rows: torch.Tensor, input_gradient: Optional[Callable[[], torch.Tensor]],
-                 weight_gradient: Callable[[torch.Tensor], Optional[torch.Tensor]]):
+                 weight_gradient: Callable[[torch.Tensor], Optional[torch.Tensor]], regathered=None):
         """(this rank's input gradient, what ``weight_gradient`` returned), the collectives behind the
         products (module docstring). ``rows`` is what the forward kept: this rank's slice with sequence
-        parallelism, else the whole input; ``input_gradient`` is None when no input gradient is needed."""
-        full, gathering = self._start_gather(rows) if self.sequence_parallel else (rows, None)
+        parallelism, else the whole input; ``input_gradient`` is None when no input gradient is needed;
+        ``regathered``: the gather ``regather_early`` started, if it did."""
+        full, gathering = (regathered or self._start_gather(rows)) if self.sequence_parallel else (rows, None)
         grad = input_gradient() if input_gradient is not None else None
         _finish(gathering, "all_gather", self.group)
         reduced, reducing = self._start_reduce(grad) if grad is not None else (None, None)

@@ -83,7 +83,7 @@ class _Fp8Linear(torch.autograd.Function):
             gradient = _weight_gradient(grad_t, x, weight.dtype, recipe)
             return gradient.compute() if torch.compiler.is_compiling() else weight_gradient(ctx.weight, gradient)
 
-        grad_inp, grad_weight = backward_products(ctx.column_input, rows,
+        grad_inp, grad_weight = backward_products(ctx, rows,
                                                   (lambda: scaled_mm(grad, w, ctx.dtype)) if needs_inp else None,
                                                   weight_grad)
         grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
@@ -110,4 +110,6 @@ def parallel_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if column_input is not None and not column_input.fused():
         inp, column_input = column_input.enter(inp), None
     rows = _Fp8Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias, recipe, column_input)
+    if column_input is not None:
+        column_input.remember(rows.grad_fn)
     return rows.view(-1, *inp.shape[1:-1], weight.shape[0])

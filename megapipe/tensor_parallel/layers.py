@@ -68,14 +68,20 @@ class RowParallelLinear(nn.Module):
 
     The input is expected already split along its last dimension (``input_is_parallel``),
     as it comes out of a column-parallel layer. The bias is a replica, added after the sum.
+    ``regathers``: the column-parallel layer whose output feeds this one (through attention or an
+    activation), whose sequence-parallel input the backward gathers again from this layer's backward on.
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, name: str, seed: int,
                  init_std: float, bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, regathers: Optional[ColumnParallelLinear] = None,
+                 dtype=torch.float32, device=None):
         super().__init__()
         self.ps, self.input_is_parallel, self.skip_bias_add = ps, input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel
+        # the column-parallel product before this one in the layer, whose input the backward starts to gather
+        # again when this product's output gradient arrives (``column_input.py``)
+        self.regathers = None if regathers is None else regathers.column_input
         divide(in_features, ps.tp_size)
         self.weight = _init_weight((out_features, in_features), init_std, seed, f"{name}.weight", ps, 1, dtype, device)
         mark_tensor_parallel(self.weight, 1)
@@ -93,6 +99,8 @@ class RowParallelLinear(nn.Module):
             y = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
         else:
             y = mappings.reduce_from_tensor_parallel_region(partial, self.ps.tp_group)
+        if self.regathers is not None:
+            self.regathers.regather_early(y)
         if self.skip_bias_add:
             return y, self.bias
         return y + self.bias if self.bias is not None else y

@@ -106,7 +106,7 @@ class _Linear(torch.autograd.Function):
                 lambda: grad_output.t().mm(full_input),
                 lambda main_grad: accumulate_product(main_grad, grad_output.t(), full_input)))
 
-        grad_inp, grad_weight = backward_products(ctx.column_input, inp,
+        grad_inp, grad_weight = backward_products(ctx, inp,
                                                   (lambda: grad_output.mm(weight)) if needs_inp else None,
                                                   weight_grad)
         grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
@@ -129,4 +129,6 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return F.linear(inp, weight, bias)
     rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias, column_input)
+    if column_input is not None:
+        column_input.remember(rows.grad_fn)
     return rows.view(-1, *inp.shape[1:-1], weight.shape[0])
