@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megapipe.acceptance import STEPS, Step
+from megapipe.acceptance import MULTI_STEPS, STEPS, Step
 from megapipe.acceptance import runner
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -20,7 +20,6 @@ FAKES = [Step(name, f"acceptance_fakes:{name}", 20 if name == "hangs" else 120, 
 @pytest.fixture
 def fake_steps(monkeypatch):
     monkeypatch.setattr(runner, "STEPS", FAKES)
-    monkeypatch.setattr(runner, "TOTAL_BUDGET_SECONDS", 1000)
     monkeypatch.setattr(runner, "DRY_RUN_SCALE", 1)
     monkeypatch.setenv("PYTHONPATH", TESTS)
 
@@ -61,8 +60,23 @@ def test_an_unknown_step_is_one_sentence(capsys):
 
 @pytest.mark.unit
 def test_the_budgets_fit_one_ten_minute_window():
-    """Eight minutes of steps on a bare machine leave two of a window for its start and the copy back."""
+    """Eight minutes of steps on a bare machine leave two of a window for its start and the copy back; the
+    steps of a node with several GPUs (``--multi``) fit a window of their own."""
     assert sum(step.budget_seconds for step in STEPS) <= 8 * 60
+    assert sum(step.budget_seconds for step in MULTI_STEPS) <= 8 * 60
+
+
+@pytest.mark.system
+def test_a_dry_run_of_the_multi_gpu_steps_passes_on_the_cpu(tmp_path):
+    """Every case's flags resolve at 8 ranks, and one case of each dimension (p, t with sequence parallelism,
+    c, e, ZeRO-3) matches one process's losses on 4 gloo processes; the timings skip without GPUs."""
+    results = runner.run_all(str(tmp_path), dry_run=True, only=[], benchmark_args=[], every=MULTI_STEPS)
+    assert [r.outcome for r in results] == ["passed", "passed"], (tmp_path / "summary.md").read_text()
+    parity = results[0].checks
+    assert sum(c.name.startswith("flags of ") and c.outcome == "passed" for c in parity) == 27
+    ran = [c.name for c in parity if c.name.endswith("on 4 ranks") and c.outcome == "passed"]
+    assert len(ran) == 5, [(c.name, c.outcome, c.detail) for c in parity]
+    assert [c.outcome for c in results[1].checks] == ["skipped"]
 
 
 @pytest.mark.system

@@ -6,6 +6,7 @@
 #     bash tools/gpu_check.sh                         # every step
 #     bash tools/gpu_check.sh --only kernels,attention
 #     bash tools/gpu_check.sh --micro-batch-size 2    # other flags go to the benchmark
+#     bash tools/gpu_check.sh --multi                 # a node of several GPUs: every dimension, the overlaps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec "${PYTHON:-python}" tools/gpu_check.py "$@"

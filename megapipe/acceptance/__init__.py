@@ -46,4 +46,12 @@ _STEPS = (  # name, budget in seconds on a GPU, what it checks; the module is me
                        "GPT-1.3B each of megapipe's changes turned off"),
 )
 STEPS = tuple(Step(name, f"megapipe.acceptance.{name}", budget, what) for name, budget, what in _STEPS)
-TOTAL_BUDGET_SECONDS = sum(step.budget_seconds for step in STEPS)
+
+_MULTI_STEPS = (  # ``--multi``: a node of several GPUs (written for 8), in one ten-minute window too
+    ("multi_parity", 300, "every synchronous schedule at p = 2 and 4, t = 2 and n with sequence parallelism, c = 2 "
+                          "(ring and all-to-all), e = 2 with grouped experts, ZeRO-1 and ZeRO-3 at d = n: fp32 "
+                          "losses within 1e-5 of one GPU's"),
+    ("multi_speed", 180, "ZeRO-1 vs unsharded at d = n, tensor-parallel overlap at t = n, expert all-to-all "
+                         "overlap at e = n: step times with their aims"),
+)
+MULTI_STEPS = tuple(Step(name, f"megapipe.acceptance.{name}", budget, what) for name, budget, what in _MULTI_STEPS)

@@ -13,8 +13,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
-from megapipe.acceptance import STEPS, TOTAL_BUDGET_SECONDS, Step
+from megapipe.acceptance import STEPS, Step
 from megapipe.acceptance.record import Check, read_checks
 from megapipe.atomic_files import write_atomically
 
@@ -126,14 +127,20 @@ def write_summary(out: str, results: list[StepResult], dry_run: bool, total_seco
         listed = [(r.step.name, c) for r in results for c in r.checks if c.outcome == outcome]
         if listed:
             lines += ["", f"## {title}", ""] + [f"- {step}: {c.name}: {c.detail}" for step, c in listed]
-    lines += ["", "## Single-device benchmark", ""] + benchmark_table(results)
+    if any(r.step.name == "benchmark" for r in results):
+        lines += ["", "## Single-device benchmark", ""] + benchmark_table(results)
     text = "\n".join(lines) + "\n"
     write_atomically(os.path.join(out, "summary.md"), text)
     return text
 
 
-def run_all(out: str, dry_run: bool, only: list[str], benchmark_args: list[str]) -> list[StepResult]:
-    steps = [step for step in STEPS if not only or step.name in only]
+def run_all(out: str, dry_run: bool, only: list[str], benchmark_args: list[str],
+            every: Optional[tuple[Step, ...]] = None) -> list[StepResult]:
+    """Run the steps of ``every`` (one GPU's ``STEPS`` by default, or ``MULTI_STEPS``) that ``only`` names
+    (all when empty), within the sum of their budgets."""
+    every = STEPS if every is None else every
+    steps = [step for step in every if not only or step.name in only]
+    total = sum(step.budget_seconds for step in every)
     scale = DRY_RUN_SCALE if dry_run else 1
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="megapipe-acceptance-")
@@ -141,7 +148,7 @@ def run_all(out: str, dry_run: bool, only: list[str], benchmark_args: list[str])
     try:
         with open(os.path.join(out, "steps.log"), "w") as log:
             for step in steps:
-                left = TOTAL_BUDGET_SECONDS * scale - (time.monotonic() - started)
+                left = total * scale - (time.monotonic() - started)
                 budget = max(min(step.budget_seconds * scale, left), 1.0)
                 result = run_step(step, budget, work, log, dry_run, benchmark_args)
                 results.append(result)
