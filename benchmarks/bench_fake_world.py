@@ -104,7 +104,9 @@ def measured_peak(case: Case, layers: int | None = None) -> float:
     sequence = config.seq_length // case.context
     optimizer_config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
                                        data_parallel_sharding_strategy=case.sharding)
-    with fake_accelerator(), DeviceMemory() as memory, \
+    # the step's one host read is whether to skip it (non-fused AdamW): False, so that it steps and Adam's
+    # moments exist from the first step on, as on a GPU (whose fused AdamW reads nothing)
+    with fake_accelerator(booleans=False), DeviceMemory() as memory, \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention):
         model = build_model_chunks("gpt", config, ps, sequence_parallel=case.sequence_parallel,
                                    device=FAKE_DEVICE)[0].train()
@@ -134,7 +136,7 @@ def planned_peak(case: Case, world: int, layers: int | None = None) -> float:
     data = world // (case.tensor * case.context)
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=data))
     return costs.estimate(Candidate(case.tensor, 1, data, 1, "1f1b", sharding=case.sharding, expert=case.expert,
-                                    context=case.context)).memory
+                                    context=case.context, sequence_parallel=case.sequence_parallel)).memory
 
 
 def main(argv=None) -> int:

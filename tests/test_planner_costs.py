@@ -319,3 +319,15 @@ def test_data_parallel_pipelines_take_turns_on_a_shared_uplink():
     message = E * S * H / uplink
     assert result.pipeline_comm_time == pytest.approx(m * message)
     assert result.batch_time == pytest.approx(m * 2 * message)  # the shared uplink bounds the batch
+
+
+def test_sequence_parallelism_splits_the_stash_tensor_parallelism_replicates():
+    """At t, each block's split stash is 1/t per rank either way; the rest (norm inputs, dropout masks) is
+    whole without sequence parallelism and 1/t with it; the weights and their state are the same."""
+    t, b = 4, 2
+    plain = estimate(Candidate(t, 1, 1, b, "1f1b"), batch=b)
+    split = estimate(Candidate(t, 1, 1, b, "1f1b", sequence_parallel=True), batch=b)
+    replicated = L * (STASH - SPLIT_STASH) * b
+    assert plain.memory - split.memory == pytest.approx(replicated * (1 - 1 / t))
+    at_one = [estimate(Candidate(1, 1, 1, b, "1f1b", sequence_parallel=sp), batch=b).memory for sp in (False, True)]
+    assert at_one[0] == at_one[1]

@@ -105,6 +105,7 @@ class Candidate:
     cp_comm_type: str = "p2p"
     overlap_moe_comm: bool = False  # --overlap-moe-expert-parallel-comm: pairs hide expert all-to-alls
     expert_tensor: Optional[int] = None  # --expert-tensor-parallel-size, a divisor of t below it (None: t)
+    sequence_parallel: bool = False  # --sequence-parallel: the activations t replicates are split along s too
 
     @property
     def etp(self) -> int:
@@ -122,6 +123,7 @@ class Candidate:
         experts = f", e={self.expert}" if self.expert > 1 else ""
         experts += f", etp={self.expert_tensor}" if self.expert_tensor is not None else ""
         context = f", c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
+        context += " with sequence parallelism" if self.sequence_parallel else ""
         return (f"t={self.tensor}{context}, p={self.pipeline}, d={self.data}{experts}, b={self.micro_batch_size}{chunks}, "
                 f"{self.schedule}{' with recomputation' if self.recompute else ''}{sharded}"
                 f"{' with overlapped expert all-to-alls' if self.overlap_moe_comm else ''}")
@@ -318,7 +320,10 @@ class PlanCostModel:
         if candidate.recompute:
             context[1] += context[0]
         allreduce = collective_time("all_reduce", activation, t, tensor_link, self.cluster.backend)
-        stash = sizes.stash_bytes - sizes.split_stash_bytes + sizes.split_stash_bytes / t
+        # the stash each tensor rank holds: what the split products keep, 1/t of it; the rest (the norms'
+        # inputs, the dropout masks) whole, or under sequence parallelism 1/t of it too (its sequence's share)
+        replicated = sizes.stash_bytes - sizes.split_stash_bytes
+        stash = replicated / (t if candidate.sequence_parallel else 1) + sizes.split_stash_bytes / t
         params = sizes.params - sizes.split_params + sizes.split_params / t
         loads = _RankLoads(p, stages, block_stash=float(stash[1]), block_input=float(sizes.output_bytes[1]))
         e = candidate.expert

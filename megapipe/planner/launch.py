@@ -86,6 +86,8 @@ def torchrun_command(estimate: Estimate, shape: ModelShape, cluster: Cluster, gl
         "--tensor-model-parallel-size", str(candidate.tensor), "--pipeline-model-parallel-size", str(candidate.pipeline),
         "--micro-batch-size", str(candidate.micro_batch_size), "--global-batch-size", str(global_batch_size),
         "--pipeline-schedule", candidate.schedule, "--data-parallel-sharding-strategy", candidate.sharding]
+    if candidate.sequence_parallel and candidate.tensor > 1:
+        words += ["--sequence-parallel"]
     if candidate.expert > 1:
         words += ["--expert-model-parallel-size", str(candidate.expert)]
     if candidate.expert_tensor is not None:
