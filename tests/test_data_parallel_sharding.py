@@ -196,8 +196,26 @@ def check_memory(rank, world_size):
 
 
 def two_replicas(rank, world_size):
-    return check_memory(rank, world_size), check_overlap_timeline(rank, world_size), check_forward_waits(rank,
-                                                                                                        world_size)
+    return (check_memory(rank, world_size), check_overlap_timeline(rank, world_size),
+            check_forward_waits(rank, world_size), check_zero3_layers(rank, world_size))
+
+
+def check_zero3_layers(rank, world_size):
+    """ZeRO-3 at d = 2: through a step after the first, at each layer's start (after its own hook), the weight
+    bytes held, which buckets are whole or on their way, and which are freed; and the layers' buckets."""
+    initial = initial_weights()
+    config, ps, chunks, engine = build((1, 1, world_size, "1f1b", 1, 2), "optim_grads_params", False, initial)
+    batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=i) for i in range(2)]
+    engine.train_batch(batches)  # the first forward learns the layers
+    sync, weights = engine.syncs[0], engine.passes.unit_weights[0]
+    whole = sum(w.numel() * w.element_size() for w in sync.bucket_weights)
+    starts = []
+    for index, unit in enumerate(weights.units):
+        unit.register_forward_pre_hook(lambda module, args, index=index: starts.append(
+            (index, sync.held_bytes()["weights"] - sync.weight_shard.numel() * sync.weight_shard.element_size(),
+             sorted(set(range(len(sync.buckets))) - sync._released))))
+    engine.train_batch(batches)
+    return whole, [sorted(sync.bucket_indices(unit.parameters())) for unit in weights.units], starts
 
 
 def check_forward_waits(rank, world_size):
@@ -207,7 +225,7 @@ def check_forward_waits(rank, world_size):
     config, ps, chunks, engine = build((1, 1, world_size, "1f1b", 1, 2), "optim", True, initial)
     batches = [random_microbatch("gpt", config.vocab_size, MICRO, SEQ, seed=i) for i in range(2)]
     engine.train_batch(batches)  # the first forward learns the units; the step starts the gathers
-    sync, units = engine.syncs[0], engine.passes.forward_waits[0].units
+    sync, units = engine.syncs[0], engine.passes.unit_weights[0].units
     issued = list(sync._weight_works)
     unit_buckets = [sorted(sync.bucket_indices(unit.parameters())) for unit in units]
     events, wait = [], sync.wait_for_buckets
@@ -267,7 +285,7 @@ def check_overlap_timeline(rank, world_size):
 
 @pytest.mark.distributed
 def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_runs):
-    for _, (reductions, (b_start, b_end), buckets), _ in two_replica_runs:
+    for _, (reductions, (b_start, b_end), buckets), *_ in two_replica_runs:
         assert buckets > 2 and len(reductions) == buckets
         during = [r for r in reductions if b_start <= r[1] < b_end]
         # every bucket but the late one (tied embedding) starts inside the last backward
@@ -277,7 +295,7 @@ def test_overlap_starts_bucket_reductions_during_the_last_backward(two_replica_r
 
 @pytest.mark.distributed
 def test_overlapped_weight_gathers_are_issued_in_forward_order_and_waited_per_unit(two_replica_runs):
-    for _, _, (issued, first_use, unit_buckets, events) in two_replica_runs:
+    for _, _, (issued, first_use, unit_buckets, events), _ in two_replica_runs:
         assert len(issued) > 2 and first_use == sorted(first_use)  # the forward's first bucket first
         waited, runs = set(), 0
         for kind, value in events:
@@ -291,6 +309,21 @@ def test_overlapped_weight_gathers_are_issued_in_forward_order_and_waited_per_un
         first_run = events.index(("run", 0))
         in_flight = [value for kind, value in events[:first_run] if kind == "in flight"]
         assert in_flight and in_flight[-1], events
+
+
+@pytest.mark.distributed
+def test_zero3_gathers_one_layer_ahead_and_frees_each_layer_after_it(two_replica_runs):
+    for *_, (whole, unit_buckets, starts) in two_replica_runs:
+        assert len(unit_buckets) > 3 and starts
+        forward = [(i, held, present) for i, held, present in starts]
+        # every layer holds its own buckets, and the next layer's are whole or on their way when it starts
+        for i, held, present in forward:
+            assert set(unit_buckets[i]) <= set(present), (i, present)
+            if i + 1 < len(unit_buckets):
+                assert set(unit_buckets[i + 1]) <= set(present), (i, present)
+        # ... and never the whole chunk's: the layers before are freed
+        assert max(held for _, held, _ in forward) < whole
+        assert any(not set(unit_buckets[i - 1]) & set(present) for i, _, present in forward if i > 1)
 
 
 @pytest.mark.unit

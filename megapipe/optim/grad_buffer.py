@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from megapipe.optim.unit_weights import unit_of_parameters
 from megapipe.optim.grad_sync import DEFAULT_BUCKET_SIZE, GradSync, ParamPiece, is_tied_embedding_copy
 from megapipe.config.sharding import ShardingLevel
 from megapipe.parallel.state import ParallelState
@@ -26,10 +27,11 @@ from megapipe.parallel.state import ParallelState
 
 def trainable_params(model_chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Parameters that require a gradient, across all chunks, each once, in registration order."""
-    return [p for chunk_params in _params_by_chunk(model_chunks) for p in chunk_params]
+    return [p for _, chunk_params in _params_by_chunk(model_chunks) for p in chunk_params]
 
 
-def _params_by_chunk(model_chunks: Iterable[torch.nn.Module]) -> list[list[torch.nn.Parameter]]:
+def _params_by_chunk(model_chunks: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """(chunk, the trainable parameters it holds that no earlier chunk holds), for the chunks that hold any."""
     seen: set[int] = set()
     out = []
     for chunk in model_chunks:
@@ -39,7 +41,7 @@ def _params_by_chunk(model_chunks: Iterable[torch.nn.Module]) -> list[list[torch
                 seen.add(id(param))
                 params.append(param)
         if params:
-            out.append(params)
+            out.append((chunk, params))
     return out
 
 
@@ -53,9 +55,10 @@ class GradBuffers:
                  overlap_param_gather: bool = False, gradient_accumulation_fusion: bool = True):
         self.ps, self.level = ps, level
         by_chunk = _params_by_chunk(model_chunks)
-        self.params = [p for params in by_chunk for p in params]
+        self.params = [p for _, params in by_chunk for p in params]
         self.syncs = [GradSync(params, ps, level, bucket_size, dtype, overlap_grad_reduce, overlap_param_gather,
-                               gradient_accumulation_fusion) for params in by_chunk]
+                               gradient_accumulation_fusion, unit_of_parameters(chunk))
+                      for chunk, params in by_chunk]
         # under the V placement the first and the last stage are chunks of one rank, each with a copy
         # of the tied word embedding: their gradients are summed here instead of over the embedding group
         self._tied_here = [p for p in self.params if is_tied_embedding_copy(p)]

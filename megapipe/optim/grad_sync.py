@@ -26,8 +26,9 @@ data-parallel collective on the chunk's gradients and weights; no other module c
   the gradients, each bucket padded to a multiple of d so that every rank owns an equal slice
   of every bucket. The optimizer steps this rank's slices (``pieces``); ``publish_weights``
   all-gathers them back, or, with ``overlap_param_gather``, starts that and the chunk's next
-  forward waits (``wait_for_weights``). At ``optim_grads_params`` the weight buffer is
-  released after each pass and gathered again before the next (``gather_weights``).
+  forward waits (``wait_for_weights``). At ``optim_grads_params`` the weights are released after each
+  pass and gathered again before the next (``gather_weights``), or a layer at a time around it
+  (``unit_weights.py``): each bucket has a weight buffer of its own.
 """
 
 from __future__ import annotations
@@ -111,28 +112,31 @@ def piece_of(piece: ParamPiece, whole: torch.Tensor) -> torch.Tensor:
 
 
 def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, pad_to, late,
-                 experts=lambda param: False) -> list[Bucket]:
+                 experts=lambda param: False, unit=None) -> list[Bucket]:
     """Buckets in reverse registration order (roughly the order backward finishes gradients), the experts'
-    after the others', late ones last; ``pad_to`` is an int, or a function of whether a bucket holds experts."""
+    after the others', late ones last; ``pad_to`` is an int, or a function of whether a bucket holds experts;
+    ``unit`` (a function of a parameter), where given, closes a bucket wherever it changes, so that no bucket
+    holds two units' parameters (``optim_grads_params`` gathers and frees a layer's buckets alone)."""
     buckets, offset = [], 0
     for is_late, of_experts in ((False, False), (False, True), (True, False), (True, True)):
         group = [p for p in reversed(params) if bool(late(p)) == is_late and bool(experts(p)) == of_experts]
-        if not group:
-            continue
-        bounds = bucket_boundaries([p.numel() for p in group], bucket_size)
-        members: list[list] = [[] for _ in bounds]
-        index = 0
-        for param, end in zip(group, itertools.accumulate(p.numel() for p in group)):
-            while bounds[index][1] < end:
-                index += 1
-            members[index].append(param)
-        for (start, end), bucket_params in zip(bounds, members):
-            offsets = [offset + before for before in itertools.accumulate([p.numel() for p in bucket_params[:-1]],
-                                                                          initial=0)]
-            multiple = pad_to(of_experts) if callable(pad_to) else pad_to
-            padded = -(-(end - start) // multiple) * multiple
-            buckets.append(Bucket(len(buckets), offset, offset + padded, bucket_params, offsets, is_late, of_experts))
-            offset += padded
+        runs = [list(run) for _, run in itertools.groupby(group, key=unit)] if unit is not None else [group]
+        for run in (run for run in runs if run):
+            bounds = bucket_boundaries([p.numel() for p in run], bucket_size)
+            members: list[list] = [[] for _ in bounds]
+            index = 0
+            for param, end in zip(run, itertools.accumulate(p.numel() for p in run)):
+                while bounds[index][1] < end:
+                    index += 1
+                members[index].append(param)
+            for (start, end), bucket_params in zip(bounds, members):
+                offsets = [offset + before for before in itertools.accumulate(
+                    [p.numel() for p in bucket_params[:-1]], initial=0)]
+                multiple = pad_to(of_experts) if callable(pad_to) else pad_to
+                padded = -(-(end - start) // multiple) * multiple
+                buckets.append(Bucket(len(buckets), offset, offset + padded, bucket_params, offsets, is_late,
+                                      of_experts))
+                offset += padded
     return buckets
 
 
@@ -172,7 +176,8 @@ class GradSync:
 
     def __init__(self, params: list[torch.nn.Parameter], ps: ParallelState, level: ShardingLevel = ShardingLevel(),
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_dtype: torch.dtype = torch.float32,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, fuse_products: bool = True):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, fuse_products: bool = True,
+                 unit=None):
         self.params, self.ps, self.level = params, ps, level
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.dp = ps.dp_cp_size  # the gradients are averaged over every data-parallel replica and context rank
@@ -180,7 +185,7 @@ class GradSync:
         self.param_dtype = _common({p.dtype for p in params}, "dtypes")
         self.buckets = plan_buckets(params, bucket_size,
                                     lambda experts: self._size(experts) if level.shards_optimizer else 1,
-                                    self._is_late, self._is_expert)
+                                    self._is_late, self._is_expert, unit if level.shards_params else None)
         total = self.buckets[-1].end if self.buckets else 0
         self.buffer = torch.zeros(total, dtype=grad_dtype, device=device)
         self._bucket_of: dict[int, Bucket] = {}
@@ -194,7 +199,8 @@ class GradSync:
                         if fused else None)
                 self._bucket_of[id(param)] = bucket
         self._written: set[int] = set()  # parameters a backward added products into since their last hook
-        self._grad_released = self._weights_released = False
+        self._grad_released = False
+        self._released: set[int] = set()  # buckets whose full weights are freed (optim_grads_params)
         self._final_backward = False
         self._ready: dict[int, set] = {}
         self._works: dict[int, Optional[dist.Work]] = {}
@@ -229,12 +235,15 @@ class GradSync:
         return self.ps.dp_cp_group, self.dp, self.ps.dp_cp_rank
 
     def _shard_weights(self, total: int, device) -> None:
-        """Make the parameters views of one weight buffer and cut this rank's shards of weights and gradients."""
-        self.weights = torch.zeros(total, dtype=self.param_dtype, device=device)
+        """Make the parameters views of their bucket's weight buffer (one storage per bucket, so that
+        ``optim_grads_params`` can free and gather one layer's alone) and cut this rank's shards of weights
+        and gradients."""
+        self.bucket_weights = [torch.zeros(b.end - b.start, dtype=self.param_dtype, device=device)
+                               for b in self.buckets]
         with torch.no_grad():
             for bucket in self.buckets:
                 for param, offset in zip(bucket.params, bucket.offsets):
-                    view = self.weights[offset:offset + param.numel()]
+                    view = self._weight_view(bucket, offset, param.numel())
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view_as(param)
         sizes = [(b.end - b.start) // self._over(b)[1] for b in self.buckets]
@@ -243,7 +252,8 @@ class GradSync:
         ranges = [b.shard(self._over(b)[2], self._over(b)[1]) for b in self.buckets]
         # the shard the optimizer writes lives apart from the weight buffer, which a weight version
         # store may hand to a stashed version (``renew_weights``) and optim_grads_params releases
-        self.weight_shard = torch.cat([self.weights[s:e] for s, e in ranges]) if ranges else self.weights.clone()
+        self.weight_shard = torch.cat([self._weight_view(b, s, e - s) for b, (s, e) in zip(self.buckets, ranges)]) \
+            if ranges else torch.zeros(0, dtype=self.param_dtype, device=device)
         weight_shards = list(self.weight_shard.split(sizes))
         self._grad_shards, self._weight_shards = list(grad_shards), weight_shards
         for bucket, (start, end) in zip(self.buckets, ranges):
@@ -255,6 +265,11 @@ class GradSync:
                                                   bucket.index, low - start))
         if self.level.shards_params:
             self.release_weights()
+
+    def _weight_view(self, bucket: Bucket, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` weights from ``offset`` (of the whole chunk's layout) in ``bucket``'s buffer."""
+        start = offset - bucket.start
+        return self.bucket_weights[bucket.index][start:start + numel]
 
     # ---- gradients ------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
@@ -396,16 +411,27 @@ class GradSync:
     def _start_weight_gather(self) -> None:
         """Start every bucket's all-gather, in the order the forward first uses the buckets (the buckets are
         laid out in backward order): the first bucket a forward waits for is the first to arrive."""
-        if self._weights_released:
-            self.weights.untyped_storage().resize_(self.weights.numel() * self.weights.element_size())
-            self._weights_released = False
         for bucket in self._forward_order:
-            full, shard = self.weights[bucket.start:bucket.end], self._weight_shards[bucket.index]
-            group, size, _ = self._over(bucket)
-            if size == 1:
-                full.copy_(shard)
-            else:
-                self._weight_works[bucket.index] = (all_gather_into(full, shard, group, async_op=True), group)
+            self._gather(bucket)
+
+    def gather_buckets(self, indices) -> None:
+        """Start the all-gathers of the listed buckets that are released and not already on their way
+        (``optim_grads_params``: a layer's weights before it runs, ``unit_weights.py``)."""
+        with self._weight_lock:
+            for bucket in self._forward_order:
+                if bucket.index in indices and bucket.index in self._released:
+                    self._gather(bucket)
+
+    def _gather(self, bucket: Bucket) -> None:
+        full, shard = self.bucket_weights[bucket.index], self._weight_shards[bucket.index]
+        if bucket.index in self._released:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self._released.discard(bucket.index)
+        group, size, _ = self._over(bucket)
+        if size == 1:
+            full.copy_(shard)
+        else:
+            self._weight_works[bucket.index] = (all_gather_into(full, shard, group, async_op=True), group)
 
     @functools.cached_property
     def _forward_order(self) -> list[Bucket]:
@@ -417,17 +443,18 @@ class GradSync:
         return {bucket.index: position for position, bucket in enumerate(self._forward_order)}
 
     @property
-    def waits_per_bucket(self) -> bool:
-        """Whether a forward may wait for each bucket where it needs it (``forward_waits.py``): the gathers
-        started after the step are still in flight when it begins (ZeRO-1/2 with ``overlap_param_gather``)."""
-        return self.overlap_param_gather and self.level.shards_optimizer and not self.level.shards_params
+    def weights_per_unit(self) -> bool:
+        """Whether a pass handles the weights a layer at a time (``unit_weights.py``): ZeRO-1/2 with
+        ``overlap_param_gather`` (the gathers started after the step are still in flight when the forward
+        begins), and ZeRO-3 (gathered and freed around each layer)."""
+        return self.level.shards_params or (self.overlap_param_gather and self.level.shards_optimizer)
 
     def bucket_indices(self, params) -> set[int]:
         """The buckets ``params`` (some of this chunk's) sit in."""
         return {self._bucket_of[id(param)].index for param in params if id(param) in self._bucket_of}
 
     def wait_for_buckets(self, indices) -> None:
-        """Block until the listed buckets' weights are whole (per module, ``forward_waits.py``)."""
+        """Block until the listed buckets' weights are whole (per layer, ``unit_weights.py``)."""
         with self._weight_lock:  # a pass on another thread waiting for the same bucket waits for its end too
             for index in sorted(indices, key=self._forward_position.__getitem__):
                 pending = self._weight_works.pop(index, None)
@@ -440,11 +467,11 @@ class GradSync:
         """Move the parameters to a fresh copy of the weight buffer, leaving the old storage to a
         stashed weight version (copy-on-write before an update of an asynchronous schedule)."""
         self.wait_for_weights()
-        self.weights = self.weights.clone()
+        self.bucket_weights = [weights.clone() for weights in self.bucket_weights]
         with torch.no_grad():
             for bucket in self.buckets:
                 for param, offset in zip(bucket.params, bucket.offsets):
-                    param.data = self.weights[offset:offset + param.numel()].view_as(param)
+                    param.data = self._weight_view(bucket, offset, param.numel()).view_as(param)
 
     def wait_for_weights(self) -> None:
         """Block until the weights of this chunk are whole (a no-op when they already are)."""
@@ -452,16 +479,22 @@ class GradSync:
 
     def gather_weights(self) -> None:
         """Make the chunk's weights whole before a pass (``optim_grads_params``; otherwise only waits)."""
-        if self._weights_released and not self._weight_works:
-            self._start_weight_gather()
+        self.gather_buckets({bucket.index for bucket in self.buckets})
         self.wait_for_weights()
 
     def release_weights(self) -> None:
         """Free the full weights after a pass (``optim_grads_params``), keeping this rank's shard."""
-        if self.level.shards_params and not self._weights_released:
-            self.wait_for_weights()
-            self.weights.untyped_storage().resize_(0)
-            self._weights_released = True
+        self.release_buckets([bucket.index for bucket in self.buckets])
+
+    def release_buckets(self, indices) -> None:
+        """Free the listed buckets' full weights (``optim_grads_params``), keeping this rank's shard of them."""
+        if not self.level.shards_params:
+            return
+        self.wait_for_buckets(indices)
+        for index in indices:
+            if index not in self._released:
+                self.bucket_weights[index].untyped_storage().resize_(0)
+                self._released.add(index)
 
     # ---- whole tensors from shards (checkpoints) ------------------------------------------------
     def gather_full(self, values: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -488,4 +521,5 @@ class GradSync:
             return 0 if t is None else t.untyped_storage().nbytes()
         if not self.level.shards_optimizer:
             return {"grads": size(self.buffer), "weights": sum(p.numel() * p.element_size() for p in self.params)}
-        return {"grads": size(self.buffer) + size(self.grad_shard), "weights": size(self.weights) + size(self.weight_shard)}
+        return {"grads": size(self.buffer) + size(self.grad_shard),
+                "weights": sum(map(size, self.bucket_weights)) + size(self.weight_shard)}

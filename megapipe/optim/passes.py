@@ -3,7 +3,8 @@
 Before a pass the chunk's weights are made whole (gathered at ``optim_grads_params``, or the
 all-gather started after the last step awaited with ``--overlap-param-gather``) and released
 after it; under ZeRO-1/2 with ``--overlap-param-gather`` a forward waits for each bucket where its
-first user starts instead (``forward_waits.py``). Before a backward the chunk's sync learns whether it is the last one before the
+first user starts instead, and under ZeRO-3 each pass gathers and frees them a layer at a time
+(``unit_weights.py``). Before a backward the chunk's sync learns whether it is the last one before the
 chunk's next update, so that with ``--overlap-grad-reduce`` each bucket's reduction starts from
 the hook of its last gradient.
 """
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from megapipe.optim.forward_waits import ForwardWaits
+from megapipe.optim.unit_weights import UnitWeights
 from megapipe.optim.grad_sync import GradSync
 from megapipe.schedules.actions import ActionKind
 
@@ -29,9 +30,12 @@ class SyncPasses:
 
     def __init__(self, syncs: list[Optional[GradSync]], backwards_per_update: int, chunks: Sequence[nn.Module] = ()):
         self.syncs, self.backwards_per_update = syncs, backwards_per_update
-        # with --overlap-param-gather under ZeRO-1/2: a forward waits for each bucket where it first needs it
-        self.forward_waits = [ForwardWaits(sync, chunk) if sync is not None and sync.waits_per_bucket else None
-                              for sync, chunk in zip(syncs, chunks)] + [None] * (len(syncs) - len(chunks))
+        # a layer at a time: with --overlap-param-gather under ZeRO-1/2 a forward waits for each bucket where it
+        # first needs it; under ZeRO-3 each pass gathers and frees the weights a layer at a time
+        self.unit_weights = [UnitWeights(sync, chunk, lambda c=c: self._running[c] == 1)
+                             if sync is not None and sync.weights_per_unit else None
+                             for c, (sync, chunk) in enumerate(zip(syncs, chunks))]
+        self.unit_weights += [None] * (len(syncs) - len(self.unit_weights))
         self._backwards = [Counter() for _ in syncs]  # per chunk: passes of each part since the update
         self._running = Counter()  # per chunk: passes using its weights now
         self._lock = threading.Lock()
@@ -51,16 +55,19 @@ class SyncPasses:
             sync.begin_backward(final=all(counts[p] == self.backwards_per_update for p in parts))
         with self._lock:
             self._running[chunk] += 1
-        waits = self.forward_waits[chunk]
-        if backward or waits is None or not waits.ready:
-            sync.gather_weights()
+        weights = self.unit_weights[chunk]
+        if weights is not None:
+            weights_by_unit = weights.ready and (not backward or weights.frees and part is not ActionKind.BW)
+            weights.begin(backward)
+            if weights_by_unit:
+                return
+        sync.gather_weights()
 
     def after_pass(self, backward: bool, chunk: int) -> None:
         if self.syncs[chunk] is None:
             return
-        waits = self.forward_waits[chunk]
-        if not backward and waits is not None:
-            waits.first_forward_done()
+        if self.unit_weights[chunk] is not None:
+            self.unit_weights[chunk].end(backward)
         with self._lock:
             self._running[chunk] -= 1
             last = self._running[chunk] == 0
