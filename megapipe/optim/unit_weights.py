@@ -93,8 +93,8 @@ class UnitWeights:
         """A pass starts on this thread: under ZeRO-3 the first unit's buckets (in the pass's direction)
         and the chunk's own start to gather, and a backward waits for the chunk's own at once."""
         self._pass.kind = "backward" if backward else "forward"
-        if self.frees and self._own:
-            self.sync.gather_buckets(self._rest | self._own[-1 if backward else 0])
+        if self.frees and self.ready:
+            self.sync.gather_buckets(self._rest | (self._own[-1 if backward else 0] if self._own else set()))
             if backward:
                 self.sync.wait_for_buckets(self._rest)
 
