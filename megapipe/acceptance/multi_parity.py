@@ -46,8 +46,8 @@ def cases(world: int) -> dict[str, list[str]]:
     out = {}
     for p in (2, 4):
         for schedule in _synchronous_schedules():
-            # two model chunks per rank for the interleaved and V schedules
-            virtual = [] if schedule in ("1f1b", "gpipe", "zb-h1", "zb-h2") else [
+            # two model chunks per rank for the schedules that take more than one (interleaved, V)
+            virtual = [] if schedule_descriptor(schedule).sizes.most_chunks == 1 else [
                 "--num-layers-per-virtual-pipeline-stage", str(LAYERS // (2 * p))]
             out[f"p = {p}, {schedule}"] = ["--pipeline-model-parallel-size", str(p), "--pipeline-schedule",
                                           schedule, *virtual]
