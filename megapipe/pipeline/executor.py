@@ -129,6 +129,11 @@ class PipelineExecutor:
             self._finish(check_empty=False)
         return result
 
+    def losses_so_far(self) -> BatchResult:
+        """The losses of the call under way (``run`` returns them at its end), for a step taken inside it."""
+        state = self.state
+        return BatchResult(state.losses, state.peak_in_flight, state.loss_parts if any(state.loss_parts) else [])
+
     def drain(self) -> BatchResult:
         """Run the backwards and updates still in flight; afterwards the pipeline is empty."""
         if self.calls == 0:
@@ -230,8 +235,7 @@ class PipelineExecutor:
             for k, (action, _, _) in enumerate(marks):
                 self.timeline.record(self.ps.pp_rank, action, times[2 * k], times[2 * k + 1])
         state.sends = [t for t in state.sends if not _completed(t)]
-        parts = state.loss_parts if any(state.loss_parts) else []
-        return BatchResult(state.losses, state.peak_in_flight, parts)
+        return self.losses_so_far()
 
     def _run_pair(self, actions: tuple[Action, ...], forward: int, backward: int, call: Optional[int], data,
                   state: "_State") -> list:

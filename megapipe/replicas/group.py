@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,21 +165,23 @@ class ReplicaGroup:
             cause = f": {str(error).splitlines()[0][:200]}" if error is not None else " on another rank of this replica"
             raise ReplicaLost(f"{what} failed{cause}")
 
-    def reduce(self, grads) -> None:
-        """Average ``grads`` (a ``GradBuffers``, reduced inside the replica) over the quorum; the engine's hook
-        between the data-parallel reduction and the optimizer step. ``ReplicaLost`` when a replica was lost."""
+    def reduce(self, grads, riders: Sequence[torch.Tensor] = ()) -> None:
+        """Average ``grads`` (a ``GradBuffers``, reduced inside the replica) over the quorum and sum each of
+        ``riders`` (the step's losses) in place, under one vote: the engine's hook between the data-parallel
+        reduction and the optimizer step. ``ReplicaLost`` when a replica was lost."""
         if self.group is None:
             return
         error = None
         try:
-            for work in [sync.reduce_across_replicas(self.group, self.quorum.width) for sync in grads.syncs]:
+            works = [sync.reduce_across_replicas(self.group, self.quorum.width) for sync in grads.syncs]
+            for work in works + [self.group.allreduce([rider]) for rider in riders]:
                 work.wait()
         except RuntimeError as failure:
             error = failure
         self._vote(error, "the gradient average across replicas")
 
     def sum_(self, tensor: torch.Tensor) -> bool:
-        """Sum ``tensor`` over this rank's counterparts (the logged losses); False, leaving it as it was, when
+        """Sum ``tensor`` over this rank's counterparts (the evaluation losses); False, leaving it as it was, when
         a replica was lost since the step."""
         if self.group is None:
             return True

@@ -37,7 +37,8 @@ class ReplicaSteps:
                        f"microbatches of {t.micro_batch_size}, {t.train_iters} iterations")
         self.group = ReplicaGroup(t.lighthouse, t.replica_id, trainer.ps.rank, trainer.ps.world_size, trainer.device,
                                   t.replica_timeout_seconds, fingerprint)
-        trainer.engine.replica_sync = self.group.reduce
+        trainer.engine.replica_sync = self._average
+        self.step_losses = None  # the last step's loss sums (``Trainer.loss_sums``), summed over the quorum
         self.width: Optional[int] = None  # replicas the batch is split over now; None: not yet resized
         self.members: tuple[int, ...] = ()
         self.lost_at: Optional[float] = None  # when the last discarded step failed
@@ -99,6 +100,12 @@ class ReplicaSteps:
         restore_rng(self._rng, trainer.ps.rng_tracker, trainer.device)
         trainer.engine.discard_step()
         self.width = None  # resized (executors and batches anew) before the next step
+
+    def _average(self, grads) -> None:
+        """The engine's hook before each step: the gradients averaged and the step's losses summed over the
+        quorum under one vote, so that a replica lost after it cannot leave a logged loss short of its share."""
+        self.step_losses = self.trainer.loss_sums(self.trainer.engine.executor.losses_so_far())
+        self.group.reduce(grads, [self.step_losses])
 
     def sum_(self, totals) -> bool:
         return self.group.sum_(totals)

@@ -194,7 +194,8 @@ class Trainer:
         if self.watch is not None:
             self.watch.note_losses(self.state.iteration, result.batch.loss_tensors)
         self._count(result)
-        self._add_losses(self._window.losses, result.batch)
+        self._window.losses += (self.loss_sums(result.batch) if self.replica_steps is None
+                                else self.replica_steps.step_losses)
         self._window.iterations += 1
         if t.logs_after(self.state.iteration):
             self._log(result)
@@ -376,33 +377,35 @@ class Trainer:
                               "again.")
             return False
 
-    def _no_losses(self) -> dict[str, list]:
-        """Per loss name: [sum on the device, count]; read once per log interval (no host sync per step)."""
-        return {name: [torch.zeros((), dtype=torch.float64, device=self.device), 0] for name in self.loss_names}
+    def _no_losses(self) -> torch.Tensor:
+        """Per loss name (rows): [sum, count] on the device; read once per log interval (no host sync per step)."""
+        return torch.zeros(len(self.loss_names), 2, dtype=torch.float64, device=self.device)
 
-    def _add_losses(self, named: dict[str, list], batch) -> None:
-        """Add a call's microbatch losses under their names: the parts the model reports, or the loss itself."""
+    def loss_sums(self, batch) -> torch.Tensor:
+        """A call's microbatch losses as ``_no_losses`` rows: under their names when the model reports parts,
+        else under the first name."""
+        sums = self._no_losses()
         if batch.part_tensors:
-            for name in self.loss_names:
-                values = [parts[name] for parts in batch.part_tensors]
-                named[name][0] += torch.stack(values).double().sum()
-                named[name][1] += len(values)
+            for row, name in enumerate(self.loss_names):
+                sums[row, 0] = torch.stack([parts[name] for parts in batch.part_tensors]).double().sum()
+                sums[row, 1] = len(batch.part_tensors)
         elif batch.loss_tensors:
-            named[self.loss_names[0]][0] += torch.stack(batch.loss_tensors).double().sum()
-            named[self.loss_names[0]][1] += len(batch.loss_tensors)
+            sums[0, 0] = torch.stack(batch.loss_tensors).double().sum()
+            sums[0, 1] = len(batch.loss_tensors)
+        return sums
 
-    def _data_parallel_means(self, named: dict[str, list]) -> dict[str, float]:
-        """Per name, the mean over this window's microbatch losses of all data-parallel ranks (last stage)."""
-        totals = torch.stack([torch.stack([total, torch.tensor(float(count), dtype=torch.float64,
-                                                               device=self.device)])
-                              for total, count in named.values()])
+    def _data_parallel_means(self, totals: torch.Tensor, across_replicas: bool) -> dict[str, float]:
+        """Per name, the mean of ``totals`` (``_no_losses`` rows) over all data-parallel ranks (last stage), and
+        over the replicas when ``across_replicas`` (the training losses are summed over them with each step's
+        gradients, ``replica_steps``)."""
+        totals = totals.clone()
         if self.ps.is_last_stage and self.ps.dp_size > 1:
             dist.all_reduce(totals, group=self.ps.dp_group)
-        if self.replica_steps is not None and self.logs_loss and not self.replica_steps.sum_(totals):
-            self.logger.print("> replicas: a replica was lost after the step: the next line's losses are this "
-                              "replica's share of the batch only")
+        if across_replicas and self.logs_loss and not self.replica_steps.sum_(totals):
+            self.logger.print("> replicas: a replica was lost during the evaluation: its losses are this "
+                              "replica's share of the batches only")
         means = totals[:, 0] / totals[:, 1].clamp(min=1)
-        return dict(zip(named, means.tolist()))
+        return dict(zip(self.loss_names, means.tolist()))
 
     def _count(self, result) -> None:
         """Add the steps that became final in an engine call to the device counters (no host read),
@@ -437,7 +440,7 @@ class Trainer:
     def _log(self, result) -> None:
         t = self.config.training
         self._count_steps(result.step)
-        losses = self._data_parallel_means(self._window.losses)
+        losses = self._data_parallel_means(self._window.losses, across_replicas=False)
         seconds = (time.time() - self._window.start) / self._window.iterations
         tflops = self.flops / seconds / self.ps.world_size / 1e12
         step = result.step
@@ -475,18 +478,18 @@ class Trainer:
         named = self._no_losses()
         for _ in tqdm(range(t.eval_iters), desc=f"{split}", disable=not self.logs_loss, leave=False):
             result = self.engine.evaluate(next(batches))
-            self._add_losses(named, result)
-        losses = self._data_parallel_means(named)
+            named += self.loss_sums(result)
+        losses = self._data_parallel_means(named, across_replicas=self.replica_steps is not None)
         self.logger.log_evaluation(split, self.state.iteration, losses)
         return losses
 
 
 @dataclasses.dataclass
 class _LogWindow:
-    """The iterations since the last log line: per loss name [device sum, count], where the amended
+    """The iterations since the last log line: per loss name [sum, count] (a device tensor), where the amended
     iterations noted since start (``Trainer.amended[amended_from:]``), start time, count."""
 
-    losses: dict[str, list]
+    losses: torch.Tensor
     amended_from: int
     start: float = dataclasses.field(default_factory=time.time)
     iterations: int = 0
