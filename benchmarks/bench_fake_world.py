@@ -47,7 +47,7 @@ from megapipe.planner.cost_model import Candidate, PlanCostModel, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
-from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator, fused_optimizers
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 GPT_1_3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048)
@@ -90,8 +90,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 def config_of(case: Case, layers: int | None = None) -> ModelConfig:
-    """bf16, dropout off, selective recomputation: the attention keeps no [s, s] scores, which the planner
-    then counts neither (its profile of a block under ``--recompute-granularity selective``)."""
+    """bf16, dropout off, selective recomputation; the attention runs as the flash kernel, which keeps no
+    [s, s] scores: the planner's profile of such a block (``selective``, ``flash``)."""
     model = dict(case.model, num_layers=layers or case.model["num_layers"])
     return ModelConfig(**model, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
                        recompute_granularity="selective")
@@ -104,9 +104,8 @@ def measured_peak(case: Case, layers: int | None = None) -> float:
     sequence = config.seq_length // case.context
     optimizer_config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
                                        data_parallel_sharding_strategy=case.sharding)
-    # the step's one host read is whether to skip it (non-fused AdamW): False, so that it steps and Adam's
-    # moments exist from the first step on, as on a GPU (whose fused AdamW reads nothing)
-    with fake_accelerator(booleans=False), DeviceMemory() as memory, \
+    # AdamW fused, as a GPU runs it: the foreach kernels' parameter-sized temporaries would be the peak
+    with fake_accelerator(), fused_optimizers(), DeviceMemory() as memory, \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention):
         model = build_model_chunks("gpt", config, ps, sequence_parallel=case.sequence_parallel,
                                    device=FAKE_DEVICE)[0].train()
@@ -132,7 +131,7 @@ def planned_peak(case: Case, world: int, layers: int | None = None) -> float:
     config = config_of(case, layers)
     shape = ModelShape.from_config("gpt", replace(config, vocab_size=config.padded_vocab_size(case.tensor)))
     profile = analytic_gpt_profile(shape, achieved_flops=1e14, micro_batch_sizes=(1,), dtype="bfloat16",
-                                   selective=True)
+                                   selective=True, flash=True)
     data = world // (case.tensor * case.context)
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=data))
     return costs.estimate(Candidate(case.tensor, 1, data, 1, "1f1b", sharding=case.sharding, expert=case.expert,

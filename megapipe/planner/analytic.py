@@ -20,9 +20,9 @@ which for e = 2 and ffn = 4h is the familiar ``sbh (34 + 5 a s / h)``. Selective
 (``models/selective.py``) recomputes the norms' outputs (the QKV and fc1 inputs), the activation's output and
 the dropout masks in the backward pass, so a block keeps the 2 norm inputs (2e sbh) replicated and QKV
 output, context and GeLU input split: ``sbh (20 + 5 a s / h)`` for e = 2, ffn = 4h. The attention core's
-``(2e + 1) a b s^2`` (``attention_core_bytes``) is what explicit attention keeps; the fused kernels (SDPA,
-flash) keep a log-sum-exp of 4 a s b bytes instead, and the norms 4 or 8 bytes a token each for their
-statistics, both left out here. An MoE block (``--moe-layer-freq``
+``(2e + 1) a b s^2`` (``attention_core_bytes``) is what explicit attention keeps (the paper's count); with
+``flash`` a fused kernel (SDPA's flash or memory-efficient attention, the default on a GPU) keeps its fp32
+log-sum-exp of 4 a s b bytes instead. The norms' statistics, 4 or 8 bytes a token each, are left out. An MoE block (``--moe-layer-freq``
 says which) costs its experts, router and shared expert instead of the dense MLP, with ffn the k experts'
 width, and holds every expert's parameters: FLOPs and parameters are the model family's own counts
 (``megapipe.models.flops``).
@@ -62,10 +62,15 @@ def attention_core_bytes(shape: ModelShape, b: float, element_bytes: int) -> flo
     return (2 * element_bytes + 1) * shape.num_attention_heads * b * shape.seq_length ** 2
 
 
+def flash_attention_bytes(shape: ModelShape, b: float) -> float:
+    """What a fused attention kernel keeps besides its inputs and output: the fp32 log-sum-exp, 4 a b s."""
+    return 4 * shape.num_attention_heads * b * shape.seq_length
+
+
 def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: int,
-                      selective: bool = False) -> tuple[float, float]:
+                      selective: bool = False, flash: bool = False) -> tuple[float, float]:
     """(all, split) bytes block ``layer`` keeps for backward at micro-batch b, without recomputation or with
-    ``selective`` recomputation (see the module docstring)."""
+    ``selective`` recomputation, its attention explicit or, with ``flash``, a fused kernel (module docstring)."""
     s, h, f, e = shape.seq_length, shape.hidden_size, shape.active_ffn_hidden_size(layer), element_bytes
     qkv_context = h + 2 * shape.kv_hidden_size + h  # QKV output (keys and values per query group) and context
     activation_input = 2 * f if shape.swiglu else f  # SwiGLU's gate and up halves
@@ -74,7 +79,7 @@ def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: in
     else:  # also the norm outputs, the activation output and the two dropout masks
         replicated = 4 * e * s * b * h + 2 * s * b * h
         split = e * s * b * qkv_context + e * s * b * (activation_input + f)
-    split += attention_core_bytes(shape, b, e)
+    split += flash_attention_bytes(shape, b) if flash else attention_core_bytes(shape, b, e)
     return replicated + split, split
 
 
@@ -84,9 +89,10 @@ def _seconds(flops: float, tokens: float, achieved_flops: float, half_tokens: fl
 
 def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
                          dtype: str = "float16", half_tokens: float = DEFAULT_HALF_TOKENS,
-                         selective: bool = False) -> ModelProfile:
+                         selective: bool = False, flash: bool = False) -> ModelProfile:
     """The profile a device reaching ``achieved_flops`` on large GEMMs would measure for ``shape`` (its blocks'
-    stashes under ``--recompute-granularity selective`` when ``selective``)."""
+    stashes under ``--recompute-granularity selective`` when ``selective``, with a fused attention kernel's
+    when ``flash``)."""
     e = ELEMENT_BYTES[dtype]
     s, h, v = shape.seq_length, shape.hidden_size, shape.vocab_size
     sizes = tuple(micro_batch_sizes)
@@ -109,7 +115,7 @@ def analytic_gpt_profile(shape: ModelShape, achieved_flops: float, micro_batch_s
         forward = seconds(lambda b: block_forward_flops(shape, b, layer))
 
         def stash(b):
-            return block_stash_bytes(shape, b, e, layer, selective)
+            return block_stash_bytes(shape, b, e, layer, selective, flash)
         return LayerProfile(f"block.{layer}", "block", params=params, split_params=split_params, forward_s=forward,
                             backward_s=tuple(2 * t for t in forward), recompute_backward_s=tuple(3 * t for t in forward),
                             output_bytes=activation,

@@ -119,6 +119,16 @@ def fake_accelerator(booleans: bool = True, numbers: Iterable[int] = ()) -> Iter
         yield reads
 
 
+@contextlib.contextmanager
+def fused_optimizers() -> Iterator[None]:
+    """Torch's fused optimizer kernels on ``FAKE_DEVICE`` too, as on a GPU: its foreach kernels, chosen on a
+    device without fused ones, allocate a parameter-sized temporary per moment that a GPU's step never holds."""
+    devices = [*torch.utils._foreach_utils._get_fused_kernels_supported_devices(), FAKE_DEVICE.type]
+    with mock.patch("torch.optim.optimizer._get_fused_kernels_supported_devices", return_value=devices), \
+            mock.patch("megapipe.optim.optimizer._get_fused_kernels_supported_devices", return_value=devices):
+        yield
+
+
 class DeviceMemory(TorchDispatchMode):
     """Live and peak bytes of the storages on ``device`` created while the mode is active.
 
