@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: the cluster's achieved_flops)")
     source.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="closed-form profile: weight and activation type")
+    source.add_argument("--explicit-attention", action="store_true",
+                        help="closed-form profile: count the [s, s] attention scores explicit attention keeps (the "
+                             "paper's count; runs with --no-masked-softmax-fusion), not a fused kernel's log-sum-exp")
     run = parser.add_argument_group("cluster and batch")
     run.add_argument("--cluster", required=True, help=f"JSON file or preset: {', '.join(CLUSTERS)}")
     run.add_argument("--global-batch-size", type=int, help="samples per optimizer step (required unless --pipedream)")
@@ -131,7 +134,7 @@ def load_profile(args, cluster: Cluster) -> ModelProfile:
     if not flops:
         raise ConfigError("a closed-form profile needs --achieved-flops (or achieved_flops in the cluster "
                           "description); or measure one with tools/profile_model.py and pass --profile.")
-    return analytic_gpt_profile(shape, flops, dtype=args.dtype)
+    return analytic_gpt_profile(shape, flops, dtype=args.dtype, flash=not args.explicit_attention)
 
 
 def format_table(result, top: int, moe: bool = False, context: bool = False) -> str:
