@@ -20,6 +20,8 @@ from megapipe.fusions.fp8_mode import activate
 from megapipe.models import build_model_chunks
 from megapipe.models.state_dict import canonical_state_dict, local_state_dict
 from megapipe.parallel.state import ParallelState
+from megapipe.parallel.collectives import reduce_scatter_into
+from megapipe.tensor_parallel.collective_matmul import scattered_product
 from megapipe.tensor_parallel.column_input import ColumnInput, overlap_tensor_parallel_communication
 from megapipe.tensor_parallel.split_backward import apply_weight_gradients, deferring_weight_gradients
 from megapipe.testing.worlds import run_distributed
@@ -109,3 +111,30 @@ def test_overlapped_column_linears_equal_the_separate_collectives_bit_for_bit_an
             # with sequence parallelism QKV's and fc1's inputs are gathered again from the dense projection's
             # and fc2's output gradients on, in every layer; never without it or without the overlap
             assert case["early"] == (0, 2 * case["layers"] if sp else 0), case["case"]
+
+
+def _ring_products(rank, world_size):
+    """The forward products as collective matmuls against a collective and ``F.linear``: of each rank's rows of
+    a sequence-parallel input (13 rows: uneven blocks for the kernels) gathered, with and without a bias; and of
+    each rank's partial products of 52 rows reduce-scattered. The largest difference of each, relative to the
+    largest value (a sum's rounding scales with its terms, not with a result that cancels near 0)."""
+    ps = ParallelState.initialize(tensor=world_size)
+    column = ColumnInput(ps.tp_group, sequence_parallel=True)
+    generator = torch.Generator().manual_seed(rank)
+    rows, partial_rows = torch.randn(13, 24, generator=generator), torch.randn(52, 24, generator=generator)
+    weight, bias = torch.randn(10, 24, generator=generator), torch.randn(10, generator=generator)
+    gathered = [(column.linear(rows, weight, b), torch.nn.functional.linear(column.gather(rows), weight, b))
+                for b in (None, bias)]
+    summed = torch.empty(13, 10)
+    reduce_scatter_into(summed, torch.nn.functional.linear(partial_rows, weight), ps.tp_group)
+    pairs = gathered + [(scattered_product(partial_rows, weight, ps.tp_group), summed)]
+    return [float((ring - reference).abs().max() / reference.abs().max()) for ring, reference in pairs]
+
+
+def test_the_collective_matmuls_around_a_ring_of_four_equal_the_collectives():
+    # each gathered output row is the same product of the same input row, only computed while other rows
+    # travel: the same bits; the reduce-scatter's sums add the same four partial products in the ring's order,
+    # which may round differently from the collective's: a few fp32 ulps (1e-6 relative)
+    for gathered, gathered_biased, scattered in run_distributed(4, _ring_products, timeout=120):
+        assert gathered == gathered_biased == 0.0
+        assert scattered < 1e-6

@@ -31,9 +31,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from megapipe.parallel.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
 from megapipe.parallel.progress import collective
+from megapipe.tensor_parallel.collective_matmul import gathered_product
 from megapipe.tensor_parallel import mappings
 
 _overlap = True
@@ -43,6 +45,12 @@ def overlap_tensor_parallel_communication(on: bool) -> None:
     """Chosen once per run (``--no-async-tensor-model-parallel-allreduce`` turns it off)."""
     global _overlap
     _overlap = on
+
+
+def overlaps(size: int) -> bool:
+    """Whether a product over a tensor-parallel group of ``size`` runs its communication fused with it (the
+    overlap on, a backward to come, not traced by torch.compile)."""
+    return size > 1 and _overlap and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def backward_products(ctx, rows, input_gradient, weight_gradient):
@@ -86,7 +94,7 @@ class ColumnInput:
 
     def fused(self) -> bool:
         """Whether the product runs the communication inside its backward (module docstring)."""
-        return self.size > 1 and _overlap and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        return overlaps(self.size)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input through the separate autograd functions (when not ``fused``)."""
@@ -101,6 +109,13 @@ class ColumnInput:
         full, work = self._start_gather(rows)
         _finish(work, "all_gather", self.group)
         return full
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``F.linear`` of the forward's whole input (``gather``): with sequence parallelism a collective
+        matmul, the rows' transfers behind the products (``collective_matmul.gathered_product``)."""
+        if not self.sequence_parallel:
+            return F.linear(rows, weight, bias)
+        return gathered_product(rows, weight, bias, self.group)
 
     def backward(self, rows: torch.Tensor, input_gradient: Optional[Callable[[], torch.Tensor]],
                  weight_gradient: Callable[[torch.Tensor], Optional[torch.Tensor]], regathered=None):

@@ -31,9 +31,11 @@ import torch
 
 from megapipe.fusions.fp8 import Fp8Recipe, Quantised, quantise, scaled_mm
 from megapipe.fusions.fp8_mode import active_fp8
-from megapipe.tensor_parallel.column_input import ColumnInput, backward_products
+from megapipe.parallel.collectives import group_size
+from megapipe.tensor_parallel import mappings
+from megapipe.tensor_parallel.column_input import ColumnInput, backward_products, overlaps
 from megapipe.tensor_parallel.grad_accumulation import WeightGradient
-from megapipe.tensor_parallel.split_backward import linear, weight_gradient
+from megapipe.tensor_parallel.split_backward import linear, scattered_linear, weight_gradient
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -113,3 +115,12 @@ def parallel_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if column_input is not None:
         column_input.remember(rows.grad_fn)
     return rows.view(-1, *inp.shape[1:-1], weight.shape[0])
+
+
+def sequence_scattered_linear(inp: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """A row-parallel linear's output under sequence parallelism: ``parallel_linear`` summed over ``group``
+    and split along the sequence; as one collective matmul (``collective_matmul.py``) where the
+    tensor-parallel overlap is on and the product is not FP8's, else the product then the reduce-scatter."""
+    if active_fp8() is None and overlaps(group_size(group)):
+        return scattered_linear(inp, weight, group)
+    return mappings.reduce_scatter_to_sequence_parallel_region(parallel_linear(inp, weight), group)

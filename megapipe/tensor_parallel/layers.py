@@ -15,7 +15,7 @@ from torch import nn
 
 from megapipe.parallel.state import ParallelState
 from megapipe.tensor_parallel.column_input import ColumnInput
-from megapipe.tensor_parallel.fp8_linear import parallel_linear
+from megapipe.tensor_parallel.fp8_linear import parallel_linear, sequence_scattered_linear
 from megapipe.tensor_parallel.split_backward import linear
 from megapipe.tensor_parallel import mappings
 from megapipe.tensor_parallel.lookup import sequence_first_lookup
@@ -94,11 +94,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.ps.tp_group)
-        partial = parallel_linear(x, self.weight)  # FP8 under --fp8-format
-        if self.sequence_parallel:
-            y = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ps.tp_group)
+        if self.sequence_parallel:  # a collective matmul where the overlap is on (``collective_matmul.py``)
+            y = sequence_scattered_linear(x, self.weight, self.ps.tp_group)
         else:
-            y = mappings.reduce_from_tensor_parallel_region(partial, self.ps.tp_group)
+            y = mappings.reduce_from_tensor_parallel_region(parallel_linear(x, self.weight), self.ps.tp_group)
         if self.regathers is not None:
             self.regathers.regather_early(y)
         if self.skip_bias_add:

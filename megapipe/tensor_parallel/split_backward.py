@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megapipe.parallel.collectives import all_gather_into, group_size
+from megapipe.tensor_parallel.collective_matmul import scattered_product
 from megapipe.tensor_parallel.column_input import ColumnInput, backward_products
 from megapipe.tensor_parallel.grad_accumulation import WeightGradient, accumulate_product, main_grad_target
 
@@ -92,7 +94,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(inp, weight)  # with sequence parallelism, this rank's rows only
         ctx.weight = weight  # whose gradient it is: under saved-tensor hooks the saved one comes back a copy
         ctx.has_bias, ctx.column_input = bias is not None, column_input
-        return F.linear(inp if column_input is None else column_input.gather(inp), weight, bias)
+        return F.linear(inp, weight, bias) if column_input is None else column_input.linear(inp, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -131,4 +133,28 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     rows = _Linear.apply(inp.reshape(-1, inp.shape[-1]), weight, bias, column_input)
     if column_input is not None:
         column_input.remember(rows.grad_fn)
+    return rows.view(-1, *inp.shape[1:-1], weight.shape[0])
+
+
+class _ScatteredLinear(torch.autograd.Function):
+    """A row-parallel product and the reduce-scatter along the sequence after it, as one collective matmul
+    (``collective_matmul.scattered_product``); the backward gathers the output gradient and is ``_Linear``'s."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, group):
+        ctx.save_for_backward(inp, weight)
+        ctx.weight, ctx.has_bias, ctx.column_input, ctx.group = weight, False, None, group
+        return scattered_product(inp, weight, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        full = grad_output.new_empty((grad_output.shape[0] * group_size(ctx.group), *grad_output.shape[1:]))
+        all_gather_into(full, grad_output.contiguous(), ctx.group)
+        return _Linear.backward(ctx, full)
+
+
+def scattered_linear(inp: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """A sequence-parallel row-parallel product's output, summed over ``group`` and split along the sequence,
+    as one collective matmul."""
+    rows = _ScatteredLinear.apply(inp.reshape(-1, inp.shape[-1]), weight, None, group)
     return rows.view(-1, *inp.shape[1:-1], weight.shape[0])
