@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megapipe.acceptance import MULTI_STEPS, STEPS, Step
-from megapipe.acceptance import runner
+from megapipe.acceptance import multi_parity, runner
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Starting a step's process (Python, torch) takes seconds on a loaded machine: the budgets leave room
@@ -73,7 +73,7 @@ def test_a_dry_run_of_the_multi_gpu_steps_passes_on_the_cpu(tmp_path):
     results = runner.run_all(str(tmp_path), dry_run=True, only=[], benchmark_args=[], every=MULTI_STEPS)
     assert [r.outcome for r in results] == ["passed", "passed"], (tmp_path / "summary.md").read_text()
     parity = results[0].checks
-    assert sum(c.name.startswith("flags of ") and c.outcome == "passed" for c in parity) == 27
+    assert sum(c.name.startswith("flags of ") and c.outcome == "passed" for c in parity) == len(multi_parity.cases(8))
     ran = [c.name for c in parity if c.name.endswith("on 4 ranks") and c.outcome == "passed"]
     assert len(ran) == 5, [(c.name, c.outcome, c.detail) for c in parity]
     assert [c.outcome for c in results[1].checks] == ["skipped"]

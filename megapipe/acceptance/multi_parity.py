@@ -2,7 +2,8 @@
 
 ``pretrain_gpt.py`` under torchrun over all the node's GPUs (n, 8 on the node this is written for), one
 run per case: every synchronous pipeline schedule at p = 2 and p = 4 (the rest data parallel), tensor
-parallelism with sequence parallelism at t = 2 and t = n, context parallelism at c = 2 (ring and
+parallelism with sequence parallelism at t = 2 and t = n (at t = n also through symmetric memory,
+``--async-tensor-parallel``), context parallelism at c = 2 (ring and
 all-to-all), experts at e = 2 with grouped products, ZeRO-1 with both overlaps and ZeRO-3 at d = n;
 each against the same model and global batch on one GPU. In fp32 a layout changes only where sums
 are taken (partial products summed over ranks, microbatches accumulated in another order), ~1e-7
@@ -54,6 +55,8 @@ def cases(world: int) -> dict[str, list[str]]:
     for t in sorted({2, world}):
         out[f"t = {t if t == 2 else 'n'}, sequence parallel"] = ["--tensor-model-parallel-size", str(t),
                                                                  "--sequence-parallel"]
+    out["t = n, sequence parallel, symmetric memory"] = ["--tensor-model-parallel-size", str(world),
+                                                         "--sequence-parallel", "--async-tensor-parallel"]
     for comm in ("p2p", "a2a"):
         out[f"c = 2, {comm}"] = ["--context-parallel-size", "2", "--cp-comm-type", comm]
     out["e = 2, grouped experts"] = EXPERTS + ["--expert-model-parallel-size", "2"]

@@ -3,7 +3,8 @@
 Over all the node's GPUs (n), a bf16 GPT of 8 layers at hidden 2048 and sequence 2048, the median
 ``elapsed time per iteration`` of the iterations after the first: ZeRO-1 with both overlaps against
 unsharded data parallelism at d = n (aim: within 3%), tensor parallelism at t = n with sequence
-parallelism against ``--no-async-tensor-model-parallel-allreduce`` (aim: 1.15x), and experts at e = n
+parallelism against ``--no-async-tensor-model-parallel-allreduce`` (aim: 1.15x) and through torch's
+symmetric memory (``--async-tensor-parallel``) against the point-to-point rings, and experts at e = n
 with ``--overlap-moe-expert-parallel-comm`` on and off (aim: 1.1x). The figures are noted with their
 aims, not judged: a node's interconnect decides them. ZeRO-3 against FSDP2 is
 ``benchmarks/bench_data_parallel.py``'s comparison, which this step does not run. A dry run has no
@@ -37,6 +38,9 @@ def comparisons(world: int) -> dict[str, tuple[list[str], list[str], list[str], 
         f"t = {world} with sequence parallelism, overlap on vs off": (
             batch + ["--tensor-model-parallel-size", str(world), "--sequence-parallel"], [],
             ["--no-async-tensor-model-parallel-allreduce"], 1.15),
+        f"t = {world} with sequence parallelism, symmetric memory vs rings": (
+            batch + ["--tensor-model-parallel-size", str(world), "--sequence-parallel"], ["--async-tensor-parallel"],
+            [], 1.0),
         f"e = {world}, expert all-to-all overlapped vs not": (
             ["--global-batch-size", str(2 * world)] + EXPERTS + ["--expert-model-parallel-size", str(world)],
             ["--overlap-moe-expert-parallel-comm"], [], 1.1),

@@ -280,6 +280,10 @@ class ParallelConfig:
                                                        negate=True, help=(
         "reduce the column-parallel linears' input gradients after their backward instead of behind its "
         "weight-gradient product (the same numbers; for comparisons, docs/parallelism.md)"))
+    async_tensor_parallel: bool = flag(False, help=(
+        "run sequence parallelism's collective matmuls through torch's symmetric memory (fused_all_gather_matmul, "
+        "fused_matmul_reduce_scatter: the GPUs read each other's buffers) instead of point-to-point rings; CUDA "
+        "only (docs/parallelism.md)"))
     # context parallelism: each sequence split over c ranks of a replica (layout/context.py, layout/context_comm.py)
     context_parallel_size: int = flag(1, help=(
         "ranks each sequence is split over (2c chunks, rank i holding chunks i and 2c-1-i); they sit between the "
@@ -321,6 +325,11 @@ class ParallelConfig:
         """Check the flags; with the world size and the model's layers, check the stage plan against them too."""
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise t.")
+        if self.async_tensor_parallel and not (self.sequence_parallel and self.async_tensor_model_parallel_allreduce):
+            raise ConfigError("--async-tensor-parallel runs sequence parallelism's forward collectives fused with "
+                              "their products, so it needs --sequence-parallel and the overlap that "
+                              "--no-async-tensor-model-parallel-allreduce turns off; add the one, drop the other, "
+                              "or drop --async-tensor-parallel.")
         if self.expert_tensor is not None and self.tensor % self.expert_tensor:
             raise ConfigError(f"--expert-tensor-parallel-size {self.expert_tensor} does not divide "
                               f"--tensor-model-parallel-size {self.tensor}: each group of that many tensor ranks "

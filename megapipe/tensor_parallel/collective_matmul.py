@@ -12,6 +12,10 @@ asynchronous tensor parallelism and Megatron-LM's ring-exchange overlap run):
 * ``scattered_product``: round k multiplies the rows of block ``(r - k - 1) mod t``, adds the running
   sum that arrived for it from the previous rank and sends it on; the last round's block is this rank's.
 
+With ``--async-tensor-parallel`` (CUDA) both run as torch's symmetric-memory operators instead
+(``fused_all_gather_matmul``, ``fused_matmul_reduce_scatter``: torchtitan's asynchronous tensor
+parallelism), in which each GPU reads the other GPUs' blocks from their memory as the product needs them.
+
 Every output row is the product of the same input row as after a gather; the sums of the
 reduce-scatter add the same partial products, in the ring's order: at t = 2 that is a + b on one rank and
 b + a on the other, the same bits as the collective; at larger t the order may differ from the
@@ -26,8 +30,52 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megapipe.errors import ConfigError
 from megapipe.parallel.collectives import group_size
 from megapipe.parallel.progress import collective
+
+
+_symmetric_groups: Optional[set] = None  # with --async-tensor-parallel: the groups symmetric memory is enabled for
+
+
+def use_symmetric_memory(on: bool, device: torch.device) -> None:
+    """Whether the collective matmuls run through torch's symmetric memory (``--async-tensor-parallel``),
+    chosen once per run; refused in one sentence where ``device`` or this build cannot."""
+    global _symmetric_groups
+    if not on:
+        _symmetric_groups = None
+        return
+    problem = symmetric_memory_problem(device)
+    if problem is not None:
+        raise ConfigError(f"--async-tensor-parallel needs torch's symmetric memory on CUDA GPUs, but {problem}; "
+                          "drop the flag: sequence parallelism's collective matmuls then run as point-to-point "
+                          "rings.")
+    _symmetric_groups = set()
+
+
+def symmetric_memory_problem(device: torch.device) -> Optional[str]:
+    """Why ``device`` cannot run the symmetric-memory operators, or None when it can."""
+    if device.type != "cuda":
+        return f"this run computes on the {device.type}"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers the operators)
+    except ImportError as error:
+        return f"torch {torch.__version__} has no symmetric memory ({error})"
+    if not hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter"):
+        return f"torch {torch.__version__} has no symm_mem.fused_matmul_reduce_scatter"
+    return None
+
+
+def _symmetric_name(group) -> Optional[str]:
+    """The name of ``group`` with symmetric memory enabled for it, or None when the rings run."""
+    if _symmetric_groups is None:
+        return None
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    if group.group_name not in _symmetric_groups:
+        enable_symm_mem_for_group(group.group_name)
+        _symmetric_groups.add(group.group_name)
+    return group.group_name
 
 
 def _pass_on(block: torch.Tensor, group, rank: int, size: int, name: str):
@@ -56,6 +104,11 @@ def _product(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def gathered_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
     """``F.linear`` of every rank's ``rows`` stacked in rank order (the all-gather's result), computed while
     the blocks travel around the ring (module docstring)."""
+    name = _symmetric_name(group)
+    if name is not None:
+        _, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(rows.contiguous(), [weight.t()], 0, name,
+                                                                return_A=False)
+        return out if bias is None else out.add_(bias)
     rank, size, n = dist.get_rank(group), group_size(group), rows.shape[0]
     out = rows.new_empty((n * size, weight.shape[0]))
     here = rows.contiguous()
@@ -71,6 +124,9 @@ def gathered_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 def scattered_product(rows: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of ``F.linear(rows, weight)`` summed over the ranks (the reduce-scatter's result),
     each running sum travelling to the next rank while the next block's product runs (module docstring)."""
+    name = _symmetric_name(group)
+    if name is not None:
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(rows, weight.t(), "sum", 0, name)
     rank, size = dist.get_rank(group), group_size(group)
     if rows.shape[0] % size:
         raise ValueError(f"sequence length {rows.shape[0]} is not divisible by the tensor-parallel size {size}")

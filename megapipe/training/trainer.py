@@ -29,6 +29,7 @@ from megapipe.data.rank_data import BatchSource, build_rank_data, check_tokenize
 from megapipe.data.splits import SPLIT_NAMES
 from megapipe.errors import CheckpointError
 from megapipe.fusions.fp8_mode import select_fp8
+from megapipe.tensor_parallel.collective_matmul import use_symmetric_memory
 from megapipe.tensor_parallel.column_input import overlap_tensor_parallel_communication
 from megapipe.parallel import exposure
 from megapipe.parallel.launch import count_synchronisations, device_name, init_distributed, peak_memory_gib
@@ -66,6 +67,7 @@ class Trainer:
         self.device = init_distributed(timeout, plan.device)
         select_fp8(config.training.fp8_format, config.training.fp8_recipe, self.device)  # refused if it cannot run
         overlap_tensor_parallel_communication(config.parallel.async_tensor_model_parallel_allreduce)
+        use_symmetric_memory(config.parallel.async_tensor_parallel, self.device)  # refused where it cannot run
         if config.training.cluster_lease and (not dist.is_initialized() or dist.get_rank() == 0):
             from megapipe.lease.client import ClusterLease
 
