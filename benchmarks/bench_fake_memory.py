@@ -5,12 +5,12 @@ main gradients, Adam, gradient clipping; dropout on), run twice on fake accelera
 (``megapipe.testing.fake_device``): no kernel runs, but every storage the step creates on the device is
 counted from its creation until its last user lets it go, so the peak is what the caching
 allocator would have to hold (before its rounding to blocks and its fragmentation). The second
-step counts Adam's moments, created by the first. Attention runs as on a CUDA device: the fake
-device's ``scaled_dot_product_attention`` would pick the math kernel, which holds the [s, s]
-scores, so the step calls the flash-attention operator a GPU picks for these bf16 shapes instead.
-The planner's MEMORY(.) for the same shape, micro-batch and schedule (one device, closed-form
-bf16 profile) stands beside it; it counts the [s, s] scores, dropout mask and probabilities of
-explicit attention (the paper's kernels), hence its larger figure without recomputation.
+step counts Adam's moments, created by the first. Attention and Adam run as on a CUDA device: the
+fake device's ``scaled_dot_product_attention`` would pick the math kernel, which holds the [s, s]
+scores, so the step calls the flash-attention operator a GPU picks for these bf16 shapes instead,
+and Adam is torch's fused kernel, as megapipe picks it on a GPU (``fake_device.flash_attention``,
+``fused_optimizers``). The planner's MEMORY(.) for the same shape, micro-batch and schedule (one
+device, closed-form bf16 profile of flash attention) stands beside it.
 
     python benchmarks/bench_fake_memory.py                       # gpt-350m and gpt-1.3b at sequence 2048
     python benchmarks/bench_fake_memory.py --shape gpt-1.3b --micro-batch-size 2
@@ -20,37 +20,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from unittest import mock
 
 import torch
 
 from harness import cli
 from harness.report import print_ruled
 from bench_single_device import SHAPES, Megapipe, make_batch
-from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator
+from megapipe.testing.fake_device import (FAKE_DEVICE, DeviceMemory, fake_accelerator, flash_attention,
+                                          fused_optimizers)
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cost_model import PlanCostModel, Candidate, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
 
-SDPA = torch.nn.functional.scaled_dot_product_attention
 VARIANTS = {"no recomputation": {}, "selective recomputation": dict(recompute_granularity="selective"),
             "full recomputation": dict(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1)}
 
 
-def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **options):
-    """``scaled_dot_product_attention`` as CUDA runs GPT's (no mask): the flash kernel."""
-    if attn_mask is not None:
-        return SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **options)
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-
-
 def measured_peak(shape, overrides: dict) -> float:
     """Peak bytes on the device over two training steps of megapipe on fake tensors."""
-    with fake_accelerator(), DeviceMemory() as memory, \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention):
+    with fake_accelerator(), fused_optimizers(), DeviceMemory() as memory, flash_attention():
         system = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1, **overrides)
         system.build()
         for seed in range(2):
@@ -65,7 +56,7 @@ def planned_peak(shape, granularity: str | None) -> float:
     config = Megapipe("megapipe", shape, FAKE_DEVICE, dropout=0.1).config()
     model = ModelShape.from_config("gpt", replace(config, vocab_size=config.padded_vocab_size(1)))
     profile = analytic_gpt_profile(model, achieved_flops=1e14, micro_batch_sizes=(shape.micro_batch,),
-                                   dtype="bfloat16", selective=granularity == "selective")
+                                   dtype="bfloat16", selective=granularity == "selective", flash=True)
     costs = PlanCostModel(profile, cluster_preset("a100-80gb-1x8"), Training(global_batch_size=shape.micro_batch))
     return costs.estimate(Candidate(1, 1, 1, shape.micro_batch, "1f1b", recompute=granularity == "full")).memory
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -41,15 +40,16 @@ from megapipe.models import build_model_chunks
 from megapipe.optim import build_optimizer
 from megapipe.optim.finalize import finalize_model_grads
 from megapipe.optim.grad_buffer import GradBuffers
+from megapipe.optim.passes import SyncPasses
 from megapipe.parallel.state import ParallelState
 from megapipe.planner.analytic import analytic_gpt_profile
 from megapipe.planner.cost_model import Candidate, PlanCostModel, Training
 from megapipe.planner.presets import cluster_preset
 from megapipe.planner.profile import ModelShape
 from megapipe.planner.units import GIB
-from megapipe.testing.fake_device import FAKE_DEVICE, DeviceMemory, fake_accelerator, fused_optimizers
+from megapipe.testing.fake_device import (FAKE_DEVICE, DeviceMemory, fake_accelerator, flash_attention,
+                                          fused_optimizers)
 
-SDPA = torch.nn.functional.scaled_dot_product_attention
 GPT_1_3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048)
 MIXTRAL_LAYERS = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, num_query_groups=8, vocab_size=32000,
                       seq_length=4096, ffn_hidden_size=14336, swiglu=True, normalization="RMSNorm",
@@ -82,13 +82,6 @@ CASES = {
 }
 
 
-def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **options):
-    """``scaled_dot_product_attention`` as CUDA runs it without a mask: the flash kernel."""
-    if attn_mask is not None:
-        return SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **options)
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-
-
 def config_of(case: Case, layers: int | None = None) -> ModelConfig:
     """bf16, dropout off, selective recomputation; the attention runs as the flash kernel, which keeps no
     [s, s] scores: the planner's profile of such a block (``selective``, ``flash``)."""
@@ -105,24 +98,26 @@ def measured_peak(case: Case, layers: int | None = None) -> float:
     optimizer_config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
                                        data_parallel_sharding_strategy=case.sharding)
     # AdamW fused, as a GPU runs it: the foreach kernels' parameter-sized temporaries would be the peak
-    with fake_accelerator(), fused_optimizers(), DeviceMemory() as memory, \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", flash_attention):
+    with fake_accelerator(), fused_optimizers(), DeviceMemory() as memory, flash_attention():
         model = build_model_chunks("gpt", config, ps, sequence_parallel=case.sequence_parallel,
                                    device=FAKE_DEVICE)[0].train()
         grads = GradBuffers([model], ps, level=optimizer_config.sharding)
         optimizer = build_optimizer([model], optimizer_config, ps, grads)
+        # the executor's hooks around each pass: ZeRO-3 gathers and frees the weights a layer at a time
+        passes = SyncPasses(grads.syncs, 1, [model])
         for _ in range(2):
             tokens = torch.zeros(1, sequence, dtype=torch.long, device=FAKE_DEVICE)
             batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(1, sequence, device=FAKE_DEVICE)}
-            for sync in grads.syncs:
-                sync.gather_weights()
+            passes.before_pass(False, 0)
             loss = model(None, batch)
+            passes.after_pass(False, 0)
+            passes.before_pass(True, 0)
             optimizer.scale_loss(loss).backward()
+            passes.after_pass(True, 0)
             finalize_model_grads([model], ps, grads)
             optimizer.step()
             optimizer.zero_grad()
-            for sync in grads.syncs:
-                sync.release_weights()
+            passes.updated([0])
     return memory.peak
 
 

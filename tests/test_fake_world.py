@@ -31,6 +31,8 @@ def test_rank_zero_of_a_world_of_eight_trains_every_dimension_on_fake_tensors():
     peaks = {name: float(peak) for name, peak, _, _ in rows}
     # t = 8 holds an eighth of the weights and of the sequence-parallel activations: less than t = 4 with c = 2
     assert 0 < peaks["GPT-1.3B, t = 8, sequence parallel"] < peaks["GPT-1.3B, t = 4, c = 2 (ring)"]
+    # ZeRO-3 frees the gathered weights between and within passes (storages resized to 0): less than ZeRO-1
+    assert peaks["GPT-1.3B, d = 8, ZeRO-3"] < peaks["GPT-1.3B, d = 8, ZeRO-1"]
     # the planner's memory model (selective recomputation, flash attention, fused AdamW) within the 15%
     # of what the dense layouts hold; even with two layers, where the logits weigh more than at 24
     ratios = {name: float(ratio) for name, _, _, ratio in rows}

@@ -9,7 +9,8 @@ draw into a device tensor from a host generator (``DeviceGenerators``). The devi
 tensors behave like an accelerator's for every check that matters here.
 
 ``DeviceMemory`` counts, under that mode, the bytes of every live storage on the device: the
-model's weights, gradients, optimizer state and activations, without running a kernel.
+model's weights, gradients, optimizer state and activations, without running a kernel, and a storage
+resized in place (ZeRO's released buffers) at its new size.
 """
 
 from __future__ import annotations
@@ -119,6 +120,25 @@ def fake_accelerator(booleans: bool = True, numbers: Iterable[int] = ()) -> Iter
         yield reads
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **options):
+    """``scaled_dot_product_attention`` as CUDA runs it without a mask: the flash kernel."""
+    if attn_mask is not None:
+        return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **options)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def flash_attention() -> Iterator[None]:
+    """``scaled_dot_product_attention`` on ``FAKE_DEVICE`` as a GPU runs it for unmasked half-precision
+    attention, the flash kernel (log-sum-exp kept); the fake device would pick the math kernel, which keeps
+    the [s, s] scores."""
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_attention):
+        yield
+
+
 @contextlib.contextmanager
 def fused_optimizers() -> Iterator[None]:
     """Torch's fused optimizer kernels on ``FAKE_DEVICE`` too, as on a GPU: its foreach kernels, chosen on a
@@ -156,6 +176,25 @@ class DeviceMemory(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor) and tensor.device == self.device:
                 self._track(tensor.untyped_storage())
         return out
+
+    def __enter__(self):
+        # a storage resized in place (a sharded weight or gradient buffer freed with ``resize_(0)`` and grown
+        # back before its next use) is no operator the mode sees: its new size is noted here
+        resize = torch.UntypedStorage.resize_
+
+        def resized(storage, size):
+            result = resize(storage, size)
+            if id(storage) in self.live:
+                self.live[id(storage)] = storage.nbytes()
+                self.peak = max(self.peak, self.current)
+            return result
+        self._resizing = mock.patch.object(torch.UntypedStorage, "resize_", resized)
+        self._resizing.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._resizing.stop()
+        return super().__exit__(*exc)
 
     def _track(self, storage) -> None:
         key = id(storage)
