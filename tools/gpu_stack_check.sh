@@ -43,7 +43,8 @@ TESTS=(
     tests/test_pipelining_crosscheck.py                        # schedules against torch.distributed.pipelining's
     tests/test_recompute.py tests/test_iteration_syncs.py
     tests/test_checkpoint_sharded.py tests/test_checkpoint_resume.py                       # checkpoints (DCP)
-    tests/test_fake_device.py tests/test_fake_device_inference.py                          # fake tensors
+    tests/test_fake_device.py tests/test_fake_device_inference.py tests/test_fake_world.py # fake tensors
+    tests/test_async_tensor_parallel_flags.py                  # symmetric memory's checks on this torch
     tests/test_generation_server.py tests/test_sampling.py                                 # inference
     tests/test_moe_layer.py tests/test_moe_hf.py tests/test_moe_expert_dispatch.py          # experts: grouped GEMM, all-to-all
     tests/test_context_parallel_kernels.py tests/test_context_attention.py  # SDPA's aten ops with lse, ring, all-to-all
