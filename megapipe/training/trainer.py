@@ -397,10 +397,9 @@ class Trainer:
         return sums
 
     def _data_parallel_means(self, totals: torch.Tensor, across_replicas: bool) -> dict[str, float]:
-        """Per name, the mean of ``totals`` (``_no_losses`` rows) over all data-parallel ranks (last stage), and
-        over the replicas when ``across_replicas`` (the training losses are summed over them with each step's
-        gradients, ``replica_steps``)."""
-        totals = totals.clone()
+        """Per name, the mean of ``totals`` (``_no_losses`` rows, summed in place) over all data-parallel ranks
+        (last stage), and over the replicas when ``across_replicas`` (the training losses are summed over them
+        with each step's gradients, ``replica_steps``)."""
         if self.ps.is_last_stage and self.ps.dp_size > 1:
             dist.all_reduce(totals, group=self.ps.dp_group)
         if across_replicas and self.logs_loss and not self.replica_steps.sum_(totals):
