@@ -4,6 +4,7 @@
     python benchmarks/bench_moe.py --quick           # 2 timed steps per system, a smoke test
     python benchmarks/bench_moe.py --experts 16 --tokens 2048 --json out.json
     python benchmarks/bench_moe.py --moe-grouped-gemm  # megapipe's experts as one torch._grouped_mm
+    python benchmarks/bench_moe.py --moe-grouped-gemm --moe-dropless-device-dispatch --expert-sizes 2
 
 Both sides hold the same weights (transformers' stacked ``gate_up_proj`` and ``down_proj`` mapped to
 megapipe's layout as ``megapipe.models.hf_moe`` does) and see the same tokens. At e = 1 one process
@@ -49,6 +50,7 @@ class MoESettings:
     rounds: int = 8
     hf_experts: str = "eager"  # transformers' experts implementation
     grouped_gemm: bool = False  # megapipe's --moe-grouped-gemm (torch._grouped_mm where it runs)
+    dropless: bool = False  # megapipe's --moe-dropless-device-dispatch (fixed buffers, counts on the device)
 
     @property
     def seq_length(self) -> int:
@@ -57,7 +59,8 @@ class MoESettings:
     def describe(self) -> str:
         return (f"hidden {self.hidden_size}, {self.num_experts} experts of ffn {self.ffn_hidden_size}, top-{self.topk}, "
                 f"{self.tokens} tokens per rank (seq {self.seq_length} x batch {self.micro_batch_size}), fp32, "
-                f"SwiGLU, no capacity; megapipe's {'grouped product' if self.grouped_gemm else 'loop over experts'}, "
+                f"SwiGLU, no capacity; megapipe's {'grouped product' if self.grouped_gemm else 'loop over experts'}"
+                f"{', counts on the device' if self.dropless else ''}, "
                 f"transformers' {self.hf_experts} experts; {self.rounds} timed steps per system after "
                 f"{self.warmup_steps} warm-up steps")
 
@@ -67,7 +70,7 @@ class MoESettings:
                            normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                            hidden_dropout=0.0, attention_dropout=0.0, num_experts=self.num_experts,
                            moe_router_topk=self.topk, moe_token_dispatcher_type="alltoall",
-                           moe_grouped_gemm=self.grouped_gemm)
+                           moe_grouped_gemm=self.grouped_gemm, moe_dropless_device_dispatch=self.dropless)
 
     def transformers_block(self):
         """transformers' Mixtral sparse block at these sizes, initialised from a fixed seed."""
@@ -149,10 +152,12 @@ def main(argv=None) -> int:
                         help="transformers' experts implementation")
     parser.add_argument("--moe-grouped-gemm", action="store_true",
                         help="megapipe's experts as torch._grouped_mm where this build runs it (else its loop)")
+    parser.add_argument("--moe-dropless-device-dispatch", action="store_true",
+                        help="megapipe's all-to-all with fixed buffers and the counts on the device (needs the above)")
     args = parser.parse_args(argv)
     settings = MoESettings(hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                            num_experts=args.experts, tokens=args.tokens, hf_experts=args.hf_experts,
-                           grouped_gemm=args.moe_grouped_gemm,
+                           grouped_gemm=args.moe_grouped_gemm, dropless=args.moe_dropless_device_dispatch,
                            rounds=cli.rounds_of(args, MoESettings.rounds))
     bad_e = [e for e in args.expert_sizes if settings.num_experts % e]
     if bad_e or settings.tokens % settings.micro_batch_size:

@@ -8,7 +8,8 @@ the exit check. Outside log, evaluation and save iterations that must be none, f
 m = 8, for a flush schedule (1F1B) and PipeDream-2BW, in one process and in a 2-stage gloo
 pipeline (one world for every check). The one read that remains by design, optimizer
 post-validation's verdict (one per iteration), is counted exactly. Experts split over the two ranks
-(e = 2), each padded to its capacity, read nothing either, with the all-to-all overlapped or not.
+(e = 2), each padded to its capacity or dropless with the counts kept on the device, read nothing
+either, with the all-to-all overlapped or not.
 
 Exits: with nothing to agree on a boundary makes no collective; SIGTERM, ``--exit-duration-in-mins``
 and the lease are agreed on one boundary late (``tests/test_post_validation.py`` checks a SIGTERM
@@ -111,9 +112,11 @@ def test_one_process_iterations_read_nothing_from_the_device():
     assert log_reads > 0  # and the count sees the trainer's reads where it makes them
 
 
-# experts over both ranks (e = 2 at p = 1), each padded to its capacity: the all-to-all's splits are fixed
-EXPERTS = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear",
-           "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+# experts over both ranks (e = 2 at p = 1), each padded to its capacity (the all-to-all's splits are fixed), or
+# dropless with the counts on the device (fixed buffers)
+EXPERTS = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear")
+PADDED = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+DROPLESS = ("--moe-grouped-gemm", "--moe-dropless-device-dispatch")
 
 
 def expert_syncs(extra=()) -> int:
@@ -127,7 +130,9 @@ def expert_syncs(extra=()) -> int:
 def pipeline_checks(rank, world_size):
     counts = {(schedule, m): syncs_of(2, schedule, m) for schedule, m, _ in CASES}
     verdicts = syncs_of(2, "zb-h2", 2, ("--enable-optimizer-post-validation",))
-    experts = [expert_syncs(), expert_syncs(("--overlap-moe-expert-parallel-comm",))]
+    overlap = ("--overlap-moe-expert-parallel-comm",)
+    experts = [expert_syncs(PADDED), expert_syncs(PADDED + overlap), expert_syncs(DROPLESS),
+               expert_syncs(DROPLESS + overlap)]
     return counts, verdicts, exits_without_agreement(), experts
 
 
@@ -155,7 +160,7 @@ def exits_without_agreement():
 def test_two_stage_pipeline_iterations_read_nothing_from_the_device():
     for counts, verdicts, exits, experts in run_distributed(2, pipeline_checks, timeout=540):
         assert counts == {(schedule, m): 0 for schedule, m, _ in CASES}
-        assert experts == [0, 0]  # the expert all-to-all too, alone and overlapped with the other microbatch
+        assert experts == [0] * 4  # the expert all-to-all too (padded, dropless), alone and overlapped
         assert verdicts == COUNTED  # post-validation reads its verdict once per iteration, on every rank
         assert exits == (0, [None, "--exit-interval 2 at iteration 2"])
 

@@ -37,11 +37,11 @@ def _reference(config) -> tuple[dict, float]:
     return grads, torch.sqrt(sum(g.square().sum() for g in grads.values())).item()
 
 
-def _differences(rank: int, world: int, dispatcher: str) -> dict:
+def _differences(rank: int, world: int, dispatch: dict) -> dict:
     """Per sharding level: the largest error of an update (SGD, learning rate 1: minus the gradient) relative
     to the largest gradient element, and the gradient norm's relative error."""
     config = moe_config(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, untie_embeddings_and_output_weights=True,
-                        moe_token_dispatcher_type=dispatcher)
+                        **dispatch)
     grads, norm = _reference(config)
     largest = max(g.abs().max().item() for g in grads.values())
     ps = ParallelState.initialize(expert=2)
@@ -63,9 +63,12 @@ def _differences(rank: int, world: int, dispatcher: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_expert_parallel_training_equals_accumulation_at_every_sharding_level(dispatcher):
-    for rank, result in enumerate(run_distributed(2, _differences, dispatcher, timeout=180)):
+@pytest.mark.parametrize("dispatch", [dict(moe_token_dispatcher_type="alltoall"),
+                                      dict(moe_token_dispatcher_type="allgather"),
+                                      dict(moe_grouped_gemm=True, moe_dropless_device_dispatch=True)],
+                         ids=["alltoall", "allgather", "dropless"])
+def test_expert_parallel_training_equals_accumulation_at_every_sharding_level(dispatch):
+    for rank, result in enumerate(run_distributed(2, _differences, dispatch, timeout=180)):
         for level in LEVELS:
             update, norm = result[level]
             assert update < 1e-5 and norm < 1e-6, (rank, level, update, norm)

@@ -114,3 +114,24 @@ def _validate_capacity(config) -> None:
     if config.moe_pad_expert_input_to_capacity and factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity to "
                           "pad to).")
+    if config.moe_dropless_device_dispatch:
+        _validate_dropless(config, factor)
+
+
+def _validate_dropless(config, factor) -> None:
+    """--moe-dropless-device-dispatch: drop-free by construction, on the alltoall dispatcher's grouped product."""
+    e, k = config.num_experts, config.moe_router_topk
+    if factor is not None and factor * k < e:
+        raise ConfigError(f"--moe-expert-capacity-factor {factor} lets an expert keep only {factor * k / e:.3g} of "
+                          f"a micro-batch's tokens, so it drops tokens, but --moe-dropless-device-dispatch asks for "
+                          f"none dropped; leave the factor out, or raise it to at least {e / k:g} (--num-experts / "
+                          "--moe-router-topk).")
+    if config.moe_pad_expert_input_to_capacity:
+        raise ConfigError("--moe-dropless-device-dispatch and --moe-pad-expert-input-to-capacity are two ways to "
+                          "fix the all-to-all's sizes on the device; keep one.")
+    if config.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError("--moe-dropless-device-dispatch shapes the alltoall dispatcher's exchange; drop "
+                          f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type} or the flag.")
+    if not config.moe_grouped_gemm:
+        raise ConfigError("--moe-dropless-device-dispatch needs --moe-grouped-gemm (the loop over experts would "
+                          "read their token counts on the host); add it.")

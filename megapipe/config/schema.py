@@ -109,6 +109,9 @@ class ModelConfig:
     moe_grouped_gemm: bool = flag(False, group=MOE, help="run the experts as one grouped matrix product "
                                                          "(torch._grouped_mm) where the build has it")
     moe_token_dispatcher_type: str = flag("alltoall", choices=("allgather", "alltoall"), group=MOE)
+    moe_dropless_device_dispatch: bool = flag(False, group=MOE, help=(
+        "alltoall: exchange the token counts on the device and send each expert rank a buffer sized for the worst "
+        "case, so no count is read on the host and no token dropped (more bytes on the wire; docs/moe.md)"))
     num_tokentypes: int = flag(0, name=None)  # BERT: 2 (its family's)
     bert_binary_head: bool = flag(True, name="--bert-no-binary-head", negate=True, help="BERT: train masked LM only")
     init_method_std: float = 0.02

@@ -274,20 +274,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-@contextlib.contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
-    """On CUDA, the block's work queued on a stream of its own, after what the thread's stream queued so far
-    and before what it queues next (the backward of an overlapped pair); elsewhere nothing changes."""
-    if device.type != "cuda":
-        yield
-        return
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield
-    main.wait_stream(side)
-
-
 # The Tensor methods that read a value to the host: each waits for the device on an accelerator.
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"

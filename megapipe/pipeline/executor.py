@@ -40,6 +40,7 @@ from megapipe.pipeline.in_flight import ForwardRecord, InFlight
 from megapipe.pipeline.lookahead import Lookahead
 from megapipe.pipeline.p2p import StageP2P, Transfer
 from megapipe.pipeline.pairs import run_pair
+from megapipe.pipeline.streams import PassStreams
 from megapipe.schedules.replay import overlap_partners
 from megapipe.schedules.program import FlushProgram
 from megapipe.schedules.analysis.timeline import Timeline
@@ -108,6 +109,7 @@ class PipelineExecutor:
         self.keeps_graphs = self.program.asynchronous or any(a.kind.is_backward for actions in self.schedule.actions
                                                              for a in actions)
         self.p2p = StageP2P(ps, boundary_shape, dtype, device, scatter_gather, timeout)
+        self.streams = PassStreams(device)  # on CUDA, an overlapped pair's passes on two streams
         self.clock = DeviceClock(device) if timeline is not None else None
         self.lookahead = Lookahead(self.program, ps.pp_rank)
         self.calls = 0  # calls run since the pipeline was last empty
@@ -226,7 +228,8 @@ class PipelineExecutor:
             progress.action(f"{actions[i]} of pipeline call {call}", _phase(actions[i]))
             self._wait_for_inputs(actions[i], state)
             start = self.clock.mark() if self.timeline is not None else None
-            self._compute(actions[i], call, i, data, state)
+            with self.streams.alone(_pass_key(actions[i])):
+                self._compute(actions[i], call, i, data, state)
             if self.timeline is not None:
                 marks.append((actions[i], start, self.clock.mark()))
             i += 1
@@ -258,7 +261,9 @@ class PipelineExecutor:
             action = actions[backward if is_backward else forward]
             self.timeline.record(self.ps.pp_rank, action, start, end, phase=segment.value)
 
-        run_pair(timed(forward), timed(backward), self.p2p.device, record if self.timeline is not None else None)
+        with self.streams.pair(_pass_key(actions[forward]), _pass_key(actions[backward])) as (on_forward, on_backward):
+            run_pair(timed(forward), timed(backward), record if self.timeline is not None else None, on_forward,
+                     on_backward)
         return [marks[index] for index in (forward, backward) if index in marks]
 
     # ---- communication --------------------------------------------------------------------------
@@ -339,6 +344,8 @@ class PipelineExecutor:
             received = self._received(ActionKind.RECV_F, stage, microbatch, state)
             source = received if received is not None else state.local_outputs.pop(key)
             inp = source.detach().requires_grad_(True)
+            self.streams.consumed(key, [source])
+        self.streams.consumed(key, batch.values())
         use = None
         if self.stores is not None:
             survives = self.program.asynchronous and self.lookahead.updates_before_backward(call, index, stage,
@@ -349,6 +356,7 @@ class PipelineExecutor:
         # replays them from their input, data and random state (see ``in_flight.py``)
         rng = capture_rng(self.ps.rng_tracker, self.p2p.device) if self.program.asynchronous else None
         out = self._run_forward(stage, microbatch, inp, batch, use, rng, state)
+        self.streams.produced(key, [out, *parts_of(out).values()])
         if stage == self.schedule.num_stages - 1:
             state.losses.append(out.detach())
             state.loss_parts.append({name: value.detach() for name, value in parts_of(out).items()})
@@ -392,6 +400,7 @@ class PipelineExecutor:
             grad = self._received(ActionKind.RECV_B, stage, microbatch, state)
             if grad is None:
                 grad = state.local_grads.pop(key)
+            self.streams.consumed(key, [grad])
         if split:
             deferred = state.deferred[key] = []
             with deferring_weight_gradients(deferred):
@@ -403,9 +412,12 @@ class PipelineExecutor:
         if use is not None:
             self.stores[chunk_index].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)
+        if not split:
+            self.streams.finished(key)
         if stage == 0:
             return
         input_grad = inp.grad
+        self.streams.produced(key, [input_grad])
         if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
             state.local_grads[(stage - 1, microbatch)] = input_grad
         else:
@@ -418,6 +430,7 @@ class PipelineExecutor:
         if self.passes is not None:
             self.passes.before_pass(True, chunk_index, ActionKind.BW)
         apply_weight_gradients(state.deferred.pop((stage, microbatch)))
+        self.streams.finished((stage, microbatch))
         if self.passes is not None:
             self.passes.after_pass(True, chunk_index)
 
@@ -440,6 +453,11 @@ def _deallocate(output: torch.Tensor) -> None:
     its own reference to the storage until it completes."""
     if output._base is None:  # a view shares storage another tensor keeps alive anyway
         output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def _pass_key(action: Action) -> Optional[tuple[int, int]]:
+    """(stage, microbatch) of a pass, whose stream it runs on; None for a step or an update."""
+    return (action.stage, action.microbatch) if action.kind.is_compute else None
 
 
 def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """Runs an overlapped pair's forward and backward together (``--overlap-moe-expert-parallel-comm``).
 
-The backward runs on a thread of its own (on CUDA also on a stream of its own), the forward on the
-caller's; a ``PairGate`` interleaves them by the IR's plan (``schedules/overlap.py``), so one
+The backward runs on a thread of its own, the forward on the caller's, each on CUDA under the stream
+``streams.PassStreams`` gives it (two different ones); a ``PairGate`` interleaves them by the IR's plan (``schedules/overlap.py``), so one
 microbatch's expert all-to-all is in flight while the other computes. Each pass computes exactly
 what it computes alone, in the same order, so the results are those of running them one after the
 other, bit for bit.
@@ -9,28 +9,28 @@ other, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable, Optional
-
-import torch
+from typing import Callable, ContextManager, Optional
 
 from megapipe.parallel import exposure
 from megapipe.parallel.comm_overlap import PairGate
-from megapipe.parallel.launch import side_stream
 from megapipe.schedules.overlap import PAIR, Segment
 
 Record = Optional[Callable[[bool, Segment, float, float], None]]
 
 
-def run_pair(forward: Callable[[], object], backward: Callable[[], object], device: torch.device,
-             record: Record = None) -> None:
-    """Run both passes; ``record(backward, segment, start, end)`` sees each all-to-all's time."""
+def run_pair(forward: Callable[[], object], backward: Callable[[], object], record: Record = None,
+             forward_stream: Callable[[], ContextManager] = contextlib.nullcontext,
+             backward_stream: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    """Run both passes, each inside its stream context; ``record(backward, segment, start, end)`` sees each
+    all-to-all's time."""
     gate = PairGate(PAIR, record)
     failures: list[BaseException] = []
 
     def run_backward() -> None:
         try:
-            with side_stream(device):
+            with backward_stream():
                 gate.run(True, backward)
         except BaseException as error:  # handed to the caller's thread
             failures.append(error)
@@ -41,7 +41,8 @@ def run_pair(forward: Callable[[], object], backward: Callable[[], object], devi
     exposure.thread_starts(thread)
     thread.start()
     try:
-        gate.run(False, forward)
+        with forward_stream():
+            gate.run(False, forward)
     finally:
         with exposure.idle():
             thread.join()

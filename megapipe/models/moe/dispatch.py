@@ -9,7 +9,12 @@ give the one-rank layer's results:
   outputs back by the reverse all-to-all; the routing weights are applied on the token's own rank.
   The splits are read on the host: one synchronisation per layer and microbatch; none with
   ``--moe-pad-expert-input-to-capacity``, where every expert gets exactly its capacity from every rank,
-  so the splits and the re-sorting are fixed and no counts are exchanged.
+  so the splits and the re-sorting are fixed and no counts are exchanged; none either with
+  ``--moe-dropless-device-dispatch``, where the counts are exchanged but stay on the device: each rank
+  sends every expert rank a fixed buffer of the most rows it could send it (T min(k, E/e)), its rows
+  first and zeros after, and the receiver sorts the rows into expert order by the counts, padding last.
+  The grouped product leaves the padding rows out (its offsets end at the last real row); their
+  outputs are zeroed, so nothing but the real rows reaches a gradient.
 * ``allgather``: every rank gathers all ranks' tokens and routing, runs its experts on the tokens
   routed to them, and a reduce-scatter sums the weighted outputs back to the tokens' ranks (the
   number of routed pairs is read on the host).
@@ -67,16 +72,19 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, segmen
 
 
 def _on_expert_ranks(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: ParallelState,
-                     padded: int | None) -> torch.Tensor:
+                     padded: int | None, bound: int | None) -> torch.Tensor:
     """Rows sorted by global expert (``counts`` [E] each) through their experts, wherever those live.
     ``padded``: every expert has exactly that many rows of every rank (padded to its capacity), so the
-    splits are known on the host and nothing is read from the device."""
+    splits are known on the host and nothing is read from the device. ``bound``: no rank sends another
+    more rows than this, so a buffer of that size carries them without reading the counts."""
     e = ps.ep_size
     if e == 1:
         return experts(permuted, counts if padded is None else padded)
     local = counts.numel() // e
     if padded is not None:
         return _on_expert_ranks_padded(permuted, experts, ps, local, padded)
+    if bound is not None:
+        return _on_expert_ranks_bounded(permuted, counts, experts, ps, local, bound)
     received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends each of my experts
     with communicating(Segment.DISPATCH, backward=False):  # the counts' exchange and the tokens' are one segment
         with progress.collective("the token counts' all_to_all", ps.ep_group, counted=False):
@@ -107,6 +115,33 @@ def _on_expert_ranks_padded(permuted: torch.Tensor, experts, ps: ParallelState, 
     return _Exchange.apply(back, splits, splits, ps.ep_group, Segment.COMBINE)
 
 
+def _on_expert_ranks_bounded(permuted: torch.Tensor, counts: torch.Tensor, experts, ps: ParallelState, local: int,
+                             bound: int) -> torch.Tensor:
+    """``_on_expert_ranks`` with every size on the device: rank d's rows go to places [d bound, (d + 1) bound)
+    of a zero buffer, one fixed all-to-all carries it, and the rows received are sorted by (local expert,
+    source), the padding after them."""
+    e = ps.ep_size
+    per_rank = counts.view(e, local).sum(1)  # rows this rank sends each expert rank
+    row = torch.arange(permuted.shape[0], device=permuted.device)
+    rank_of_row = torch.searchsorted(torch.cumsum(per_rank, 0), row, right=True)
+    place = rank_of_row * bound + row - (torch.cumsum(per_rank, 0) - per_rank)[rank_of_row]
+    buffer = permuted.new_zeros(e * bound, permuted.shape[1]).index_copy(0, place, permuted)
+    received = torch.empty_like(counts)  # [source rank, local expert]
+    splits = [bound] * e
+    with communicating(Segment.DISPATCH, backward=False):
+        with progress.collective("the token counts' all_to_all", ps.ep_group, counted=False):
+            dist.all_to_all_single(received, counts, group=ps.ep_group)
+        x = _Exchange.apply(buffer, splits, splits, ps.ep_group, Segment.DISPATCH)
+    by_source = received.view(e, local)
+    within = torch.arange(bound, device=counts.device).expand(e, bound).contiguous()
+    expert_of_row = torch.searchsorted(torch.cumsum(by_source, 1), within, right=True).view(-1)  # local: padding
+    order = torch.sort(expert_of_row, stable=True).indices
+    out = experts(x[order], by_source.sum(0))
+    out = torch.where((expert_of_row[order] < local).unsqueeze(1), out, 0.0)  # rows the product left unwritten
+    back = torch.zeros_like(out).index_copy(0, order, out)
+    return _Exchange.apply(back, splits, splits, ps.ep_group, Segment.COMBINE)[place]
+
+
 def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, count: int | None, run,
              ps: ParallelState) -> torch.Tensor:
     """Every token's weighted sum of its experts' outputs [T, h], for the experts that ``routing_map`` lists;
@@ -125,11 +160,12 @@ def _combine(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
 
 
 def alltoall(tokens: torch.Tensor, routing: Routing, count: int | None, experts, ps: ParallelState,
-             padded: int | None = None) -> torch.Tensor:
+             padded: int | None = None, bound: int | None = None) -> torch.Tensor:
     """This rank's tokens [T, h] through their experts on every expert rank, weighted and summed: [T, h].
-    ``padded``: the routing gives every expert exactly that many tokens (padded to its capacity)."""
+    ``padded``: the routing gives every expert exactly that many tokens (padded to its capacity);
+    ``bound``: send fixed buffers of that many rows per expert rank, the counts staying on the device."""
     def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return _on_expert_ranks(rows, counts, experts, ps, padded)
+        return _on_expert_ranks(rows, counts, experts, ps, padded, bound)
 
     return _combine(tokens, routing.routing_map, routing.probs, count, run, ps)
 

@@ -1,7 +1,8 @@
 """Rows sorted by expert times their expert's weight, with a backward whose weight gradient can wait for BW.
 
 ``grouped_linear(x, weight, counts)``: ``x`` [N, in] holds ``counts[e]`` rows of expert e after
-another, ``weight`` [E, out, in] is stacked by expert; row i gets ``x[i] @ weight[e(i)].T``. It runs
+another, ``weight`` [E, out, in] is stacked by expert; row i gets ``x[i] @ weight[e(i)].T``. Rows past
+the counts' sum are padding: their outputs are left unwritten and they reach no weight gradient. It runs
 as one ``torch._grouped_mm`` where this build has it for the tensors' device and dtype (and their
 widths are multiples of 16 bytes), else as a loop over the experts' runs, which reads the counts on
 the host once (unless they are one int: every expert padded to its capacity). The backward computes the input gradient at once and the weight gradients (one
@@ -60,6 +61,7 @@ class _Products:
                             torch.arange(1, experts + 1, device=x.device, dtype=torch.int32) * counts)
         else:  # the loop's one read of the device, unless every expert has the same number of rows
             self.splits = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * experts
+            self.rows = sum(self.splits)
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """[N, out]: each row times its expert's weight transposed."""
@@ -79,7 +81,7 @@ class _Products:
         if self.grouped:
             return torch._grouped_mm(grad.t(), x, offs=self.offsets)
         out = x.new_empty(len(self.splits), grad.shape[1], x.shape[1])
-        for e, (g, part) in enumerate(zip(grad.split(self.splits), x.split(self.splits))):
+        for e, (g, part) in enumerate(zip(grad[:self.rows].split(self.splits), x[:self.rows].split(self.splits))):
             torch.mm(g.t(), part, out=out[e])
         return out
 
@@ -89,7 +91,7 @@ class _Products:
         if self.grouped:
             main_grad.add_(self.weight_grad(grad, x))
             return
-        for e, (g, part) in enumerate(zip(grad.split(self.splits), x.split(self.splits))):
+        for e, (g, part) in enumerate(zip(grad[:self.rows].split(self.splits), x[:self.rows].split(self.splits))):
             accumulate_product(main_grad[e], g.t(), part)
 
     @torch.no_grad()

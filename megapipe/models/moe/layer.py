@@ -71,11 +71,15 @@ class MoELayer(nn.Module):
             self.shared_experts = SharedExperts(config, ps, f"{name}.shared_experts", seed, sequence_parallel,
                                                 device)
 
+    def _drops_tokens(self) -> bool:
+        """Whether a capacity may drop tokens (``--moe-dropless-device-dispatch`` allows only factors that cannot)."""
+        return self.config.moe_expert_capacity_factor is not None and not self.config.moe_dropless_device_dispatch
+
     def _assignment_count(self, tokens: int) -> int | None:
         """How many (token, expert) pairs the routing holds, when the flags fix it: k per token without a
         capacity, every expert's capacity with padding; dropping without padding leaves it to the data."""
         c = self.config
-        if c.moe_expert_capacity_factor is None:
+        if not self._drops_tokens():
             return tokens * c.moe_router_topk
         if c.moe_pad_expert_input_to_capacity:
             capacity = expert_capacity(tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
@@ -94,8 +98,7 @@ class MoELayer(nn.Module):
         rows[start:start + sizes[index]] = True
         group = self.ps.tp_group
         shared = Routing(mappings.copy_to_tensor_parallel_region(routing.probs, group), routing.routing_map & rows)
-        count = None if count is None or self.config.moe_expert_capacity_factor is not None \
-            else sizes[index] * self.config.moe_router_topk
+        count = None if count is None or self._drops_tokens() else sizes[index] * self.config.moe_router_topk
         return mappings.copy_to_tensor_parallel_region(tokens, group), shared, count
 
     def forward(self, x: torch.Tensor):
@@ -113,9 +116,12 @@ class MoELayer(nn.Module):
         if self.ps.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather":
             combined = dispatch.allgather(tokens, routing, self.experts, self.ps)
         else:
-            padded = count // self.config.num_experts if self.config.moe_pad_expert_input_to_capacity and \
+            c = self.config
+            padded = count // c.num_experts if c.moe_pad_expert_input_to_capacity and \
                 shares == 1 else None  # each expert's capacity, the same on every rank (``_assignment_count``)
-            combined = dispatch.alltoall(tokens, routing, count, self.experts, self.ps, padded)
+            bound = tokens.shape[0] * min(c.moe_router_topk, c.num_experts // self.ps.ep_size) \
+                if c.moe_dropless_device_dispatch else None  # the most rows this rank can send one expert rank
+            combined = dispatch.alltoall(tokens, routing, count, self.experts, self.ps, padded, bound)
         out = combined.view(s, b, h)
         if shares > 1:  # every share's outputs, summed over the tensor group (and this rank's slice kept)
             out = (mappings.reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else
