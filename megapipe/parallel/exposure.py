@@ -11,8 +11,9 @@ exposed span is charged to the communication waited on longest (with one thread:
 
 ``waiting(kind)`` is entered by ``progress.collective`` around every blocking collective and every wait
 for an asynchronous one or a message; ``totals()`` is read by the trainer between steps. On a GPU the
-host does not wait for the device's collectives, so this counts the host's waits only (those of gloo
-side groups and of host reads).
+host does not wait for the device's collectives, so within ``on_device(device)`` each wait is instead
+bracketed by CUDA events on the waiting thread's stream and the stalls are read from the device
+(``device_exposure.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
+
+import torch
+
+from megapipe.parallel.device_exposure import Spans
 
 KINDS = ("tensor", "context", "expert", "pipeline", "data")
 
@@ -32,12 +37,34 @@ _since: Optional[float] = None  # when the last of them blocked, while all are
 _seconds: dict[str, float] = {}
 _computing = {threading.main_thread()}
 _nesting = threading.local()
+_device: Optional[Spans] = None  # within ``on_device`` on CUDA: the stalls, as events
 
 
 def totals() -> dict[str, float]:
-    """Exposed seconds so far, per kind (a copy)."""
+    """Exposed seconds so far, per kind (a copy; within ``on_device``, read from the device)."""
+    if _device is not None:
+        stalls = _device.seconds()
+        with _lock:
+            for kind, seconds in stalls.items():
+                _seconds[kind] = _seconds.get(kind, 0.0) + seconds
     with _lock:
         return dict(_seconds)
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device, spans: Optional[Spans] = None) -> Iterator[None]:
+    """Within the block, on CUDA (or given ``spans``), count the device's stalls instead of the host's waits."""
+    global _device
+    if spans is None and device.type != "cuda":
+        yield
+        return
+    _device = spans or Spans(lambda: torch.cuda.Event(enable_timing=True),
+                             lambda: torch.cuda.current_stream().cuda_stream)
+    try:
+        yield
+    finally:
+        totals()
+        _device = None
 
 
 def _span_ends() -> None:
@@ -61,6 +88,9 @@ def _blocked_on(kind: Optional[str]):
     if threading.current_thread() not in _computing or getattr(_nesting, "blocked", False):
         yield
         return
+    if _device is not None:  # idle waits hold up no stream
+        yield from _stalled(kind)
+        return
     _nesting.blocked = True
     with _lock:
         _span_ends()
@@ -77,6 +107,20 @@ def _blocked_on(kind: Optional[str]):
             _blocked -= 1
             if kind is not None:
                 _kinds.remove(kind)
+
+
+def _stalled(kind: Optional[str]):
+    """``_blocked_on`` within ``on_device``: a wait on communication is one stall bracketed by events."""
+    if kind is None:
+        yield
+        return
+    _nesting.blocked = True
+    started = _device.begin(kind)
+    try:
+        yield
+    finally:
+        _nesting.blocked = False
+        _device.end(started)
 
 
 def waiting(kind: str):
@@ -97,6 +141,8 @@ def thread_starts(thread: threading.Thread) -> None:
         _span_ends()
         _participants += 1
         _computing.add(thread)
+    if _device is not None:
+        _device.pair_starts()
 
 
 def thread_ends() -> None:
@@ -106,3 +152,5 @@ def thread_ends() -> None:
         _participants -= 1
         _computing.discard(threading.current_thread())
         _span_may_start()
+    if _device is not None:
+        _device.pair_ends()

@@ -258,10 +258,11 @@ class Trainer:
         batches = self.train_batches()
         for _ in range(warmup):
             self.train_iteration(batches)
-        before = exposure.totals()
-        for _ in range(iterations):
-            self.train_iteration(batches)
-        after = exposure.totals()
+        with exposure.on_device(self.device):  # on a GPU the streams' stalls, read from CUDA events
+            before = exposure.totals()
+            for _ in range(iterations):
+                self.train_iteration(batches)
+            after = exposure.totals()
         return {kind: (seconds - before.get(kind, 0.0)) / iterations for kind, seconds in after.items()}
 
     def _saves_after(self, iteration: int) -> bool:
