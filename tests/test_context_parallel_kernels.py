@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.context_parallel import context_attention, kernels
+from megapipe.context_parallel import blocks, context_attention, kernels
 from megapipe.context_parallel.merge import merge
 from megapipe.context_parallel.plan import block_calls, length
 from megapipe.fusions.attention import attention
@@ -154,3 +154,33 @@ def test_calls_cover_every_visible_pair_once(sides, causal):
     visible = torch.tensor([[not causal or kp <= qp for kp in k_pos] for qp in q_pos])
     assert (covered[visible] == 1).all()
     assert (covered[~visible] <= 1).all() and (masked_ok | (covered == 0))[~visible].all()
+
+
+def test_masks_are_split_by_query_rows_within_the_bound(monkeypatch):
+    """With a bound of 40 entries a [2, 12, 12] document and padding mask becomes calls of one query row
+    each: every mask the kernels get stays within the bound, and the result is the unsplit one's (fp32:
+    only which rows share a kernel call changes, so the key gradients' summation order)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, n, 12, 8, generator=g).requires_grad_() for n in (4, 2, 2))
+    documents = torch.tensor([[0] * 7 + [1] * 5, [0] * 3 + [1] * 9])
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 10:] = True
+
+    def run():
+        out = context_attention(q, k, v, ContextGroups.single(), seq_length=12, causal=True, scale=0.3,
+                                document_ids=documents, key_padding=padding)
+        return out, torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    whole = run()
+    masks = []
+    forward = kernels.forward
+
+    def recording(*args, allowed, **kwargs):
+        masks.append(allowed.expand(2, 1, *allowed.shape[2:]).numel())
+        return forward(*args, allowed=allowed, **kwargs)
+
+    monkeypatch.setattr(blocks, "MASK_ELEMENTS", 40)
+    monkeypatch.setattr(kernels, "forward", recording)
+    split = run()
+    assert len(masks) > 1 and max(masks) <= 40, masks
+    assert close(split[0], whole[0]) and all(close(a, b) for a, b in zip(split[1], whole[1]))

@@ -7,6 +7,11 @@ padding, their labels: a query attends to a key only where the query's label equ
 k and v arrive with their query groups only; each kernel call repeats them for its query heads,
 and their gradients are summed back over the heads of a group. Forward and backward accumulate
 in fp32 into the caller's tensors.
+
+A call that needs a mask (labels, or a causal order the kernel's own mask cannot give) is split by
+query rows so that no mask holds more than ``MASK_ELEMENTS`` entries (batch x rows x keys): the
+kernels take masks as dense tensors, so a long block's mask would otherwise be as large as its
+scores; split, it is bounded whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from megapipe.context_parallel.merge import merge
 from megapipe.context_parallel.plan import Call, Ranges, block_calls
 
 PADDING = torch.iinfo(torch.int64).min  # the label of a padding key: no query's document
+MASK_ELEMENTS = 1 << 24  # the most mask entries one kernel call is given (16 Mi: 32 MiB as a bf16 bias)
 
 
 def positions(ranges: Ranges, device) -> torch.Tensor:
@@ -35,8 +41,21 @@ class Block:
     q_labels: torch.Tensor | None = None
     k_labels: torch.Tensor | None = None
 
-    def calls(self) -> list[Call]:
-        return block_calls(self.q, self.k, self.causal)
+    def calls(self, batch: int = 1) -> list[Call]:
+        """The kernel calls for ``batch`` sequences, a masked call split so its mask stays within MASK_ELEMENTS."""
+        calls = []
+        for call in block_calls(self.q, self.k, self.causal):
+            (q0, q1), (k0, k1) = call.q, call.k
+            rows = max(1, MASK_ELEMENTS // (batch * (k1 - k0)))
+            if not self._masked(call) or q1 - q0 <= rows:
+                calls.append(call)
+                continue
+            calls.extend(Call((start, min(start + rows, q1)), call.k, call.causal)  # a part is no diagonal
+                         for start in range(q0, q1, rows))
+        return calls
+
+    def _masked(self, call: Call) -> bool:
+        return self.q_labels is not None or (call.causal and not call.diagonal)
 
     def allowed(self, call: Call, device) -> torch.Tensor | None:
         """Bool [b or 1, 1, sq, sk] of the call, or None where the kernel needs no mask."""
@@ -65,7 +84,7 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 def block_forward(q, k, v, block: Block, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge this block into ``out`` [b, heads, sq, d] and ``lse`` [b, heads, sq] (fp32, in place)."""
-    for call in block.calls():
+    for call in block.calls(q.size(0)):
         (q0, q1), (k0, k1) = call.q, call.k
         o, l = kernels.forward(q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)), _repeat(v[:, :, k0:k1], q.size(1)),
                                causal=block.kernel_causal(call), allowed=block.allowed(call, q.device), scale=scale)
@@ -76,7 +95,7 @@ def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, dq: torc
                    dv: torch.Tensor) -> None:
     """Add this block's share of the gradients into ``dq``, ``dk``, ``dv`` (fp32, in place), from the
     whole attention's ``out`` (q's dtype) and ``lse``."""
-    for call in block.calls():
+    for call in block.calls(q.size(0)):
         (q0, q1), (k0, k1) = call.q, call.k
         gq, gk, gv = kernels.backward(dout[:, :, q0:q1], q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)),
                                       _repeat(v[:, :, k0:k1], q.size(1)), out[:, :, q0:q1], lse[:, :, q0:q1],
