@@ -2,7 +2,8 @@
 
 One world of 4 gloo processes runs every case: each comm type at c = 2 (two context groups of 2
 ranks) and c = 4 (a2a+p2p as 2 x 2), causal and bidirectional, with grouped-query attention
-(8 heads, 4 query groups), without a mask, with document ids and with key padding. Each rank
+(8 heads, 4 query groups), without a mask, with document ids (as local labels, and as the whole
+sequence's ids on the host: one unmasked call per document piece) and with key padding. Each rank
 compares its rows of the output and of the gradients of q, k and v with ``megapipe.fusions.attention``
 over the whole sequence with the equivalent full mask.
 
@@ -30,8 +31,9 @@ B, HEADS, GROUPS, SEQ, DIM, SCALE = 2, 8, 4, 32, 8, 0.4
 FP32, BF16 = 1e-5, 2 ** -5
 CASES = [(comm, c, causal, mask) for comm, sizes in (("p2p", (2, 4)), ("all_gather", (2, 4)), ("a2a", (2, 4)),
                                                       ("a2a+p2p", (4,)))
-         for c in sizes for causal in (True, False) for mask in (None, "documents", "padding")]
-BF16_CASES = [(comm, 4, True, "documents") for comm in ("p2p", "all_gather", "a2a", "a2a+p2p")]
+         for c in sizes for causal in (True, False) for mask in (None, "documents", "host documents", "padding")]
+BF16_CASES = [(comm, 4, True, mask) for comm in ("p2p", "all_gather", "a2a", "a2a+p2p")
+              for mask in ("documents", "host documents")]
 
 
 def make_groups(rank: int) -> dict:
@@ -59,7 +61,7 @@ def whole_inputs(mask: str | None, dtype):
     q, k, v = (torch.randn(B, n, SEQ, DIM, generator=g).to(dtype) for n in (HEADS, GROUPS, GROUPS))
     grad = torch.randn(B, HEADS, SEQ, DIM, generator=g).to(dtype)
     documents = padding = None
-    if mask == "documents":  # packed: documents of 5, 14 and 13 tokens, and one of 32
+    if mask in ("documents", "host documents"):  # packed: documents of 5, 14 and 13 tokens, and one of 32
         documents = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * SEQ])
     if mask == "padding":  # the last 11 keys of sequence 0, the first 3 of sequence 1 (rows that see none)
         padding = torch.zeros(B, SEQ, dtype=torch.bool)
@@ -85,7 +87,8 @@ def relative_errors(groups: ContextGroups, case, dtype) -> list[float]:
     local = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
     got = context_attention(*local, groups, seq_length=SEQ, causal=causal, scale=SCALE,
                             key_padding=None if padding is None else padding[:, rows],
-                            document_ids=None if documents is None else documents[:, rows])
+                            document_ids=None if documents is None else documents[:, rows],
+                            sequence_documents=documents if mask == "host documents" else None)
     got_grads = torch.autograd.grad(got, local, grad[:, :, rows])
     return [((a.float() - b[:, :, rows]).abs().max() / b.abs().max()).item()
             for a, b in zip([got] + list(got_grads), [want] + list(want_grads))]

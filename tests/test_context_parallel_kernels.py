@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapipe.context_parallel import blocks, context_attention, kernels
+from megapipe.context_parallel.documents import document_calls
 from megapipe.context_parallel.merge import merge
 from megapipe.context_parallel.plan import block_calls, length
 from megapipe.fusions.attention import attention
@@ -184,3 +185,51 @@ def test_masks_are_split_by_query_rows_within_the_bound(monkeypatch):
     split = run()
     assert len(masks) > 1 and max(masks) <= 40, masks
     assert close(split[0], whole[0]) and all(close(a, b) for a, b in zip(split[1], whole[1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts(), st.booleans(), st.lists(st.integers(1, 5), min_size=1, max_size=8), st.integers(1, 2))
+def test_document_calls_cover_exactly_the_pairs_of_one_document_without_masks(sides, causal, lengths, batch):
+    """With the documents on the host every call is unmasked (full, or causal on a diagonal of equal
+    positions, the kernel's own mask) and together they cover each pair a query may see (same document,
+    and not after it under causal attention) exactly once, per sequence of the batch."""
+    q, k = sides
+    seq = max(end for _, end in q + k)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ids = torch.cat([ids, ids.new_full((max(0, seq - len(ids)),), len(lengths))])[:seq]
+    documents = torch.stack([ids, ids.flip(0)][:batch])  # the second sequence's documents differ
+    q_pos = [p for a, b in q for p in range(a, b)]
+    k_pos = [p for a, b in k for p in range(a, b)]
+    covered = torch.zeros(batch, length(q), length(k), dtype=torch.int64)
+    for row, call in document_calls(q, k, causal, documents):
+        rows, keys = call.q[1] - call.q[0], call.k[1] - call.k[0]
+        seen = torch.ones(rows, keys, dtype=torch.int64)
+        if call.causal:  # the kernel's own mask, on a square of the same positions
+            assert call.diagonal and q_pos[call.q[0]:call.q[1]] == k_pos[call.k[0]:call.k[1]]
+            seen = seen.tril()
+        covered[row, call.q[0]:call.q[1], call.k[0]:call.k[1]] += seen
+    for row in range(batch):
+        visible = torch.tensor([[documents[row, qp] == documents[row, kp] and (not causal or kp <= qp)
+                                 for kp in k_pos] for qp in q_pos])
+        assert torch.equal(covered[row], visible.long())
+
+
+def test_host_documents_reach_the_kernels_without_a_mask(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, n, 12, 8, generator=g).requires_grad_() for n in (4, 2, 2))
+    documents = torch.tensor([[0] * 7 + [1] * 5, [0] * 3 + [1] * 9])
+    masks = []
+    forward = kernels.forward
+
+    def recording(*args, allowed, **kwargs):
+        masks.append(allowed)
+        return forward(*args, allowed=allowed, **kwargs)
+
+    monkeypatch.setattr(kernels, "forward", recording)
+    got = context_attention(q, k, v, ContextGroups.single(), seq_length=12, causal=True, scale=0.3,
+                            document_ids=documents, sequence_documents=documents)
+    want = attention(q, k, v, (documents[:, :, None] != documents[:, None, :]).unsqueeze(1), causal=True, scale=0.3)
+    assert masks and all(mask is None for mask in masks)
+    assert close(got, want)
+    assert all(close(a, b) for a, b in zip(torch.autograd.grad(got, (q, k, v), torch.ones_like(got)),
+                                           torch.autograd.grad(want, (q, k, v), torch.ones_like(want))))

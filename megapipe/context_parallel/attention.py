@@ -62,35 +62,40 @@ def _heads_then(q, k, v, labels, group, size, sequence: _Sequence, attend):
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: ContextGroups, *,
                       seq_length: int, causal: bool, scale: float, key_padding: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None, sequence_documents: torch.Tensor | None = None,
                       timeline: Timeline | None = None) -> torch.Tensor:
     """q [b, heads, s/c, d], k and v [b, query groups, s/c, d] in this rank's local order; returns
     [b, heads, s/c, d]. ``key_padding`` bool [b, s/c] (True: a key nobody attends to);
-    ``document_ids`` int [b, s/c] (attention stays inside a document). ``timeline``: records the
-    ring's transfers and computes (p2p, a2a+p2p)."""
+    ``document_ids`` int [b, s/c] (attention stays inside a document); ``sequence_documents`` the same for
+    the whole sequence, [b, s] on the host: without key padding the blocks then run one unmasked call
+    per document piece and no labels travel. ``timeline``: records the ring's transfers and computes
+    (p2p, a2a+p2p)."""
     c, index = groups.size, groups.index
     check_sequence_split(seq_length, c)
     if q.size(2) * c != seq_length:
         raise ConfigError(f"context_attention got {q.size(2)} local tokens, but --seq-length {seq_length} over "
                           f"--context-parallel-size {c} gives {seq_length // c} per rank.")
-    labels = _labels(document_ids, key_padding, q.shape[:1] + q.shape[2:3])
+    documents = sequence_documents if key_padding is None else None
+    labels = (None, None) if documents is not None else _labels(document_ids, key_padding,
+                                                                q.shape[:1] + q.shape[2:3])
     mine = chunk_ranges(seq_length, c, index)
     if c == 1:
-        return LocalAttention.apply(q, k, v, Block(mine, mine, causal, *labels), scale)
+        return LocalAttention.apply(q, k, v, Block(mine, mine, causal, *labels, documents), scale)
     if groups.comm_type == "p2p":
         ring = Ring(groups.group, groups.ranks, index, timeline)
         tokens = functools.partial(chunk_ranges, seq_length, c)
-        return RingAttention.apply(q, k, v, ring, tokens, causal, scale, *labels)
+        return RingAttention.apply(q, k, v, ring, tokens, causal, scale, *labels, documents)
     if groups.comm_type == "all_gather":
         sequence = _sequence(seq_length, c, tuple(range(c)), q.device)
         k, v = (GatherSequence.apply(t, groups.group, c, sequence.order) for t in (k, v))
         key_labels = None if labels[1] is None else gathered(labels[1], groups.group, c, 1)[:, sequence.order]
-        return LocalAttention.apply(q, k, v, Block(mine, sequence.sorted, causal, labels[0], key_labels), scale)
+        return LocalAttention.apply(q, k, v, Block(mine, sequence.sorted, causal, labels[0], key_labels, documents),
+                                    scale)
     if groups.comm_type == "a2a":
         check_head_split(q.size(1), k.size(1), c, "a2a")
         sequence = _sequence(seq_length, c, tuple(range(c)), q.device)
         whole = lambda q, k, v, labels: LocalAttention.apply(
-            q, k, v, Block(sequence.sorted, sequence.sorted, causal, *labels), scale)
+            q, k, v, Block(sequence.sorted, sequence.sorted, causal, *labels, documents), scale)
         return _heads_then(q, k, v, labels, groups.group, c, sequence, whole)
     if groups.comm_type == "a2a+p2p":
         size = len(groups.a2a_ranks)
@@ -99,6 +104,6 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         sequences = [_sequence(seq_length, c, tuple(range(g * size, (g + 1) * size)), q.device) for g in inner]
         ring = Ring(groups.ring_group, groups.ring_ranks, groups.ring_ranks.index(groups.ranks[index]), timeline)
         ringed = lambda q, k, v, labels: RingAttention.apply(
-            q, k, v, ring, lambda member: sequences[member].sorted, causal, scale, *labels)
+            q, k, v, ring, lambda member: sequences[member].sorted, causal, scale, *labels, documents)
         return _heads_then(q, k, v, labels, groups.a2a_group, size, sequences[ring.index], ringed)
     raise ConfigError(f"--cp-comm-type {groups.comm_type} is not one of p2p, all_gather, a2a, a2a+p2p.")

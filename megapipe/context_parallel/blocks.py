@@ -8,7 +8,9 @@ k and v arrive with their query groups only; each kernel call repeats them for i
 and their gradients are summed back over the heads of a group. Forward and backward accumulate
 in fp32 into the caller's tensors.
 
-A call that needs a mask (labels, or a causal order the kernel's own mask cannot give) is split by
+With the whole sequence's document ids on the host (``documents``), a block runs one unmasked call
+per piece of a document instead (``documents.py``). Otherwise a call that needs a mask (labels, or a
+causal order the kernel's own mask cannot give) is split by
 query rows so that no mask holds more than ``MASK_ELEMENTS`` entries (batch x rows x keys): the
 kernels take masks as dense tensors, so a long block's mask would otherwise be as large as its
 scores; split, it is bounded whatever the sequence length.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.context_parallel import kernels
+from megapipe.context_parallel.documents import document_calls
 from megapipe.context_parallel.merge import merge
 from megapipe.context_parallel.plan import Call, Ranges, block_calls
 
@@ -34,15 +37,21 @@ def positions(ranges: Ranges, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Block:
-    """Queries at positions ``q`` against keys at ``k``, labels [b, n] per side or None."""
+    """Queries at positions ``q`` against keys at ``k``, labels [b, n] per side or None, or instead the
+    whole sequence's document ids [b, s] on the host."""
     q: Ranges
     k: Ranges
     causal: bool
     q_labels: torch.Tensor | None = None
     k_labels: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
-    def calls(self, batch: int = 1) -> list[Call]:
-        """The kernel calls for ``batch`` sequences, a masked call split so its mask stays within MASK_ELEMENTS."""
+    def calls(self, batch: int = 1) -> list[tuple[slice, Call]]:
+        """(batch rows, call) of the kernel calls for ``batch`` sequences: per document piece with ``documents``,
+        else a masked call split so its mask stays within MASK_ELEMENTS."""
+        if self.documents is not None:
+            return [(slice(row, row + 1), call) for row, call in document_calls(self.q, self.k, self.causal,
+                                                                               self.documents)]
         calls = []
         for call in block_calls(self.q, self.k, self.causal):
             (q0, q1), (k0, k1) = call.q, call.k
@@ -52,7 +61,7 @@ class Block:
                 continue
             calls.extend(Call((start, min(start + rows, q1)), call.k, call.causal)  # a part is no diagonal
                          for start in range(q0, q1, rows))
-        return calls
+        return [(slice(None), call) for call in calls]
 
     def _masked(self, call: Call) -> bool:
         return self.q_labels is not None or (call.causal and not call.diagonal)
@@ -84,26 +93,26 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 def block_forward(q, k, v, block: Block, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge this block into ``out`` [b, heads, sq, d] and ``lse`` [b, heads, sq] (fp32, in place)."""
-    for call in block.calls(q.size(0)):
+    for b, call in block.calls(q.size(0)):
         (q0, q1), (k0, k1) = call.q, call.k
-        o, l = kernels.forward(q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)), _repeat(v[:, :, k0:k1], q.size(1)),
+        o, l = kernels.forward(q[b, :, q0:q1], _repeat(k[b, :, k0:k1], q.size(1)), _repeat(v[b, :, k0:k1], q.size(1)),
                                causal=block.kernel_causal(call), allowed=block.allowed(call, q.device), scale=scale)
-        out[:, :, q0:q1], lse[:, :, q0:q1] = merge(out[:, :, q0:q1], lse[:, :, q0:q1], o, l)
+        out[b, :, q0:q1], lse[b, :, q0:q1] = merge(out[b, :, q0:q1], lse[b, :, q0:q1], o, l)
 
 
 def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, dq: torch.Tensor, dk: torch.Tensor,
                    dv: torch.Tensor) -> None:
     """Add this block's share of the gradients into ``dq``, ``dk``, ``dv`` (fp32, in place), from the
     whole attention's ``out`` (q's dtype) and ``lse``."""
-    for call in block.calls(q.size(0)):
+    for b, call in block.calls(q.size(0)):
         (q0, q1), (k0, k1) = call.q, call.k
-        gq, gk, gv = kernels.backward(dout[:, :, q0:q1], q[:, :, q0:q1], _repeat(k[:, :, k0:k1], q.size(1)),
-                                      _repeat(v[:, :, k0:k1], q.size(1)), out[:, :, q0:q1], lse[:, :, q0:q1],
+        gq, gk, gv = kernels.backward(dout[b, :, q0:q1], q[b, :, q0:q1], _repeat(k[b, :, k0:k1], q.size(1)),
+                                      _repeat(v[b, :, k0:k1], q.size(1)), out[b, :, q0:q1], lse[b, :, q0:q1],
                                       causal=block.kernel_causal(call), allowed=block.allowed(call, q.device),
                                       scale=scale)
-        dq[:, :, q0:q1] += gq
-        dk[:, :, k0:k1] += _fold(gk, k.size(1))
-        dv[:, :, k0:k1] += _fold(gv, v.size(1))
+        dq[b, :, q0:q1] += gq
+        dk[b, :, k0:k1] += _fold(gk, k.size(1))
+        dv[b, :, k0:k1] += _fold(gv, v.size(1))
 
 
 def accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

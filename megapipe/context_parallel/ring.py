@@ -21,21 +21,23 @@ from megapipe.context_parallel.plan import Ranges
 from megapipe.context_parallel.transfer import Ring
 
 
-def _block(ring: Ring, tokens: Callable[[int], Ranges], causal: bool, q_labels, held_labels, step: int) -> Block:
-    return Block(tokens(ring.index), tokens(ring.member(step)), causal, q_labels, held_labels)
+def _block(ring: Ring, tokens: Callable[[int], Ranges], causal: bool, q_labels, held_labels, step: int,
+           documents) -> Block:
+    return Block(tokens(ring.index), tokens(ring.member(step)), causal, q_labels, held_labels, documents)
 
 
 class RingAttention(torch.autograd.Function):
-    """``tokens(member)``: the positions ring member ``member`` holds, in its storage order."""
+    """``tokens(member)``: the positions ring member ``member`` holds, in its storage order; ``documents``: the
+    whole sequence's document ids on the host (``Block``), instead of labels."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, tokens, causal: bool, scale: float, q_labels: torch.Tensor | None,
-                k_labels: torch.Tensor | None):
+                k_labels: torch.Tensor | None, documents: torch.Tensor | None = None):
         out, lse = accumulators(q)
         held = [k, v] + ([] if k_labels is None else [k_labels])
         for step in range(ring.size):
             transfer = ring.post(held, "forward", step) if step < ring.size - 1 else None
-            block = _block(ring, tokens, causal, q_labels, held[2] if len(held) > 2 else None, step)
+            block = _block(ring, tokens, causal, q_labels, held[2] if len(held) > 2 else None, step, documents)
             with ring.computing("forward", step):
                 block_forward(q, held[0], held[1], block, scale, out, lse)
             if transfer is not None:
@@ -43,6 +45,7 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.tokens, ctx.causal, ctx.scale, ctx.labels = ring, tokens, causal, scale, (q_labels, k_labels)
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -56,7 +59,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             sending = (held if step < ring.size - 1 else []) + (list(grads) if grads is not None else [])
             transfer = ring.post(sending, "backward", step) if sending else None
-            block = _block(ring, ctx.tokens, ctx.causal, q_labels, held[2] if len(held) > 2 else None, step)
+            block = _block(ring, ctx.tokens, ctx.causal, q_labels, held[2] if len(held) > 2 else None, step,
+                           ctx.documents)
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
             with ring.computing("backward", step):
                 block_backward(dout, q, held[0], held[1], out, lse, block, ctx.scale, dq, dk, dv)
@@ -68,4 +72,4 @@ class RingAttention(torch.autograd.Function):
             grads = (dk, dv)
         if ring.size > 1:
             grads = ring.post(list(grads), "backward", ring.size).wait()
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None, None
