@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megapipe.config import Config
 from megapipe.data.builder import build_train_valid_test_datasets
-from megapipe.data.context_batch import PER_SAMPLE_FIELDS, context_share
+from megapipe.data.context_batch import HOST_FIELDS, PER_SAMPLE_FIELDS, context_share
 from megapipe.data.corpus import default_bert_data, default_gpt_data, unigram_entropy
 from megapipe.data.hf_source import open_hf_dataset
 from megapipe.data.hf_stream import build_streamed_datasets
@@ -53,8 +53,9 @@ FLOAT_FIELDS = ("loss_mask",)
 
 def batch_fields(kind: str, config: Config) -> dict[str, tuple[str, ...]]:
     """The role of a model chunk -> the batch keys its layers read, with the packed documents' fields
-    (``data/packing.py``): document ids in every layer, reset positions where they are used (the
-    embedding's learned positions on the first stage, RoPE in every layer)."""
+    (``data/packing.py``): document ids in every layer (under context parallelism also the whole sequence's,
+    on the host), reset positions where they are used (the embedding's learned positions on the first stage,
+    RoPE in every layer)."""
     fields = {role: list(keys) for role, keys in FIELDS[kind].items()}
     rope = config.model.position_embedding_type == "rope"
     for role in fields if kind == "gpt" else ():
@@ -62,6 +63,8 @@ def batch_fields(kind: str, config: Config) -> dict[str, tuple[str, ...]]:
             fields[role].append("position_ids")
         if config.data.reset_attention_mask:
             fields[role].append("document_ids")
+            if config.parallel.context_parallel_size > 1:
+                fields[role].append("sequence_documents")
     return {role: tuple(keys) for role, keys in fields.items()}
 
 
@@ -259,8 +262,11 @@ class BatchSource:
         if self.data.kind == "bert":
             for batch in microbatches:
                 batch["tokens"] = batch.pop("text")
-        stacked = {key: torch.stack([batch[key] for batch in microbatches]) for key in self.fields}
-        return {key: to_device(value, self.device)
+        stacked = {key: torch.stack([batch[key] for batch in microbatches]) for key in self.fields
+                   if key not in HOST_FIELDS}
+        if "sequence_documents" in self.fields:
+            stacked["sequence_documents"] = stacked["document_ids"]  # before the context cut
+        return {key: value if key in HOST_FIELDS else to_device(value, self.device)
                 for key, value in context_share(stacked, self.seq_length, self.ps).items()}
 
     def _broadcast(self, stacked: dict, keys: list, group, members: list) -> None:
@@ -271,8 +277,11 @@ class BatchSource:
             if self.ps.rank != members[0]:
                 dtype = torch.float32 if key in FLOAT_FIELDS else torch.int64
                 shape = self.shape[:2] if key in PER_SAMPLE_FIELDS else self.shape
+                if key in HOST_FIELDS:
+                    shape = self.shape[:2] + (self.seq_length,)
                 received = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(received, members[0], group=group)
-                stacked.setdefault(key, received)
+                stacked.setdefault(key, received.cpu() if key in HOST_FIELDS else received)  # one copy per batch
             else:
-                dist.broadcast(stacked[key], members[0], group=group)
+                sent = to_device(stacked[key], self.device) if key in HOST_FIELDS else stacked[key]
+                dist.broadcast(sent, members[0], group=group)

@@ -17,10 +17,12 @@ import torch
 
 @dataclass(frozen=True)
 class ContextMasks:
-    """Per local token: ``key_padding`` [b, s/c] (True = padding) and ``document_ids`` [b, s/c], either None."""
+    """Per local token: ``key_padding`` [b, s/c] (True = padding) and ``document_ids`` [b, s/c], either None;
+    ``sequence_documents``: the whole sequence's document ids [b, s] on the host, where the data gave them."""
 
     key_padding: Optional[torch.Tensor] = None
     document_ids: Optional[torch.Tensor] = None
+    sequence_documents: Optional[torch.Tensor] = None
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ class LanguageModelStage(nn.Module, abc.ABC):
         """What the attention of every layer takes: ``attention_mask``, or per-token ``ContextMasks``
         under context parallelism (no rank builds a mask over the whole sequence)."""
         if self.ps.cp_size > 1:
-            return ContextMasks(self.key_padding(batch), batch.get("document_ids"))
+            return ContextMasks(self.key_padding(batch), batch.get("document_ids"), batch.get("sequence_documents"))
         return self.attention_mask(batch)
 
     def positions(self, batch: dict, device) -> torch.Tensor | None:

@@ -104,7 +104,8 @@ class SelfAttention(nn.Module):
             return context_attention(q, k, v, self.ps.context_groups, seq_length=self.config.seq_length,
                                      causal=causal, scale=self.config.head_dim ** -0.5,
                                      key_padding=attention_mask.key_padding,
-                                     document_ids=attention_mask.document_ids)
+                                     document_ids=attention_mask.document_ids,
+                                     sequence_documents=attention_mask.sequence_documents)
         dropout = self.config.attention_dropout if self.training else 0.0
         with self.ps.tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
             return fusions.attention(q, k, v, attention_mask, causal=causal, dropout_p=dropout,
