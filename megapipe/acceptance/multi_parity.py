@@ -3,8 +3,10 @@
 ``pretrain_gpt.py`` under torchrun over all the node's GPUs (n, 8 on the node this is written for), one
 run per case: every synchronous pipeline schedule at p = 2 and p = 4 (the rest data parallel), tensor
 parallelism with sequence parallelism at t = 2 and t = n (at t = n also through symmetric memory,
-``--async-tensor-parallel``), context parallelism at c = 2 (ring and
-all-to-all), experts at e = 2 with grouped products, ZeRO-1 with both overlaps and ZeRO-3 at d = n;
+``--async-tensor-parallel``), context parallelism at c = 2 (ring and all-to-all, and the ring with packed
+documents' unmasked calls: mock data holds one document per sample), experts at e = 2 with grouped products
+(also dropless with the counts on the device, and overlapped pairs on two streams), ZeRO-1 with both overlaps
+and ZeRO-3 at d = n;
 each against the same model and global batch on one GPU. In fp32 a layout changes only where sums
 are taken (partial products summed over ranks, microbatches accumulated in another order), ~1e-7
 relative; a lost message, a wrong shard or a mis-ordered microbatch moves the losses by far more.
@@ -60,6 +62,12 @@ def cases(world: int) -> dict[str, list[str]]:
     for comm in ("p2p", "a2a"):
         out[f"c = 2, {comm}"] = ["--context-parallel-size", "2", "--cp-comm-type", comm]
     out["e = 2, grouped experts"] = EXPERTS + ["--expert-model-parallel-size", "2"]
+    out["e = 2, grouped experts, dropless device dispatch"] = EXPERTS + ["--expert-model-parallel-size", "2",
+                                                                         "--moe-dropless-device-dispatch"]
+    out["e = 2, grouped experts, overlapped pairs on two streams"] = EXPERTS + [
+        "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"]
+    out["c = 2, p2p, packed documents"] = ["--context-parallel-size", "2", "--reset-attention-mask",
+                                           "--reset-position-ids"]
     out["ZeRO-1, d = n"] = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     out["ZeRO-3, d = n"] = ["--data-parallel-sharding-strategy", "optim_grads_params"]
     return out

@@ -5,7 +5,8 @@ Over all the node's GPUs (n), a bf16 GPT of 8 layers at hidden 2048 and sequence
 unsharded data parallelism at d = n (aim: within 3%), tensor parallelism at t = n with sequence
 parallelism against ``--no-async-tensor-model-parallel-allreduce`` (aim: 1.15x) and through torch's
 symmetric memory (``--async-tensor-parallel``) against the point-to-point rings, and experts at e = n
-with ``--overlap-moe-expert-parallel-comm`` on and off (aim: 1.1x). The figures are noted with their
+with ``--overlap-moe-expert-parallel-comm`` on and off (aim: 1.1x) and with ``--moe-dropless-device-dispatch``
+against the splits read on the host (no aim: fixed buffers carry more bytes, the host read stalls). The figures are noted with their
 aims, not judged: a node's interconnect decides them. ZeRO-3 against FSDP2 is
 ``benchmarks/bench_data_parallel.py``'s comparison, which this step does not run. A dry run has no
 GPUs to time and skips.
@@ -44,6 +45,9 @@ def comparisons(world: int) -> dict[str, tuple[list[str], list[str], list[str], 
         f"e = {world}, expert all-to-all overlapped vs not": (
             ["--global-batch-size", str(2 * world)] + EXPERTS + ["--expert-model-parallel-size", str(world)],
             ["--overlap-moe-expert-parallel-comm"], [], 1.1),
+        f"e = {world}, dropless dispatch with the counts on the device vs read on the host": (
+            ["--global-batch-size", str(2 * world)] + EXPERTS + ["--expert-model-parallel-size", str(world)],
+            ["--moe-dropless-device-dispatch"], [], 1.0),
     }
 
 
