@@ -24,7 +24,8 @@ output, context and GeLU input split: ``sbh (20 + 5 a s / h)`` for e = 2, ffn = 
 ``flash`` a fused kernel (SDPA's flash or memory-efficient attention, the default on a GPU) keeps its fp32
 log-sum-exp of 4 a s b bytes instead. The norms' statistics, 4 or 8 bytes a token each, are left out. An MoE block (``--moe-layer-freq``
 says which) costs its experts, router and shared expert instead of the dense MLP, with ffn the k experts'
-width, and holds every expert's parameters: FLOPs and parameters are the model family's own counts
+width, keeps each token's k rows twice more (2k e sbh: the experts' input, sorted by expert, and their
+outputs, which the routing weights multiply), and holds every expert's parameters: FLOPs and parameters are the model family's own counts
 (``megapipe.models.flops``).
 """
 
@@ -80,6 +81,8 @@ def block_stash_bytes(shape: ModelShape, b: float, element_bytes: int, layer: in
         replicated = 4 * e * s * b * h + 2 * s * b * h
         split = e * s * b * qkv_context + e * s * b * (activation_input + f)
     split += flash_attention_bytes(shape, b) if flash else attention_core_bytes(shape, b, e)
+    if shape.is_moe_layer(layer):  # each token's k rows at the experts' input, and the k outputs the routing weighs
+        replicated += 2 * shape.moe_router_topk * e * s * b * h
     return replicated + split, split
 
 
