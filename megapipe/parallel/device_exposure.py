@@ -105,8 +105,9 @@ class Spans:
         """Exposed seconds per kind since the last call (waits for the device to reach the last event)."""
         with self._lock:
             recorded, self._open = self._open, []
-        last = self._recorded()
-        last.synchronize()
+        self._recorded().synchronize()
+        for *_, end in recorded:  # done already where the streams rejoined the main one; a side stream may not have
+            end.synchronize()
         at = self._reference.elapsed_time
         spans = [Span(window, stream, kind, at(start) / 1e3, at(end) / 1e3)
                  for window, stream, kind, start, end in recorded]

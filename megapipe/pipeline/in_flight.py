@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from megapipe.data.context_batch import HOST_FIELDS
+
 META = "meta"
 
 
@@ -100,7 +102,8 @@ class InFlight:
                   for c, store in enumerate(meta["stores"])]
         forwards = [ForwardRecord(f["stage"], f["microbatch"], f["version"], f["on_alias"],
                                   get(f"forward/{k}/inp") if f["inp"] else None,
-                                  {name: get(f"forward/{k}/batch/{name}") for name in f["batch"]},
+                                  {name: tensors[f"forward/{k}/batch/{name}"] if name in HOST_FIELDS else  # stays
+                                   get(f"forward/{k}/batch/{name}") for name in f["batch"]},
                                   {name: tensors[f"forward/{k}/rng/{name}"] for name in f["rng"]})
                     for k, f in enumerate(meta["forwards"])]
 
