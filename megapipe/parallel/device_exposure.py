@@ -106,7 +106,7 @@ class Spans:
         with self._lock:
             recorded, self._open = self._open, []
         self._recorded().synchronize()
-        for *_, end in recorded:  # done already where the streams rejoined the main one; a side stream may not have
+        for *_, end in recorded:  # the main stream's last event covers a side stream's only once they rejoined
             end.synchronize()
         at = self._reference.elapsed_time
         spans = [Span(window, stream, kind, at(start) / 1e3, at(end) / 1e3)
