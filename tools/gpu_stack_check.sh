@@ -34,7 +34,7 @@ done
 # minutes on 2 cores; the whole suite passes on this stack too (python -m pytest -q in VENV_DIR).
 TESTS=(
     tests/test_parallel_state.py tests/test_tensor_parallel.py tests/test_pipeline_p2p.py  # process groups, collectives
-    tests/test_tensor_parallel_overlap.py tests/test_exposure.py  # asynchronous collectives behind products
+    tests/test_tensor_parallel_overlap.py tests/test_exposure.py tests/test_device_exposure.py  # collectives behind products
     tests/test_collectives.py tests/test_peer_messages.py tests/test_device_choice.py
     tests/test_hang_watchdog.py tests/test_host_memory.py                                 # the job store, the heap
     tests/test_data_parallel_sharding.py tests/test_optim_distributed.py                   # gradient sync, ZeRO levels
@@ -47,7 +47,9 @@ TESTS=(
     tests/test_async_tensor_parallel_flags.py                  # symmetric memory's checks on this torch
     tests/test_generation_server.py tests/test_sampling.py                                 # inference
     tests/test_moe_layer.py tests/test_moe_hf.py tests/test_moe_expert_dispatch.py          # experts: grouped GEMM, all-to-all
+    tests/test_moe_dropless_dispatch.py tests/test_pass_streams.py  # sizes on the device, a pair's two streams
     tests/test_context_parallel_kernels.py tests/test_context_attention.py  # SDPA's aten ops with lse, ring, all-to-all
+    tests/test_context_parallel_documents.py                   # packed documents' unmasked calls
     tests/test_checkpoint_megatron.py                          # Megatron-core's dist_checkpointing on this torch
     tests/test_fusions.py tests/test_fusions_norms.py tests/test_fusions_softmax.py tests/test_fusions_llama.py
     tests/test_fusion_backend.py tests/test_fusions_column_sums.py
