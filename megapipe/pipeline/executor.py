@@ -412,16 +412,15 @@ class PipelineExecutor:
         if use is not None:
             self.stores[chunk_index].backward_done(use)
             self._record(ActionKind.B, stage, microbatch, use.version)
-        if not split:
+        if stage > 0:
+            input_grad = inp.grad
+            self.streams.produced(key, [input_grad])
+            if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
+                state.local_grads[(stage - 1, microbatch)] = input_grad
+            else:
+                state.input_grads[key] = input_grad
+        if not split:  # a BI's microbatch keeps its stream for its BW
             self.streams.finished(key)
-        if stage == 0:
-            return
-        input_grad = inp.grad
-        self.streams.produced(key, [input_grad])
-        if self.schedule.rank_of(stage - 1, microbatch) == self.ps.pp_rank:
-            state.local_grads[(stage - 1, microbatch)] = input_grad
-        else:
-            state.input_grads[key] = input_grad
 
     def _weight_backward(self, stage: int, microbatch: int, state: "_State") -> None:
         """BW: the weight-gradient products BI left, accumulated like a B's gradients (the

@@ -122,9 +122,10 @@ def _on_expert_ranks_bounded(permuted: torch.Tensor, counts: torch.Tensor, exper
     source), the padding after them."""
     e = ps.ep_size
     per_rank = counts.view(e, local).sum(1)  # rows this rank sends each expert rank
+    ends = torch.cumsum(per_rank, 0)
     row = torch.arange(permuted.shape[0], device=permuted.device)
-    rank_of_row = torch.searchsorted(torch.cumsum(per_rank, 0), row, right=True)
-    place = rank_of_row * bound + row - (torch.cumsum(per_rank, 0) - per_rank)[rank_of_row]
+    rank_of_row = torch.searchsorted(ends, row, right=True)
+    place = rank_of_row * bound + row - (ends - per_rank)[rank_of_row]
     buffer = permuted.new_zeros(e * bound, permuted.shape[1]).index_copy(0, place, permuted)
     received = torch.empty_like(counts)  # [source rank, local expert]
     splits = [bound] * e
